@@ -1,0 +1,1 @@
+"""Reproducible performance measurements; each prints a ratio against a baseline run alongside."""

@@ -1,0 +1,1 @@
+"""core layer of setdiff-megatron (see DESIGN in README)."""

@@ -1,0 +1,331 @@
+"""Set-causal attention over the two-stream sequence, for training and for one sampling step.
+
+The 2L tokens are [clean stream ; query stream], both in rank order (the sampled order). The
+rule of ALGORITHM.md 1.4: clean rank r sees clean ranks <= r; query rank r sees clean ranks < r
+and itself, never another query. Three training implementations, selected by name, give the
+same outputs and gradients:
+
+  dense  a boolean 2L x 2L mask and an explicit softmax; the readable reference (tests only)
+  sdpa   the same mask through F.scaled_dot_product_attention
+  fused  KERNELS.md 3: ONE causal kernel call serves both streams. The query rows are rotated by
+         one slot (slot r holds query r+1, so plain causal attention gives it clean ranks <= r,
+         i.e. < r+1) and stacked as extra heads next to the clean heads of the same KV group.
+         Each query's own key (the diagonal) is merged in through the log-sum-exp. The backward
+         calls the kernel backward once with the merged output and log-sum-exp, the way ring
+         attention does, and adds the diagonal gradient analytically.
+
+Padding: `valid_len[b]` ranks are real in each stream; ranks at or beyond it are padding, whose
+outputs are defined as zero (the order policies put padding last, so no real row sees them).
+
+Shapes: B batch, H query heads, G key/value heads (GQA: H % G == 0), L ranks per stream,
+T tokens in a sampling step, C cached tokens, D head dim.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "ATTENTION_IMPLS",
+    "set_causal_mask",
+    "set_causal_attention",
+    "step_mask",
+    "set_causal_step_attention",
+]
+
+
+def set_causal_mask(length: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """The [2L, 2L] boolean set-causal mask (True = may attend) over ranks."""
+    r = torch.arange(length, device=device)
+    causal = r[:, None] >= r[None, :]
+    clean_rows = torch.cat([causal, torch.zeros_like(causal)], dim=1)
+    query_rows = torch.cat([r[:, None] > r[None, :], r[:, None] == r[None, :]], dim=1)
+    return torch.cat([clean_rows, query_rows], dim=0)
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(
+            f"q, k, v must be 4-D [batch, heads, tokens, head_dim]; got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] or q.shape[3] != k.shape[3]:
+        raise ValueError(
+            f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch, tokens and head_dim"
+        )
+    if q.shape[1] % k.shape[1] != 0:
+        raise ValueError(
+            f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})"
+        )
+
+
+def _row_valid(valid_len: torch.Tensor, length: int) -> torch.Tensor:
+    """[B, 1, 2L, 1] float mask of real rows in both streams."""
+    ranks = torch.arange(length, device=valid_len.device)
+    valid_BL = ranks[None, :] < valid_len[:, None]
+    return valid_BL.repeat(1, 2)[:, None, :, None]
+
+
+def _split_length(q: torch.Tensor, valid_len: torch.Tensor | None) -> int:
+    two_l = q.shape[2]
+    if two_l < 2 or two_l % 2:
+        raise ValueError(
+            f"the token axis must hold two streams of L >= 1 ranks (2L tokens); got {two_l}"
+        )
+    length = two_l // 2
+    if valid_len is not None:
+        if valid_len.shape != (q.shape[0],):
+            raise ValueError(f"valid_len must have shape [batch]={q.shape[0]}; got {tuple(valid_len.shape)}")
+        if bool((valid_len < 0).any()) or bool((valid_len > length).any()):
+            raise ValueError(f"valid_len must lie in [0, L={length}]")
+    return length
+
+
+# --------------------------------------------------------------------------------------------
+# dense and sdpa: the mask, materialised
+
+
+def _dense(q, k, v, scale, valid_len):
+    length = _split_length(q, valid_len)
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)
+    v = v.repeat_interleave(groups, dim=1)
+    allowed = set_causal_mask(length, q.device)[None, None]  # [1, 1, 2L, 2L]
+    if valid_len is not None:
+        real = _row_valid(valid_len, length)[..., 0].bool()  # [B, 1, 2L]
+        allowed = allowed & real[..., :, None] & real[..., None, :]
+    scores = (q @ k.transpose(-1, -2)) * scale
+    # Fully masked (padding) rows would be NaN: give them zero scores, then zero their output.
+    has_key = allowed.any(dim=-1, keepdim=True)
+    scores = scores.masked_fill(~allowed & has_key, float("-inf")).masked_fill(~has_key, 0.0)
+    return (scores.softmax(dim=-1) @ v) * has_key
+
+
+def _sdpa(q, k, v, scale, valid_len):
+    length = _split_length(q, valid_len)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=set_causal_mask(length, q.device), scale=scale,
+        enable_gqa=k.shape[1] != q.shape[1],
+    )
+    return out if valid_len is None else out * _row_valid(valid_len, length).to(out.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# fused: one causal kernel call, rotated query heads, log-sum-exp merge of the diagonal
+
+
+def _causal_fwd(q, k, v, scale):
+    """Causal attention returning (out, lse); lse is the natural-log sum of exp(scaled scores)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+
+
+def _causal_bwd(dout, q, k, v, out, lse, scale):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, True, scale=scale
+    )
+
+
+def _grouped(x_BHSD: torch.Tensor, num_kv: int) -> torch.Tensor:
+    """[B, H, S, D] -> [B, G, g, S, D], a view (splitting a dim never copies)."""
+    return x_BHSD.unflatten(1, (num_kv, x_BHSD.shape[1] // num_kv))
+
+
+def _pack_streams(clean: torch.Tensor, query: torch.Tensor, last_slot: torch.Tensor | float) -> torch.Tensor:
+    """[B, G, 2, g, L, ...] kernel input: clean rows, then query rows rotated by one slot.
+
+    Both inputs are grouped [B, G, g, L, ...]; slot r of the query half holds query r+1 and slot
+    L-1 holds `last_slot`. Keeping a KV group's 2g heads adjacent lets the kernel's GQA mapping
+    (head // (2H/G)) send both streams of a group to the same key/value head.
+    """
+    packed = clean.new_empty(clean.shape[:2] + (2,) + clean.shape[2:])
+    packed[:, :, 0] = clean
+    packed[:, :, 1, :, :-1] = query[:, :, :, 1:]
+    packed[:, :, 1, :, -1] = last_slot
+    return packed
+
+
+class _FusedSetCausal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, scale: float, row_valid):
+        b, h, two_l, d = q.shape
+        length, num_kv = two_l // 2, k.shape[1]
+        acc = torch.promote_types(q.dtype, torch.float32)
+        q_g, k_x, v_x = _grouped(q, num_kv), k[:, :, :length], v[:, :, :length]
+        q_m = q_g[..., length:, :]
+        k_m, v_m = k[:, :, None, length:], v[:, :, None, length:]  # [B, G, 1, L, D]
+
+        q_stack = _pack_streams(q_g[..., :length, :], q_m, q_m[:, :, :, 0])
+        out_s, lse_s = _causal_fwd(q_stack.flatten(1, 3), k_x, v_x, scale)
+        out_s, lse_s = out_s.unflatten(1, q_stack.shape[1:4]), lse_s.unflatten(1, q_stack.shape[1:4])
+
+        # Query 0 sees no clean rank: its output is its own value. Query i >= 1 merges the
+        # kernel's slot i-1 (clean ranks < i) with its diagonal score through the log-sum-exp.
+        s_diag = (q_m.to(acc) * k_m.to(acc)).sum(-1) * scale  # [B, G, g, L]
+        lse_a = lse_s[:, :, 1, :, :-1].to(acc)
+        lse_m = torch.cat([s_diag[..., :1], torch.logaddexp(lse_a, s_diag[..., 1:])], dim=-1)
+        weight_a = torch.sigmoid(lse_a - s_diag[..., 1:])[..., None]
+
+        out = q.new_empty(q.shape)
+        out_g = _grouped(out, num_kv)
+        out_g[..., :length, :] = out_s[:, :, 0]
+        out_g[..., length, :] = v_m[..., 0, :]
+        out_g[..., length + 1:, :] = torch.lerp(
+            v_m[..., 1:, :].to(acc), out_s[:, :, 1, :, :-1].to(acc), weight_a.to(acc)
+        )
+        if row_valid is not None:
+            out.mul_(row_valid.to(out.dtype))
+        # For the backward the kernel gets the MERGED output and lse on the query slots; the
+        # discarded slot keeps the kernel's own finite lse so exp(score - lse) stays bounded.
+        out_s[:, :, 1, :, :-1] = out_g[..., length + 1:, :]
+        lse_s[:, :, 1, :, :-1] = lse_m[..., 1:].to(lse_s.dtype)
+        ctx.save_for_backward(q_stack, k, v, out, out_s, lse_s, s_diag, lse_m, row_valid)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q_stack, k, v, out, out_s, lse_s, s_diag, lse_m, row_valid = ctx.saved_tensors
+        scale = ctx.scale
+        length, num_kv = k.shape[2] // 2, k.shape[1]
+        acc = lse_m.dtype
+        if row_valid is not None:
+            dout = dout * row_valid.to(dout.dtype)
+        do_g = _grouped(dout, num_kv)
+        do_m = do_g[..., length:, :]
+
+        # Part A: one kernel backward over both streams. Fed the merged output and lse, it yields
+        # the exact restriction of the full softmax gradient to the clean keys.
+        do_stack = _pack_streams(do_g[..., :length, :], do_m, 0.0)
+        dq_s, dk_x, dv_x = _causal_bwd(
+            do_stack.flatten(1, 3), q_stack.flatten(1, 3), k[:, :, :length], v[:, :, :length],
+            out_s.flatten(1, 3), lse_s.flatten(1, 3), scale,
+        )
+        dq_s = dq_s.unflatten(1, q_stack.shape[1:4])
+
+        # Diagonal: p = softmax weight of each query's own key; dS = p * (dO . (v_self - O)).
+        q_m = q_stack[:, :, 1].roll(1, dims=-2).to(acc)
+        k_m, v_m = k[:, :, None, length:].to(acc), v[:, :, None, length:].to(acc)
+        do_m, out_m = do_m.to(acc), _grouped(out, num_kv)[..., length:, :].to(acc)
+        p_diag = (s_diag - lse_m).exp()
+        ds_diag = p_diag * (do_m * (v_m - out_m)).sum(-1)
+
+        dq = q_stack.new_empty(out.shape)
+        dq_g = _grouped(dq, num_kv)
+        dq_g[..., :length, :] = dq_s[:, :, 0]
+        dq_g[..., length:, :] = scale * ds_diag[..., None] * k_m
+        dq_g[..., length + 1:, :] += dq_s[:, :, 1, :, :-1]
+        dk = torch.cat([dk_x, torch.einsum("bgnl,bgnld->bgld", scale * ds_diag, q_m).to(k.dtype)], dim=2)
+        dv = torch.cat([dv_x, torch.einsum("bgnl,bgnld->bgld", p_diag, do_m).to(v.dtype)], dim=2)
+        return dq, dk, dv, None, None
+
+
+def _fused(q, k, v, scale, valid_len):
+    length = _split_length(q, valid_len)
+    row_valid = None if valid_len is None else _row_valid(valid_len, length)
+    return _FusedSetCausal.apply(q, k, v, scale, row_valid)
+
+
+AttentionImpl = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, "torch.Tensor | None"], torch.Tensor]
+
+ATTENTION_IMPLS: dict[str, AttentionImpl] = {"dense": _dense, "sdpa": _sdpa, "fused": _fused}
+
+
+def resolve_attention_impl(name: str) -> AttentionImpl:
+    """Resolve an implementation name once (models call this at construction)."""
+    try:
+        return ATTENTION_IMPLS[name]
+    except KeyError:
+        raise ValueError(
+            f"attention_impl must be one of {sorted(ATTENTION_IMPLS)}; got {name!r}"
+        ) from None
+
+
+def set_causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    impl: str = "fused",
+    valid_len: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Set-causal attention. q [B, H, 2L, D], k/v [B, G, 2L, D] -> [B, H, 2L, D]."""
+    fn = resolve_attention_impl(impl)
+    _check_qkv(q, k, v)
+    return fn(q, k, v, scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]), valid_len)
+
+
+# --------------------------------------------------------------------------------------------
+# One sampling step with a KV cache (KERNELS.md 4)
+
+
+def step_mask(num_commit: int, num_query: int, num_cached: int, key_valid: torch.Tensor | None = None,
+              device=None) -> torch.Tensor:
+    """[B or 1, 1, T, C+T] mask of a step: T = num_commit new clean tokens then num_query queries.
+
+    Commit row a sees the cache and commits 0..a (bottom-right causal); a query row sees the cache,
+    every commit and itself. `key_valid` [B, C + num_commit] hides cache holes and dummy commits
+    of rows that commit fewer tokens. Every row sees at least itself, so no row is empty.
+    """
+    t = num_commit + num_query
+    i = torch.arange(t, device=device)
+    commit_col = i[None, :] < num_commit
+    new_cols = (commit_col & ((i[None, :] <= i[:, None]) | (i[:, None] >= num_commit))) | (i[None, :] == i[:, None])
+    mask = torch.cat([torch.ones(t, num_cached, dtype=torch.bool, device=device), new_cols], dim=1)[None, None]
+    if key_valid is not None:
+        valid = torch.cat([key_valid, key_valid.new_ones(key_valid.shape[0], num_query)], dim=1)
+        own_key = torch.arange(num_cached + t, device=device)[None, :] == (i[:, None] + num_cached)
+        mask = mask & (valid[:, None, None, :] | own_key)
+    return mask
+
+
+def set_causal_step_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    num_commit: int,
+    cache_mask: torch.Tensor | None = None,
+    commit_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attention of one sampling step, exact against the training rule.
+
+    q [B, H, T, D], k/v [B, G, T, D]: the first `num_commit` of the T tokens are clean tokens being
+    committed (their K/V join the cache afterwards); the rest are MASK queries, each scored as the
+    next rank after every committed token. k_cache/v_cache [B, G, C, D] hold committed tokens.
+    cache_mask [B, C] and commit_mask [B, num_commit] mark real entries (False = a hole, or a
+    dummy commit of a row that commits fewer tokens this step).
+    """
+    _check_qkv(q, k, v)
+    t = q.shape[2]
+    if not 0 <= num_commit <= t:
+        raise ValueError(f"num_commit must lie in [0, {t}] (the tokens of the step); got {num_commit}")
+    if k_cache.shape != v_cache.shape or k_cache.shape[:2] != k.shape[:2] or k_cache.shape[3] != k.shape[3]:
+        raise ValueError(
+            f"k_cache/v_cache must be [B, G, C, D] matching k {tuple(k.shape)}; got {tuple(k_cache.shape)}"
+        )
+    b, num_cached = q.shape[0], k_cache.shape[2]
+    for name, m, n in (("cache_mask", cache_mask, num_cached), ("commit_mask", commit_mask, num_commit)):
+        if m is not None and m.shape != (b, n):
+            raise ValueError(f"{name} must have shape ({b}, {n}); got {tuple(m.shape)}")
+    key_valid = None
+    if cache_mask is not None or commit_mask is not None:
+        key_valid = torch.cat([
+            cache_mask if cache_mask is not None else q.new_ones(b, num_cached, dtype=torch.bool),
+            commit_mask if commit_mask is not None else q.new_ones(b, num_commit, dtype=torch.bool),
+        ], dim=1)
+    mask = step_mask(num_commit, t - num_commit, num_cached, key_valid, q.device)
+    return F.scaled_dot_product_attention(
+        q, torch.cat([k_cache, k], dim=2), torch.cat([v_cache, v], dim=2), attn_mask=mask,
+        scale=scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]),
+        enable_gqa=k.shape[1] != q.shape[1],
+    )

@@ -1,0 +1,108 @@
+"""The two-stream batch of set diffusion training (ALGORITHM.md 1.3).
+
+Given tokens and an order perm (perm[b, j] = position revealed at rank j), both streams are laid
+out in rank order and carry the ORIGINAL positions as rotary position ids: the clean stream is
+x[perm], the query stream is MASK everywhere. Targets and the loss mask are in rank order too, so
+the loss is right whatever the order does with prompt and padding tokens (the reference keeps its
+loss mask in position order, which is only right while those tokens form a leading/trailing run).
+
+The query stream is MASK even at prompt and padding ranks: nothing attends to a query token but
+the query itself, and those ranks are excluded from the loss, so their input value is irrelevant.
+
+Shapes: B batch, L sequence length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from setdiff_megatron.core.orders import OrderPolicy, sample_order
+
+__all__ = ["TwoStreamBatch", "build_two_stream_batch", "sample_two_stream_batch"]
+
+
+@dataclass(frozen=True)
+class TwoStreamBatch:
+    """One training batch in rank order; every field is [B, L] except `valid_len` [B]."""
+
+    clean_tokens: torch.Tensor
+    query_tokens: torch.Tensor
+    position_ids: torch.Tensor
+    targets: torch.Tensor
+    loss_mask: torch.Tensor
+    valid_len: torch.Tensor
+
+    @property
+    def num_targets(self) -> torch.Tensor:
+        return self.loss_mask.sum()
+
+
+def build_two_stream_batch(
+    tokens_BL: torch.Tensor,
+    perm_BL: torch.Tensor,
+    *,
+    mask_token_id: int,
+    prompt_mask_BL: torch.Tensor | None = None,
+    pad_mask_BL: torch.Tensor | None = None,
+) -> TwoStreamBatch:
+    """Gather tokens into rank order and derive the query stream, targets and loss mask.
+
+    `perm_BL` must put padding last (as every order policy in core.orders does): `valid_len`
+    counts the non-padding ranks and attention treats ranks at or beyond it as padding.
+    """
+    if tokens_BL.dim() != 2 or perm_BL.shape != tokens_BL.shape:
+        raise ValueError(
+            f"tokens and perm must both be [batch, length]; got {tuple(tokens_BL.shape)} and {tuple(perm_BL.shape)}"
+        )
+    for name, m in (("prompt_mask", prompt_mask_BL), ("pad_mask", pad_mask_BL)):
+        if m is not None and m.shape != tokens_BL.shape:
+            raise ValueError(f"{name} must have shape {tuple(tokens_BL.shape)}; got {tuple(m.shape)}")
+    not_target_BL = torch.zeros_like(tokens_BL, dtype=torch.bool)
+    if prompt_mask_BL is not None:
+        not_target_BL = not_target_BL | prompt_mask_BL
+    if pad_mask_BL is not None:
+        not_target_BL = not_target_BL | pad_mask_BL
+        valid_len_B = tokens_BL.shape[1] - pad_mask_BL.sum(dim=1)
+    else:
+        valid_len_B = torch.full((tokens_BL.shape[0],), tokens_BL.shape[1], device=tokens_BL.device)
+
+    clean_BL = tokens_BL.gather(1, perm_BL)
+    return TwoStreamBatch(
+        clean_tokens=clean_BL,
+        query_tokens=torch.full_like(clean_BL, mask_token_id),
+        position_ids=perm_BL,
+        targets=clean_BL,
+        loss_mask=~not_target_BL.gather(1, perm_BL),
+        valid_len=valid_len_B,
+    )
+
+
+def sample_two_stream_batch(
+    tokens_BL: torch.Tensor,
+    policy: OrderPolicy,
+    *,
+    mask_token_id: int,
+    prompt_mask: torch.Tensor | None = None,
+    pad_mask: torch.Tensor | None = None,
+    keep_clean_bos: bool = False,
+    generator: torch.Generator | None = None,
+) -> TwoStreamBatch:
+    """Sample an order from `policy` and build the batch; every engine trains through this.
+
+    A BOS kept clean is pinned first like a prompt token and, like one, is not a target.
+    """
+    if keep_clean_bos:
+        bos_BL = torch.zeros_like(tokens_BL, dtype=torch.bool)
+        bos_BL[:, 0] = True
+        if pad_mask is not None:
+            bos_BL &= ~pad_mask  # an all-padding row has no BOS to keep
+        prompt_mask = bos_BL if prompt_mask is None else prompt_mask | bos_BL
+    perm_BL = sample_order(
+        policy, tokens_BL.shape[0], tokens_BL.shape[1], prompt_mask=prompt_mask, pad_mask=pad_mask,
+        generator=generator, device=tokens_BL.device,
+    )
+    return build_two_stream_batch(
+        tokens_BL, perm_BL, mask_token_id=mask_token_id, prompt_mask_BL=prompt_mask, pad_mask_BL=pad_mask
+    )

@@ -1,0 +1,1 @@
+"""data layer of setdiff-megatron (see DESIGN in README)."""

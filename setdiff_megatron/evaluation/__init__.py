@@ -1,0 +1,1 @@
+"""evaluation layer of setdiff-megatron (see DESIGN in README)."""

@@ -1,0 +1,1 @@
+"""hf layer of setdiff-megatron (see DESIGN in README)."""

@@ -1,0 +1,1 @@
+"""models layer of setdiff-megatron (see DESIGN in README)."""

@@ -1,0 +1,91 @@
+"""The model family: one dataclass for every body (torch, megatron, Hugging Face).
+
+A Llama/Qwen-style decoder (RMSNorm, rotary embeddings, grouped-query attention with optional
+q/k norm, SwiGLU MLP, tied or untied output layer) whose attention is set-causal and whose
+rotary position ids are the ORIGINAL positions of tokens laid out in a sampled order. The MASK
+token is an ordinary row of the embedding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from setdiff_megatron.core.attention import ATTENTION_IMPLS
+
+__all__ = ["ModelConfig", "FLAVORS"]
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    vocab_size: int
+    """Rows of the embedding and of the output layer, MASK included."""
+    mask_token_id: int
+    """Token fed to every query-stream slot; never predicted."""
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int | None = None
+    """Key/value heads for grouped-query attention; None means num_heads (plain MHA)."""
+    head_dim: int | None = None
+    """None means hidden_size // num_heads."""
+    intermediate_size: int | None = None
+    """SwiGLU width; None means 8/3 * hidden_size rounded up to a multiple of 64."""
+    max_seq_len: int = 1024
+    """Longest training sequence L (each example is 2L tokens inside the model)."""
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    qk_norm: bool = False
+    """RMSNorm on each head's queries and keys before rotary (Qwen3)."""
+    tie_embeddings: bool = True
+    attention_impl: str = "fused"
+    """Training attention: 'fused' (default), 'sdpa' (masked) or 'dense' (reference)."""
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.num_kv_heads is None:
+            self.num_kv_heads = self.num_heads
+        if self.head_dim is None:
+            if self.hidden_size % self.num_heads:
+                raise ValueError(
+                    f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads}) "
+                    "unless head_dim is given"
+                )
+            self.head_dim = self.hidden_size // self.num_heads
+        if self.intermediate_size is None:
+            self.intermediate_size = -(-(8 * self.hidden_size // 3) // 64) * 64
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                     "intermediate_size", "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings; got {self.head_dim}")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id must lie in [0, vocab_size={self.vocab_size}); got {self.mask_token_id}")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"attention_impl must be one of {sorted(ATTENTION_IMPLS)}; got {self.attention_impl!r}")
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    def num_params(self) -> int:
+        h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
+        attn = h * self.num_heads * self.head_dim * 2 + 2 * h * kv
+        mlp = 3 * h * self.intermediate_size
+        norms = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        embed = self.vocab_size * h * (1 if self.tie_embeddings else 2)
+        return self.num_layers * (attn + mlp + norms) + embed + h
+
+
+FLAVORS: dict[str, dict] = {
+    # Tests and smoke runs: builds in milliseconds on a CPU.
+    "debug": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=128),
+    # About a million parameters without the embedding: the tiny CPU recipe.
+    "tiny": dict(hidden_size=128, num_layers=4, num_heads=4, max_seq_len=256),
+    # The OpenWebText 110M class of the paper (GPT-2 small shape).
+    "110m": dict(hidden_size=768, num_layers=12, num_heads=12, intermediate_size=2048, max_seq_len=1024),
+}

@@ -1,0 +1,191 @@
+"""The set diffusion transformer as a plain, single-device nn.Module.
+
+Used on the CPU, under DeepSpeed and as the body of the Hugging Face export. It knows nothing of
+meshes or engines; parallelism is applied from outside. Two entry points share every layer:
+
+  forward(clean, query, positions)    training: 2L tokens, set-causal attention, query logits
+  step(tokens, positions, cache, n)   sampling: n clean commits then queries, against a KV cache
+
+Parameter names follow Hugging Face Llama/Qwen (q_proj, gate_proj, input_layernorm, ...) so the
+weight maps to other bodies stay one-to-one.
+
+Shapes: B batch, L ranks per stream, S = 2L tokens, T step tokens, E hidden, H heads,
+G key/value heads, D head dim, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from setdiff_megatron.core.attention import resolve_attention_impl
+from setdiff_megatron.core.kv_cache import KVCache
+from setdiff_megatron.core.loss import LossOutput, set_diffusion_loss
+from setdiff_megatron.core.orders import OrderPolicy
+from setdiff_megatron.core.streams import sample_two_stream_batch
+from setdiff_megatron.models.config import ModelConfig
+
+__all__ = ["SetDiffusionTransformer", "Rotary", "apply_rotary"]
+
+# attend(q [B, H, S, D], k [B, G, S, D], v [B, G, S, D]) -> [B, H, S, D]
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class Rotary(nn.Module):
+    """Rotary embeddings looked up at arbitrary position ids (tokens arrive in a sampled order)."""
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+
+    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = position_ids[..., None].float() * self.inv_freq  # [B, S, D/2]
+        return angles.cos(), angles.sin()
+
+
+def apply_rotary(x_BSHD: torch.Tensor, cos_BSd: torch.Tensor, sin_BSd: torch.Tensor) -> torch.Tensor:
+    """Rotate-half convention (HF Llama): pairs are (i, i + D/2)."""
+    x1, x2 = x_BSHD.float().chunk(2, dim=-1)
+    cos, sin = cos_BSd[:, :, None], sin_BSd[:, :, None]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x_BSHD)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x_BSE: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+        b, s, _ = x_BSE.shape
+        q = self.q_proj(x_BSE).view(b, s, self.num_heads, self.head_dim)
+        k = self.k_proj(x_BSE).view(b, s, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x_BSE).view(b, s, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class SetDiffusionTransformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+        self._attention = resolve_attention_impl(cfg.attention_impl)
+        self._scale = 1.0 / math.sqrt(cfg.head_dim)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Normal(0, init_std) weights; residual output projections scaled by 1/sqrt(2 * layers)
+        so the residual stream's variance does not grow with depth (GPT-2)."""
+        std = self.config.init_std
+        for name, p in self.named_parameters():
+            if p.dim() == 1:
+                nn.init.ones_(p)
+            elif name.endswith(("o_proj.weight", "down_proj.weight")):
+                nn.init.normal_(p, std=std / math.sqrt(2 * self.config.num_layers))
+            else:
+                nn.init.normal_(p, std=std)
+
+    def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = self.norm(hidden)
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+    def forward(self, clean_tokens: torch.Tensor, query_tokens: torch.Tensor, position_ids: torch.Tensor,
+                valid_len: torch.Tensor | None = None) -> torch.Tensor:
+        """Query-stream logits [B, L, V] for two streams of [B, L] tokens in rank order."""
+        if clean_tokens.dim() != 2 or query_tokens.shape != clean_tokens.shape or position_ids.shape != clean_tokens.shape:
+            raise ValueError(
+                "clean_tokens, query_tokens and position_ids must all be [batch, length]; got "
+                f"{tuple(clean_tokens.shape)}, {tuple(query_tokens.shape)}, {tuple(position_ids.shape)}"
+            )
+        length = clean_tokens.shape[1]
+        if length > self.config.max_seq_len:
+            raise ValueError(
+                f"sequence length {length} exceeds the model's max_seq_len={self.config.max_seq_len}"
+            )
+        x = self.embed_tokens(torch.cat([clean_tokens, query_tokens], dim=1))
+        cos, sin = self.rotary(position_ids.repeat(1, 2))
+        attend = partial(self._attention, scale=self._scale, valid_len=valid_len)
+        for layer in self.layers:
+            x = layer(x, cos, sin, attend)
+        return self.output_logits(x[:, length:])
+
+    def loss(self, tokens: torch.Tensor, policy: OrderPolicy, *, prompt_mask: torch.Tensor | None = None,
+             pad_mask: torch.Tensor | None = None, keep_clean_bos: bool = False,
+             generator: torch.Generator | None = None) -> LossOutput:
+        """Training objective: sample an order, build the two streams, score the queries."""
+        batch = sample_two_stream_batch(
+            tokens, policy, mask_token_id=self.config.mask_token_id, prompt_mask=prompt_mask,
+            pad_mask=pad_mask, keep_clean_bos=keep_clean_bos, generator=generator,
+        )
+        logits = self(batch.clean_tokens, batch.query_tokens, batch.position_ids,
+                      None if pad_mask is None else batch.valid_len)
+        return set_diffusion_loss(logits, batch.targets, batch.loss_mask, mask_token_id=self.config.mask_token_id)
+
+    def new_cache(self, batch_size: int, capacity: int) -> KVCache:
+        p = self.embed_tokens.weight
+        return KVCache.allocate(
+            num_layers=self.config.num_layers, batch_size=batch_size, num_kv_heads=self.config.num_kv_heads,
+            head_dim=self.config.head_dim, capacity=capacity, dtype=p.dtype, device=p.device,
+        )
+
+    def step(self, tokens: torch.Tensor, position_ids: torch.Tensor, cache: KVCache, num_commit: int,
+             commit_valid: torch.Tensor | None = None) -> torch.Tensor:
+        """One sampling forward: commit `num_commit` clean tokens and score the remaining queries.
+
+        tokens/position_ids [B, T]; returns query logits [B, T - num_commit, V]. The commits'
+        K/V are appended to `cache`. With num_commit == T this is a prefill.
+        """
+        if tokens.dim() != 2 or position_ids.shape != tokens.shape:
+            raise ValueError(
+                f"tokens and position_ids must both be [batch, tokens]; got {tuple(tokens.shape)}, {tuple(position_ids.shape)}"
+            )
+        x = self.embed_tokens(tokens)
+        cos, sin = self.rotary(position_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, partial(cache.attend, i, num_commit=num_commit, commit_valid=commit_valid))
+        cache.advance(num_commit, partial=commit_valid is not None)
+        return self.output_logits(x[:, num_commit:])

@@ -1,0 +1,1 @@
+"""training layer of setdiff-megatron (see DESIGN in README)."""

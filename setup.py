@@ -1,0 +1,44 @@
+"""Packaging for setdiff-megatron: set diffusion language models at scale."""
+
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+ROOT = Path(__file__).parent
+VERSION = {}
+exec((ROOT / "setdiff_megatron" / "version.py").read_text(), VERSION)
+
+EXTRAS = {
+    # megatron-core 0.16.x is the newest line for Python 3.11; psutil is needed by its
+    # dist_checkpointing (without it a save errors and then hangs).
+    "megatron": ["megatron-core>=0.16.1,<0.17", "psutil", "pybind11"],
+    "deepspeed": ["deepspeed>=0.16", "psutil"],
+    "hf": ["transformers>=4.45", "safetensors>=0.4", "tokenizers>=0.19"],
+    "data": ["datasets>=2.19", "pyarrow>=14"],
+    "wandb": ["wandb>=0.17"],
+    "tensorboard": ["tensorboard>=2.14"],
+    # GPU only: Transformer Engine needs CUDA torch, cuDNN and nvcc. Install it yourself on a GPU
+    # machine with `pip install --no-build-isolation "transformer-engine[pytorch]>=2.9,<2.12"`;
+    # the extra is empty so that `pip install .[te]` never tries to build it on a CPU machine.
+    "te": [],
+}
+# The test suite exercises every CPU engine and format, so `dev` pulls in their extras.
+EXTRAS["dev"] = ["pytest>=8", "pytest-timeout>=2.3", *EXTRAS["megatron"], *EXTRAS["hf"], *EXTRAS["data"]]
+
+setup(
+    name="setdiff-megatron",
+    version=VERSION["__version__"],
+    description="Distributed pretraining of set diffusion language models on megatron-core and DeepSpeed",
+    long_description=(ROOT / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.11",
+    packages=find_packages(include=["setdiff_megatron", "setdiff_megatron.*"]),
+    install_requires=["torch>=2.4", "numpy", "pyyaml>=6", "tqdm>=4.66"],
+    extras_require=EXTRAS,
+    entry_points={"console_scripts": ["setdiff=setdiff_megatron.cli:main"]},
+    classifiers=[
+        "Programming Language :: Python :: 3.11",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+)
