@@ -34,7 +34,7 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.11",
     packages=find_packages(include=["setdiff_megatron", "setdiff_megatron.*"]),
-    install_requires=["torch>=2.4", "numpy", "pyyaml>=6", "tqdm>=4.66"],
+    install_requires=["torch>=2.4", "numpy", "pyyaml>=6", "pydantic>=2.7", "tqdm>=4.66"],
     extras_require=EXTRAS,
     entry_points={"console_scripts": ["setdiff=setdiff_megatron.cli:main"]},
     classifiers=[

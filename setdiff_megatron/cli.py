@@ -26,6 +26,43 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_checked(args: argparse.Namespace):
+    from setdiff_megatron.recipes import check_recipe, load_recipe
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    portable = getattr(args, "portable", False)
+    check_recipe(recipe, args.recipe, world_size=getattr(args, "world_size", None),
+                 check_paths=not portable, **({"has_gpu": True} if portable else {}))
+    return recipe
+
+
+def _recipe_show(args: argparse.Namespace) -> int:
+    from setdiff_megatron.recipes import dump_recipe, load_recipe
+
+    print(dump_recipe(load_recipe(args.recipe, args.overrides)), end="")
+    return 0
+
+
+def _recipe_validate(args: argparse.Namespace) -> int:
+    recipe = _load_checked(args)
+    p = recipe.parallel
+    print(f"ok: {args.recipe} ({recipe.name}): engine {recipe.engine}, {recipe.launch.world_size} processes, "
+          f"tp {p.tp} pp {p.pp}, global batch {p.global_batch_size} x {recipe.data.seq_len} tokens")
+    return 0
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from setdiff_megatron.training.launch import launch_local
+
+    return launch_local(_load_checked(args), args.recipe, args.overrides, dry_run=args.dry_run)
+
+
+def _add_recipe_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("recipe", help="a YAML recipe, e.g. recipes/tiny-cpu.yaml")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="dotted overrides applied after the recipe, e.g. train.lr=3e-4 parallel.tp=2")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="setdiff",
@@ -41,12 +78,39 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--out-dir", default="runs/preview", help="where the checkpoint and log go")
     train.add_argument("--seed", type=int, default=0)
     train.set_defaults(func=_train)
+
+    recipe = sub.add_parser("recipe", help="print or check a recipe",
+                            description="Resolve a recipe (base: inheritance, overrides, ${env:...}) "
+                            "and print it, or check it against the schema and the cross-field rules.")
+    recipe_sub = recipe.add_subparsers(dest="recipe_command", metavar="ACTION", required=True)
+    show = recipe_sub.add_parser("show", help="print the fully resolved recipe as YAML")
+    _add_recipe_args(show)
+    show.set_defaults(func=_recipe_show)
+    validate = recipe_sub.add_parser("validate", help="check a recipe; exit code 2 with one line if it is wrong")
+    _add_recipe_args(validate)
+    validate.add_argument("--world-size", type=int, default=None,
+                          help="check against this many processes instead of the launch section's")
+    validate.add_argument("--portable", action="store_true",
+                          help="check only the recipe itself: not its files on this machine, nor this machine's GPUs")
+    validate.set_defaults(func=_recipe_validate)
+
+    launch = sub.add_parser("launch", help="start the processes of a recipe's launch section (torchrun)",
+                            description="Validate a recipe, then start launch.nproc_per_node local processes "
+                            "with torchrun, each running `setdiff train RECIPE`.")
+    _add_recipe_args(launch)
+    launch.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
+    launch.set_defaults(func=_launch)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # Overrides may follow options (`launch R --dry-run train.lr=1e-3`): argparse leaves them unknown.
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if not hasattr(args, "overrides") or any("=" not in e or e.startswith("-") for e in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
     if not hasattr(args, "func"):
         parser.print_help()
         return 0

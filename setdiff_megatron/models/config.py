@@ -18,10 +18,14 @@ __all__ = ["ModelConfig", "FLAVORS"]
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    vocab_size: int
-    """Rows of the embedding and of the output layer, MASK included."""
-    mask_token_id: int
-    """Token fed to every query-stream slot; never predicted."""
+    # Recipes validate this dataclass with pydantic; unknown keys must be rejected there too.
+    __pydantic_config__ = {"extra": "forbid"}
+
+    vocab_size: int | None = None
+    """Rows of the embedding and of the output layer, MASK included; None until a recipe's
+    tokenizer fills it in (see `resolved`)."""
+    mask_token_id: int | None = None
+    """Token fed to every query-stream slot; never predicted. None: the tokenizer's MASK."""
     hidden_size: int = 256
     num_layers: int = 4
     num_heads: int = 4
@@ -43,6 +47,9 @@ class ModelConfig:
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_layers", "num_heads", "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
         if self.num_kv_heads is None:
             self.num_kv_heads = self.num_heads
         if self.head_dim is None:
@@ -54,8 +61,7 @@ class ModelConfig:
             self.head_dim = self.hidden_size // self.num_heads
         if self.intermediate_size is None:
             self.intermediate_size = -(-(8 * self.hidden_size // 3) // 64) * 64
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                     "intermediate_size", "max_seq_len"):
+        for name in ("num_kv_heads", "head_dim", "intermediate_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
@@ -64,13 +70,22 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings; got {self.head_dim}")
-        if not 0 <= self.mask_token_id < self.vocab_size:
+        if self.vocab_size is not None and self.vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1; got {self.vocab_size}")
+        if (self.vocab_size is not None and self.mask_token_id is not None
+                and not 0 <= self.mask_token_id < self.vocab_size):
             raise ValueError(f"mask_token_id must lie in [0, vocab_size={self.vocab_size}); got {self.mask_token_id}")
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention_impl must be one of {sorted(ATTENTION_IMPLS)}; got {self.attention_impl!r}")
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
+
+    def resolved(self) -> "ModelConfig":
+        """This config, checked to be complete enough to build a model."""
+        if self.vocab_size is None or self.mask_token_id is None:
+            raise ValueError("vocab_size and mask_token_id must be set (a recipe takes them from its tokenizer)")
+        return self
 
     def num_params(self) -> int:
         h, kv = self.hidden_size, self.num_kv_heads * self.head_dim

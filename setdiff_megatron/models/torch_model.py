@@ -106,7 +106,7 @@ class Block(nn.Module):
 class SetDiffusionTransformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.config = cfg
+        self.config = cfg = cfg.resolved()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)

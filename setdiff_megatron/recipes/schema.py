@@ -1,0 +1,195 @@
+"""The recipe: one typed description of a run, from a laptop smoke test to a SLURM cluster.
+
+Every section is a pydantic model that rejects unknown keys, coerces and checks types, and
+checks ranges that need no other field. Rules that relate fields of different sections (heads
+divisible by tp, d <= m <= sequence length, ...) live in `validation.py`, where the recipe is
+seen whole. The same recipe means the same thing under both engines; only `engine` picks which
+one runs it, and only `launch` says where.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, NonNegativeFloat, NonNegativeInt
+
+from setdiff_megatron.models.config import ModelConfig
+
+__all__ = [
+    "Recipe", "ModelSection", "MethodSection", "DatasetSpec", "DataSection", "ParallelSection",
+    "TrainSection", "CheckpointSection", "EvalSection", "WandbSection", "LogSection",
+    "SlurmSection", "LaunchSection",
+]
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+@dataclass(kw_only=True)
+class ModelSection(ModelConfig):
+    """The model config of `models/config.py`, plus how to build and initialise it."""
+
+    backend: Literal["local", "te"] = "local"
+    """Layers of the megatron body: plain PyTorch ('local') or Transformer Engine ('te', GPU only)."""
+    init_from: str | None = None
+    """A checkpoint to start from (a Hugging Face directory once imports land); None: random init."""
+
+    def to_model_config(self, *, vocab_size: int, mask_token_id: int) -> ModelConfig:
+        values = {f.name: getattr(self, f.name) for f in fields(ModelConfig)}
+        values["vocab_size"] = self.vocab_size or vocab_size
+        values["mask_token_id"] = self.mask_token_id if self.mask_token_id is not None else mask_token_id
+        return ModelConfig(**values).resolved()
+
+
+class MethodSection(Section):
+    """The order policy and the loss (ALGORITHM.md 1.2-1.6)."""
+
+    order: Literal["staggered", "left_to_right", "uniform", "block"] = "staggered"
+    d: PositiveInt = 4
+    """Desired set size of the staggered schedule; d = 1 is autoregression."""
+    m: PositiveInt | None = None
+    """Maximum set size; None means 2 * d. d = m = seq_len gives a uniform order."""
+    k: PositiveFloat | None = None
+    """Override of the Beta(1, k) shape (exclusive with b); None derives it from d and m."""
+    b: PositiveFloat | None = None
+    """Override of the window width (exclusive with k)."""
+    block_size: PositiveInt | None = None
+    """Block size of the 'block' policy (BD3-LM)."""
+    keep_clean_bos: bool = False
+    """Pin a BOS at position 0 first in every order and leave it out of the loss."""
+
+
+class DatasetSpec(Section):
+    path: str
+    """Prefix of a megatron indexed dataset (without .bin/.idx), or 'stdlib' for the built-in corpus."""
+    weight: PositiveFloat = 1.0
+
+
+class DataSection(Section):
+    datasets: list[DatasetSpec] = Field(default_factory=lambda: [DatasetSpec(path="stdlib")])
+    """Blended training datasets; weights are normalised."""
+    tokenizer: str | None = None
+    """A tokenizer directory; None trains a byte-level BPE on the built-in corpus."""
+    vocab_size: PositiveInt = 4096
+    """Vocabulary of the BPE trained when `tokenizer` is None."""
+    seq_len: PositiveInt = 256
+    """Training sequence length L (the model sees 2L tokens)."""
+    split: str = "969,30,1"
+    """Train/valid/test proportions, megatron style."""
+    cache_dir: str | None = None
+    """Where sample indices and prepared corpora go; None: <checkpoint.dir>/data."""
+    num_workers: NonNegativeInt = 0
+
+
+class ParallelSection(Section):
+    tp: PositiveInt = 1
+    """Tensor-parallel size."""
+    pp: PositiveInt = 1
+    """Pipeline-parallel size."""
+    vpp: PositiveInt | None = None
+    """Virtual pipeline stages per rank (interleaved 1F1B); None: plain 1F1B."""
+    sequence_parallel: bool = False
+    micro_batch_size: PositiveInt = 4
+    global_batch_size: PositiveInt = 8
+    distributed_optimizer: bool = False
+    """Shard optimizer state over data-parallel ranks (megatron); ZeRO-1 in DeepSpeed terms."""
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    """DeepSpeed ZeRO stage; ignored by the megatron engine."""
+
+
+class TrainSection(Section):
+    steps: PositiveInt | None = 1000
+    """Optimizer steps; exactly one of steps and tokens is set."""
+    tokens: PositiveInt | None = None
+    """Training tokens, converted to steps with the global batch and sequence length."""
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    lr: PositiveFloat = 3e-4
+    min_lr: NonNegativeFloat = 0.0
+    betas: tuple[float, float] = (0.9, 0.98)
+    eps: PositiveFloat = 1e-8
+    weight_decay: NonNegativeFloat = 0.0
+    schedule: Literal["cosine", "constant", "linear", "wsd"] = "cosine"
+    warmup_steps: NonNegativeInt = 100
+    decay_fraction: float = Field(default=0.2, gt=0.0, le=1.0)
+    """WSD: the fraction of steps spent decaying at the end."""
+    clip_grad: NonNegativeFloat = 1.0
+    """Global gradient-norm clip; 0 disables it."""
+    precision: Literal["fp32", "bf16", "fp16"] = "bf16"
+    fp8: Literal["e4m3", "hybrid"] | None = None
+    """FP8 GEMMs through Transformer Engine (GPU, backend 'te'); attention stays BF16."""
+    fp8_recipe: Literal["delayed", "tensorwise"] = "delayed"
+    seed: NonNegativeInt = 1234
+    recompute: Literal["none", "selective", "full"] = "none"
+    nan_policy: Literal["stop", "skip"] = "stop"
+    """On a NaN/Inf loss: stop the run, or skip the step and report it."""
+
+
+class CheckpointSection(Section):
+    dir: str = "runs/default"
+    """Checkpoints, logs and the resolved recipe go here."""
+    interval: PositiveInt = 1000
+    keep_last_n: PositiveInt | None = 3
+    keep_every_n_steps: PositiveInt | None = None
+    async_save: bool = False
+    resume: str = "auto"
+    """'auto' (newest valid checkpoint, if any), 'none', or a checkpoint path."""
+
+
+class EvalSection(Section):
+    interval: PositiveInt = 200
+    batches: PositiveInt = 8
+
+
+class WandbSection(Section):
+    project: str = "setdiff-megatron"
+    entity: str | None = None
+    mode: Literal["offline", "online", "disabled"] = "offline"
+
+
+class LogSection(Section):
+    interval: PositiveInt = 10
+    console: bool = True
+    tensorboard: bool = True
+    wandb: WandbSection | None = None
+    """Set to log to Weights & Biases (offline by default)."""
+
+
+class SlurmSection(Section):
+    partition: str | None = None
+    account: str | None = None
+    time: str = "01:00:00"
+    qos: str | None = None
+    setup: list[str] = Field(default_factory=list)
+    """Lines run before the job starts (module loads, container activation)."""
+    cluster_file: str | None = None
+    """A YAML file with cluster-specific settings, so recipes stay portable."""
+
+
+class LaunchSection(Section):
+    nnodes: PositiveInt = 1
+    nproc_per_node: PositiveInt = 1
+    """Processes per node: GPUs per node on GPU machines, CPU processes otherwise."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    env: dict[str, str] = Field(default_factory=dict)
+    slurm: SlurmSection = Field(default_factory=SlurmSection)
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+
+class Recipe(Section):
+    name: str = "unnamed"
+    description: str = ""
+    engine: Literal["megatron", "deepspeed"] = "megatron"
+    model: ModelSection = Field(default_factory=ModelSection)
+    method: MethodSection = Field(default_factory=MethodSection)
+    data: DataSection = Field(default_factory=DataSection)
+    parallel: ParallelSection = Field(default_factory=ParallelSection)
+    train: TrainSection = Field(default_factory=TrainSection)
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    eval: EvalSection = Field(default_factory=EvalSection)
+    log: LogSection = Field(default_factory=LogSection)
+    launch: LaunchSection = Field(default_factory=LaunchSection)

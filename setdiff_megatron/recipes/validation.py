@@ -1,0 +1,139 @@
+"""Rules that relate fields of different sections, checked before anything heavy starts.
+
+`validate_recipe` returns every violation, each as "key.path: what is wrong and what to do";
+`check_recipe` raises the first one as a RecipeError naming the recipe file. Hardware-dependent
+rules (FP8 and the TE backend need a GPU) are checked against the machine the run starts on.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from setdiff_megatron.recipes.loading import RecipeError
+from setdiff_megatron.recipes.schema import Recipe
+
+__all__ = ["validate_recipe", "check_recipe", "check_engine_installed", "data_parallel_size", "ENGINE_EXTRAS"]
+
+# engine -> (module that must import, pip extra that provides it)
+ENGINE_EXTRAS = {"megatron": ("megatron.core", "megatron"), "deepspeed": ("deepspeed", "deepspeed")}
+
+
+def data_parallel_size(recipe: Recipe, world_size: int) -> int:
+    return world_size // (recipe.parallel.tp * recipe.parallel.pp)
+
+
+def _parallel_rules(r: Recipe, world_size: int) -> list[str]:
+    p, m = r.parallel, r.model
+    errors = []
+    if m.num_heads % p.tp or m.num_kv_heads % p.tp:
+        errors.append(f"parallel.tp: {p.tp} must divide model.num_heads ({m.num_heads}) and "
+                      f"model.num_kv_heads ({m.num_kv_heads})")
+    stages = p.pp * (p.vpp or 1)
+    if m.num_layers % stages:
+        errors.append(f"parallel.pp: pp x vpp = {stages} must divide model.num_layers ({m.num_layers})")
+    if p.vpp is not None and p.pp == 1:
+        errors.append("parallel.vpp: virtual pipeline stages need parallel.pp > 1")
+    if p.sequence_parallel and p.tp == 1:
+        errors.append("parallel.sequence_parallel: needs parallel.tp > 1")
+    if world_size % (p.tp * p.pp):
+        errors.append(f"parallel: tp x pp = {p.tp * p.pp} does not divide the {world_size} processes "
+                      "(launch.nnodes x launch.nproc_per_node)")
+    else:
+        dp = data_parallel_size(r, world_size)
+        if p.global_batch_size % (p.micro_batch_size * dp):
+            errors.append(f"parallel.global_batch_size: {p.global_batch_size} must be a multiple of "
+                          f"micro_batch_size x data-parallel size = {p.micro_batch_size} x {dp}")
+    if r.engine == "deepspeed" and (p.tp > 1 or p.pp > 1):
+        errors.append("parallel: the deepspeed engine is data-parallel (ZeRO); set tp = pp = 1 or engine: megatron")
+    if r.engine == "megatron" and p.zero_stage > 1:
+        errors.append("parallel.zero_stage: ZeRO stages 2-3 are DeepSpeed's; with engine megatron use "
+                      "parallel.distributed_optimizer")
+    return errors
+
+
+def _method_rules(r: Recipe) -> list[str]:
+    me, seq_len = r.method, r.data.seq_len
+    errors = []
+    if me.order == "staggered":
+        m = me.m if me.m is not None else 2 * me.d
+        if me.d > m:
+            errors.append(f"method.d: d ({me.d}) must be <= m ({m})")
+        elif m > seq_len and me.d > 1:
+            errors.append(f"method.m: m ({m}) must be <= data.seq_len ({seq_len}); "
+                          "for a uniform order set d = m = seq_len")
+        if me.k is not None and me.b is not None:
+            errors.append("method.k: k and b are exclusive; set at most one")
+    if me.order == "block":
+        if me.block_size is None:
+            errors.append("method.block_size: the block order needs a block size")
+        elif me.block_size > seq_len:
+            errors.append(f"method.block_size: {me.block_size} exceeds data.seq_len ({seq_len})")
+    if seq_len > r.model.max_seq_len:
+        errors.append(f"data.seq_len: {seq_len} exceeds model.max_seq_len ({r.model.max_seq_len})")
+    return errors
+
+
+def _train_rules(r: Recipe, has_gpu: bool) -> list[str]:
+    t = r.train
+    errors = []
+    if (t.steps is None) == (t.tokens is None):
+        errors.append("train.steps: set exactly one of train.steps and train.tokens")
+    if t.min_lr > t.lr:
+        errors.append(f"train.min_lr: {t.min_lr} exceeds train.lr ({t.lr})")
+    if t.fp8 is not None and r.model.backend != "te":
+        errors.append("train.fp8: FP8 needs model.backend: te (Transformer Engine, GPU only)")
+    if not has_gpu:
+        if r.model.backend == "te":
+            errors.append("model.backend: te (Transformer Engine) needs a GPU; use model.backend=local here")
+        if t.fp8 is not None:
+            errors.append("train.fp8: FP8 needs a GPU with Transformer Engine; use train.fp8=null here")
+        if r.launch.device == "cuda":
+            errors.append("launch.device: cuda, but this machine has no GPU; use launch.device=cpu or auto")
+    return errors
+
+
+def _path_rules(r: Recipe) -> list[str]:
+    errors = []
+    for i, ds in enumerate(r.data.datasets):
+        if ds.path != "stdlib" and not Path(f"{ds.path}.idx").is_file():
+            errors.append(f"data.datasets.{i}.path: no indexed dataset at {ds.path}(.bin/.idx); "
+                          "build it with `setdiff preprocess`")
+    for key, value in (("data.tokenizer", r.data.tokenizer), ("model.init_from", r.model.init_from)):
+        if value is not None and not Path(value).exists():
+            errors.append(f"{key}: {value} does not exist")
+    resume = r.checkpoint.resume
+    if resume not in ("auto", "none") and not Path(resume).exists():
+        errors.append(f"checkpoint.resume: {resume} does not exist (use auto, none or a checkpoint path)")
+    return errors
+
+
+def validate_recipe(recipe: Recipe, *, world_size: int | None = None, has_gpu: bool | None = None,
+                    check_paths: bool = True) -> list[str]:
+    if has_gpu is None:
+        import torch
+
+        has_gpu = torch.cuda.is_available()
+    world = world_size if world_size is not None else recipe.launch.world_size
+    errors = _parallel_rules(recipe, world) + _method_rules(recipe) + _train_rules(recipe, has_gpu)
+    if check_paths:
+        errors += _path_rules(recipe)
+    return errors
+
+
+def check_recipe(recipe: Recipe, source: str | Path, **kwargs) -> None:
+    errors = validate_recipe(recipe, **kwargs)
+    if errors:
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        raise RecipeError(f"{source}: {errors[0]}{more}")
+
+
+def check_engine_installed(recipe: Recipe) -> None:
+    module, extra = ENGINE_EXTRAS[recipe.engine]
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise RecipeError(f"engine {recipe.engine} needs {module.split('.')[0]}: "
+                          f"pip install 'setdiff-megatron[{extra}]'")
