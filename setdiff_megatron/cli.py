@@ -14,15 +14,20 @@ from setdiff_megatron.version import __version__
 
 
 def _train(args: argparse.Namespace) -> int:
-    from setdiff_megatron.training.preview import PreviewConfig, run_preview
+    import os
 
-    cfg = PreviewConfig(out_dir=args.out_dir, steps=args.steps, seed=args.seed)
-    print("setdiff train (preview): single-process torch model on the Python standard library's "
-          "source bytes; the megatron-core engine and YAML recipes are not wired in yet.")
-    log = run_preview(cfg)
-    print(f"held-out loss {log['valid_loss_before']:.3f} -> {log['valid_loss_after']:.3f} nats/token "
-          f"(ln 257 = 5.549); {log['tokens_per_s']:.0f} tokens/s")
-    print(f"checkpoint: {cfg.out_dir}/model.pt  log: {cfg.out_dir}/log.json")
+    from setdiff_megatron.recipes import check_engine_installed, load_recipe
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    check_engine_installed(recipe)
+    if "RANK" not in os.environ and recipe.launch.world_size > 1:
+        # Not started by a launcher: start this recipe's processes, each running this command.
+        return _launch(args)
+    if recipe.engine == "megatron":
+        from setdiff_megatron.training.megatron_engine import train
+    else:
+        raise UserError("engine: deepspeed is not available yet; use engine: megatron")
+    train(recipe, args.recipe)
     return 0
 
 
@@ -54,7 +59,7 @@ def _recipe_validate(args: argparse.Namespace) -> int:
 def _launch(args: argparse.Namespace) -> int:
     from setdiff_megatron.training.launch import launch_local
 
-    return launch_local(_load_checked(args), args.recipe, args.overrides, dry_run=args.dry_run)
+    return launch_local(_load_checked(args), args.recipe, args.overrides, dry_run=getattr(args, "dry_run", False))
 
 
 def _add_recipe_args(parser: argparse.ArgumentParser) -> None:
@@ -71,12 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"setdiff-megatron {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    train = sub.add_parser("train", help="train a model (preview: a short CPU run on a built-in corpus)",
-                           description="Preview of the main job: trains the torch model for a few "
-                           "hundred steps on the standard library's source and saves it.")
-    train.add_argument("--steps", type=int, default=300, help="optimizer steps (default 300)")
-    train.add_argument("--out-dir", default="runs/preview", help="where the checkpoint and log go")
-    train.add_argument("--seed", type=int, default=0)
+    train = sub.add_parser("train", help="train a model from a recipe",
+                           description="Train from a YAML recipe. Started by hand with a recipe that asks for "
+                           "several processes, it launches them itself (as `setdiff launch` does).")
+    _add_recipe_args(train)
     train.set_defaults(func=_train)
 
     recipe = sub.add_parser("recipe", help="print or check a recipe",

@@ -1,11 +1,9 @@
 """The `setdiff` command as a new user meets it."""
 
-import json
 import subprocess
 import sys
 
 from setdiff_megatron import __version__
-from setdiff_megatron.cli import main
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -19,8 +17,6 @@ def test_version_and_help():
     assert out.returncode == 0 and "train" in out.stdout
 
 
-def test_preview_train_runs_and_saves(tmp_path, capsys):
-    assert main(["train", "--steps", "2", "--out-dir", str(tmp_path)]) == 0
-    log = json.loads((tmp_path / "log.json").read_text())
-    assert len(log["train_loss"]) == 2 and (tmp_path / "model.pt").exists()
-    assert "checkpoint:" in capsys.readouterr().out
+def test_train_needs_a_recipe(capsys):
+    out = run_cli("train")
+    assert out.returncode == 2 and "recipe" in out.stderr

@@ -1,0 +1,327 @@
+"""Preprocessing: raw corpora in, megatron-core indexed datasets (`.bin/.idx` + manifest) out.
+
+The Megatron-LM `tools/preprocess_data.py` job for set diffusion. Each input becomes one dataset
+`<output_dir>/<input name>` whose documents are the input's documents, tokenized as text with EOS
+appended. The tokenizer, with its resolved MASK/BOS/EOS/PAD ids, is saved to
+`<output_dir>/tokenizer/`, so training and sampling load exactly what produced the tokens.
+
+How it scales: the main process streams raw records (`sources.read_batches`) to a pool of worker
+processes that parse and tokenize them, and writes the results in input order through
+`IndexedWriter`. At most `2 * workers` batches of about 1 MiB are in flight, so memory does not
+grow with the corpus, except that megatron's builder keeps a Python int per document for the
+index (about 40 bytes a document). Workers are spawned, not forked: the parent may hold torch,
+megatron and tokenizer thread pools, which a fork copies mid-flight.
+
+A rerun skips every output whose manifest matches the input's sha256, the tokenizer and the
+options; anything else is rebuilt under temporary names (see `indexed.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import multiprocessing
+import os
+import sys
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from setdiff_megatron.data.indexed import IndexedWriter, ensure_writable_dir, read_manifest
+from setdiff_megatron.data.sources import (
+    BadRecord,
+    RecordBatch,
+    Source,
+    detect_source,
+    read_batches,
+    record_text,
+    source_sha256,
+)
+from setdiff_megatron.data.tokenizers import SETDIFF_FILE, SetDiffTokenizer, load_tokenizer
+from setdiff_megatron.errors import UserError
+
+TOKENIZER_SUBDIR = "tokenizer"
+_MAX_REPORTED_BAD = 10
+
+
+@dataclass(kw_only=True, slots=True)
+class PreprocessOptions:
+    """How inputs are read and processed."""
+
+    text_field: str = "text"
+    """JSONL field / Parquet or datasets column holding the document."""
+    text_unit: str = "paragraph"
+    """Plain text only: "paragraph" (blank-line separated documents) or "line"."""
+    on_bad_line: str = "stop"
+    """"stop" at the first unreadable record, or "skip" it (reported, counted in the manifest)."""
+    workers: int = field(default_factory=lambda: os.cpu_count() or 1)
+    """Tokenizing processes; 1 tokenizes in the calling process."""
+    batch_bytes: int = 1 << 20
+    """Raw bytes per batch handed to a worker."""
+    progress: bool = True
+    """Show a progress bar (documents/s, tokens/s) and a summary on stderr."""
+
+    def __post_init__(self) -> None:
+        if self.text_unit not in ("paragraph", "line"):
+            raise UserError(f"text_unit must be 'paragraph' or 'line', not {self.text_unit!r}")
+        if self.on_bad_line not in ("stop", "skip"):
+            raise UserError(f"on_bad_line must be 'stop' or 'skip', not {self.on_bad_line!r}")
+        if self.workers < 1 or self.batch_bytes < 1:
+            raise UserError("workers and batch_bytes must be positive")
+
+    def recorded(self, source: Source) -> dict[str, str]:
+        """The options that shape `source`'s tokens (a change makes a rerun rebuild it)."""
+        if source.kind == "text":
+            return {"text_unit": self.text_unit}
+        return {"text_field": self.text_field}
+
+
+def preprocess(
+    inputs: Sequence[str | Path],
+    output_dir: str | Path,
+    tokenizer: SetDiffTokenizer,
+    options: PreprocessOptions,
+) -> list[dict[str, Any]]:
+    """Preprocess every input into `output_dir`; return their manifests (skipped ones included).
+
+    All inputs are checked before any work starts, so a typo in the last path fails fast.
+    """
+    output_dir = Path(output_dir)
+    if not inputs:
+        raise UserError("no inputs given")
+    sources = [detect_source(path) for path in inputs]
+    names = [source.name for source in sources]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise UserError(f"several inputs would write the same output name: {', '.join(duplicates)}")
+    ensure_writable_dir(output_dir)
+    _store_tokenizer(output_dir / TOKENIZER_SUBDIR, tokenizer)
+    return [_preprocess_source(source, output_dir, tokenizer, options) for source in sources]
+
+
+def _preprocess_source(
+    source: Source, output_dir: Path, tokenizer: SetDiffTokenizer, options: PreprocessOptions
+) -> dict[str, Any]:
+    """Write one input's indexed dataset, or return its manifest if it is already finished."""
+    prefix = output_dir / source.name
+    provenance = {
+        "source": {"path": str(source.path.resolve()), "kind": source.kind, "sha256": source_sha256(source)},
+        "options": options.recorded(source),
+        "tokenizer": tokenizer.identity(),
+    }
+    old = read_manifest(prefix)
+    if (
+        old is not None
+        and old["source"]["sha256"] == provenance["source"]["sha256"]
+        and old["options"] == provenance["options"]
+        and old["tokenizer"] == provenance["tokenizer"]
+    ):
+        _note(options, f"{source.name}: up to date ({old['documents']} documents), skipped")
+        return old
+
+    counts = {"documents": 0, "tokens": 0, "skipped_bad_records": 0, "skipped_empty_documents": 0}
+    batches = _encoded_batches(source, tokenizer, output_dir / TOKENIZER_SUBDIR, options)
+    with (
+        IndexedWriter(prefix, tokenizer.vocab_size) as writer,
+        contextlib.closing(batches) as stream,
+        tqdm(desc=source.name, unit="doc", disable=not options.progress, file=sys.stderr) as bar,
+    ):
+        start = time.perf_counter()
+        for encoded in stream:
+            for location, reason in encoded.bad:
+                where = source.where(location)
+                if options.on_bad_line == "stop":
+                    raise UserError(f"{where}: {reason} (--on-bad-line skip skips such records)")
+                counts["skipped_bad_records"] += 1
+                if counts["skipped_bad_records"] <= _MAX_REPORTED_BAD:
+                    bar.write(f"skipping {where}: {reason}", file=sys.stderr)
+            ends = np.cumsum(encoded.lengths)
+            for begin, end in zip(ends - encoded.lengths, ends):
+                writer.add_document(encoded.ids[begin:end])
+            counts["documents"] += len(encoded.lengths)
+            counts["tokens"] += int(encoded.ids.size)
+            counts["skipped_empty_documents"] += encoded.empty
+            rate = counts["tokens"] / max(time.perf_counter() - start, 1e-9)
+            bar.set_postfix_str(f"{rate:,.0f} tok/s, {encoded.done:.0%} read", refresh=False)
+            bar.update(len(encoded.lengths))
+        if counts["documents"] == 0:
+            raise UserError(f"{source.path}: no documents found (empty corpus)")
+        seconds = time.perf_counter() - start
+        manifest = writer.commit({"name": source.name, **provenance, **counts, "seconds": round(seconds, 3)})
+    skipped = counts["skipped_bad_records"]
+    _note(
+        options,
+        f"{source.name}: {counts['documents']} documents, {counts['tokens']} tokens in {seconds:.1f}s "
+        f"({counts['documents'] / seconds:,.0f} doc/s, {counts['tokens'] / seconds:,.0f} tok/s)"
+        + (f", {skipped} bad records skipped" if skipped else ""),
+    )
+    return manifest
+
+
+@dataclass(slots=True)
+class EncodedBatch:
+    """One batch's documents, tokenized: concatenated ids (EOS after each) and their lengths."""
+
+    ids: np.ndarray
+    lengths: np.ndarray
+    bad: list[tuple[int, str]]  # (location, reason) of records that are not documents
+    empty: int
+    done: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Encoder:
+    """Parses and tokenizes one RecordBatch, in the worker processes or in this one."""
+
+    tokenizer: SetDiffTokenizer
+    text_field: str
+
+    def __call__(self, batch: RecordBatch) -> EncodedBatch:
+        texts, bad, empty = [], [], 0
+        for location, payload in zip(batch.locations, batch.payloads):
+            try:
+                text = record_text(batch.kind, payload, self.text_field)
+            except BadRecord as exc:
+                bad.append((location, str(exc)))
+                continue
+            if text:
+                texts.append(text)
+            else:
+                empty += 1
+        encoded = self.tokenizer.encode_batch(texts)
+        eos = [self.tokenizer.eos_id]
+        lengths = np.fromiter((len(ids) + 1 for ids in encoded), dtype=np.int64, count=len(encoded))
+        flat = itertools.chain.from_iterable(ids + eos for ids in encoded)
+        ids = np.fromiter(flat, dtype=np.int32, count=int(lengths.sum()))
+        return EncodedBatch(ids, lengths, bad, empty, batch.done)
+
+
+_worker_encoder: _Encoder | None = None
+
+
+def _init_worker(tokenizer_dir: Path, text_field: str) -> None:
+    global _worker_encoder
+    # Parallelism comes from the processes; a Rust thread pool per worker would oversubscribe.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _worker_encoder = _Encoder(load_tokenizer(tokenizer_dir), text_field)
+
+
+def _encode_in_worker(batch: RecordBatch) -> EncodedBatch:
+    return _worker_encoder(batch)
+
+
+def _encoded_batches(
+    source: Source, tokenizer: SetDiffTokenizer, tokenizer_dir: Path, options: PreprocessOptions
+) -> Iterator[EncodedBatch]:
+    """Encoded batches in input order, at most `2 * workers` in flight.
+
+    Not Pool.imap: its feeder thread reads the input ahead without limit. Not multiprocessing.Pool
+    at all: it respawns a worker that dies at start-up forever, where ProcessPoolExecutor raises.
+    Workers load the tokenizer saved in `tokenizer_dir` (the same one, by sha256) rather than
+    receive it pickled: a large start-up payload can block the parent forever when a spawned
+    child dies before reading it (CPython 3.11).
+    """
+    batches = read_batches(
+        source, text_field=options.text_field, text_unit=options.text_unit, batch_bytes=options.batch_bytes
+    )
+    if options.workers == 1:
+        yield from map(_Encoder(tokenizer, options.text_field), batches)
+        return
+    context = multiprocessing.get_context("spawn")
+    init = (tokenizer_dir, options.text_field)
+    with ProcessPoolExecutor(options.workers, context, initializer=_init_worker, initargs=init) as pool:
+        pending: deque[Future] = deque()
+        try:
+            for batch in batches:
+                pending.append(pool.submit(_encode_in_worker, batch))
+                if len(pending) >= 2 * options.workers:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            for future in pending:
+                future.cancel()
+
+
+def _store_tokenizer(directory: Path, tokenizer: SetDiffTokenizer) -> None:
+    """Save the tokenizer beside the datasets; refuse to mix datasets of different tokenizers."""
+    if (directory / SETDIFF_FILE).is_file():
+        if load_tokenizer(directory).sha256 != tokenizer.sha256:
+            raise UserError(
+                f"{directory} holds a different tokenizer: datasets in one output directory must "
+                "share one tokenizer (use another --output-dir)"
+            )
+        return
+    tokenizer.save(directory)
+
+
+def _note(options: PreprocessOptions, message: str) -> None:
+    if options.progress:
+        print(message, file=sys.stderr)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="setdiff preprocess",
+        description="Tokenize corpora into megatron-core indexed datasets (.bin/.idx + manifest).",
+    )
+    parser.add_argument("--input", nargs="+", type=Path, help=".jsonl/.txt[.gz], .parquet or datasets dir")
+    parser.add_argument("--output-dir", type=Path, required=True)
+    parser.add_argument("--tokenizer", type=Path, help="tokenizer directory (GPT-2, Qwen3, Llama or ours)")
+    parser.add_argument("--text-field", default="text", help="JSONL field or column holding the text")
+    parser.add_argument("--text-unit", choices=("paragraph", "line"), default="paragraph",
+                        help="what a document is in a plain text file")
+    parser.add_argument("--on-bad-line", choices=("stop", "skip"), default="stop")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--no-new-tokens", action="store_true",
+                        help="fail instead of adding a missing MASK/BOS/EOS/PAD token")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+    corpus = parser.add_argument_group("embedded default corpus (the Python standard library)")
+    corpus.add_argument("--default-corpus", action="store_true",
+                        help="train a byte-level BPE on the stdlib corpus and preprocess it")
+    corpus.add_argument("--vocab-size", type=int, default=4096)
+    return parser
+
+
+def preprocess_main(argv: list[str] | None = None) -> int:
+    """`setdiff preprocess`: exit code 0, or 2 with one line on stderr for any UserError."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.default_corpus and (args.input or args.tokenizer):
+        parser.error("--default-corpus takes no --input or --tokenizer")
+    if not args.default_corpus and not (args.input and args.tokenizer):
+        parser.error("--input and --tokenizer are required (or --default-corpus)")
+    try:
+        if args.default_corpus:
+            from setdiff_megatron.data.corpus import prepare_default_corpus
+
+            prepare_default_corpus(
+                args.output_dir, vocab_size=args.vocab_size, workers=args.workers, progress=not args.quiet
+            )
+        else:
+            options = PreprocessOptions(
+                text_field=args.text_field,
+                text_unit=args.text_unit,
+                on_bad_line=args.on_bad_line,
+                workers=args.workers,
+                progress=not args.quiet,
+            )
+            tokenizer = load_tokenizer(args.tokenizer, add_missing_tokens=not args.no_new_tokens)
+            preprocess(args.input, args.output_dir, tokenizer, options)
+    except UserError as exc:
+        message = str(exc).replace("\n", " ")
+        print(f"setdiff preprocess: error: {message}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(preprocess_main())

@@ -1,0 +1,344 @@
+"""The set diffusion transformer on megatron-core: tensor, sequence and pipeline parallel.
+
+The same model family as models/torch_model.py, assembled from megatron-core ModuleSpecs. The
+GPT layer spec is reused as is (column-parallel QKV, row-parallel projection, GQA, q/k norm before
+rotary, SwiGLU MLP) with three slots swapped:
+
+  core_attention  SetCausalCoreAttention: core/attention.py's set-causal attention over the
+                  [clean ; query] sequence, heads split across TP ranks
+  norms           RMSNorm whose weight is tagged `.sequence_parallel`, so that sequence
+                  parallelism works (megatron's stock torch norm refuses it)
+  final norm      the same RMSNorm
+
+Around the layers: a vocabulary-parallel embedding of the 2L tokens (MASK is an ordinary row),
+rotary frequencies gathered per token from the ORIGINAL positions (megatron's own `rope` ignores
+position ids), the output layer (tied to the embedding across pipeline stages like GPTModel) on
+the QUERY half only, and a vocabulary-parallel cross-entropy with the MASK logit (and vocabulary
+padding) excluded. Padding ranks are described by `valid_len` [b], carried to the core attention
+in megatron's attention-mask slot.
+
+Shapes: b micro-batch, L ranks per stream, S = 2L tokens, E hidden, V vocabulary (Vp padded),
+np/hn heads per TP rank and head dim, D head dim.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable, Iterator, Literal
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+from megatron.core.models.common.language_module.language_module import LanguageModule
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import AttnMaskType, ModelType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlock,
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from setdiff_megatron.core.attention import resolve_attention_impl, set_causal_attention
+from setdiff_megatron.core.streams import TwoStreamBatch
+from setdiff_megatron.errors import UserError, require
+from setdiff_megatron.models.config import ModelConfig
+from setdiff_megatron.models.torch_model import Rotary
+from setdiff_megatron.models.weight_maps import BACKENDS, check_tp_split, padded_vocab_size, stage_layers
+
+__all__ = [
+    "SetCausalCoreAttention",
+    "SetDiffusionGPT",
+    "build_model_chunks",
+    "forward_step",
+    "layer_spec",
+    "loss_func",
+    "pipeline_seq_length",
+    "transformer_config_from",
+]
+
+Recompute = Literal["none", "selective", "full"]
+
+
+def transformer_config_from(
+    model_cfg: ModelConfig,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    vpp: int | None = None,
+    sequence_parallel: bool = False,
+    recompute: Recompute = "none",
+    params_dtype: torch.dtype = torch.float32,
+    calculate_per_token_loss: bool = True,
+    **overrides,
+) -> TransformerConfig:
+    """megatron's TransformerConfig for `model_cfg` under a (tp, pp, vpp) layout.
+
+    `calculate_per_token_loss` (default) makes the schedule back-propagate NLL sums and divide
+    the gradients by the global number of target tokens: core/loss.py's per-token mean over the
+    whole global batch. `overrides` replace or add TransformerConfig fields (dropout, fp8, ...).
+    Sequence parallelism is switched off at tp == 1, as megatron's own arguments do.
+    """
+    try:
+        check_tp_split(model_cfg, tp)
+        stage_layers(model_cfg.num_layers, pp, 0, vpp, 0 if vpp else None)
+    except ValueError as exc:
+        raise UserError(f"parallel layout tp={tp} pp={pp} vpp={vpp}: {exc}") from None
+    if recompute not in ("none", "selective", "full"):
+        raise UserError(f"recompute must be 'none', 'selective' or 'full'; got {recompute!r}")
+    full = recompute == "full"
+    fields = dict(
+        num_layers=model_cfg.num_layers,
+        hidden_size=model_cfg.hidden_size,
+        num_attention_heads=model_cfg.num_heads,
+        num_query_groups=model_cfg.num_kv_heads,
+        kv_channels=model_cfg.head_dim,
+        ffn_hidden_size=model_cfg.intermediate_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=model_cfg.norm_eps,
+        qk_layernorm=model_cfg.qk_norm,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=model_cfg.init_std,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        sequence_parallel=sequence_parallel and tp > 1,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        recompute_granularity=None if recompute == "none" else recompute,
+        recompute_method="uniform" if full else None,
+        recompute_num_layers=1 if full else None,
+        calculate_per_token_loss=calculate_per_token_loss,
+        # Interleaved PP over two ranks sends both directions to the same peer; batched p2p then
+        # silently mixes up tensors (MEGATRON_CPU.md), so interleaving uses unbatched p2p.
+        batch_p2p_comm=vpp is None,
+    )
+    return TransformerConfig(**(fields | overrides))
+
+
+class RMSNorm(torch.nn.RMSNorm):
+    """Megatron's norm slot as torch RMSNorm, with the weight tagged for sequence parallelism:
+    under SP each TP rank normalises a different slice of the sequence, and finalize_model_grads
+    all-reduces the gradients of weights carrying `.sequence_parallel`."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6, **unused):
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+
+class SetCausalCoreAttention(MegatronModule):
+    """Megatron's core-attention slot running core/attention.py's set-causal attention.
+
+    Takes q [S, b, np, hn] and k/v [S, b, ng, hn] for the local heads of this TP rank and returns
+    [S, b, np * hn]. The mask is implied by the [clean ; query] layout; the attention-mask slot
+    carries `valid_len` [b] (ranks at or beyond it are padding) or None. The builder's other
+    arguments (layer number, mask type, context-parallel settings) have no meaning here.
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
+                 attention_type: str, cp_comm_type: str | None = None, softmax_scale: float | None = None,
+                 pg_collection: ProcessGroupCollection | None = None, *, impl: str):
+        super().__init__(config=config)
+        resolve_attention_impl(impl)
+        self.impl = impl
+        self.softmax_scale = softmax_scale
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None, attn_mask_type: AttnMaskType | None = None,
+                attention_bias: torch.Tensor | None = None, packed_seq_params=None) -> torch.Tensor:
+        if attention_bias is not None or packed_seq_params is not None:
+            raise ValueError("set-causal attention takes neither an attention bias nor packed sequences")
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, S, hn]
+        out = set_causal_attention(q, k, v, impl=self.impl, valid_len=attention_mask, scale=self.softmax_scale)
+        return out.permute(2, 0, 1, 3).flatten(2)
+
+
+def _core_attention_spec(model_cfg: ModelConfig) -> ModuleSpec:
+    return ModuleSpec(module=SetCausalCoreAttention, params={"impl": model_cfg.attention_impl})
+
+
+def _te_modules():
+    """TE's layer spec and norm, imported only when asked for: TE needs a GPU and the te extra."""
+    if not torch.cuda.is_available():
+        raise UserError("the 'te' backend (Transformer Engine) needs a GPU; use backend 'local' on CPU")
+    require("transformer_engine.pytorch", "te", "The 'te' backend")
+    try:
+        from megatron.core.extensions.transformer_engine import TENorm
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    except Exception as exc:  # noqa: BLE001 - a broken TE raises anything on import
+        raise UserError(f"Transformer Engine is installed but unusable with megatron-core: {exc}") from exc
+    return get_gpt_layer_with_transformer_engine_spec, TENorm
+
+
+def layer_spec(model_cfg: ModelConfig, backend: str = "local") -> tuple[ModuleSpec, type]:
+    """(transformer layer spec, final norm class) for a backend: megatron's GPT layer with the
+    set-causal core attention; the local backend also gets SP-capable norms."""
+    if backend not in BACKENDS:
+        raise UserError(f"backend must be one of {BACKENDS}; got {backend!r}")
+    if backend == "te":
+        te_layer_spec, final_norm = _te_modules()
+        spec = te_layer_spec(qk_layernorm=model_cfg.qk_norm)
+    else:
+        spec, final_norm = get_gpt_layer_local_spec(qk_layernorm=model_cfg.qk_norm), RMSNorm
+        spec.submodules.input_layernorm = RMSNorm
+        spec.submodules.pre_mlp_layernorm = RMSNorm
+        if model_cfg.qk_norm:
+            spec.submodules.self_attention.submodules.q_layernorm = RMSNorm
+            spec.submodules.self_attention.submodules.k_layernorm = RMSNorm
+    attention = spec.submodules.self_attention
+    attention.params = {"attn_mask_type": AttnMaskType.arbitrary}
+    attention.submodules.core_attention = _core_attention_spec(model_cfg)
+    return spec, final_norm
+
+
+class SetDiffusionGPT(LanguageModule):
+    """One pipeline chunk of the set diffusion transformer (the whole model at pp == 1)."""
+
+    def __init__(self, config: TransformerConfig, model_cfg: ModelConfig, *, backend: str = "local",
+                 pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None,
+                 pg_collection: ProcessGroupCollection | None = None):
+        super().__init__(config=config, pg_collection=pg_collection)
+        self.model_cfg = model_cfg
+        self.pre_process, self.post_process, self.vp_stage = pre_process, post_process, vp_stage
+        self.share_embeddings_and_output_weights = model_cfg.tie_embeddings
+        self.model_type = ModelType.encoder_or_decoder
+        tp_size, tp_rank = self.tp_group.size(), self.tp_group.rank()
+        self.vocab_size = padded_vocab_size(model_cfg.vocab_size, tp_size)
+
+        if pre_process:
+            self.embedding = LanguageModelEmbedding(
+                config=config, vocab_size=self.vocab_size, max_sequence_length=2 * model_cfg.max_seq_len,
+                position_embedding_type="none", tp_group=self.tp_group,
+            )
+        # A plain attribute, not a buffer: Float16Module casts buffers, and bf16 angles are wrong.
+        self.inv_freq = Rotary(model_cfg.head_dim, model_cfg.rope_theta).inv_freq
+        spec, final_norm = layer_spec(model_cfg, backend)
+        num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=self.pp_group.rank())
+        self.decoder = TransformerBlock(
+            config=config, spec=TransformerBlockSubmodules(layer_specs=[spec] * num_layers, layer_norm=final_norm),
+            pre_process=pre_process, post_process=post_process, pg_collection=self.pg_collection,
+            vp_stage=vp_stage,
+        )
+        if post_process:
+            self.output_layer = tensor_parallel.ColumnParallelLinear(
+                config.hidden_size, self.vocab_size, config=config, init_method=config.init_method,
+                bias=False, gather_output=False,
+                skip_weight_param_allocation=pre_process and model_cfg.tie_embeddings,
+                # Under SP _query_output gathers the sequence itself, and that gather's backward
+                # already sums the input gradient over TP: the layer must neither gather nor reduce.
+                disable_grad_reduce=config.sequence_parallel, tp_group=self.tp_group,
+            )
+            self.output_layer.sequence_parallel = False
+            start = tp_rank * (self.vocab_size // tp_size)
+            ids = torch.arange(start, start + self.vocab_size // tp_size)
+            # MASK is never a prediction and padding rows are no tokens: both leave the softmax.
+            self.register_buffer("excluded_vocab", (ids == model_cfg.mask_token_id) | (ids >= model_cfg.vocab_size),
+                                 persistent=False)
+        if pre_process or post_process:
+            self.setup_embeddings_and_output_layer()
+
+    def set_input_tensor(self, input_tensor: torch.Tensor | list[torch.Tensor]) -> None:
+        """Pipeline schedules hand a non-first stage its input here."""
+        if isinstance(input_tensor, list):
+            (input_tensor,) = input_tensor
+        self.decoder.set_input_tensor(input_tensor)
+
+    def rotary_freqs(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """[S, b, 1, D] rotary angles of both streams at their original positions; megatron's
+        rotate-half application of [angles, angles] equals the torch model's."""
+        if self.inv_freq.device != position_ids.device:
+            self.inv_freq = self.inv_freq.to(position_ids.device)
+        angles = position_ids.repeat(1, 2)[..., None].float() * self.inv_freq
+        return torch.cat([angles, angles], dim=-1).transpose(0, 1)[:, :, None]
+
+    def forward(self, clean_tokens: torch.Tensor | None, query_tokens: torch.Tensor | None,
+                position_ids: torch.Tensor, valid_len: torch.Tensor | None = None,
+                targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Two streams of [b, L] tokens in rank order (needed on the first stage only).
+
+        Returns, on the last stage, the query stream's per-token NLL [b, L] (float32, MASK
+        excluded) when `targets` is given, else its logits [b, L, V] gathered over TP; on other
+        stages the hidden states [S(/tp under SP), b, E] for the next stage.
+        """
+        length = position_ids.shape[1]
+        if length > self.model_cfg.max_seq_len:
+            raise ValueError(f"sequence length {length} exceeds the model's max_seq_len={self.model_cfg.max_seq_len}")
+        if self.config.sequence_parallel and 2 * length % self.tp_group.size():
+            raise ValueError(f"sequence parallelism splits the {2 * length} tokens of both streams over "
+                             f"{self.tp_group.size()} ranks: 2L must be divisible by the TP size")
+        hidden = None
+        if self.pre_process:
+            hidden = self.embedding(input_ids=torch.cat([clean_tokens, query_tokens], dim=1), position_ids=None)
+        hidden = self.decoder(hidden_states=hidden, attention_mask=valid_len,
+                              rotary_pos_emb=self.rotary_freqs(position_ids))
+        if not self.post_process:
+            return hidden
+        return self._query_output(hidden, length, targets)
+
+    def _query_output(self, hidden: torch.Tensor, length: int, targets: torch.Tensor | None) -> torch.Tensor:
+        if self.config.sequence_parallel:
+            hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, group=self.tp_group)
+        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        logits, _ = self.output_layer(hidden[length:], weight=weight)  # [L, b, Vp/tp]
+        if targets is None:
+            logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits, group=self.tp_group)
+            return logits[..., : self.model_cfg.vocab_size].transpose(0, 1).contiguous()
+        logits = logits.masked_fill(self.excluded_vocab, float("-inf"))
+        nll = tensor_parallel.vocab_parallel_cross_entropy(logits, targets.transpose(0, 1).contiguous())
+        return nll.transpose(0, 1).contiguous()
+
+
+def build_model_chunks(model_cfg: ModelConfig, config: TransformerConfig, *, backend: str = "local",
+                       pg_collection: ProcessGroupCollection | None = None) -> list[SetDiffusionGPT]:
+    """This rank's model chunks (one per virtual pipeline stage), with megatron's first/last
+    stage roles. parallel_state must be initialised, and on a machine without a GPU
+    training.megatron_cpu.auto_cpu_mode() must have run (the engine calls it first)."""
+    pp_size, pp_rank = (parallel_state.get_pipeline_model_parallel_world_size(),
+                        parallel_state.get_pipeline_model_parallel_rank())
+    vpp = config.virtual_pipeline_model_parallel_size
+    chunks = []
+    for vp_stage in range(vpp) if vpp else [None]:
+        first_chunk, last_chunk = vp_stage in (None, 0), vp_stage in (None, vpp - 1 if vpp else None)
+        chunks.append(SetDiffusionGPT(
+            config, model_cfg, backend=backend, vp_stage=vp_stage, pg_collection=pg_collection,
+            pre_process=pp_rank == 0 and first_chunk, post_process=pp_rank == pp_size - 1 and last_chunk,
+        ))
+    return chunks
+
+
+def pipeline_seq_length(length: int) -> int:
+    """The sequence length megatron's schedules communicate between stages: two streams of L."""
+    return 2 * length
+
+
+def loss_func(loss_mask: torch.Tensor, nll: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Megatron's loss-function contract, 3-tuple form: (NLL summed over target tokens, number of
+    target tokens, report). With calculate_per_token_loss the schedule and finalize_model_grads
+    turn it into core/loss.py's per-token mean over the global batch."""
+    # where, not a product: a non-target whose token is MASK itself has an infinite NLL.
+    nll_sum = torch.where(loss_mask, nll, 0.0).sum()
+    num_tokens = loss_mask.sum().to(torch.int)
+    return nll_sum, num_tokens, {"lm loss": torch.stack([nll_sum.detach(), num_tokens.float()])}
+
+
+def forward_step(data_iterator: Iterator[TwoStreamBatch], model: torch.nn.Module
+                 ) -> tuple[torch.Tensor, Callable[[torch.Tensor], tuple]]:
+    """Megatron's forward_step(data_iterator, model) -> (output, loss function of the output).
+
+    Every pipeline stage draws the whole batch: each one needs the positions (rotary) and
+    valid_len (attention), the first the tokens and the last the targets and loss mask.
+    """
+    batch = next(data_iterator)
+    nll = model(batch.clean_tokens, batch.query_tokens, batch.position_ids,
+                valid_len=batch.valid_len, targets=batch.targets)
+    return nll, partial(loss_func, batch.loss_mask)

@@ -1,0 +1,243 @@
+"""Weight maps between the torch model and the megatron model, for any TP/PP split, in one place.
+
+Names are the upstream ones (torch: Hugging Face Llama/Qwen; megatron: megatron-core GPT), written
+as `{}` templates over the layer index. Four things are not one-to-one:
+
+  fused QKV    megatron's linear_qkv holds, per KV group g, [q heads of g ; k_g ; v_g] (rows), and
+               each TP rank holds a contiguous run of groups
+  fused fc1    megatron's linear_fc1 holds [gate ; up] of its own TP shard of the MLP width
+  vocab        megatron's embedding and output layer are padded to `padded_vocab_size` rows;
+               the padding is zero here and is masked out of the logits by the model
+  tied output  with tied embeddings the last pipeline stage holds a copy of the embedding as
+               output_layer.weight (pp > 1); pp == 1 has no output_layer.weight at all
+
+The `te` backend fuses the pre-attention and pre-MLP norms into the following linear layer
+(layer_norm_weight) and adds `_extra_state` entries, which carry no weights and are skipped.
+Importing this module needs torch only (checkpoint conversion runs without megatron).
+
+Shapes: V vocabulary, E hidden, H heads, G key/value heads, D head dim, I MLP width.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+import torch
+
+from setdiff_megatron.models.config import ModelConfig
+
+__all__ = ["BACKENDS", "VOCAB_PAD_MULTIPLE", "check_tp_split", "megatron_to_torch", "padded_vocab_size",
+           "stage_layers", "torch_shapes", "torch_to_megatron"]
+
+BACKENDS = ("local", "te")
+VOCAB_PAD_MULTIPLE = 128
+"""Rows of megatron's vocabulary are padded to a multiple of lcm(128, tp): GEMM-friendly like
+megatron's make_vocab_size_divisible_by, and the same padded size for every power-of-two TP up to
+128, so a checkpoint reshards across TP without changing shape."""
+
+StateDict = dict[str, torch.Tensor]
+
+# torch suffix -> (megatron suffix, TP split dim or None when replicated); layer-local names.
+_LAYER_PLAIN: dict[str, tuple[str, int | None]] = {
+    "self_attn.o_proj.weight": ("self_attention.linear_proj.weight", 1),
+    "self_attn.q_norm.weight": ("self_attention.q_layernorm.weight", None),
+    "self_attn.k_norm.weight": ("self_attention.k_layernorm.weight", None),
+    "mlp.down_proj.weight": ("mlp.linear_fc2.weight", 1),
+}
+_LAYER_NORMS: dict[str, dict[str, str]] = {
+    "local": {"input_layernorm.weight": "input_layernorm.weight",
+              "post_attention_layernorm.weight": "pre_mlp_layernorm.weight"},
+    "te": {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+           "post_attention_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"},
+}
+_QKV = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
+_QKV_MEGATRON = "self_attention.linear_qkv.weight"
+_FC1 = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
+_FC1_MEGATRON = "mlp.linear_fc1.weight"
+TORCH_LAYER = "layers.{}."
+MEGATRON_LAYER = "decoder.layers.{}."
+_EMBED = ("embed_tokens.weight", "embedding.word_embeddings.weight")
+_OUTPUT = ("lm_head.weight", "output_layer.weight")
+_FINAL_NORM = ("norm.weight", "decoder.final_layernorm.weight")
+
+
+def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
+    multiple = math.lcm(VOCAB_PAD_MULTIPLE, tp_size)
+    return -(-vocab_size // multiple) * multiple
+
+
+def stage_layers(num_layers: int, pp_size: int, pp_rank: int, vp_size: int | None = None,
+                 vp_stage: int | None = None) -> range:
+    """Global layer indices held by one (virtual) pipeline stage: megatron's even split.
+
+    With virtual stages, chunk `vp_stage` of rank `pp_rank` is model chunk vp_stage * pp + pp_rank.
+    """
+    num_chunks = pp_size * (vp_size or 1)
+    if num_layers % num_chunks:
+        raise ValueError(f"num_layers ({num_layers}) must divide evenly over {num_chunks} pipeline chunks")
+    per_chunk = num_layers // num_chunks
+    start = ((vp_stage or 0) * pp_size + pp_rank) * per_chunk
+    return range(start, start + per_chunk)
+
+
+def _layer_plain(cfg: ModelConfig, backend: str) -> dict[str, tuple[str, int | None]]:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
+    plain = {t: (m, None) for t, m in _LAYER_NORMS[backend].items()} | _LAYER_PLAIN
+    if not cfg.qk_norm:
+        plain = {t: v for t, v in plain.items() if "_norm." not in t}
+    return plain
+
+
+def check_tp_split(cfg: ModelConfig, tp_size: int) -> None:
+    """Megatron splits heads, KV groups and the MLP width evenly over TP ranks (no KV replication)."""
+    for name, n in (("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads),
+                    ("intermediate_size", cfg.intermediate_size)):
+        if n % tp_size:
+            raise ValueError(f"{name} ({n}) must be divisible by the tensor-parallel size ({tp_size})")
+
+
+def _shard(t: torch.Tensor, dim: int | None, tp_rank: int, tp_size: int) -> torch.Tensor:
+    return t if dim is None else t.chunk(tp_size, dim=dim)[tp_rank]
+
+
+def _pad_vocab(t: torch.Tensor, cfg: ModelConfig, tp_size: int) -> torch.Tensor:
+    return torch.cat([t, t.new_zeros(padded_vocab_size(cfg.vocab_size, tp_size) - t.shape[0], t.shape[1])])
+
+
+def _qkv_groups(cfg: ModelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """[G, (H/G + 2) * D, E]: megatron's per-group [q ; k ; v] row blocks."""
+    g, d = cfg.num_kv_heads, cfg.head_dim
+    return torch.cat([q.view(g, -1, q.shape[1]), k.view(g, d, -1), v.view(g, d, -1)], dim=1)
+
+
+def torch_to_megatron(
+    state_dict: Mapping[str, torch.Tensor],
+    cfg: ModelConfig,
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+    vp_size: int | None = None,
+    vp_stage: int | None = None,
+    backend: str = "local",
+) -> StateDict:
+    """The state dict of one megatron model chunk (one TP rank, one (virtual) pipeline stage)."""
+    check_tp_split(cfg, tp_size)
+    plain = _layer_plain(cfg, backend)
+    _check_shapes(state_dict, cfg)
+    layers = stage_layers(cfg.num_layers, pp_size, pp_rank, vp_size, vp_stage)
+    first = layers.start == 0
+    last = layers.stop == cfg.num_layers
+    out: StateDict = {}
+    for local, i in enumerate(layers):
+        src, dst = TORCH_LAYER.format(i), MEGATRON_LAYER.format(local)
+        for t_name, (m_name, dim) in plain.items():
+            out[dst + m_name] = _shard(state_dict[src + t_name], dim, tp_rank, tp_size).clone()
+        qkv = _qkv_groups(cfg, *(state_dict[src + n] for n in _QKV))
+        out[dst + _QKV_MEGATRON] = qkv.chunk(tp_size, dim=0)[tp_rank].flatten(0, 1).clone()
+        gate, up = (_shard(state_dict[src + n], 0, tp_rank, tp_size) for n in _FC1)
+        out[dst + _FC1_MEGATRON] = torch.cat([gate, up])
+    embed = _shard(_pad_vocab(state_dict[_EMBED[0]], cfg, tp_size), 0, tp_rank, tp_size)
+    if first:
+        out[_EMBED[1]] = embed.clone()
+    if last:
+        out[_FINAL_NORM[1]] = state_dict[_FINAL_NORM[0]].clone()
+        if not cfg.tie_embeddings:
+            out[_OUTPUT[1]] = _shard(_pad_vocab(state_dict[_OUTPUT[0]], cfg, tp_size), 0, tp_rank, tp_size).clone()
+        elif not first:
+            out[_OUTPUT[1]] = embed.clone()
+    return out
+
+
+def megatron_to_torch(shards: Mapping[tuple[int, ...], Mapping[str, torch.Tensor]], cfg: ModelConfig, *,
+                      backend: str = "local") -> StateDict:
+    """Merge megatron chunk state dicts into the torch model's state dict.
+
+    `shards` is keyed by (tp_rank, pp_rank) or, with virtual pipeline stages, by
+    (tp_rank, pp_rank, vp_stage); every combination must be present. Every megatron weight must
+    be consumed (`_extra_state` entries excepted) and every shape must match.
+    """
+    keys = sorted(shards)
+    tp_size, pp_size = keys[-1][0] + 1, max(k[1] for k in keys) + 1
+    vp_size = max(k[2] for k in keys) + 1 if len(keys[0]) == 3 else None
+    grid = {(t, p) + ((v,) if vp_size else ()) for t in range(tp_size) for p in range(pp_size)
+            for v in range(vp_size or 1)}
+    if set(keys) != grid:
+        raise KeyError(f"shards must cover every (tp_rank, pp_rank[, vp_stage]); missing {sorted(grid - set(keys))}")
+    check_tp_split(cfg, tp_size)
+    plain = _layer_plain(cfg, backend)
+    unused = {k: {n for n in sd if not n.endswith("_extra_state")} for k, sd in shards.items()}
+
+    def take(chunk: tuple[int, ...], name: str) -> list[torch.Tensor]:
+        """`name` from every TP rank of one pipeline chunk (chunk = key without the TP rank)."""
+        tensors = []
+        for t in range(tp_size):
+            key = (t,) + chunk
+            if name not in shards[key]:
+                raise KeyError(f"megatron shard {key} has no {name!r}")
+            unused[key].discard(name)
+            tensors.append(shards[key][name])
+        return tensors
+
+    out: StateDict = {}
+    chunks = sorted({k[1:] for k in keys}, key=lambda c: (c[1:], c[0]))  # pipeline order
+    for chunk in chunks:
+        layers = stage_layers(cfg.num_layers, pp_size, chunk[0], vp_size, chunk[1] if vp_size else None)
+        for local, i in enumerate(layers):
+            src, dst = MEGATRON_LAYER.format(local), TORCH_LAYER.format(i)
+            for t_name, (m_name, dim) in plain.items():
+                parts = take(chunk, src + m_name)
+                out[dst + t_name] = parts[0].clone() if dim is None else torch.cat(parts, dim=dim)
+            groups = torch.cat(take(chunk, src + _QKV_MEGATRON)).view(cfg.num_kv_heads, -1, cfg.hidden_size)
+            q_rows = cfg.num_heads // cfg.num_kv_heads * cfg.head_dim
+            q, k, v = groups.split([q_rows, cfg.head_dim, cfg.head_dim], dim=1)
+            for name, t in zip(_QKV, (q, k, v)):
+                out[dst + name] = t.flatten(0, 1).clone()
+            gate_up = [p.chunk(2) for p in take(chunk, src + _FC1_MEGATRON)]
+            for j, name in enumerate(_FC1):
+                out[dst + name] = torch.cat([p[j] for p in gate_up])
+    first, last = chunks[0], chunks[-1]
+    out[_EMBED[0]] = torch.cat(take(first, _EMBED[1]))[: cfg.vocab_size].clone()
+    out[_FINAL_NORM[0]] = take(last, _FINAL_NORM[1])[0].clone()
+    if not cfg.tie_embeddings:
+        out[_OUTPUT[0]] = torch.cat(take(last, _OUTPUT[1]))[: cfg.vocab_size].clone()
+    elif last != first:
+        copy = torch.cat(take(last, _OUTPUT[1]))[: cfg.vocab_size]
+        if not torch.equal(copy, out[_EMBED[0]]):
+            raise ValueError("the last stage's copy of the tied embedding differs from the embedding")
+    leftover = {k: sorted(v) for k, v in unused.items() if v}
+    if leftover:
+        raise KeyError(f"megatron weights not mapped: {leftover}")
+    _check_shapes(out, cfg)
+    return out
+
+
+def torch_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every torch model weight and its shape, derived from the config alone."""
+    e, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    layer = {
+        "input_layernorm.weight": (e,), "post_attention_layernorm.weight": (e,),
+        "self_attn.q_proj.weight": (cfg.num_heads * d, e), "self_attn.k_proj.weight": (cfg.num_kv_heads * d, e),
+        "self_attn.v_proj.weight": (cfg.num_kv_heads * d, e), "self_attn.o_proj.weight": (e, cfg.num_heads * d),
+        "mlp.gate_proj.weight": (i, e), "mlp.up_proj.weight": (i, e), "mlp.down_proj.weight": (e, i),
+    }
+    if cfg.qk_norm:
+        layer |= {"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)}
+    shapes = {TORCH_LAYER.format(n) + k: s for n in range(cfg.num_layers) for k, s in layer.items()}
+    shapes |= {_EMBED[0]: (cfg.vocab_size, e), _FINAL_NORM[0]: (e,)}
+    if not cfg.tie_embeddings:
+        shapes[_OUTPUT[0]] = (cfg.vocab_size, e)
+    return shapes
+
+
+def _check_shapes(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> None:
+    expected = torch_shapes(cfg)
+    if set(sd) != set(expected):
+        raise KeyError(f"torch weights: missing {sorted(set(expected) - set(sd))}, "
+                       f"unexpected {sorted(set(sd) - set(expected))}")
+    bad = {k: (tuple(sd[k].shape), s) for k, s in expected.items() if tuple(sd[k].shape) != s}
+    if bad:
+        raise ValueError(f"torch weights with wrong shapes (got, expected): {bad}")

@@ -1,0 +1,139 @@
+"""From a recipe's data and method sections to two-stream micro-batches, for every engine.
+
+The tokenizer and the packed datasets come from `data/`; the order of each sequence comes from
+the recipe's order policy through `core.streams`. Orders are drawn from a generator seeded by
+(seed, data-parallel rank, consumed samples), so every tensor- and pipeline-parallel rank of one
+data-parallel replica builds the very same batch, and a resumed run draws the orders it would
+have drawn without the interruption.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from setdiff_megatron.core.orders import OrderPolicy, make_order_policy
+from setdiff_megatron.core.streams import TwoStreamBatch, sample_two_stream_batch
+from setdiff_megatron.data.corpus import DefaultCorpus
+from setdiff_megatron.data.preprocess import TOKENIZER_SUBDIR
+from setdiff_megatron.data.samples import PackedSamples, ResumableLoader, build_packed_datasets
+from setdiff_megatron.data.tokenizers import SetDiffTokenizer, load_tokenizer
+from setdiff_megatron.recipes.schema import MethodSection, Recipe
+
+__all__ = ["TrainingData", "order_policy_from", "prepare_data", "DataLoaders"]
+
+
+def order_policy_from(method: MethodSection) -> OrderPolicy:
+    if method.order == "staggered":
+        return make_order_policy("staggered", d=method.d, m=method.m, k=method.k, b=method.b)
+    if method.order == "block":
+        return make_order_policy("block", size=method.block_size)
+    return make_order_policy(method.order)
+
+
+@dataclass
+class TrainingData:
+    tokenizer: SetDiffTokenizer
+    train: PackedSamples
+    valid: PackedSamples | None
+
+
+def data_dir(recipe: Recipe) -> Path:
+    return Path(recipe.data.cache_dir or Path(recipe.checkpoint.dir) / "data")
+
+
+def prepare_data(recipe: Recipe, *, num_train_samples: int, num_valid_samples: int,
+                 is_first_rank: bool, barrier=lambda: None) -> TrainingData:
+    """Tokenizer and packed train/valid samples. The first rank prepares the built-in corpus while
+    the others wait at `barrier`; megatron's builder orders the index caches the same way."""
+    data, cache = recipe.data, data_dir(recipe)
+    builtin = [d.path for d in data.datasets] == ["stdlib"]
+    if builtin:
+        from setdiff_megatron.data.corpus import prepare_default_corpus
+
+        corpus_dir = cache / f"stdlib-bpe{data.vocab_size}"
+        if is_first_rank:
+            corpus = prepare_default_corpus(corpus_dir, data.vocab_size, progress=True)
+        barrier()
+        if not is_first_rank:  # reads only: the first rank wrote every file before the barrier
+            corpus = DefaultCorpus(corpus_dir, corpus_dir / TOKENIZER_SUBDIR, corpus_dir / "train", corpus_dir / "valid")
+        tokenizer = load_tokenizer(corpus.tokenizer_dir)
+        train_sets = [(corpus.train_prefix, 1.0)]
+        splits = {"train": ("100,0,0", [corpus.train_prefix]), "valid": ("0,100,0", [corpus.valid_prefix])}
+    else:
+        tokenizer = load_tokenizer(data.tokenizer)
+        train_sets = [(Path(d.path), d.weight) for d in data.datasets]
+        splits = {"all": (data.split, [p for p, _ in train_sets])}
+
+    def build(split: str, prefixes: list[Path]) -> dict[str, PackedSamples | None]:
+        weights = [w for p, w in train_sets if p in prefixes] if len(prefixes) > 1 else None
+        return build_packed_datasets(
+            prefixes, tokenizer, sequence_length=data.seq_len, cache_dir=cache / "index",
+            num_samples=(num_train_samples, num_valid_samples, 0), split=split, weights=weights,
+            seed=recipe.train.seed, prepend_bos=recipe.method.keep_clean_bos,
+        )
+
+    # Every rank builds; megatron's builder lets rank 0 write the index caches first.
+    built = {name: build(*args) for name, args in splits.items()}
+    if builtin:
+        return TrainingData(tokenizer, built["train"]["train"], built["valid"]["valid"])
+    return TrainingData(tokenizer, built["all"]["train"], built["all"]["valid"])
+
+
+class DataLoaders:
+    """Per-step lists of two-stream micro-batches for one data-parallel rank."""
+
+    def __init__(self, recipe: Recipe, data: TrainingData, *, dp_rank: int, dp_size: int,
+                 consumed_samples: int = 0, device: torch.device | str = "cpu"):
+        self.recipe, self.data, self.device = recipe, data, torch.device(device)
+        self.policy = order_policy_from(recipe.method)
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        mbs = recipe.parallel.micro_batch_size
+        self.num_microbatches = recipe.parallel.global_batch_size // (mbs * dp_size)
+        self.train = ResumableLoader(data.train, micro_batch_size=mbs, consumed_samples=consumed_samples,
+                                     dp_rank=dp_rank, dp_size=dp_size, num_workers=recipe.data.num_workers)
+        self._train_iter: Iterator | None = None
+
+    @property
+    def consumed_samples(self) -> int:
+        return self.train.consumed_samples
+
+    def _two_stream(self, sample: dict, generator: torch.Generator) -> TwoStreamBatch:
+        tokens = sample["tokens"].to(self.device)
+        return sample_two_stream_batch(
+            tokens, self.policy, mask_token_id=self.data.tokenizer.mask_id,
+            prompt_mask=sample["prompt_mask"].to(self.device), pad_mask=sample["pad_mask"].to(self.device),
+            generator=generator,
+        )
+
+    def _generator(self, tag: int, position: int) -> torch.Generator:
+        seed = hash((self.recipe.train.seed, tag, self.dp_rank, position)) % (2**63)
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    def next_step(self) -> list[TwoStreamBatch]:
+        """The micro-batches of this rank's share of the next global batch."""
+        if self._train_iter is None:
+            self._train_iter = iter(self.train)
+        batches = []
+        for _ in range(self.num_microbatches):
+            generator = self._generator(0, self.train.consumed_samples)
+            try:
+                sample = next(self._train_iter)
+            except StopIteration:
+                raise RuntimeError("the training dataset ran out of samples; it was built for fewer steps") from None
+            batches.append(self._two_stream(sample, generator))
+        return batches
+
+    def valid_batches(self, num_batches: int) -> list[TwoStreamBatch]:
+        """The same held-out micro-batches and orders at every evaluation, so curves compare."""
+        if self.data.valid is None:
+            return []
+        loader = ResumableLoader(self.data.valid, micro_batch_size=self.recipe.parallel.micro_batch_size,
+                                 dp_rank=self.dp_rank, dp_size=self.dp_size)
+        out = []
+        for i, sample in zip(range(num_batches), loader):
+            out.append(self._two_stream(sample, self._generator(1, i)))
+        return out

@@ -1,0 +1,185 @@
+"""CPU mode: lets megatron-core's CUDA-only calls run on the CPU (gloo) when no GPU is present.
+
+megatron-core 0.16 assumes a GPU throughout: it allocates with `device="cuda"` or
+`torch.cuda.current_device()`, calls `.cuda()`, `pin_memory=True` and `torch.cuda.synchronize()`,
+type-checks parameters against `torch.cuda.*Tensor` names and keeps its RNG streams in CUDA
+generators. This module patches exactly those points (../shared/MEGATRON_CPU.md lists what was
+seen to need them) and nothing else. It is switched on once per process, before megatron builds
+anything, and only where `torch.cuda.is_available()` is False; on a GPU machine it refuses.
+
+What it does not do: streams, CUDA graphs, NCCL, fused kernels (TE, apex, apply_rope_fusion,
+gradient_accumulation_fusion) stay unavailable; the device redirect is pushed on the calling
+thread only, so megatron code run from other threads (async checkpoint writers) does not see it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode, redispatch_function
+
+__all__ = ["auto_cpu_mode", "cpu_mode_enabled", "dist_backend", "enable_cpu_mode", "model_parallel_seed"]
+
+_CPU = torch.device("cpu")
+_STATE: dict[str, Any] = {"mode": None}
+
+
+def _is_cuda(device: Any) -> bool:
+    """A CUDA device as megatron spells it: "cuda[:n]", torch.device("cuda"), or a bare ordinal."""
+    if isinstance(device, bool):
+        return False
+    if isinstance(device, int):
+        return True
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+def _cpu_type_name(name: str) -> str:
+    return name.replace("torch.cuda.", "torch.")
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA device arguments of every torch call to the CPU."""
+
+    # A mode is switched off while its own handler runs; these calls run user code (backward
+    # hooks, activation recompute) that must meet the mode again, so they re-enter it.
+    _REENTRANT = frozenset({torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad})
+    # .cuda() and .pin_memory() have no CPU meaning: the tensor already lives where it will be used.
+    _IDENTITY = frozenset({torch.Tensor.cuda, torch.Tensor.pin_memory})
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in self._REENTRANT:
+            with self:
+                return redispatch_function(func, types, args, kwargs)
+        if func in self._IDENTITY:
+            return args[0]
+        if func is torch.Tensor.type:
+            return self._tensor_type(args, kwargs)
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = _CPU
+        # Pinned host memory needs a CUDA context; on CPU it would only fail.
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        if func is torch.Tensor.to:
+            args = tuple(_CPU if i > 0 and _is_cuda(a) else a for i, a in enumerate(args))
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def _tensor_type(args, kwargs):
+        """`t.type()` reports the torch.cuda.* name megatron's optimizers and grad clipping
+        check for; `t.type("torch.cuda.X")` converts to the CPU type of the same dtype."""
+        tensor, rest = args[0], args[1:]
+        if not rest and "dtype" not in kwargs:
+            return torch.Tensor.type(tensor).replace("torch.", "torch.cuda.", 1)
+        rest = tuple(_cpu_type_name(a) if isinstance(a, str) else a for a in rest)
+        if isinstance(kwargs.get("dtype"), str):
+            kwargs["dtype"] = _cpu_type_name(kwargs["dtype"])
+        return torch.Tensor.type(tensor, *rest, **kwargs)
+
+
+def _cpu_rng_state(device: Any = None, clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    """Replaces megatron's _get_cuda_rng_state: activation recompute saves "the CUDA state"."""
+    return torch.get_rng_state()
+
+
+def _set_cpu_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
+    """Replaces megatron's _set_cuda_rng_state: recompute restores it before re-running dropout."""
+    torch.set_rng_state(new_state)
+
+
+def _cpu_tracker_class():
+    from megatron.core.tensor_parallel import random as mp_random
+
+    class CpuRNGStatesTracker(mp_random.CudaRNGStatesTracker):
+        """Megatron's named RNG streams (model-parallel, data-parallel, expert) kept as CPU
+        generator states; `fork` swaps one in around dropout in tensor-parallel regions."""
+
+        def add(self, name: str, seed: int) -> None:
+            if seed in self.seeds_:
+                raise ValueError(f"seed {seed} already exists")
+            if name in self.states_:
+                raise ValueError(f"rng state {name} already exists")
+            self._is_initialized = True
+            self.seeds_.add(seed)
+            self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+        @contextlib.contextmanager
+        def fork(self, name: str = mp_random._MODEL_PARALLEL_RNG_TRACKER_NAME) -> Iterator[None]:
+            if name not in self.states_:
+                raise ValueError(f"rng state {name} is not added")
+            outer = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(outer)
+
+    return CpuRNGStatesTracker
+
+
+def enable_cpu_mode() -> None:
+    """Install every CPU shim; idempotent. Call before megatron builds a model or an optimizer."""
+    if _STATE["mode"] is not None:
+        return
+    if torch.cuda.is_available():
+        raise RuntimeError("CPU mode is for machines without a GPU; this one has CUDA devices")
+    from megatron.core.tensor_parallel import random as mp_random
+
+    # Megatron allocates on torch.cuda.current_device(); the CPU device makes those calls work as is.
+    torch.cuda.current_device = lambda: _CPU
+    # p2p communication and checkpoint writers wait for kernels; CPU ops are already complete.
+    torch.cuda.synchronize = lambda device=None: None
+    mp_random._get_cuda_rng_state = _cpu_rng_state
+    mp_random._set_cuda_rng_state = _set_cpu_rng_state
+    # Megatron's tracker slot, marked initialised, so get_cuda_rng_tracker() never builds a CUDA one.
+    mp_random._CUDA_RNG_STATE_TRACKER = _cpu_tracker_class()()
+    mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    mode = _CudaToCpuMode()
+    mode.__enter__()  # held for the life of the process: megatron calls CUDA APIs at any time
+    _STATE["mode"] = mode
+
+
+def auto_cpu_mode() -> bool:
+    """Enable CPU mode when there is no GPU; return whether it is on. Never touches a GPU run."""
+    if not torch.cuda.is_available():
+        enable_cpu_mode()
+    return cpu_mode_enabled()
+
+
+def cpu_mode_enabled() -> bool:
+    return _STATE["mode"] is not None
+
+
+def dist_backend() -> str:
+    """The torch.distributed backend for this machine: gloo in CPU mode, NCCL on GPUs."""
+    return "gloo" if cpu_mode_enabled() else "nccl"
+
+
+def model_parallel_seed(seed: int) -> None:
+    """Seed the default generator and megatron's named RNG streams, per tensor-parallel rank.
+
+    Mirrors megatron's `model_parallel_cuda_manual_seed`, which only seeds CUDA generators: the
+    default (data-parallel) stream gets `seed`, the model-parallel stream `seed + 2718 + tp_rank`
+    (different dropout masks on different TP shards), the expert stream
+    `seed + 1024 + 100 * ep_rank + etp_rank`. Call after parallel_state is initialised.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as mp_random
+
+    torch.manual_seed(seed)
+    if not auto_cpu_mode():
+        mp_random.model_parallel_cuda_manual_seed(seed)
+        return
+    tracker = mp_random.get_cuda_rng_tracker()
+    tracker.reset()
+    tracker.add(mp_random._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+    tracker.add(mp_random._MODEL_PARALLEL_RNG_TRACKER_NAME,
+                seed + 2718 + parallel_state.get_tensor_model_parallel_rank())
+    tracker.add(mp_random._EXPERT_PARALLEL_RNG_TRACKER_NAME,
+                seed + 1024 + 100 * parallel_state.get_expert_model_parallel_rank()
+                + parallel_state.get_expert_tensor_parallel_rank())

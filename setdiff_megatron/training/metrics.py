@@ -1,0 +1,104 @@
+"""Where training metrics go: the console (a progress bar), TensorBoard and Weights & Biases.
+
+Only the last rank logs (it holds the loss in pipeline parallelism); every other rank gets a
+logger that drops everything, so the loop never branches on the rank. Also the arithmetic of
+throughput: tokens/s and a model-FLOPs-utilisation estimate.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from setdiff_megatron.errors import require
+from setdiff_megatron.models.config import ModelConfig
+from setdiff_megatron.recipes.schema import LogSection
+
+__all__ = ["MetricsLogger", "training_flops_per_token", "peak_flops"]
+
+
+def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Model FLOPs per sequence token of one training step (forward + backward = 3 x forward).
+
+    An example of L tokens runs 2L tokens (clean + query stream) through every weight matmul;
+    set-causal attention does about L^2 useful score entries per head over both streams
+    (KERNELS.md 3), each costing 2 FLOPs in QK^T and 2 in PV per head dimension; the output
+    layer runs on the query stream only.
+    """
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    h = cfg.hidden_size
+    weights_per_layer = h * q + 2 * h * kv + q * h + 3 * h * cfg.intermediate_size
+    per_example = cfg.num_layers * (2 * seq_len * 2 * weights_per_layer + 4 * seq_len**2 * q)
+    per_example += seq_len * 2 * h * cfg.vocab_size
+    return 3.0 * per_example / seq_len
+
+
+# Dense BF16 peak FLOP/s by device name, for the MFU estimate; other devices report TFLOP/s only.
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
+
+
+def peak_flops(device_name: str | None) -> float | None:
+    if device_name is None:
+        return None
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in device_name), None)
+
+
+class MetricsLogger:
+    def __init__(self, section: LogSection, out_dir: Path, *, total_steps: int, start_step: int,
+                 enabled: bool, run_name: str, config: dict[str, Any]):
+        self.enabled = enabled
+        self.interval = section.interval
+        self._bar = self._tb = self._wandb = None
+        self._jsonl = None
+        if not enabled:
+            return
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = (out_dir / "metrics.jsonl").open("a")
+        if section.console:
+            self._bar = tqdm(total=total_steps, initial=start_step, desc=run_name, unit="step", dynamic_ncols=True)
+        if section.tensorboard:
+            tensorboard = require("torch.utils.tensorboard", "tensorboard", "TensorBoard logging (log.tensorboard)")
+            self._tb = tensorboard.SummaryWriter(log_dir=str(out_dir / "tensorboard"))
+        if section.wandb is not None:
+            wandb = require("wandb", "wandb", "Weights & Biases logging (log.wandb)")
+            self._wandb = wandb.init(project=section.wandb.project, entity=section.wandb.entity,
+                                     mode=section.wandb.mode, name=run_name, dir=str(out_dir), config=config)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        self._jsonl.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            for key, value in metrics.items():
+                self._tb.add_scalar(key, value, step)
+        if self._wandb is not None:
+            self._wandb.log(metrics, step=step)
+        if self._bar is not None:
+            shown = {k.split("/")[-1]: f"{v:.4g}" for k, v in metrics.items() if k in _BAR_KEYS}
+            self._bar.set_postfix(shown, refresh=False)
+
+    def advance(self, steps: int = 1) -> None:
+        if self._bar is not None:
+            self._bar.update(steps)
+
+    def message(self, text: str) -> None:
+        if self.enabled:
+            (self._bar.write if self._bar is not None else print)(text)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+        if self._jsonl is not None:
+            self._jsonl.close()
+
+
+_BAR_KEYS = ("train/loss", "valid/loss", "train/lr", "perf/tokens_per_s")

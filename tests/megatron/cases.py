@@ -1,0 +1,62 @@
+"""Shared fixtures of the megatron tests and their worker processes: one config, one set of batches.
+
+Workers are separate processes (megatron's CPU mode patches torch for the life of a process, and
+parallel layouts need several ranks), so they rebuild these from fixed seeds rather than receive
+them; every rank builds the same weights and batches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from setdiff_megatron.core.orders import Staggered
+from setdiff_megatron.core.streams import TwoStreamBatch, sample_two_stream_batch
+from setdiff_megatron.models.config import ModelConfig
+from setdiff_megatron.models.torch_model import SetDiffusionTransformer
+from tests.conftest import debug_config
+
+ROOT = Path(__file__).parents[2]
+LENGTH = 16
+MICRO_BATCH = 2
+NUM_MICROBATCHES = 4
+
+
+def parallel_config(**changes) -> ModelConfig:
+    """4 layers so that PP=2 with 2 virtual stages has a layer per chunk; q/k norm and GQA on."""
+    return debug_config(num_layers=4, qk_norm=True, **changes)
+
+
+def reference_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    return SetDiffusionTransformer(cfg).state_dict()
+
+
+def batches(cfg: ModelConfig, count: int = NUM_MICROBATCHES, seed: int = 0) -> list[TwoStreamBatch]:
+    """Micro-batches in sampled orders; the second row of each is padded at its last 4 ranks."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        tokens = torch.randint(0, cfg.mask_token_id, (MICRO_BATCH, LENGTH), generator=gen)
+        pad = torch.zeros_like(tokens, dtype=torch.bool)
+        pad[1, -4:] = True
+        out.append(sample_two_stream_batch(tokens, Staggered(d=4), mask_token_id=cfg.mask_token_id,
+                                           pad_mask=pad, generator=gen))
+    return out
+
+
+def run_worker(module: str, out: Path, nproc: int = 1, timeout: float = 240) -> dict:
+    """Run `python -m module out` (under torchrun when nproc > 1) and return the JSON it wrote."""
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+                if nproc > 1 else [sys.executable])
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([*launcher, "-m", module, str(out)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    if proc.returncode != 0 or not out.exists():
+        raise AssertionError(f"{module} failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return json.loads(out.read_text())

@@ -1,0 +1,156 @@
+"""Two-rank worker (torchrun, gloo, CPU): megatron layouts against TP=1/PP=1, and the distributed
+optimizer against the plain one. Rank 0 writes the measured differences as JSON; the tests in
+test_parallel_parity.py hold the tolerances.
+
+Every layout goes through the real training path: megatron DDP, get_forward_backward_func() over
+NUM_MICROBATCHES micro-batches, finalize_model_grads with per-token loss. Gradients of all ranks
+are merged into torch-model names by the weight map, so one comparison covers every split.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from setdiff_megatron.models.megatron_model import (
+    build_model_chunks,
+    forward_step,
+    pipeline_seq_length,
+    transformer_config_from,
+)
+from setdiff_megatron.models.weight_maps import megatron_to_torch, torch_to_megatron
+from setdiff_megatron.training.megatron_cpu import auto_cpu_mode, dist_backend, model_parallel_seed
+from tests.megatron.cases import LENGTH, MICRO_BATCH, batches, parallel_config, reference_weights
+
+warnings.filterwarnings("ignore")
+
+LAYOUTS = {
+    "tp2": dict(tp=2),
+    "tp2_sp": dict(tp=2, sequence_parallel=True),
+    "tp2_sp_selective_recompute": dict(tp=2, sequence_parallel=True, recompute="selective"),
+    "tp2_sp_full_recompute": dict(tp=2, sequence_parallel=True, recompute="full"),
+    "pp2": dict(pp=2),
+    "pp2_vpp2": dict(pp=2, vpp=2),
+}
+
+
+def _init(tp: int = 1, pp: int = 1, vpp: int | None = None) -> None:
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vpp)
+    model_parallel_seed(1234)
+
+
+def _ddp_chunks(cfg, weights, tc, *, use_distributed_optimizer: bool = False):
+    """Model chunks of this rank loaded with `weights` and wrapped in megatron DDP."""
+    tp_rank, pp_rank = (parallel_state.get_tensor_model_parallel_rank(),
+                        parallel_state.get_pipeline_model_parallel_rank())
+    vpp = tc.virtual_pipeline_model_parallel_size
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                               use_distributed_optimizer=use_distributed_optimizer)
+    chunks = []
+    for vp_stage, chunk in enumerate(build_model_chunks(cfg, tc)):
+        chunk.load_state_dict(torch_to_megatron(
+            weights, cfg, tp_rank=tp_rank, tp_size=tc.tensor_model_parallel_size, pp_rank=pp_rank,
+            pp_size=tc.pipeline_model_parallel_size, vp_size=vpp, vp_stage=vp_stage if vpp else None))
+        chunks.append(DistributedDataParallel(tc, ddp_config, chunk))
+    tc.finalize_model_grads_func = finalize_model_grads
+    return chunks
+
+
+def _train_step(chunks, data) -> tuple[list[float], str]:
+    """One forward/backward over `data` (a list of micro-batches); per-micro-batch losses."""
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+    schedule = get_forward_backward_func()
+    reports = schedule(forward_step_func=forward_step, data_iterator=[iter(data) for _ in chunks],
+                       model=chunks, num_microbatches=len(data), seq_length=pipeline_seq_length(LENGTH),
+                       micro_batch_size=MICRO_BATCH)
+    return [(r["lm loss"][0] / r["lm loss"][1]).item() for r in reports], schedule.__name__
+
+
+def _merged(per_chunk: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Tensors of every rank's chunks, merged into torch-model names by the weight map."""
+    key = (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank())
+    vpp = len(per_chunk) > 1
+    mine = {key + ((v,) if vpp else ()): sd for v, sd in enumerate(per_chunk)}
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return megatron_to_torch({k: sd for shards in gathered for k, sd in shards.items()}, parallel_config())
+
+
+def _losses_everywhere(losses: list[float]) -> list[float]:
+    """The last pipeline stage's losses (other stages report none), on every rank."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, losses)
+    return next(g for g in gathered if g)
+
+
+def run_layout(cfg, weights, data, *, tp=1, pp=1, vpp=None, sequence_parallel=False, recompute="none"):
+    """Per-micro-batch losses, merged gradients and the schedule's name for one layout."""
+    _init(tp, pp, vpp)
+    tc = transformer_config_from(cfg, tp=tp, pp=pp, vpp=vpp, sequence_parallel=sequence_parallel,
+                                 recompute=recompute)
+    chunks = _ddp_chunks(cfg, weights, tc)
+    losses, schedule = _train_step(chunks, data)
+    grads = _merged([{n: p.main_grad for n, p in c.module.named_parameters()} for c in chunks])
+    return _losses_everywhere(losses), grads, schedule
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def optimizer_params(cfg, weights, data, *, use_distributed_optimizer: bool, steps: int = 3):
+    """Parameters after `steps` Adam steps at DP=2, each rank on its own micro-batches."""
+    _init()
+    tc = transformer_config_from(cfg)
+    chunks = _ddp_chunks(cfg, weights, tc, use_distributed_optimizer=use_distributed_optimizer)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, clip_grad=1.0,
+                        use_distributed_optimizer=use_distributed_optimizer), chunks)
+    rank, per_rank = dist.get_rank(), len(data) // (2 * steps)
+    for step in range(steps):
+        first = (2 * step + rank) * per_rank
+        optimizer.zero_grad()
+        _train_step(chunks, data[first: first + per_rank])
+        ok, grad_norm, _ = optimizer.step()
+        assert ok and grad_norm > 0
+    return {n: p.detach().clone() for n, p in chunks[0].module.named_parameters()}
+
+
+def main(out: Path) -> None:
+    auto_cpu_mode()
+    dist.init_process_group(dist_backend())
+    cfg = parallel_config()
+    weights, data = reference_weights(cfg), batches(cfg)
+    ref_losses, ref_grads, _ = run_layout(cfg, weights, data)
+    grad_scale = max(g.abs().max().item() for g in ref_grads.values())
+    results = {"reference": {"losses": ref_losses, "grad_scale": grad_scale}}
+    for name, layout in LAYOUTS.items():
+        losses, grads, schedule = run_layout(cfg, weights, data, **layout)
+        results[name] = {"loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+                         "num_losses": len(losses), "grad_diff": _max_diff(grads, ref_grads),
+                         "schedule": schedule}
+
+    opt_data = batches(cfg, count=12, seed=1)
+    plain = _merged([optimizer_params(cfg, weights, opt_data, use_distributed_optimizer=False)])
+    distributed = _merged([optimizer_params(cfg, weights, opt_data, use_distributed_optimizer=True)])
+    results["distributed_optimizer"] = {"param_diff": _max_diff(plain, distributed),
+                                        "param_change": _max_diff(plain, weights)}
+    if dist.get_rank() == 0:
+        out.write_text(json.dumps(results, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

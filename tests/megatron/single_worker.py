@@ -1,0 +1,164 @@
+"""One-rank worker (gloo, world size 1): the CPU compatibility layer, and the megatron model
+against the torch model through the weight map. CPU mode patches torch for the life of a process,
+so these checks run here rather than in the pytest process. The JSON it writes holds observations;
+test_cpu_compat.py and test_torch_parity.py hold the expectations.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import get_cuda_rng_tracker
+from megatron.core.tensor_parallel import random as mp_random
+
+from setdiff_megatron.core.loss import set_diffusion_loss
+from setdiff_megatron.models.megatron_model import build_model_chunks, loss_func, transformer_config_from
+from setdiff_megatron.models.torch_model import SetDiffusionTransformer
+from setdiff_megatron.models.weight_maps import megatron_to_torch, torch_to_megatron
+from setdiff_megatron.training import megatron_cpu
+from tests.conftest import debug_config
+from tests.megatron.cases import batches, reference_weights
+
+warnings.filterwarnings("ignore")
+
+
+class _AllocatesInBackward(torch.autograd.Function):
+    """Backward allocates on "cuda", as megatron's recomputed forward does during backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * torch.full((1,), 2.0, device="cuda")
+
+
+def device_redirect() -> dict:
+    x = torch.ones(3)
+    y = torch.zeros(2, device=torch.cuda.current_device(), pin_memory=True)
+    torch.cuda.synchronize()
+    return {
+        "factory_device": str(torch.zeros(2, device="cuda").device),
+        "ordinal_device": str(torch.tensor([1.0], device=0).device),
+        "current_device_alloc": str(y.device),
+        "cuda_is_identity": x.cuda() is x and x.pin_memory() is x,
+        "to_cuda": str(x.to("cuda:0").device),
+        "to_cuda_dtype": str(x.to("cuda", torch.float64).dtype),
+        "type_fp32": x.type(),
+        "type_bf16": x.bfloat16().type(),
+        "type_convert": str(x.type("torch.cuda.HalfTensor").dtype),
+        "backend": megatron_cpu.dist_backend(),
+    }
+
+
+def backward_reentry() -> dict:
+    x = torch.ones(2, requires_grad=True)
+    _AllocatesInBackward.apply(x).sum().backward()
+    (g,) = torch.autograd.grad(_AllocatesInBackward.apply(x).sum(), x)
+    return {"backward": x.grad.tolist(), "autograd_grad": g.tolist()}
+
+
+def rng_tracker(seed: int = 7) -> dict:
+
+    megatron_cpu.model_parallel_seed(seed)
+    tracker = get_cuda_rng_tracker()
+    default_expected = torch.Generator().manual_seed(seed)
+    tp_expected = torch.Generator().manual_seed(seed + 2718)
+    before = torch.rand(3)
+    with tracker.fork():
+        in_fork = torch.rand(3)
+    after = torch.rand(3)
+    with tracker.fork():
+        in_second_fork = torch.rand(3)
+    default_ref = torch.rand(6, generator=default_expected)
+    tp_ref = torch.rand(6, generator=tp_expected)
+    return {
+        "tracker_class": type(tracker).__name__,
+        "names": sorted(tracker.get_states()),
+        "default_stream_untouched": torch.equal(torch.cat([before, after]), default_ref),
+        "fork_uses_tp_seed": torch.equal(torch.cat([in_fork, in_second_fork]), tp_ref),
+        "cuda_state_is_cpu_state": torch.equal(mp_random._get_cuda_rng_state(), torch.get_rng_state()),
+    }
+
+
+def _megatron_model(cfg, dtype=torch.float32, **config_changes):
+    (model,) = build_model_chunks(cfg, transformer_config_from(cfg, params_dtype=dtype, **config_changes))
+    return model
+
+
+def recompute_with_dropout() -> dict:
+    """Full and selective recompute replay dropout exactly: the RNG shims restore CPU states."""
+    cfg = debug_config()
+    weights, (batch,) = reference_weights(cfg), batches(cfg, count=1)
+    variants = {"none": dict(hidden_dropout=0.2), "selective": dict(hidden_dropout=0.2, recompute="selective"),
+                "full": dict(hidden_dropout=0.2, recompute="full"), "no_dropout": {}}
+    runs = {}
+    for name, changes in variants.items():
+        megatron_cpu.model_parallel_seed(5)
+        model = _megatron_model(cfg, **changes)
+        model.load_state_dict(torch_to_megatron(weights, cfg))
+        nll = model(batch.clean_tokens, batch.query_tokens, batch.position_ids, valid_len=batch.valid_len,
+                    targets=batch.targets)
+        nll_sum, num_tokens, _ = loss_func(batch.loss_mask, nll)
+        (nll_sum / num_tokens).backward()
+        runs[name] = (nll_sum.item() / num_tokens.item(), {n: p.grad for n, p in model.named_parameters()})
+    ref_loss, ref_grads = runs.pop("none")
+    return {name: {"loss_diff": abs(loss - ref_loss),
+                   "grad_diff": max((g - ref_grads[k]).abs().max().item() for k, g in grads.items())}
+            for name, (loss, grads) in runs.items()}
+
+
+def torch_parity() -> dict:
+    """Query logits, loss and gradients of both bodies on the same weights, batch and order."""
+    variants = {"tied_fused": {}, "untied_qknorm_sdpa": dict(tie_embeddings=False, qk_norm=True, attention_impl="sdpa"),
+                "gqa1_dense": dict(num_kv_heads=1, attention_impl="dense")}
+    out = {}
+    for dtype in (torch.float32, torch.float64):
+        for name, changes in variants.items():
+            cfg = debug_config(**changes)
+            torch.manual_seed(0)
+            ref = SetDiffusionTransformer(cfg).to(dtype)
+            model = _megatron_model(cfg, dtype)
+            model.load_state_dict(torch_to_megatron(ref.state_dict(), cfg))
+            batch = batches(cfg, count=1)[0]
+            args = (batch.clean_tokens, batch.query_tokens, batch.position_ids)
+            ref_logits = ref(*args, batch.valid_len)
+            ref_loss = set_diffusion_loss(ref_logits, batch.targets, batch.loss_mask, mask_token_id=cfg.mask_token_id).loss
+            ref_loss.backward()
+            logits = model(*args, valid_len=batch.valid_len)
+            nll_sum, num_tokens, _ = loss_func(batch.loss_mask, model(*args, valid_len=batch.valid_len, targets=batch.targets))
+            loss = nll_sum / num_tokens
+            loss.backward()
+            grads = megatron_to_torch({(0, 0): {n: p.grad for n, p in model.named_parameters()}}, cfg)
+            ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+            out[f"{name}_{str(dtype).removeprefix('torch.')}"] = {
+                "logits_shape": list(logits.shape), "ref_shape": list(ref_logits.shape),
+                "logits_diff": (logits - ref_logits).abs().max().item(),
+                "loss_diff": abs(loss.item() - ref_loss.item()),
+                "grad_diff": max((grads[k] - g).abs().max().item() for k, g in ref_grads.items()),
+            }
+    return out
+
+
+def main(out: Path) -> None:
+    megatron_cpu.enable_cpu_mode()
+    megatron_cpu.enable_cpu_mode()  # idempotent
+    store = dist.FileStore(str(out.with_suffix(".store")), 1)  # no port to pick for one rank
+    dist.init_process_group(megatron_cpu.dist_backend(), store=store, rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    results = {"auto_cpu_mode": megatron_cpu.auto_cpu_mode()}
+    for check in (device_redirect, backward_reentry, rng_tracker, recompute_with_dropout, torch_parity):
+        results[check.__name__] = check()
+    out.write_text(json.dumps(results, indent=1))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

@@ -1,0 +1,91 @@
+"""Weight maps torch <-> megatron: round trips over TP/PP/VP splits, megatron's fused layouts,
+vocabulary padding, tied embeddings, and refusal of incomplete or mis-shaped weights."""
+
+import itertools
+
+import pytest
+import torch
+
+from setdiff_megatron.models.torch_model import SetDiffusionTransformer
+from setdiff_megatron.models.weight_maps import (
+    megatron_to_torch,
+    padded_vocab_size,
+    stage_layers,
+    torch_to_megatron,
+)
+from tests.conftest import debug_config
+
+
+def _weights(**changes):
+    cfg = debug_config(num_layers=4, **changes)
+    torch.manual_seed(0)
+    return cfg, SetDiffusionTransformer(cfg).state_dict()
+
+
+def _split(sd, cfg, tp, pp, vp=None, backend="local"):
+    return {(t, p) + ((v,) if vp else ()): torch_to_megatron(
+                sd, cfg, tp_rank=t, tp_size=tp, pp_rank=p, pp_size=pp, vp_size=vp, vp_stage=v if vp else None,
+                backend=backend)
+            for t in range(tp) for p in range(pp) for v in range(vp or 1)}
+
+
+@pytest.mark.parametrize("tie,qk_norm,backend", list(itertools.product([True, False], [True, False], ["local", "te"])))
+@pytest.mark.parametrize("tp,pp,vp", [(1, 1, None), (2, 1, None), (2, 2, None), (1, 2, 2), (2, 2, 2)])
+def test_round_trip_is_exact(tie, qk_norm, backend, tp, pp, vp):
+    cfg, sd = _weights(tie_embeddings=tie, qk_norm=qk_norm)
+    back = megatron_to_torch(_split(sd, cfg, tp, pp, vp, backend), cfg, backend=backend)
+    assert back.keys() == sd.keys()
+    assert all(torch.equal(back[k], sd[k]) for k in sd)
+
+
+def test_fused_qkv_and_fc1_follow_megatron_layout():
+    cfg, sd = _weights()  # 4 heads, 2 KV groups, head dim 16
+    d, i = cfg.head_dim, cfg.intermediate_size
+    q, k, v = (sd[f"layers.0.self_attn.{n}_proj.weight"] for n in "qkv")
+    for tp_rank in range(2):
+        shard = torch_to_megatron(sd, cfg, tp_rank=tp_rank, tp_size=2)
+        # TP rank r holds KV group r: its two query heads, then its key, then its value.
+        expected = torch.cat([q[2 * d * tp_rank: 2 * d * (tp_rank + 1)], k[d * tp_rank: d * (tp_rank + 1)],
+                              v[d * tp_rank: d * (tp_rank + 1)]])
+        assert torch.equal(shard["decoder.layers.0.self_attention.linear_qkv.weight"], expected)
+        half = slice(i // 2 * tp_rank, i // 2 * (tp_rank + 1))
+        gate_up = torch.cat([sd["layers.0.mlp.gate_proj.weight"][half], sd["layers.0.mlp.up_proj.weight"][half]])
+        assert torch.equal(shard["decoder.layers.0.mlp.linear_fc1.weight"], gate_up)
+
+
+def test_vocab_is_padded_with_zero_rows_and_tied_output_lives_on_the_last_stage():
+    cfg, sd = _weights()
+    assert padded_vocab_size(64, 1) == padded_vocab_size(64, 2) == 128
+    assert padded_vocab_size(50258, 8) == 50304 and padded_vocab_size(129, 3) == 384
+    first, last = (torch_to_megatron(sd, cfg, tp_rank=1, tp_size=2, pp_rank=p, pp_size=2) for p in range(2))
+    assert torch.count_nonzero(first["embedding.word_embeddings.weight"]) == 0  # rank 1: rows 64..127
+    assert torch.equal(last["output_layer.weight"], first["embedding.word_embeddings.weight"])
+    assert "output_layer.weight" not in torch_to_megatron(sd, cfg)  # pp == 1 shares the embedding itself
+
+
+def test_stage_layers_follow_megatrons_even_and_interleaved_split():
+    assert [list(stage_layers(4, 2, r)) for r in range(2)] == [[0, 1], [2, 3]]
+    assert [list(stage_layers(8, 2, r, 2, v)) for v in range(2) for r in range(2)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    with pytest.raises(ValueError, match="divide evenly"):
+        stage_layers(4, 3, 0)
+
+
+def test_incomplete_or_misshaped_weights_are_refused():
+    cfg, sd = _weights()
+    with pytest.raises(KeyError, match="missing"):
+        torch_to_megatron({k: t for k, t in sd.items() if k != "norm.weight"}, cfg)
+    with pytest.raises(ValueError, match="wrong shapes"):
+        torch_to_megatron({**sd, "norm.weight": torch.ones(3)}, cfg)
+    with pytest.raises(ValueError, match="divisible"):
+        torch_to_megatron(sd, cfg, tp_size=4)  # 2 KV heads over 4 ranks
+    shards = _split(sd, cfg, 2, 2)
+    with pytest.raises(KeyError, match="missing"):
+        megatron_to_torch({k: s for k, s in shards.items() if k != (1, 1)}, cfg)
+    shards[(0, 0)]["decoder.layers.0.self_attention.linear_qkv._extra_state"] = torch.zeros(0)  # TE: ignored
+    shards[(0, 0)]["decoder.layers.0.unknown.weight"] = torch.zeros(1)
+    with pytest.raises(KeyError, match="not mapped"):
+        megatron_to_torch(shards, cfg)
+    shards = _split(sd, cfg, 1, 2)
+    shards[(0, 1)]["output_layer.weight"] = shards[(0, 1)]["output_layer.weight"] + 1
+    with pytest.raises(ValueError, match="tied embedding"):
+        megatron_to_torch(shards, cfg)
