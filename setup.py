@@ -13,8 +13,9 @@ EXTRAS = {
     # dist_checkpointing (without it a save errors and then hangs).
     "megatron": ["megatron-core>=0.16.1,<0.17", "psutil", "pybind11"],
     "deepspeed": ["deepspeed>=0.16", "psutil"],
-    "hf": ["transformers>=4.45", "safetensors>=0.4", "tokenizers>=0.19"],
-    "data": ["datasets>=2.19", "pyarrow>=14"],
+    "hf": ["transformers>=4.45", "safetensors>=0.4", "tokenizers>=0.21"],
+    # Preprocessing writes megatron-core indexed datasets and packs samples with its GPTDataset.
+    "data": ["tokenizers>=0.21", "datasets>=2.19", "pyarrow>=14", "megatron-core>=0.16.1,<0.17"],
     "wandb": ["wandb>=0.17"],
     "tensorboard": ["tensorboard>=2.14"],
     # GPU only: Transformer Engine needs CUDA torch, cuDNN and nvcc. Install it yourself on a GPU
@@ -23,7 +24,8 @@ EXTRAS = {
     "te": [],
 }
 # The test suite exercises every CPU engine and format, so `dev` pulls in their extras.
-EXTRAS["dev"] = ["pytest>=8", "pytest-timeout>=2.3", *EXTRAS["megatron"], *EXTRAS["hf"], *EXTRAS["data"]]
+EXTRAS["dev"] = sorted({"pytest>=8", "pytest-timeout>=2.3", *EXTRAS["megatron"], *EXTRAS["hf"], *EXTRAS["data"],
+                        *EXTRAS["tensorboard"]})
 
 setup(
     name="setdiff-megatron",

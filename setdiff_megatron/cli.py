@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="check only the recipe itself: not its files on this machine, nor this machine's GPUs")
     validate.set_defaults(func=_recipe_validate)
 
+    # Listed for --help; `main` hands its arguments to the preprocessing tool's own parser.
+    sub.add_parser("preprocess", add_help=False, help="tokenize corpora into megatron indexed datasets (.bin/.idx)")
+
     launch = sub.add_parser("launch", help="start the processes of a recipe's launch section (torchrun)",
                             description="Validate a recipe, then start launch.nproc_per_node local processes "
                             "with torchrun, each running `setdiff train RECIPE`.")
@@ -107,6 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["preprocess"]:
+        from setdiff_megatron.data.preprocess import preprocess_main
+
+        return preprocess_main(argv[1:])
     parser = build_parser()
     # Overrides may follow options (`launch R --dry-run train.lr=1e-3`): argparse leaves them unknown.
     args, extra = parser.parse_known_args(argv)

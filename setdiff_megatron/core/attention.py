@@ -121,11 +121,25 @@ def _sdpa(q, k, v, scale, valid_len):
 
 
 def _causal_fwd(q, k, v, scale):
-    """Causal attention returning (out, lse); lse is the natural-log sum of exp(scaled scores)."""
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+    """Causal attention -> (out, lse, kernel extras for the backward); lse is the natural-log sum
+    of exp(scaled scores). CPU: PyTorch's flash kernel for CPU. CUDA: the flash-attention kernel
+    (fp16/bf16), which takes fewer key/value heads than query heads (GQA) natively."""
+    if q.device.type == "cuda":
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"attention_impl 'fused' on CUDA needs bf16 or fp16 inputs; got {q.dtype} "
+                             "(use attention_impl 'sdpa' for fp32)")
+        out, lse, cum_q, cum_k, max_q, max_k, rng_state, unused, _ = (
+            torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale))
+        return out, lse, (cum_q, cum_k, max_q, max_k, rng_state, unused)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+    return out, lse, None
 
 
-def _causal_bwd(dout, q, k, v, out, lse, scale):
+def _causal_bwd(dout, q, k, v, out, lse, scale, extras):
+    if extras is not None:
+        cum_q, cum_k, max_q, max_k, rng_state, unused = extras
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, True, rng_state, unused, scale=scale)
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         dout, q, k, v, out, lse, 0.0, True, scale=scale
     )
@@ -161,7 +175,7 @@ class _FusedSetCausal(torch.autograd.Function):
         k_m, v_m = k[:, :, None, length:], v[:, :, None, length:]  # [B, G, 1, L, D]
 
         q_stack = _pack_streams(q_g[..., :length, :], q_m, q_m[:, :, :, 0])
-        out_s, lse_s = _causal_fwd(q_stack.flatten(1, 3), k_x, v_x, scale)
+        out_s, lse_s, ctx.kernel_extras = _causal_fwd(q_stack.flatten(1, 3), k_x, v_x, scale)
         out_s, lse_s = out_s.unflatten(1, q_stack.shape[1:4]), lse_s.unflatten(1, q_stack.shape[1:4])
 
         # Query 0 sees no clean rank: its output is its own value. Query i >= 1 merges the
@@ -204,7 +218,7 @@ class _FusedSetCausal(torch.autograd.Function):
         do_stack = _pack_streams(do_g[..., :length, :], do_m, 0.0)
         dq_s, dk_x, dv_x = _causal_bwd(
             do_stack.flatten(1, 3), q_stack.flatten(1, 3), k[:, :, :length], v[:, :, :length],
-            out_s.flatten(1, 3), lse_s.flatten(1, 3), scale,
+            out_s.flatten(1, 3), lse_s.flatten(1, 3), scale, ctx.kernel_extras,
         )
         dq_s = dq_s.unflatten(1, q_stack.shape[1:4])
 

@@ -10,8 +10,8 @@ is deterministic for one installation.
 files and preprocesses both splits. The corpus is capped at `DEFAULT_MAX_BYTES` of source by
 keeping an evenly spaced subset of the files. Measured on Python 3.11 (734 files, 12.1 MB
 uncapped) with 2 cores: the 8 MB default keeps 481 files, 457 for training (2.19M tokens with a
-4096-token BPE) and 24 held out (105K tokens), and the whole job takes about 13 s (25-40 s
-uncapped, depending on machine load); a rerun that finds everything done takes about 2 s.
+4096-token BPE) and 24 held out (105K tokens), and the whole job takes 10-13 s (25-40 s
+uncapped, depending on machine load); a rerun that finds everything done takes under a second.
 """
 
 from __future__ import annotations

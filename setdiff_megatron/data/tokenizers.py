@@ -41,7 +41,7 @@ _NEW_TOKENS = {"eos": "<|endoftext|>", "bos": "<|bos|>", "pad": "<|pad|>", "mask
 
 
 def _tokenizers():
-    return require("tokenizers", "hf", "Tokenizing text")
+    return require("tokenizers", "data", "Tokenizing text")
 
 
 class SetDiffTokenizer:

@@ -132,7 +132,9 @@ class RMSNorm(torch.nn.RMSNorm):
     all-reduces the gradients of weights carrying `.sequence_parallel`."""
 
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6, **unused):
-        super().__init__(hidden_size, eps=eps)
+        # In the params dtype, like megatron's own norms: a bf16 input with an fp32 weight would
+        # miss the fused kernel.
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
         self.weight.sequence_parallel = config.sequence_parallel
 
 

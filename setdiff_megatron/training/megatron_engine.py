@@ -18,6 +18,7 @@ import datetime
 import math
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +47,16 @@ class TrainResult:
     tokens_per_s: float
 
 
+def quiet_known_warnings() -> None:
+    """megatron-core warns at import about optional GPU libraries (TE, Apex) a CPU run never has,
+    and torch about deprecated collectives and non-leaf .grad reads inside megatron; none of them
+    is something a user of this engine can act on."""
+    for pattern in (r".*Transformer Engine and Apex are not installed.*", r".*Apex is not installed.*",
+                    r".*is deprecated\. Please use `torch\.distributed.*", r".*full scope is deprecated.*",
+                    r".*\.grad attribute of a Tensor that is not a leaf.*"):
+        warnings.filterwarnings("ignore", message=pattern)
+
+
 def _init_distributed(recipe: Recipe) -> None:
     if not dist.is_initialized():
         # A plain `python -m setdiff_megatron.cli train` is a world of one.
@@ -69,7 +80,7 @@ def _total_steps(recipe: Recipe) -> int:
     return math.ceil(recipe.train.tokens / (recipe.parallel.global_batch_size * recipe.data.seq_len))
 
 
-def _build_model(recipe: Recipe, model_cfg):
+def build_model(recipe: Recipe, model_cfg):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
     from setdiff_megatron.models.megatron_model import build_model_chunks, transformer_config_from
@@ -93,7 +104,7 @@ def _build_model(recipe: Recipe, model_cfg):
     return config, [DistributedDataParallel(config, ddp_config, c) for c in chunks]
 
 
-def _build_optimizer(recipe: Recipe, chunks, total_steps: int):
+def build_optimizer(recipe: Recipe, chunks, total_steps: int):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -117,7 +128,7 @@ def _build_optimizer(recipe: Recipe, chunks, total_steps: int):
     return optimizer, scheduler
 
 
-class _Step:
+class TrainStep:
     """One forward/backward over a list of micro-batches through megatron's pipeline schedule."""
 
     def __init__(self, recipe: Recipe, chunks):
@@ -164,6 +175,7 @@ def _memory_gb() -> float:
 def train(recipe: Recipe, recipe_path: str | Path = "<recipe>") -> TrainResult:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     check_recipe(recipe, recipe_path, world_size=world)
+    quiet_known_warnings()
     auto_cpu_mode()
     _init_distributed(recipe)
     try:
@@ -191,14 +203,14 @@ def _train(recipe: Recipe, world: int) -> TrainResult:
                         num_valid_samples=recipe.eval.batches * recipe.parallel.micro_batch_size * dp_size,
                         is_first_rank=rank == 0, barrier=dist.barrier)
     model_cfg = recipe.model.to_model_config(vocab_size=data.tokenizer.vocab_size, mask_token_id=data.tokenizer.mask_id)
-    _, chunks = _build_model(recipe, model_cfg)
-    optimizer, scheduler = _build_optimizer(recipe, chunks, total_steps)
+    _, chunks = build_model(recipe, model_cfg)
+    optimizer, scheduler = build_optimizer(recipe, chunks, total_steps)
     state = checkpointing.TrainState()
     resumed = checkpointing.maybe_resume(recipe, chunks, optimizer, scheduler, state)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     loaders = DataLoaders(recipe, data, dp_rank=dp_rank, dp_size=dp_size,
                           consumed_samples=state.consumed_samples, device=device)
-    step_fn = _Step(recipe, chunks)
+    step_fn = TrainStep(recipe, chunks)
     valid_batches = loaders.valid_batches(recipe.eval.batches)
 
     logger = MetricsLogger(recipe.log, run_dir / "logs", total_steps=total_steps, start_step=state.step,
