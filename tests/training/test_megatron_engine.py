@@ -64,3 +64,16 @@ def test_bad_input_fails_fast_with_one_line(tmp_path, data_cache, overrides, fra
     out = run_train(tmp_path / "run", data_cache, *overrides)
     assert out.returncode == 2 and fragment in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("policy", ["stop", "skip"])
+def test_nan_loss_follows_the_recipe_policy(tmp_path, data_cache, policy):
+    """An absurd learning rate without clipping sends the weights to inf within a step or two."""
+    out = run_train(tmp_path / "run", data_cache, "launch.nproc_per_node=1", "parallel.global_batch_size=8",
+                    "train.steps=4", "train.warmup_steps=0", "train.lr=1e30", "train.clip_grad=0",
+                    "train.schedule=constant", "train.min_lr=1e30", f"train.nan_policy={policy}", "eval.interval=100")
+    if policy == "stop":
+        assert out.returncode == 2 and "train.nan_policy=stop" in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+    else:
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert "step skipped (train.nan_policy=skip)" in out.stdout + out.stderr
