@@ -27,7 +27,13 @@ def _train(args: argparse.Namespace) -> int:
         from setdiff_megatron.training.megatron_engine import train
     else:
         raise UserError("engine: deepspeed is not available yet; use engine: megatron")
-    train(recipe, args.recipe)
+    from setdiff_megatron.training.signals import Preempted
+
+    try:
+        train(recipe, args.recipe)
+    except Preempted as stop:
+        print(f"setdiff: {stop}", file=sys.stderr)
+        return stop.exit_code
     return 0
 
 
@@ -59,7 +65,20 @@ def _recipe_validate(args: argparse.Namespace) -> int:
 def _launch(args: argparse.Namespace) -> int:
     from setdiff_megatron.training.launch import launch_local
 
-    return launch_local(_load_checked(args), args.recipe, args.overrides, dry_run=getattr(args, "dry_run", False))
+    recipe = _load_checked(args)
+    if getattr(args, "dry_run", False):
+        return launch_local(recipe, args.recipe, args.overrides, dry_run=True)
+    from setdiff_megatron.training import checkpointing, signals
+
+    checkpointing.preflight(recipe)
+    return signals.supervise_launch(recipe.checkpoint.dir, lambda: launch_local(recipe, args.recipe, args.overrides))
+
+
+def _checkpoint_inspect(args: argparse.Namespace) -> int:
+    from setdiff_megatron.training.checkpointing import describe
+
+    print("\n".join(describe(args.run_dir)))
+    return 0
 
 
 def _add_recipe_args(parser: argparse.ArgumentParser) -> None:
@@ -78,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="train a model from a recipe",
                            description="Train from a YAML recipe. Started by hand with a recipe that asks for "
-                           "several processes, it launches them itself (as `setdiff launch` does).")
+                           "several processes, it launches them itself (as `setdiff launch` does). Exit code 75: "
+                           "stopped by SIGTERM/SIGUSR1 after writing a checkpoint; requeue to resume.")
     _add_recipe_args(train)
     train.set_defaults(func=_train)
 
@@ -106,6 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_recipe_args(launch)
     launch.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
     launch.set_defaults(func=_launch)
+
+    checkpoint = sub.add_parser("checkpoint", help="look at a run's checkpoints")
+    checkpoint_sub = checkpoint.add_subparsers(dest="checkpoint_command", metavar="ACTION", required=True)
+    inspect = checkpoint_sub.add_parser("inspect", help="step, validity, recipe, parallel layout and tokenizer "
+                                        "of each checkpoint, and which one `latest` names")
+    inspect.add_argument("run_dir", help="a run's checkpoint.dir (or its checkpoints/ folder)")
+    inspect.set_defaults(func=_checkpoint_inspect)
     return parser
 
 

@@ -7,7 +7,8 @@ The wiring of megatron-core's parts, in the order they are built:
   optimizer        get_megatron_optimizer (distributed optimizer when asked) + OptimizerParamScheduler
   step             get_forward_backward_func() (1F1B / interleaved) over the micro-batches of one
                    global batch, per-token loss normalisation, optimizer step, LR step
-  around it        validation loss, metrics (console, TensorBoard, wandb), checkpoints
+  around it        validation loss, metrics (console, TensorBoard, wandb), checkpoints, and a
+                   checkpoint-and-exit (code 75) on SIGTERM/SIGUSR1 at a step boundary (signals.py)
 
 On a machine without a GPU the CPU compatibility layer (megatron_cpu) is switched on first.
 """
@@ -28,7 +29,7 @@ import torch.distributed as dist
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.recipes import Recipe, save_resolved_recipe
 from setdiff_megatron.recipes.validation import check_recipe, data_parallel_size
-from setdiff_megatron.training import checkpointing
+from setdiff_megatron.training import checkpointing, signals
 from setdiff_megatron.training.data_pipeline import DataLoaders, prepare_data
 from setdiff_megatron.training.megatron_cpu import auto_cpu_mode, dist_backend, model_parallel_seed
 from setdiff_megatron.training.metrics import MetricsLogger, peak_flops, training_flops_per_token
@@ -124,6 +125,9 @@ def build_optimizer(recipe: Recipe, chunks, total_steps: int):
         end_wd=t.weight_decay, wd_incr_steps=total_steps, wd_incr_style="constant",
         wsd_decay_steps=max(1, int(t.decay_fraction * total_steps)) if t.schedule == "wsd" else None,
         lr_wsd_decay_style="linear" if t.schedule == "wsd" else None,
+        # The recipe's schedule wins over a resumed checkpoint's (so a run can be extended by
+        # raising train.steps); the checkpoint only supplies how many steps were taken.
+        override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=False,
     )
     return optimizer, scheduler
 
@@ -175,20 +179,22 @@ def _memory_gb() -> float:
 def train(recipe: Recipe, recipe_path: str | Path = "<recipe>") -> TrainResult:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     check_recipe(recipe, recipe_path, world_size=world)
+    checkpointing.preflight(recipe)
     quiet_known_warnings()
     auto_cpu_mode()
     _init_distributed(recipe)
-    try:
-        return _train(recipe, world)
-    finally:
-        from megatron.core import parallel_state
+    with signals.PreemptionHandler(recipe.checkpoint.dir) as preemption:
+        try:
+            return _train(recipe, world, preemption)
+        finally:
+            from megatron.core import parallel_state
 
-        parallel_state.destroy_model_parallel()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+            parallel_state.destroy_model_parallel()
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
 
-def _train(recipe: Recipe, world: int) -> TrainResult:
+def _train(recipe: Recipe, world: int, preemption: signals.PreemptionHandler) -> TrainResult:
     from megatron.core import parallel_state
 
     rank, run_dir = dist.get_rank(), Path(recipe.checkpoint.dir)
@@ -206,7 +212,7 @@ def _train(recipe: Recipe, world: int) -> TrainResult:
     _, chunks = build_model(recipe, model_cfg)
     optimizer, scheduler = build_optimizer(recipe, chunks, total_steps)
     state = checkpointing.TrainState()
-    resumed = checkpointing.maybe_resume(recipe, chunks, optimizer, scheduler, state)
+    resumed = checkpointing.maybe_resume(recipe, chunks, optimizer, scheduler, state, data.tokenizer)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     loaders = DataLoaders(recipe, data, dp_rank=dp_rank, dp_size=dp_size,
                           consumed_samples=state.consumed_samples, device=device)
@@ -238,6 +244,7 @@ def _train(recipe: Recipe, world: int) -> TrainResult:
             result.valid_losses.append((0, first))
             logger.log(0, {"valid/loss": first})
     tokens_seen, train_time, grad_norm = 0, 0.0, None
+    saved_step = state.step if resumed is not None else None
     try:
         while state.step < total_steps:
             start = time.perf_counter()
@@ -279,6 +286,11 @@ def _train(recipe: Recipe, world: int) -> TrainResult:
                     logger.log(state.step, {"valid/loss": valid})
             if state.step % recipe.checkpoint.interval == 0 or state.step == total_steps:
                 result.checkpoint = checkpointing.save(recipe, chunks, optimizer, scheduler, state, data.tokenizer)
+                saved_step = state.step
+            if state.step < total_steps and preemption.agreed():  # every rank, every step boundary
+                if saved_step != state.step:
+                    result.checkpoint = checkpointing.save(recipe, chunks, optimizer, scheduler, state, data.tokenizer)
+                raise preemption.stop(state.step, result.checkpoint or resumed)
     finally:
         logger.close()
     result.steps = state.step
