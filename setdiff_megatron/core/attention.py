@@ -24,6 +24,7 @@ T tokens in a sampling step, C cached tokens, D head dim.
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Callable
 
 import torch
@@ -35,6 +36,8 @@ __all__ = [
     "set_causal_attention",
     "step_mask",
     "set_causal_step_attention",
+    "staged_step_attention",
+    "step_attention_mask",
 ]
 
 
@@ -299,6 +302,37 @@ def step_mask(num_commit: int, num_query: int, num_cached: int, key_valid: torch
     return mask
 
 
+def step_attention_mask(batch_size: int, num_commit: int, num_query: int, num_cached: int, *,
+                        cache_mask: torch.Tensor | None = None, commit_mask: torch.Tensor | None = None,
+                        device=None) -> torch.Tensor:
+    """`step_mask` from per-row masks of real entries: cache_mask [B, C] and commit_mask
+    [B, num_commit] (False = a hole, or a dummy commit of a row that commits fewer tokens)."""
+    for name, m, n in (("cache_mask", cache_mask, num_cached), ("commit_mask", commit_mask, num_commit)):
+        if m is not None and m.shape != (batch_size, n):
+            raise ValueError(f"{name} must have shape ({batch_size}, {n}); got {tuple(m.shape)}")
+    key_valid = None
+    if cache_mask is not None or commit_mask is not None:
+        ones = partial(torch.ones, dtype=torch.bool, device=device)
+        key_valid = torch.cat([
+            cache_mask if cache_mask is not None else ones(batch_size, num_cached),
+            commit_mask if commit_mask is not None else ones(batch_size, num_commit),
+        ], dim=1)
+    return step_mask(num_commit, num_query, num_cached, key_valid, device)
+
+
+def staged_step_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                          scale: float | None = None) -> torch.Tensor:
+    """One step's attention with its K/V staged behind the cache: keys/values [B, G, C + T, D].
+
+    A KV cache passes views of its own storage, so no layer copies the cache; `mask` comes from
+    `step_attention_mask`, built once per step.
+    """
+    return F.scaled_dot_product_attention(
+        q, keys, values, attn_mask=mask, scale=scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]),
+        enable_gqa=keys.shape[1] != q.shape[1],
+    )
+
+
 def set_causal_step_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -327,19 +361,6 @@ def set_causal_step_attention(
         raise ValueError(
             f"k_cache/v_cache must be [B, G, C, D] matching k {tuple(k.shape)}; got {tuple(k_cache.shape)}"
         )
-    b, num_cached = q.shape[0], k_cache.shape[2]
-    for name, m, n in (("cache_mask", cache_mask, num_cached), ("commit_mask", commit_mask, num_commit)):
-        if m is not None and m.shape != (b, n):
-            raise ValueError(f"{name} must have shape ({b}, {n}); got {tuple(m.shape)}")
-    key_valid = None
-    if cache_mask is not None or commit_mask is not None:
-        key_valid = torch.cat([
-            cache_mask if cache_mask is not None else q.new_ones(b, num_cached, dtype=torch.bool),
-            commit_mask if commit_mask is not None else q.new_ones(b, num_commit, dtype=torch.bool),
-        ], dim=1)
-    mask = step_mask(num_commit, t - num_commit, num_cached, key_valid, q.device)
-    return F.scaled_dot_product_attention(
-        q, torch.cat([k_cache, k], dim=2), torch.cat([v_cache, v], dim=2), attn_mask=mask,
-        scale=scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]),
-        enable_gqa=k.shape[1] != q.shape[1],
-    )
+    mask = step_attention_mask(q.shape[0], num_commit, t - num_commit, k_cache.shape[2], cache_mask=cache_mask,
+                               commit_mask=commit_mask, device=q.device)
+    return staged_step_attention(q, torch.cat([k_cache, k], dim=2), torch.cat([v_cache, v], dim=2), mask, scale)

@@ -3,19 +3,26 @@
 Only clean tokens enter the cache; query (MASK) tokens are scored against it and forgotten. A
 step's commits are written by each layer as it runs and become visible to later steps once the
 model calls `advance` after its last layer, so every layer of one step sees the same cache.
-Rows of a batch may commit different numbers of tokens in one step: `valid` marks the real
-entries, and attention skips the others.
+
+Layout: padded, with per-row lengths. Row b holds its entries in slots [0, lengths[b]), in
+commit order. A step appends each row's commits at that row's own length, so a row that commits
+fewer tokens than the step's commit slots (the rest are dummies, `commit_valid` False) leaves no
+hole: dummies land past its length, masked, and are overwritten later. Attention reads slots
+[0, length), `length` being a host-side bound on every row's length (no device sync needed), and
+masks each row's unused tail once rows differ. The capacity must also hold one step's tokens
+(commits and queries) behind `length`: they are staged there for attention. The sampler retires finished rows
+(`select_rows`) and drops entries from the middle of rows that outgrow the context (`drop`).
 
 Shapes: N layers, B batch, G key/value heads, C capacity, D head dim, T step tokens.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from setdiff_megatron.core.attention import set_causal_step_attention
+from setdiff_megatron.core.attention import staged_step_attention, step_attention_mask
 
 __all__ = ["KVCache"]
 
@@ -24,10 +31,15 @@ __all__ = ["KVCache"]
 class KVCache:
     keys: torch.Tensor  # [N, B, G, C, D]
     values: torch.Tensor  # [N, B, G, C, D]
-    valid: torch.Tensor  # [B, C] bool
+    lengths: torch.Tensor  # [B] long: entries held by each row
     length: int = 0
-    has_holes: bool = False
-    """Set once a row commits fewer tokens than another; until then attention needs no key mask."""
+    """Host-side bound: no row has an entry at slot `length` or beyond. Each step raises it by the
+    step's commit slots; a caller that knows lengths.max() (the sampler) may lower it."""
+    ragged: bool = False
+    """Set once rows may differ in length; until then attention needs no key mask."""
+    _step: tuple | None = field(default=None, repr=False)
+    """(attention mask, commit slots of ragged rows, commit counts) of the step in flight:
+    computed by layer 0, shared by the other layers, consumed by `advance`."""
 
     @classmethod
     def allocate(cls, *, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int,
@@ -36,34 +48,71 @@ class KVCache:
         return cls(
             keys=torch.zeros(shape, dtype=dtype, device=device),
             values=torch.zeros(shape, dtype=dtype, device=device),
-            valid=torch.zeros(batch_size, capacity, dtype=torch.bool, device=device),
+            lengths=torch.zeros(batch_size, dtype=torch.long, device=device),
         )
 
     @property
     def capacity(self) -> int:
         return self.keys.shape[3]
 
+    def _plan_step(self, batch_size: int, num_commit: int, num_tokens: int,
+                   commit_valid: torch.Tensor | None) -> tuple:
+        device, key_mask, slots = self.lengths.device, None, None
+        if self.ragged:
+            key_mask = torch.arange(self.length, device=device) < self.lengths[:, None]
+            slots = self.lengths[:, None] + torch.arange(num_commit, device=device)
+        mask = step_attention_mask(batch_size, num_commit, num_tokens - num_commit, self.length,
+                                   cache_mask=key_mask, commit_mask=commit_valid, device=device)
+        return mask, slots, None if commit_valid is None else commit_valid.sum(1)
+
     def attend(self, layer: int, q_BHTD: torch.Tensor, k_BGTD: torch.Tensor, v_BGTD: torch.Tensor, *,
                num_commit: int, commit_valid: torch.Tensor | None = None) -> torch.Tensor:
-        """Attention of one layer's step tokens; writes the commits' K/V behind the cache."""
-        if self.length + num_commit > self.capacity:
+        """Attention of one layer's step tokens; appends the commits' K/V to each row.
+
+        The step's T tokens are staged in slots [length, length + T), behind every row's entries,
+        so attention reads the cache in place rather than a per-layer copy of it; then, where rows
+        differ in length, the valid commits (a prefix of each row) move to the row's own end.
+        """
+        start, num_tokens = self.length, k_BGTD.shape[2]
+        if start + num_tokens > self.capacity:
             raise ValueError(
-                f"KV cache capacity {self.capacity} exceeded ({self.length} cached + {num_commit} new); "
+                f"KV cache capacity {self.capacity} exceeded ({start} cached + {num_tokens} step tokens); "
                 "allocate a larger capacity"
             )
-        start, end = self.length, self.length + num_commit
-        out = set_causal_step_attention(
-            q_BHTD, k_BGTD, v_BGTD, self.keys[layer, :, :, :start], self.values[layer, :, :, :start],
-            num_commit=num_commit, cache_mask=self.valid[:, :start] if self.has_holes else None,
-            commit_mask=commit_valid,
-        )
-        self.keys[layer, :, :, start:end] = k_BGTD[:, :, :num_commit]
-        self.values[layer, :, :, start:end] = v_BGTD[:, :, :num_commit]
         if layer == 0:
-            self.valid[:, start:end] = True if commit_valid is None else commit_valid
+            self._step = self._plan_step(q_BHTD.shape[0], num_commit, num_tokens, commit_valid)
+        mask, slots, _ = self._step
+        keys, values = self.keys[layer], self.values[layer]
+        keys[:, :, start:start + num_tokens] = k_BGTD
+        values[:, :, start:start + num_tokens] = v_BGTD
+        out = staged_step_attention(q_BHTD, keys[:, :, :start + num_tokens], values[:, :, :start + num_tokens], mask)
+        if slots is not None:
+            index = slots[:, None, :, None].expand(-1, k_BGTD.shape[1], -1, k_BGTD.shape[3])
+            keys.scatter_(2, index, k_BGTD[:, :, :num_commit])
+            values.scatter_(2, index, v_BGTD[:, :, :num_commit])
         return out
 
     def advance(self, num_commit: int, *, partial: bool = False) -> None:
         """Make this step's commits visible; `partial` says some rows' commits were dummies."""
+        self.lengths += self._step[2] if partial else num_commit
         self.length += num_commit
-        self.has_holes = self.has_holes or partial
+        self.ragged = self.ragged or partial
+        self._step = None
+
+    def select_rows(self, index: torch.Tensor) -> "KVCache":
+        """A cache holding only the rows `index` (a copy): how the sampler retires finished rows."""
+        return KVCache(keys=self.keys[:, index], values=self.values[:, index], lengths=self.lengths[index],
+                       length=self.length, ragged=self.ragged)
+
+    def drop(self, start_B: torch.Tensor, count_B: torch.Tensor) -> None:
+        """Remove entries [start, start + count) of each row, shifting its later entries left.
+
+        One gather over the whole cache; the sampler calls it rarely (it drops in chunks).
+        """
+        slot = torch.arange(self.capacity, device=self.lengths.device)
+        source_BC = slot + torch.where(slot >= start_B[:, None], count_B[:, None], 0)
+        index = source_BC.clamp(max=self.capacity - 1)[None, :, None, :, None].expand_as(self.keys)
+        self.keys = self.keys.gather(3, index)
+        self.values = self.values.gather(3, index)
+        self.lengths = self.lengths - count_B
+        self.ragged = True

@@ -1,0 +1,106 @@
+"""Sampling throughput: the batched set sampler against a batch-1 loop over the same model.
+
+The reference sampler runs one prompt at a time (ALGORITHM.md 5.1). The baseline here is our own
+sampler called once per prompt (batch 1), so both sides share the model, the weights, the
+prompts and the decoding policy, and differ only in batching. Prompts have mixed lengths; the
+random model's confidences are flat, so the set-size policy (k tokens per step in a window of W)
+fixes the pace. For every batch size the table gives tokens/s, the batched forward passes
+(prefills included), the mean per-row NFE, and bookkeeping (everything outside the model's
+step: token selection, stop checks, compaction, host syncs) as a share of decode time.
+Targets: batch 16 >= 8x the batch-1 tokens/s; bookkeeping <= 10 % of step time.
+
+    python -m benchmarks.sampling [--batches 1 4 16] [--prompts 16] [--new-tokens 64]
+                                  [--hidden-size 128 --num-layers 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from benchmarks.machine import best_time, machine_info, save_results
+from setdiff_megatron.core.decoding import DecodingConfig
+from setdiff_megatron.core.sampler import SampleOutput, SetSampler
+from setdiff_megatron.models.config import ModelConfig
+from setdiff_megatron.models.torch_model import SetDiffusionTransformer
+
+# The model of recipes/tiny-cpu.yaml: what a CPU user of this project samples from.
+MODEL = dict(hidden_size=128, num_layers=4, num_heads=4, intermediate_size=384, vocab_size=2048, mask_token_id=2047,
+             max_seq_len=128)
+
+
+def run(sampler: SetSampler, prompts: list[list[int]], cfg: DecodingConfig, batch: int, repeats: int) -> SampleOutput:
+    """The fastest of `repeats` runs (after one warm-up), as the sampler measured it."""
+    outputs = []
+    best_time(lambda: outputs.append(sampler.generate(prompts, cfg, batch_size=batch)), repeats=repeats)
+    return min(outputs[1:], key=lambda out: out.metrics.total_s)
+
+
+def model_config(args: argparse.Namespace) -> ModelConfig:
+    return ModelConfig(**{**MODEL, "hidden_size": args.hidden_size, "num_layers": args.num_layers,
+                          "intermediate_size": 3 * args.hidden_size})
+
+
+def setup(args: argparse.Namespace) -> tuple[SetSampler, list[list[int]], DecodingConfig]:
+    torch.manual_seed(0)
+    model = SetDiffusionTransformer(model_config(args)).eval()
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(8, MODEL["max_seq_len"] - args.new_tokens, (args.prompts,), generator=gen).tolist()
+    prompts = [torch.randint(0, MODEL["mask_token_id"], (n,), generator=gen).tolist() for n in lengths]
+    cfg = DecodingConfig(window=args.window, tokens_per_step=args.tokens_per_step, max_new_tokens=args.new_tokens)
+    return SetSampler(model, mask_token_id=MODEL["mask_token_id"], context_len=MODEL["max_seq_len"]), prompts, cfg
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--window", type=int, default=8)
+    parser.add_argument("--tokens-per-step", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--hidden-size", type=int, default=MODEL["hidden_size"])
+    parser.add_argument("--num-layers", type=int, default=MODEL["num_layers"])
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    sampler, prompts, cfg = setup(args)
+    lengths = [len(p) for p in prompts]
+    print("machine:", machine_info())
+    model = {k: v for k, v in vars(model_config(args)).items() if k in MODEL}
+    print(f"model: {model}; {args.prompts} prompts of {min(lengths)}-{max(lengths)} tokens, "
+          f"{args.new_tokens} new tokens each; W={args.window}, k={args.tokens_per_step}, greedy; "
+          f"best of {args.repeats}")
+    print(f"{'batch':>5} {'tokens/s':>9} {'forwards':>8} {'row NFE':>7} {'tok/step':>8} "
+          f"{'prefill s':>9} {'bookkeeping':>11}")
+    rows, reference = [], None
+    for batch in args.batches:
+        out = run(sampler, prompts, cfg, batch, args.repeats)
+        m = out.metrics
+        reference = reference or out
+        assert [r.tokens for r in out.rows] == [r.tokens for r in reference.rows], "batching changed the output"
+        row = {
+            "batch": batch, "tokens_per_s": m.tokens_per_s, "speedup_vs_batch1": None,
+            "forwards": m.forwards, "mean_row_nfe": sum(r.nfe for r in out.rows) / len(out.rows),
+            "tokens_per_step": m.tokens_per_step, "prefill_s": m.prefill_s, "total_s": m.total_s,
+            "bookkeeping_share": m.bookkeeping_share,
+        }
+        rows.append(row)
+        print(f"{batch:>5} {m.tokens_per_s:>9.1f} {m.forwards:>8} {row['mean_row_nfe']:>7.1f} "
+              f"{m.tokens_per_step:>8.2f} {m.prefill_s:>9.4f} {m.bookkeeping_share:>10.1%}")
+    baseline = next((r for r in rows if r["batch"] == 1), None)
+    if baseline is not None:
+        for row in rows:
+            row["speedup_vs_batch1"] = row["tokens_per_s"] / baseline["tokens_per_s"]
+        print("tokens/s vs the batch-1 loop: " + ", ".join(
+            f"batch {r['batch']}: {r['speedup_vs_batch1']:.2f}x" for r in rows))
+    path = save_results("sampling", {"args": vars(args), "model": model, "rows": rows})
+    print(f"results: {path}")
+    return {"rows": rows}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""What the set sampler returns: the rows it decoded and how fast, per row and per batch.
+
+NFE follows ALGORITHM.md 2.8: the forward passes a row took part in, its prefill included when
+it has visible tokens; tokens per step (the reference's "parallelism factor") excludes the
+prefill. Bookkeeping is everything in the decode loop outside the model's step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["StepTrace", "RowResult", "BatchMetrics", "SampleOutput"]
+
+
+@dataclass(frozen=True)
+class StepTrace:
+    queried: list[int]
+    """Positions offered as queries."""
+    decoded: list[tuple[int, int]]
+    """(position, token) pairs decoded, in position order (the next step commits them in this order)."""
+
+
+@dataclass(frozen=True)
+class RowResult:
+    tokens: list[int]
+    """The prompt with its spans filled, then the completion (cut after a stop sequence)."""
+    prompt_len: int
+    num_decoded: int
+    """MASK positions filled in `tokens` (spans and completion)."""
+    finish_reason: str
+    """'stop' (an EOS or stop sequence ended the completion) or 'length'."""
+    steps: int
+    """Decode forwards the row took part in (its NFE without the prefill)."""
+    nfe: int
+    """Forward passes: steps, plus the prefill when the row has visible tokens (ALGORITHM.md 2.8)."""
+    seconds: float
+    """From the start of the row's batch (prefill included) to the row's retirement."""
+    prefill_s: float
+    """The prefill of the row's batch."""
+    trace: list[StepTrace] | None = None
+
+    @property
+    def completion(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.num_decoded / max(self.steps, 1)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_decoded / self.seconds
+
+
+@dataclass
+class BatchMetrics:
+    num_rows: int = 0
+    num_tokens: int = 0
+    row_steps: int = 0
+    """Sum over rows of their decode steps."""
+    forwards: int = 0
+    """Batched forward passes, prefills included."""
+    prefill_s: float = 0.0
+    forward_s: float = 0.0
+    """Time inside the model's decode steps."""
+    total_s: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_tokens / self.total_s
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.num_tokens / max(self.row_steps, 1)
+
+    @property
+    def bookkeeping_share(self) -> float:
+        """Share of decode time spent outside the model: selection, stops, compaction, syncs."""
+        decode_s = self.total_s - self.prefill_s
+        return (decode_s - self.forward_s) / decode_s
+
+
+@dataclass(frozen=True)
+class SampleOutput:
+    rows: list[RowResult]
+    """In the order of the prompts."""
+    metrics: BatchMetrics
