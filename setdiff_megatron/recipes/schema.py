@@ -132,9 +132,11 @@ class CheckpointSection(Section):
     interval: PositiveInt = 1000
     keep_last_n: PositiveInt | None = 3
     keep_every_n_steps: PositiveInt | None = None
-    async_save: bool = False
     resume: str = "auto"
     """'auto' (newest valid checkpoint, if any), 'none', or a checkpoint path."""
+    allow_model_change: bool = False
+    """Resume from a checkpoint whose model config differs from the recipe's (e.g. another
+    attention_impl); refused by default."""
 
 
 class EvalSection(Section):

@@ -177,8 +177,12 @@ def find_checkpoints(root: Path) -> list[Path]:
     return sorted((p for p in root.iterdir() if p.is_dir() and PUBLISHED.fullmatch(p.name)), reverse=True)
 
 
-def _model_difference(directory: Path, model: dict) -> str | None:
-    """How the checkpoint's model differs from this run's, naming the file, or None."""
+def _model_difference(directory: Path, model: dict | None) -> str | None:
+    """How the checkpoint's model differs from this run's, naming the file, or None. `model` is
+    None when the recipe allows a model change (checkpoint.allow_model_change): weights that
+    no longer fit still fail to load, with dist_checkpointing's error."""
+    if model is None:
+        return None
     path = directory / TRAIN_STATE
     saved = json.loads(path.read_text()).get("model")
     if saved is None:
@@ -190,6 +194,7 @@ def _model_difference(directory: Path, model: dict) -> str | None:
 def _resume_target(recipe: Recipe, model: dict) -> Path | None:
     """The checkpoint to resume from; `auto` reports (on rank 0) the ones it skips."""
     choice = recipe.checkpoint.resume
+    model = None if recipe.checkpoint.allow_model_change else model
     if choice == "none":
         return None
     if choice != "auto":
@@ -209,7 +214,8 @@ def _resume_target(recipe: Recipe, model: dict) -> Path | None:
         _report(f"skipping checkpoint {path}: {problem}")
     if foreign:
         raise UserError(f"checkpoint.dir {recipe.checkpoint.dir} holds checkpoints of another model "
-                        f"({foreign}); refusing to train over them: use a new checkpoint.dir")
+                        f"({foreign}); refusing to train over them: use a new checkpoint.dir "
+                        "(or checkpoint.allow_model_change=true to load them anyway)")
     return None
 
 
