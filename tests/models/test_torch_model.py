@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from setdiff_megatron.core.loss import token_nll
-from setdiff_megatron.core.orders import LeftToRight, Staggered, Uniform, sample_order
-from setdiff_megatron.models.config import ModelConfig
+from setdiff_megatron.core.orders import Staggered, Uniform, sample_order
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 from tests.conftest import debug_config
 
