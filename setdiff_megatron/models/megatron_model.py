@@ -23,6 +23,7 @@ np/hn heads per TP rank and head dim, D head dim.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Iterator, Literal
 
@@ -44,6 +45,7 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from setdiff_megatron.core.attention import resolve_attention_impl, set_causal_attention
+from setdiff_megatron.core.kv_cache import KVCache
 from setdiff_megatron.core.streams import TwoStreamBatch
 from setdiff_megatron.errors import UserError, require
 from setdiff_megatron.models.config import ModelConfig
@@ -53,6 +55,7 @@ from setdiff_megatron.models.weight_maps import BACKENDS, check_tp_split, padded
 __all__ = [
     "SetCausalCoreAttention",
     "SetDiffusionGPT",
+    "StepContext",
     "build_model_chunks",
     "forward_step",
     "layer_spec",
@@ -138,13 +141,24 @@ class RMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = config.sequence_parallel
 
 
+@dataclass
+class StepContext:
+    """A sampling step, carried to every layer's core attention in megatron's attention-mask
+    slot: the KV cache of this TP rank's heads and how many leading step tokens are commits."""
+
+    cache: KVCache
+    num_commit: int
+    commit_valid: torch.Tensor | None
+
+
 class SetCausalCoreAttention(MegatronModule):
     """Megatron's core-attention slot running core/attention.py's set-causal attention.
 
     Takes q [S, b, np, hn] and k/v [S, b, ng, hn] for the local heads of this TP rank and returns
-    [S, b, np * hn]. The mask is implied by the [clean ; query] layout; the attention-mask slot
-    carries `valid_len` [b] (ranks at or beyond it are padding) or None. The builder's other
-    arguments (layer number, mask type, context-parallel settings) have no meaning here.
+    [S, b, np * hn]. In training the mask is implied by the [clean ; query] layout and the
+    attention-mask slot carries `valid_len` [b] (ranks at or beyond it are padding) or None; in
+    sampling it carries a `StepContext` and the step attends through the KV cache. The builder's
+    other arguments (mask type, context-parallel settings) have no meaning here.
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
@@ -154,6 +168,7 @@ class SetCausalCoreAttention(MegatronModule):
         resolve_attention_impl(impl)
         self.impl = impl
         self.softmax_scale = softmax_scale
+        self.layer_index = layer_number - 1  # megatron counts layers from 1, across pipeline stages
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None, attn_mask_type: AttnMaskType | None = None,
@@ -161,6 +176,11 @@ class SetCausalCoreAttention(MegatronModule):
         if attention_bias is not None or packed_seq_params is not None:
             raise ValueError("set-causal attention takes neither an attention bias nor packed sequences")
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, S, hn]
+        if isinstance(attention_mask, StepContext):
+            step = attention_mask
+            out = step.cache.attend(self.layer_index, q, k, v, num_commit=step.num_commit,
+                                    commit_valid=step.commit_valid)
+            return out.permute(2, 0, 1, 3).flatten(2)
         out = set_causal_attention(q, k, v, impl=self.impl, valid_len=attention_mask, scale=self.softmax_scale)
         return out.permute(2, 0, 1, 3).flatten(2)
 
@@ -256,11 +276,11 @@ class SetDiffusionGPT(LanguageModule):
         self.decoder.set_input_tensor(input_tensor)
 
     def rotary_freqs(self, position_ids: torch.Tensor) -> torch.Tensor:
-        """[S, b, 1, D] rotary angles of both streams at their original positions; megatron's
+        """[S, b, 1, D] rotary angles of tokens [b, S] at their original positions; megatron's
         rotate-half application of [angles, angles] equals the torch model's."""
         if self.inv_freq.device != position_ids.device:
             self.inv_freq = self.inv_freq.to(position_ids.device)
-        angles = position_ids.repeat(1, 2)[..., None].float() * self.inv_freq
+        angles = position_ids[..., None].float() * self.inv_freq
         return torch.cat([angles, angles], dim=-1).transpose(0, 1)[:, :, None]
 
     def forward(self, clean_tokens: torch.Tensor | None, query_tokens: torch.Tensor | None,
@@ -282,10 +302,39 @@ class SetDiffusionGPT(LanguageModule):
         if self.pre_process:
             hidden = self.embedding(input_ids=torch.cat([clean_tokens, query_tokens], dim=1), position_ids=None)
         hidden = self.decoder(hidden_states=hidden, attention_mask=valid_len,
-                              rotary_pos_emb=self.rotary_freqs(position_ids))
+                              rotary_pos_emb=self.rotary_freqs(position_ids.repeat(1, 2)))
         if not self.post_process:
             return hidden
         return self._query_output(hidden, length, targets)
+
+    def _check_sampling(self) -> None:
+        if not (self.pre_process and self.post_process):
+            raise UserError("sampling runs the whole model on each rank: use pipeline parallel size 1 "
+                            "(tensor parallelism is supported)")
+        if self.config.sequence_parallel:
+            raise UserError("sampling needs sequence_parallel off: a step's few tokens do not split over TP ranks")
+
+    def new_cache(self, batch_size: int, capacity: int) -> KVCache:
+        """A KV cache for this TP rank's key/value heads (the sampler's `StepModel` protocol)."""
+        self._check_sampling()
+        weight = self.embedding.word_embeddings.weight
+        return KVCache.allocate(
+            num_layers=len(self.decoder.layers), batch_size=batch_size,
+            num_kv_heads=self.model_cfg.num_kv_heads // self.tp_group.size(), head_dim=self.model_cfg.head_dim,
+            capacity=capacity, dtype=weight.dtype, device=weight.device,
+        )
+
+    def step(self, tokens: torch.Tensor, position_ids: torch.Tensor, cache: KVCache, num_commit: int,
+             commit_valid: torch.Tensor | None = None) -> torch.Tensor:
+        """One sampling forward (torch_model.SetDiffusionTransformer.step's contract): commit the
+        first num_commit tokens [B, T], return the other queries' logits [B, T - num_commit, V],
+        gathered over TP so every rank decides the same tokens."""
+        self._check_sampling()
+        hidden = self.embedding(input_ids=tokens, position_ids=None)
+        hidden = self.decoder(hidden_states=hidden, attention_mask=StepContext(cache, num_commit, commit_valid),
+                              rotary_pos_emb=self.rotary_freqs(position_ids))
+        cache.advance(num_commit, partial=commit_valid is not None)
+        return self._query_output(hidden, num_commit, None)
 
     def _query_output(self, hidden: torch.Tensor, length: int, targets: torch.Tensor | None) -> torch.Tensor:
         if self.config.sequence_parallel:

@@ -60,3 +60,34 @@ def run_worker(module: str, out: Path, nproc: int = 1, timeout: float = 240) -> 
     if proc.returncode != 0 or not out.exists():
         raise AssertionError(f"{module} failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return json.loads(out.read_text())
+
+
+def sampling_prompts(cfg: ModelConfig) -> list[list[int]]:
+    """Prompts of mixed lengths; the last one has a span to infill between visible tokens."""
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, cfg.mask_token_id, (n,), generator=gen).tolist() for n in (3, 7, 1)]
+    return prompts + [prompts[1][:4] + [cfg.mask_token_id] * 3 + prompts[1][4:]]
+
+
+def compare_sampling(model, reference: SetDiffusionTransformer, cfg: ModelConfig) -> dict:
+    """A model body against the torch model through the sampler: one prefill + step's query
+    logits, and greedy decodes of `sampling_prompts` (window 4, threshold 0.2, 6 new tokens)."""
+    from setdiff_megatron.core.decoding import DecodingConfig
+    from setdiff_megatron.core.sampler import SetSampler
+
+    gen = torch.Generator().manual_seed(4)
+    tokens = torch.randint(0, cfg.mask_token_id, (2, 6), generator=gen)
+    positions = torch.arange(6).expand(2, 6)
+    query = torch.full((2, 3), cfg.mask_token_id)
+    logits = []
+    with torch.inference_mode():
+        for body in (model, reference):
+            cache = body.new_cache(2, 16)
+            body.step(tokens, positions, cache, num_commit=6)
+            logits.append(body.step(query, torch.tensor([[6, 8, 9], [7, 10, 11]]), cache, num_commit=0))
+    decoding = DecodingConfig(window=4, threshold=0.2, max_new_tokens=6)
+    outputs = [SetSampler(body, mask_token_id=cfg.mask_token_id, context_len=cfg.max_seq_len)
+               .generate(sampling_prompts(cfg), decoding, batch_size=2).rows for body in (model, reference)]
+    return {"step_logits_diff": (logits[0] - logits[1]).abs().max().item(),
+            "tokens_equal": [a.tokens == b.tokens for a, b in zip(*outputs)],
+            "nfe_equal": [a.nfe == b.nfe for a, b in zip(*outputs)]}

@@ -29,7 +29,15 @@ from setdiff_megatron.models.megatron_model import (
 )
 from setdiff_megatron.models.weight_maps import megatron_to_torch, torch_to_megatron
 from setdiff_megatron.training.megatron_cpu import auto_cpu_mode, dist_backend, model_parallel_seed
-from tests.megatron.cases import LENGTH, MICRO_BATCH, batches, parallel_config, reference_weights
+from setdiff_megatron.models.torch_model import SetDiffusionTransformer
+from tests.megatron.cases import (
+    LENGTH,
+    MICRO_BATCH,
+    batches,
+    compare_sampling,
+    parallel_config,
+    reference_weights,
+)
 
 warnings.filterwarnings("ignore")
 
@@ -127,6 +135,21 @@ def optimizer_params(cfg, weights, data, *, use_distributed_optimizer: bool, ste
     return {n: p.detach().clone() for n, p in chunks[0].module.named_parameters()}
 
 
+def tp2_sampling(cfg, weights) -> dict:
+    """The sampler over the TP=2 megatron model (KV cache of each rank's heads) against the torch
+    model: the tokens every rank decides must be the torch model's."""
+    _init(tp=2)
+    (chunk,) = build_model_chunks(cfg, transformer_config_from(cfg, tp=2))
+    chunk.load_state_dict(torch_to_megatron(weights, cfg, tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+                                            tp_size=2))
+    reference = SetDiffusionTransformer(cfg)
+    reference.load_state_dict(weights)
+    result = compare_sampling(chunk.eval(), reference.eval(), cfg)
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, result)
+    return {**result, "ranks_agree": all(g == gathered[0] for g in gathered)}
+
+
 def main(out: Path) -> None:
     auto_cpu_mode()
     dist.init_process_group(dist_backend())
@@ -141,6 +164,7 @@ def main(out: Path) -> None:
                          "num_losses": len(losses), "grad_diff": _max_diff(grads, ref_grads),
                          "schedule": schedule}
 
+    results["tp2_sampling"] = tp2_sampling(cfg, weights)
     opt_data = batches(cfg, count=12, seed=1)
     plain = _merged([optimizer_params(cfg, weights, opt_data, use_distributed_optimizer=False)])
     distributed = _merged([optimizer_params(cfg, weights, opt_data, use_distributed_optimizer=True)])

@@ -23,7 +23,7 @@ from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 from setdiff_megatron.models.weight_maps import megatron_to_torch, torch_to_megatron
 from setdiff_megatron.training import megatron_cpu
 from tests.conftest import debug_config
-from tests.megatron.cases import batches, reference_weights
+from tests.megatron.cases import batches, compare_sampling, parallel_config, reference_weights
 
 warnings.filterwarnings("ignore")
 
@@ -147,6 +147,16 @@ def torch_parity() -> dict:
     return out
 
 
+def sampling() -> dict:
+    """The megatron model as the sampler's StepModel (TP=1) against the torch model."""
+    cfg = parallel_config()
+    reference = SetDiffusionTransformer(cfg)
+    reference.load_state_dict(reference_weights(cfg))
+    model = _megatron_model(cfg, torch.float32)
+    model.load_state_dict(torch_to_megatron(reference.state_dict(), cfg))
+    return compare_sampling(model.eval(), reference.eval(), cfg)
+
+
 def main(out: Path) -> None:
     megatron_cpu.enable_cpu_mode()
     megatron_cpu.enable_cpu_mode()  # idempotent
@@ -154,7 +164,8 @@ def main(out: Path) -> None:
     dist.init_process_group(megatron_cpu.dist_backend(), store=store, rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
     results = {"auto_cpu_mode": megatron_cpu.auto_cpu_mode()}
-    for check in (device_redirect, backward_reentry, rng_tracker, recompute_with_dropout, torch_parity):
+    for check in (device_redirect, backward_reentry, rng_tracker, recompute_with_dropout, torch_parity,
+                  sampling):
         results[check.__name__] = check()
     out.write_text(json.dumps(results, indent=1))
     dist.destroy_process_group()

@@ -19,3 +19,10 @@ def test_megatron_matches_torch_model(single_results, variant, dtype):
     assert r["logits_diff"] <= tol["logits"]
     assert r["loss_diff"] <= tol["loss"]
     assert r["grad_diff"] <= tol["grad"]
+
+
+def test_megatron_model_samples_like_torch_model(single_results):
+    """The megatron body implements the sampler's StepModel: same step logits, same greedy decodes."""
+    r = single_results["sampling"]
+    assert r["step_logits_diff"] <= 1e-6
+    assert all(r["tokens_equal"]) and all(r["nfe_equal"]) and len(r["tokens_equal"]) == 4
