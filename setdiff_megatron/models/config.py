@@ -41,6 +41,8 @@ class ModelConfig:
     norm_eps: float = 1e-6
     qk_norm: bool = False
     """RMSNorm on each head's queries and keys before rotary (Qwen3)."""
+    qkv_bias: bool = False
+    """Biases on the query, key and value projections (Qwen2); the output projection has none."""
     tie_embeddings: bool = True
     attention_impl: str = "fused"
     """Training attention: 'fused' (default), 'sdpa' (masked) or 'dense' (reference)."""
@@ -92,8 +94,9 @@ class ModelConfig:
         attn = h * self.num_heads * self.head_dim * 2 + 2 * h * kv
         mlp = 3 * h * self.intermediate_size
         norms = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        biases = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim if self.qkv_bias else 0
         embed = self.vocab_size * h * (1 if self.tie_embeddings else 2)
-        return self.num_layers * (attn + mlp + norms) + embed + h
+        return self.num_layers * (attn + mlp + norms + biases) + embed + h
 
 
 FLAVORS: dict[str, dict] = {

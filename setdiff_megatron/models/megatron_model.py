@@ -107,6 +107,7 @@ def transformer_config_from(
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
+        add_qkv_bias=model_cfg.qkv_bias,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=model_cfg.init_std,

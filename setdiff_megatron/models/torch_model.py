@@ -60,9 +60,9 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
@@ -121,7 +121,9 @@ class SetDiffusionTransformer(nn.Module):
         so the residual stream's variance does not grow with depth (GPT-2)."""
         std = self.config.init_std
         for name, p in self.named_parameters():
-            if p.dim() == 1:
+            if name.endswith(".bias"):
+                nn.init.zeros_(p)
+            elif p.dim() == 1:
                 nn.init.ones_(p)
             elif name.endswith(("o_proj.weight", "down_proj.weight")):
                 nn.init.normal_(p, std=std / math.sqrt(2 * self.config.num_layers))

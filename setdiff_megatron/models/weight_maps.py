@@ -13,6 +13,10 @@ as `{}` templates over the layer index. Four things are not one-to-one:
 
 The `te` backend fuses the pre-attention and pre-MLP norms into the following linear layer
 (layer_norm_weight) and adds `_extra_state` entries, which carry no weights and are skipped.
+Optional q/k/v biases (Qwen2) follow the fused QKV rows into megatron's linear_qkv.bias.
+
+Hugging Face Llama/Qwen names are the torch names under `model.`, except the untied output layer,
+which sits beside the body as `lm_head.weight` (`torch_to_hf`, `hf_to_torch`).
 Importing this module needs torch only (checkpoint conversion runs without megatron).
 
 Shapes: V vocabulary, E hidden, H heads, G key/value heads, D head dim, I MLP width.
@@ -27,8 +31,8 @@ import torch
 
 from setdiff_megatron.models.config import ModelConfig
 
-__all__ = ["BACKENDS", "VOCAB_PAD_MULTIPLE", "check_tp_split", "megatron_to_torch", "padded_vocab_size",
-           "stage_layers", "torch_shapes", "torch_to_megatron"]
+__all__ = ["BACKENDS", "VOCAB_PAD_MULTIPLE", "check_tp_split", "hf_to_torch", "megatron_to_torch",
+           "padded_vocab_size", "stage_layers", "torch_shapes", "torch_to_hf", "torch_to_megatron"]
 
 BACKENDS = ("local", "te")
 VOCAB_PAD_MULTIPLE = 128
@@ -53,6 +57,8 @@ _LAYER_NORMS: dict[str, dict[str, str]] = {
 }
 _QKV = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
 _QKV_MEGATRON = "self_attention.linear_qkv.weight"
+_QKV_BIAS = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
+_QKV_BIAS_MEGATRON = "self_attention.linear_qkv.bias"
 _FC1 = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
 _FC1_MEGATRON = "mlp.linear_fc1.weight"
 TORCH_LAYER = "layers.{}."
@@ -60,6 +66,10 @@ MEGATRON_LAYER = "decoder.layers.{}."
 _EMBED = ("embed_tokens.weight", "embedding.word_embeddings.weight")
 _OUTPUT = ("lm_head.weight", "output_layer.weight")
 _FINAL_NORM = ("norm.weight", "decoder.final_layernorm.weight")
+HF_BODY = "model."
+"""Prefix of the body's weights in Hugging Face Llama/Qwen checkpoints (and in our HF export)."""
+_HF_IGNORED = ("rotary_emb.inv_freq",)
+"""Buffers some older HF checkpoints store; recomputed from rope_theta, never read."""
 
 
 def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
@@ -138,6 +148,9 @@ def torch_to_megatron(
             out[dst + m_name] = _shard(state_dict[src + t_name], dim, tp_rank, tp_size).clone()
         qkv = _qkv_groups(cfg, *(state_dict[src + n] for n in _QKV))
         out[dst + _QKV_MEGATRON] = qkv.chunk(tp_size, dim=0)[tp_rank].flatten(0, 1).clone()
+        if cfg.qkv_bias:
+            bias = _qkv_groups(cfg, *(state_dict[src + n][:, None] for n in _QKV_BIAS))  # [G, rows, 1]
+            out[dst + _QKV_BIAS_MEGATRON] = bias.chunk(tp_size, dim=0)[tp_rank].flatten().clone()
         gate, up = (_shard(state_dict[src + n], 0, tp_rank, tp_size) for n in _FC1)
         out[dst + _FC1_MEGATRON] = torch.cat([gate, up])
     embed = _shard(_pad_vocab(state_dict[_EMBED[0]], cfg, tp_size), 0, tp_rank, tp_size)
@@ -196,6 +209,10 @@ def megatron_to_torch(shards: Mapping[tuple[int, ...], Mapping[str, torch.Tensor
             q, k, v = groups.split([q_rows, cfg.head_dim, cfg.head_dim], dim=1)
             for name, t in zip(_QKV, (q, k, v)):
                 out[dst + name] = t.flatten(0, 1).clone()
+            if cfg.qkv_bias:
+                bias = torch.cat(take(chunk, src + _QKV_BIAS_MEGATRON)).view(cfg.num_kv_heads, -1)
+                for name, t in zip(_QKV_BIAS, bias.split([q_rows, cfg.head_dim, cfg.head_dim], dim=1)):
+                    out[dst + name] = t.flatten().clone()
             gate_up = [p.chunk(2) for p in take(chunk, src + _FC1_MEGATRON)]
             for j, name in enumerate(_FC1):
                 out[dst + name] = torch.cat([p[j] for p in gate_up])
@@ -226,11 +243,47 @@ def torch_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     }
     if cfg.qk_norm:
         layer |= {"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)}
+    if cfg.qkv_bias:
+        layer |= dict(zip(_QKV_BIAS, ((cfg.num_heads * d,), (cfg.num_kv_heads * d,), (cfg.num_kv_heads * d,))))
     shapes = {TORCH_LAYER.format(n) + k: s for n in range(cfg.num_layers) for k, s in layer.items()}
     shapes |= {_EMBED[0]: (cfg.vocab_size, e), _FINAL_NORM[0]: (e,)}
     if not cfg.tie_embeddings:
         shapes[_OUTPUT[0]] = (cfg.vocab_size, e)
     return shapes
+
+
+def torch_to_hf(state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig) -> StateDict:
+    """Hugging Face Llama/Qwen names for the torch model's weights (tensors are shared, not copied)."""
+    _check_shapes(state_dict, cfg)
+    return {(name if name == _OUTPUT[0] else HF_BODY + name): t for name, t in state_dict.items()}
+
+
+def hf_to_torch(state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig) -> StateDict:
+    """The torch model's weights from a Hugging Face Llama/Qwen state dict (or our HF export).
+
+    Every weight must be mapped and have its shape; a tied model's stored `lm_head.weight`, which
+    some checkpoints keep, must equal the embedding and is dropped.
+    """
+    out: StateDict = {}
+    unknown = []
+    for name, t in state_dict.items():
+        if name.endswith(_HF_IGNORED):
+            continue
+        if name == _OUTPUT[0]:
+            out[name] = t
+        elif name.startswith(HF_BODY):
+            out[name[len(HF_BODY):]] = t
+        else:
+            unknown.append(name)
+    if unknown:
+        raise KeyError(f"Hugging Face weights not mapped: {sorted(unknown)}")
+    if cfg.tie_embeddings and _OUTPUT[0] in out:
+        head = out.pop(_OUTPUT[0])
+        embed = out.get(_EMBED[0])
+        if embed is None or head.shape != embed.shape or not torch.equal(head, embed):
+            raise ValueError("lm_head.weight differs from the embedding although tie_word_embeddings is set")
+    _check_shapes(out, cfg)
+    return out
 
 
 def _check_shapes(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> None:
