@@ -63,6 +63,10 @@ def _recipe_validate(args: argparse.Namespace) -> int:
 
 
 def _launch(args: argparse.Namespace) -> int:
+    if getattr(args, "slurm", False):
+        from setdiff_megatron.launch.slurm import launch_slurm
+
+        return launch_slurm(args.recipe, args.overrides, dry_run=args.dry_run)
     from setdiff_megatron.training.launch import launch_local
 
     recipe = _load_checked(args)
@@ -120,11 +124,16 @@ def build_parser() -> argparse.ArgumentParser:
     # Listed for --help; `main` hands its arguments to the preprocessing tool's own parser.
     sub.add_parser("preprocess", add_help=False, help="tokenize corpora into megatron indexed datasets (.bin/.idx)")
 
-    launch = sub.add_parser("launch", help="start the processes of a recipe's launch section (torchrun)",
+    launch = sub.add_parser("launch", help="start the processes of a recipe's launch section (torchrun, SLURM)",
                             description="Validate a recipe, then start launch.nproc_per_node local processes "
-                            "with torchrun, each running `setdiff train RECIPE`.")
+                            "with torchrun, each running `setdiff train RECIPE`; or, with --slurm, write an "
+                            "sbatch script for launch.nnodes x launch.nproc_per_node processes next to the run "
+                            "(checkpoint.dir) and submit it (see slurm/README.md).")
     _add_recipe_args(launch)
-    launch.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
+    launch.add_argument("--slurm", action="store_true",
+                        help="submit a SLURM job rendered from the recipe's launch section and the cluster file")
+    launch.add_argument("--dry-run", action="store_true",
+                        help="print the command (with --slurm: the sbatch script) instead of running it")
     launch.set_defaults(func=_launch)
 
     checkpoint = sub.add_parser("checkpoint", help="look at a run's checkpoints")

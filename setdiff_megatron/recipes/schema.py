@@ -159,14 +159,35 @@ class LogSection(Section):
 
 
 class SlurmSection(Section):
+    """How `setdiff launch RECIPE --slurm` submits the run. Settings a recipe leaves unset come
+    from the cluster file (slurm/README.md), so a recipe names no partition and still runs
+    unchanged on another cluster."""
+
     partition: str | None = None
     account: str | None = None
-    time: str = "01:00:00"
+    time: str | None = None
+    """Time limit (sbatch --time), e.g. '48:00:00'; None: the cluster file's, else 01:00:00."""
     qos: str | None = None
     setup: list[str] = Field(default_factory=list)
-    """Lines run before the job starts (module loads, container activation)."""
+    """Lines run before the job starts (module loads, container activation); after the cluster file's."""
     cluster_file: str | None = None
-    """A YAML file with cluster-specific settings, so recipes stay portable."""
+    """A YAML file with cluster-specific settings, so recipes stay portable. None: $SETDIFF_CLUSTER_FILE,
+    else ~/.config/setdiff/cluster.yaml if it exists."""
+    launcher: Literal["srun", "torchrun"] = "srun"
+    """'srun': SLURM starts every process (one task per GPU or CPU process); 'torchrun': one task
+    per node runs torchrun, which starts that node's processes."""
+    cpus_per_task: PositiveInt | None = None
+    """CPU cores per srun task; None: the cluster file's, else SLURM's default."""
+    requeue: bool = True
+    """Requeue the job when training stops with exit code 75 (it checkpointed on SIGUSR1/SIGTERM)."""
+    signal_lead_s: PositiveInt = 300
+    """Seconds before the time limit at which the job gets SIGUSR1 to checkpoint and requeue."""
+    sbatch_args: list[str] = Field(default_factory=list)
+    """More sbatch options, e.g. ['--exclusive', '--constraint=h100']; after the cluster file's."""
+    srun_args: list[str] = Field(default_factory=list)
+    """More srun options for the training step (e.g. a pyxis --container-image); after the cluster file's."""
+    log_dir: str | None = None
+    """Where the job's output goes; None: <checkpoint.dir>/slurm, beside the rendered script."""
 
 
 class LaunchSection(Section):
@@ -174,6 +195,8 @@ class LaunchSection(Section):
     nproc_per_node: PositiveInt = 1
     """Processes per node: GPUs per node on GPU machines, CPU processes otherwise."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    """'cpu' runs on CPUs over gloo even where GPUs exist (a SLURM job then asks for no GPUs);
+    'auto' under SLURM means cuda unless the cluster file says gpus_per_node: 0."""
     env: dict[str, str] = Field(default_factory=dict)
     slurm: SlurmSection = Field(default_factory=SlurmSection)
 
