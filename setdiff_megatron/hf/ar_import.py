@@ -1,0 +1,98 @@
+"""Llama, Qwen2 and Qwen3 causal LMs (local Hugging Face directories, safetensors) as weights of
+the set diffusion model family.
+
+Under the left-to-right order the clean stream of our model computes exactly what the AR model
+computes (same layers, causal attention over the positions so far), so the AR weights carry over
+one to one: q/k/v/o, gate/up/down, norms, q/k norms (Qwen3), q/k/v biases (Qwen2), rope theta,
+tied or untied embeddings. What the family cannot represent is refused with the reason: other
+architectures, rope scaling (llama3/yarn/...), partial rotary, sliding windows, MLP or
+output-projection biases, activations other than SiLU.
+
+MASK: the tokenizer's MASK role (data/tokenizers.py) reuses `<|fim_middle|>` on Qwen tokenizers,
+as the paper does with Qwen3, whose embedding row is pretrained; elsewhere a `<|mask|>` token is
+added. A token id beyond the embedding gets a new row initialised to the mean of the embedding
+rows (and of the output rows when untied): an "average token" whose scale matches the others.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from setdiff_megatron.data.tokenizers import SetDiffTokenizer
+from setdiff_megatron.errors import UserError
+from setdiff_megatron.hf.config_map import rope_theta_of
+from setdiff_megatron.models.config import ModelConfig
+from setdiff_megatron.models.weight_maps import hf_to_torch
+
+__all__ = ["SUPPORTED", "ar_model_config", "ar_state_dict", "supported_text"]
+
+SUPPORTED = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_EMBED, _HEAD = "embed_tokens.weight", "lm_head.weight"
+
+
+def supported_text() -> str:
+    return ", ".join(SUPPORTED.values()) + " (and set diffusion exports, model_type setdiff)"
+
+
+def _refuse(path: Path, what: str) -> UserError:
+    return UserError(f"{path / 'config.json'}: {what}; set diffusion models cannot represent it")
+
+
+def ar_model_config(config: Mapping[str, Any], path: Path, *, vocab_size: int, mask_token_id: int) -> ModelConfig:
+    """Our ModelConfig for a Llama/Qwen2/Qwen3 config.json, or a UserError saying what does not fit."""
+    model_type = config.get("model_type")
+    arch = (config.get("architectures") or [SUPPORTED.get(model_type, model_type)])[0]
+    if model_type not in SUPPORTED or arch != SUPPORTED[model_type]:
+        raise UserError(f"{path}: architecture {arch or model_type!r} is not supported; supported: {supported_text()}")
+    if config.get("hidden_act", "silu") != "silu":
+        raise _refuse(path, f"hidden_act {config['hidden_act']!r} (SwiGLU with SiLU only)")
+    scaling = config.get("rope_scaling") or {}
+    params = config.get("rope_parameters") or {}
+    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type != "default":
+        raise _refuse(path, f"rope scaling {rope_type!r} (plain rotary embeddings only)")
+    if params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise _refuse(path, "partial rotary embeddings")
+    if config.get("use_sliding_window"):
+        raise _refuse(path, "sliding-window attention")
+    if config.get("mlp_bias"):
+        raise _refuse(path, "mlp_bias (MLP biases)")
+    if config.get("attention_bias") and model_type != "qwen2":
+        raise _refuse(path, "attention_bias (it adds an output-projection bias; only q/k/v biases are supported)")
+    heads = config["num_attention_heads"]
+    try:
+        return ModelConfig(
+            vocab_size=vocab_size, mask_token_id=mask_token_id, hidden_size=config["hidden_size"],
+            num_layers=config["num_hidden_layers"], num_heads=heads,
+            num_kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            intermediate_size=config["intermediate_size"],
+            max_seq_len=config.get("max_position_embeddings", 4096),
+            rope_theta=float(rope_theta_of(config) or 10000.0), norm_eps=config.get("rms_norm_eps", 1e-6),
+            qk_norm=model_type == "qwen3", qkv_bias=model_type == "qwen2",
+            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        )
+    except (KeyError, ValueError) as exc:
+        raise UserError(f"{path / 'config.json'} is incomplete or inconsistent: {exc}") from None
+
+
+def ar_state_dict(hf_weights: Mapping[str, torch.Tensor], config: ModelConfig, tokenizer: SetDiffTokenizer,
+                  path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Torch-named weights of an AR checkpoint, with embedding (and output) rows added for token
+    ids beyond the source's vocabulary (the MASK among them); returns the final config too."""
+    rows = hf_weights[f"model.{_EMBED}"].shape[0] if f"model.{_EMBED}" in hf_weights else config.vocab_size
+    source_cfg = config.replace(vocab_size=rows, mask_token_id=min(config.mask_token_id, rows - 1))
+    try:
+        state = hf_to_torch(hf_weights, source_cfg)
+    except (KeyError, ValueError) as exc:
+        raise UserError(f"{path}: weights do not match config.json: {exc}") from None
+    vocab = max(rows, tokenizer.vocab_size)
+    if vocab > rows:
+        for name in (_EMBED,) + (() if config.tie_embeddings else (_HEAD,)):
+            weight = state[name]
+            mean = weight.float().mean(0, keepdim=True).to(weight.dtype)
+            state[name] = torch.cat([weight, mean.expand(vocab - rows, -1)])
+    return config.replace(vocab_size=vocab, mask_token_id=tokenizer.mask_id), state

@@ -1,0 +1,102 @@
+"""Hugging Face config names <-> ModelConfig, and generation_config.json <-> DecodingConfig.
+
+One table each, used by the exporter (writing config.json and generation_config.json), by the
+importer (reading Llama/Qwen configs) and, bundled into the export's modeling file, by the
+Hugging Face model itself. Imports only the package's config dataclasses, so the bundle stays
+torch + transformers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+from setdiff_megatron.core.decoding import DecodingConfig
+from setdiff_megatron.models.config import ModelConfig
+
+__all__ = ["HF_CONFIG_KEYS", "GENERATION_KEYS", "hf_config_from_model_config", "model_config_from_hf_config",
+           "rope_theta_of", "generation_config_from_decoding", "decoding_config_from_generation"]
+
+HF_CONFIG_KEYS: dict[str, str] = {
+    # Hugging Face config key -> ModelConfig field
+    "vocab_size": "vocab_size",
+    "mask_token_id": "mask_token_id",
+    "hidden_size": "hidden_size",
+    "num_hidden_layers": "num_layers",
+    "num_attention_heads": "num_heads",
+    "num_key_value_heads": "num_kv_heads",
+    "head_dim": "head_dim",
+    "intermediate_size": "intermediate_size",
+    "max_position_embeddings": "max_seq_len",
+    "rope_theta": "rope_theta",
+    "rms_norm_eps": "norm_eps",
+    "qk_norm": "qk_norm",
+    "qkv_bias": "qkv_bias",
+    "tie_word_embeddings": "tie_embeddings",
+    "attention_impl": "attention_impl",
+    "initializer_range": "init_std",
+}
+
+GENERATION_KEYS: dict[str, str] = {
+    # generation_config.json key -> DecodingConfig field; do_sample/temperature are mapped apart
+    "max_new_tokens": "max_new_tokens",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "repetition_penalty": "repetition_penalty",
+    "window": "window",
+    "fill_window": "fill_window",
+    "tokens_per_step": "tokens_per_step",
+    "threshold": "threshold",
+    "stop_token_sequences": "stop_sequences",
+    "seed": "seed",
+}
+
+
+def rope_theta_of(config: Mapping[str, Any]) -> float | None:
+    """rope_theta at the top level (transformers 4) or in rope_parameters (transformers 5)."""
+    params = config.get("rope_parameters") or {}
+    return params.get("rope_theta", config.get("rope_theta"))
+
+
+def hf_config_from_model_config(cfg: ModelConfig) -> dict[str, Any]:
+    values = dataclasses.asdict(cfg)
+    return {key: values[name] for key, name in HF_CONFIG_KEYS.items()}
+
+
+def model_config_from_hf_config(config: Mapping[str, Any]) -> ModelConfig:
+    """ModelConfig from a config.json (ours, or a Llama/Qwen one already checked by the importer)."""
+    values = {name: config[key] for key, name in HF_CONFIG_KEYS.items() if config.get(key) is not None}
+    theta = rope_theta_of(config)
+    if theta is not None:
+        values["rope_theta"] = float(theta)
+    return ModelConfig(**values).resolved()
+
+
+def generation_config_from_decoding(cfg: DecodingConfig, *, mask_token_id: int, pad_token_id: int) -> dict[str, Any]:
+    """generation_config.json for a DecodingConfig; `decoding_config_from_generation` inverts it."""
+    out: dict[str, Any] = {"do_sample": cfg.temperature > 0}
+    if cfg.temperature > 0:
+        out["temperature"] = cfg.temperature
+    values = dataclasses.asdict(cfg)
+    out |= {key: values[name] for key, name in GENERATION_KEYS.items()}
+    out["stop_token_sequences"] = [list(s) for s in cfg.stop_sequences]
+    out |= {"eos_token_id": list(cfg.eos_token_ids), "pad_token_id": pad_token_id, "mask_token_id": mask_token_id}
+    return out
+
+
+def decoding_config_from_generation(config: Mapping[str, Any], **overrides: Any) -> DecodingConfig:
+    """DecodingConfig from generation-config values (None: the DecodingConfig default) and
+    `generate` keyword arguments, which win. Without do_sample decoding is greedy."""
+    allowed = {*GENERATION_KEYS, "do_sample", "temperature", "eos_token_id"}
+    unknown = sorted(set(overrides) - allowed)
+    if unknown:
+        raise TypeError(f"generate() got unknown arguments {unknown}; set diffusion decoding takes {sorted(allowed)}")
+    merged = {**{k: v for k, v in config.items() if k in allowed}, **overrides}
+    values = {name: merged[key] for key, name in GENERATION_KEYS.items() if merged.get(key) is not None}
+    if "stop_sequences" in values:
+        values["stop_sequences"] = tuple(tuple(int(t) for t in s) for s in values["stop_sequences"])
+    eos = merged.get("eos_token_id")
+    if eos is not None:
+        values["eos_token_ids"] = tuple(int(t) for t in ([eos] if isinstance(eos, int) else eos))
+    values["temperature"] = float(merged.get("temperature") or 1.0) if merged.get("do_sample") else 0.0
+    return DecodingConfig(**values)

@@ -1,0 +1,117 @@
+"""`setdiff convert from-hf`: a Llama/Qwen2/Qwen3 causal LM (to adapt into a set diffusion model)
+or a set diffusion export, as a checkpoint of the megatron engine at TP x PP.
+
+The result is a run directory (`model.init_from: OUT`, `checkpoint.resume: OUT/checkpoints/...`,
+`setdiff convert to-hf OUT`) written by hf/megatron_writer.py into a staging directory, read back
+with training/checkpoint_reader.py and compared with the source before it is renamed into place:
+
+  AR source       its own logits (transformers' AutoModelForCausalLM, float32) against the clean
+                  stream of the converted model under the left-to-right order
+  setdiff source  query logits of the source against the converted model's
+  megatron body   (pp == 1) the megatron model's query logits against the converted torch model's
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+
+from setdiff_megatron.errors import UserError, require
+from setdiff_megatron.hf import verify
+from setdiff_megatron.hf.export import DTYPES, ConversionReport
+from setdiff_megatron.hf.megatron_writer import VERIFY_FILE, write_megatron_checkpoint
+from setdiff_megatron.hf.sources import AR_KINDS, Source, read_hf_dir
+from setdiff_megatron.hf.weights_io import safetensors_dtype, staged_directory
+from setdiff_megatron.models.weight_maps import check_tp_split, stage_layers
+
+__all__ = ["import_from_hf"]
+
+
+def _check_layout(source: Source, tp: int, pp: int) -> None:
+    if tp < 1 or pp < 1:
+        raise UserError(f"--tp and --pp must be >= 1; got tp {tp} pp {pp}")
+    try:
+        check_tp_split(source.config, tp)
+        stage_layers(source.config.num_layers, pp, 0)
+    except ValueError as exc:
+        raise UserError(f"{source.path} cannot be split at tp {tp} pp {pp}: {exc}") from None
+
+
+def import_from_hf(hf_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, dtype: str = "auto",
+                   overwrite: bool = False, check: bool = False, tolerance: float | None = None) -> ConversionReport:
+    """Convert, compare logits, and (with `check`) refuse a mismatch, leaving nothing at `out`."""
+    hf_dir, out = Path(hf_dir), Path(out).absolute()
+    if out.exists() and not overwrite:
+        raise UserError(f"{out} already exists; pass --overwrite to replace it")
+    if not hf_dir.is_dir():
+        raise UserError(f"{hf_dir} is not a directory")
+    source = read_hf_dir(hf_dir)
+    _check_layout(source, tp, pp)
+    if dtype == "auto":
+        target = safetensors_dtype(source.state_dict)
+    elif dtype in DTYPES:
+        target = DTYPES[dtype]
+    else:
+        raise UserError(f"--dtype must be auto, {' or '.join(DTYPES)}; got {dtype!r}")
+    tolerance = tolerance or verify.DEFAULT_TOLERANCE
+    with staged_directory(out, overwrite=overwrite) as stage, tempfile.TemporaryDirectory() as scratch:
+        write_megatron_checkpoint(hf_dir, stage, out, tp=tp, pp=pp, dtype=target, verify_dir=Path(scratch))
+        comparisons = _verify_import(source, stage, target, Path(scratch), tolerance)
+        report = ConversionReport(out, comparisons)
+        rows = source.config.vocab_size
+        report.lines = [f"imported {source.describe()} into {out} (megatron, tp {tp} pp {pp}, "
+                        f"{str(target).removeprefix('torch.')}); vocabulary {rows}, MASK "
+                        f"{source.tokenizer.special_tokens['mask']!r} id {source.tokenizer.mask_id}"]
+        report.lines += [c.line() for c in comparisons]
+        if check and not report.ok:
+            worst = max(comparisons, key=lambda c: c.max_diff)
+            raise UserError(f"--check: {worst.what} differs by {worst.max_diff:.3e} > {worst.tolerance:.1e}; "
+                            f"nothing written to {out}")
+    return report
+
+
+def _verify_import(source: Source, stage: Path, dtype: torch.dtype, scratch: Path,
+                   tolerance: float) -> list[verify.Comparison]:
+    from setdiff_megatron.training.checkpoint_reader import read_checkpoint
+
+    written = read_checkpoint(stage)
+    if written.config != source.config:
+        raise RuntimeError(f"the written checkpoint records {written.config}, the source is {source.config}")
+    converted = verify.torch_model(written.config, written.state_dict)
+    out = []
+    if source.kind in AR_KINDS:
+        transformers = require("transformers", "hf", "Checking an imported Hugging Face model")
+        reference = transformers.AutoModelForCausalLM.from_pretrained(str(source.path), dtype=torch.float32)
+        rows = reference.get_input_embeddings().weight.shape[0]
+        tokens = verify.fixed_tokens(written.config, max_token=min(rows, source.tokenizer.vocab_size))
+        with torch.no_grad():
+            expected = reference(tokens).logits.float()
+        if dtype != safetensors_dtype(source.state_dict):
+            expected = _rounded_ar_logits(reference, dtype, tokens)
+        _, logits = verify.clean_stream(converted, tokens)
+        out.append(verify.compare(f"clean stream (left to right) vs {source.kind} source logits",
+                                  logits[..., :rows], expected, tolerance))
+    else:
+        batch = verify.fixed_batch(source.config)
+        expected = verify.query_logits(verify.torch_model(source.config, source.state_dict, round_to=dtype), batch)
+        out.append(verify.compare("converted vs source query logits", verify.query_logits(converted, batch),
+                                  expected, tolerance))
+    megatron_file = scratch / VERIFY_FILE
+    if megatron_file.is_file():
+        from safetensors.torch import load_file
+
+        megatron = load_file(str(megatron_file))["logits"]
+        batch = verify.fixed_batch(written.config)
+        out.append(verify.compare("megatron model vs converted torch model (query logits)", megatron,
+                                  verify.query_logits(converted, batch), tolerance))
+    return out
+
+
+@torch.no_grad()
+def _rounded_ar_logits(reference, dtype: torch.dtype, tokens: torch.Tensor) -> torch.Tensor:
+    """The AR source's logits with its weights rounded to the import precision (run in float32)."""
+    for p in reference.parameters():
+        p.copy_(p.to(dtype).float())
+    return reference(tokens).logits.float()

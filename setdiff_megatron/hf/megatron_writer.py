@@ -1,0 +1,184 @@
+"""Write converted weights as a checkpoint of the megatron engine, at a chosen TP x PP layout.
+
+Layout, as training/checkpointing.py publishes it: <run>/checkpoints/step_00000000/ with
+megatron dist_checkpointing shards, train_state.json (step 0, the parallel layout, the model
+config, the tokenizer's vocabulary and MASK id), recipe.yaml, tokenizer/ and a sha256
+manifest, and <run>/checkpoints/latest. It holds weights only: no optimizer state, so the layout
+records `distributed_optimizer: null` (a resume then loads the weights and starts the optimizer
+fresh, as after switching optimizers) and train_state.json says `weights_only: true`.
+
+How: tp * pp gloo processes (CPU only, CUDA hidden), each building its megatron model chunk
+(models/megatron_model.py, local backend), loading its share mapped by
+weight_maps.torch_to_megatron, and saving through dist_checkpointing like the engine does. Each
+process reads the source itself (safetensors are memory-mapped), so nothing large is pickled
+between processes. With pp == 1 the processes also run the megatron model on the verification
+batch, so the comparison covers the megatron body and its weight map, not only the files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import warnings
+from dataclasses import asdict
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from setdiff_megatron.errors import UserError
+
+__all__ = ["write_megatron_checkpoint", "STEP_DIR", "VERIFY_FILE"]
+
+STEP_DIR = "step_00000000"
+VERIFY_FILE = "megatron_query_logits.safetensors"
+_PRECISION = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def import_recipe(source, run_dir: Path, *, tp: int, pp: int, dtype: torch.dtype):
+    """The recipe recorded with an imported checkpoint: its model, its tokenizer, this layout."""
+    from setdiff_megatron.recipes.schema import (CheckpointSection, DataSection, ModelSection, ParallelSection,
+                                                 Recipe, TrainSection)
+
+    step_dir = run_dir / "checkpoints" / STEP_DIR
+    return Recipe(
+        name=f"import-{source.path.name}",
+        description=f"{source.describe()}, imported by setdiff convert from-hf",
+        model=ModelSection(**asdict(source.config)),
+        data=DataSection(tokenizer=str(step_dir / "tokenizer"), seq_len=min(source.config.max_seq_len, 1024)),
+        parallel=ParallelSection(tp=tp, pp=pp),
+        train=TrainSection(precision=_PRECISION[dtype]),
+        checkpoint=CheckpointSection(dir=str(run_dir)),
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_megatron_checkpoint(source_path: Path, stage: Path, final: Path, *, tp: int, pp: int,
+                              dtype: torch.dtype, verify_dir: Path | None) -> Path:
+    """Run the tp * pp writer processes into `stage` (a run directory that will be renamed to
+    `final`); returns the step directory. `verify_dir` receives the megatron logits (pp == 1)."""
+    spec = {"source": str(source_path), "stage": str(stage), "final": str(final), "tp": tp, "pp": pp,
+            "dtype": _PRECISION[dtype], "verify_dir": str(verify_dir) if verify_dir and pp == 1 else None}
+    spec_file = stage / "import_spec.json"
+    spec_file.write_text(json.dumps(spec))
+    world, port = tp * pp, _free_port()
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "WORLD_SIZE": str(world), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+           "PYTHONWARNINGS": "ignore"}
+    procs = [subprocess.Popen([sys.executable, "-m", "setdiff_megatron.hf.megatron_writer", str(spec_file)],
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(world)]
+    outputs = [p.communicate()[0] for p in procs]
+    spec_file.unlink()
+    failed = [(r, out) for r, (p, out) in enumerate(zip(procs, outputs)) if p.returncode != 0]
+    if failed:
+        rank, out = failed[0]
+        lines = [ln for ln in out.strip().splitlines() if ln.strip()]
+        user = [ln for ln in lines if ln.startswith("setdiff: error: ")]
+        if user:
+            raise UserError(user[-1].removeprefix("setdiff: error: "))
+        raise RuntimeError(f"megatron writer rank {rank} failed:\n" + "\n".join(lines[-30:]))
+    from setdiff_megatron.training import checkpointing
+
+    step_dir = stage / checkpointing.CHECKPOINTS / STEP_DIR
+    checkpointing._write_manifest(step_dir)  # noqa: SLF001 - the engine's manifest format, one process
+    (stage / checkpointing.CHECKPOINTS / checkpointing.LATEST).write_text(STEP_DIR + "\n")
+    return step_dir
+
+
+# ---- the writer process ---------------------------------------------------------------------
+
+def _train_state(recipe, tokenizer, *, tp: int, pp: int, source) -> dict:
+    from setdiff_megatron.training.checkpointing import NOT_MODEL_IDENTITY
+
+    cfg = recipe.model.to_model_config(vocab_size=tokenizer.vocab_size, mask_token_id=tokenizer.mask_id)
+    t = recipe.train
+    # What megatron's OptimizerParamScheduler.load_state_dict reads; a resume overrides the values.
+    scheduler = {"max_lr": t.lr, "min_lr": t.min_lr, "lr_warmup_steps": t.warmup_steps, "num_steps": 0,
+                 "lr_decay_style": t.schedule, "lr_decay_steps": t.steps or 1, "start_wd": t.weight_decay,
+                 "end_wd": t.weight_decay, "wd_incr_style": "constant", "wd_incr_steps": t.steps or 1}
+    return {
+        "step": 0, "consumed_samples": 0, "skipped_steps": 0, "scheduler": scheduler,
+        "layout": {"tp": tp, "pp": pp, "vpp": None, "dp": 1, "world_size": tp * pp, "distributed_optimizer": None},
+        "model": {k: v for k, v in asdict(cfg).items() if k not in NOT_MODEL_IDENTITY},
+        "tokenizer": {"vocab_size": tokenizer.vocab_size, "mask_id": tokenizer.mask_id},
+        "weights_only": True, "source": {"format": source.kind, "path": str(source.path)},
+    }
+
+
+def main(spec_file: str) -> int:
+    warnings.filterwarnings("ignore")
+    spec = json.loads(Path(spec_file).read_text())
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing, parallel_state
+
+    from setdiff_megatron.hf import verify
+    from setdiff_megatron.hf.sources import read_source
+    from setdiff_megatron.models.megatron_model import build_model_chunks, transformer_config_from
+    from setdiff_megatron.models.weight_maps import torch_to_megatron
+    from setdiff_megatron.recipes import save_resolved_recipe
+    from setdiff_megatron.training import checkpointing
+    from setdiff_megatron.training.megatron_cpu import auto_cpu_mode, model_parallel_seed
+
+    tp, pp = spec["tp"], spec["pp"]
+    dtype = {v: k for k, v in _PRECISION.items()}[spec["dtype"]]
+    auto_cpu_mode()
+    dist.init_process_group("gloo")
+    try:
+        rank = dist.get_rank()
+        parallel_state.initialize_model_parallel(tp, pp)
+        model_parallel_seed(0)
+        source = read_source(spec["source"])
+        cfg = source.config
+        recipe = import_recipe(source, Path(spec["final"]), tp=tp, pp=pp, dtype=dtype)
+        config = transformer_config_from(cfg, tp=tp, pp=pp, params_dtype=dtype)
+        (chunk,) = build_model_chunks(cfg, config, backend="local")
+        tp_rank, pp_rank = (parallel_state.get_tensor_model_parallel_rank(),
+                            parallel_state.get_pipeline_model_parallel_rank())
+        state = torch_to_megatron({k: v.to(dtype) for k, v in source.state_dict.items()}, cfg,
+                                  tp_rank=tp_rank, tp_size=tp, pp_rank=pp_rank, pp_size=pp)
+        missing, unexpected = chunk.load_state_dict(state, strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise RuntimeError(f"megatron chunk weights: missing {missing}, unexpected {unexpected}")
+        step_dir = Path(spec["stage"]) / checkpointing.CHECKPOINTS / STEP_DIR
+        if rank == 0:
+            step_dir.mkdir(parents=True)
+        dist.barrier()
+        holder = SimpleNamespace(module=chunk)  # what the engine's DDP wrapper exposes
+        dist_checkpointing.save(checkpointing._sharded_state([holder], None, is_loading=False),  # noqa: SLF001
+                                str(step_dir))
+        if rank == 0:
+            train_state = _train_state(recipe, source.tokenizer, tp=tp, pp=pp, source=source)
+            (step_dir / checkpointing.TRAIN_STATE).write_text(json.dumps(train_state, indent=1))
+            save_resolved_recipe(recipe, step_dir)
+            source.tokenizer.save(step_dir / "tokenizer")
+        if spec["verify_dir"]:
+            batch = verify.fixed_batch(cfg)
+            with torch.no_grad():
+                chunk.eval()
+                logits = chunk.float()(batch.clean_tokens, batch.query_tokens, batch.position_ids)
+            if rank == 0:
+                from safetensors.torch import save_file
+
+                save_file({"logits": logits.float().contiguous()}, str(Path(spec["verify_dir"]) / VERIFY_FILE))
+        dist.barrier()
+    except UserError as exc:
+        print(f"setdiff: error: {exc}", flush=True)
+        return 2
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
