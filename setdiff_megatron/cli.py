@@ -85,6 +85,58 @@ def _checkpoint_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert_to_hf(args: argparse.Namespace) -> int:
+    from setdiff_megatron.hf.export import export_to_hf
+
+    report = export_to_hf(args.checkpoint, args.out_dir, dtype=args.dtype, shard_size=args.shard_size,
+                          overwrite=args.overwrite, check=args.check, tolerance=args.tolerance)
+    print("\n".join(f"setdiff: {line}" for line in report.lines))
+    return 0
+
+
+def _convert_from_hf(args: argparse.Namespace) -> int:
+    from setdiff_megatron.hf.import_hf import import_from_hf
+
+    report = import_from_hf(args.hf_dir, args.out_ckpt, tp=args.tp, pp=args.pp, dtype=args.dtype,
+                            overwrite=args.overwrite, check=args.check, tolerance=args.tolerance)
+    print("\n".join(f"setdiff: {line}" for line in report.lines))
+    return 0
+
+
+def _add_convert_parser(sub) -> None:
+    convert = sub.add_parser("convert", help="convert checkpoints to and from Hugging Face format",
+                             description="Both directions finish by comparing the logits of the source and the "
+                             "converted model on a fixed batch and print the largest difference.")
+    convert_sub = convert.add_subparsers(dest="convert_command", metavar="DIRECTION", required=True)
+    to_hf = convert_sub.add_parser("to-hf", help="export a checkpoint as a Hugging Face directory (trust_remote_code)",
+                                   description="Export a megatron checkpoint (any TP/PP layout; a run directory "
+                                   "takes its newest) as a directory that AutoModel.from_pretrained(dir, "
+                                   "trust_remote_code=True) loads with only torch and transformers installed.")
+    to_hf.add_argument("checkpoint", help="run directory, checkpoints/ folder or step_* directory")
+    to_hf.add_argument("out_dir", help="the Hugging Face directory to write")
+    to_hf.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
+                       help="weight precision (default: as saved)")
+    to_hf.add_argument("--shard-size", default="5GB", help="largest safetensors shard, e.g. 5GB or 500MB")
+    from_hf = convert_sub.add_parser("from-hf", help="import a Llama/Qwen2/Qwen3 model (or an export) as a "
+                                     "megatron checkpoint", description="Import a local Hugging Face directory "
+                                     "(safetensors) of a Llama, Qwen2 or Qwen3 causal LM, to adapt into a set "
+                                     "diffusion model (model.init_from), or one of our exports, as a megatron "
+                                     "checkpoint run directory saved at the given layout.")
+    from_hf.add_argument("hf_dir", help="a local Hugging Face model directory")
+    from_hf.add_argument("out_ckpt", help="the run directory to write (checkpoints/step_00000000 inside)")
+    from_hf.add_argument("--tp", type=int, default=1, help="tensor-parallel size to save at")
+    from_hf.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to save at")
+    from_hf.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
+                         help="weight precision (default: the source's)")
+    for parser, handler in ((to_hf, _convert_to_hf), (from_hf, _convert_from_hf)):
+        parser.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+        parser.add_argument("--check", action="store_true",
+                            help="fail (exit code 2, nothing written) when the logits differ beyond the tolerance")
+        parser.add_argument("--tolerance", type=float, default=None, help="largest |logit difference| --check "
+                            "accepts (default 1e-4, against the source rounded to the output precision)")
+        parser.set_defaults(func=handler)
+
+
 def _add_recipe_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", help="a YAML recipe, e.g. recipes/tiny-cpu.yaml")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
@@ -135,6 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--dry-run", action="store_true",
                         help="print the command (with --slurm: the sbatch script) instead of running it")
     launch.set_defaults(func=_launch)
+
+    _add_convert_parser(sub)
 
     checkpoint = sub.add_parser("checkpoint", help="look at a run's checkpoints")
     checkpoint_sub = checkpoint.add_subparsers(dest="checkpoint_command", metavar="ACTION", required=True)
