@@ -12,7 +12,9 @@ same outputs and gradients:
          i.e. < r+1) and stacked as extra heads next to the clean heads of the same KV group.
          Each query's own key (the diagonal) is merged in through the log-sum-exp. The backward
          calls the kernel backward once with the merged output and log-sum-exp, the way ring
-         attention does, and adds the diagonal gradient analytically.
+         attention does, and adds the diagonal gradient analytically. The merge takes any
+         `PartialAttention` kernel: here PyTorch's flash kernels; setdiff_megatron/kernels adds
+         Transformer Engine's and flash-attn's low-level calls ('te', 'flash_attn') and 'auto'.
 
 Padding: `valid_len[b]` ranks are real in each stream; ranks at or beyond it are padding, whose
 outputs are defined as zero (the order policies put padding last, so no real row sees them).
@@ -25,13 +27,19 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
 
 __all__ = [
     "ATTENTION_IMPLS",
+    "PartialAttention",
+    "merged_set_causal_attention",
+    "merged_step_attention",
+    "register_attention_impl",
+    "register_step_impl",
+    "resolve_attention_impl",
     "set_causal_mask",
     "set_causal_attention",
     "step_mask",
@@ -120,32 +128,74 @@ def _sdpa(q, k, v, scale, valid_len):
 
 
 # --------------------------------------------------------------------------------------------
-# fused: one causal kernel call, rotated query heads, log-sum-exp merge of the diagonal
+# fused: one causal kernel call, rotated query heads, log-sum-exp merge of the diagonal.
+# The merge runs over any "partial attention" kernel: PyTorch's flash kernels here, Transformer
+# Engine's and flash-attn's low-level calls in setdiff_megatron/kernels/.
 
 
-def _causal_fwd(q, k, v, scale):
-    """Causal attention -> (out, lse, kernel extras for the backward); lse is the natural-log sum
-    of exp(scaled scores). CPU: PyTorch's flash kernel for CPU. CUDA: the flash-attention kernel
-    (fp16/bf16), which takes fewer key/value heads than query heads (GQA) natively."""
-    if q.device.type == "cuda":
-        if q.dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"attention_impl 'fused' on CUDA needs bf16 or fp16 inputs; got {q.dtype} "
-                             "(use attention_impl 'sdpa' for fp32)")
-        out, lse, cum_q, cum_k, max_q, max_k, rng_state, unused, _ = (
-            torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale))
-        return out, lse, (cum_q, cum_k, max_q, max_k, rng_state, unused)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
-    return out, lse, None
+class PartialAttention(Protocol):
+    """A fused kernel seen through its low-level API: attention under a fixed mask that returns
+    the log-sum-exp, and a backward that takes the output and log-sum-exp as INPUTS, so the merge
+    can feed it merged ones (as ring attention does).
+
+    q [B, Hq, Sq, D], k/v [B, G, Sk, D] with Hq % G == 0 (query head h reads key/value head
+    h // (Hq / G)), any strides; out is like q; lse [B, Hq, Sq] is the natural log of the summed
+    exp(scale * q.k), float32. `causal`: top-left causal (training calls it with Sq == Sk).
+    Otherwise no mask, with keys at or beyond kv_len[b] hidden (the sampling step; a row with no
+    key may hold anything, the caller discards it). `aux` is whatever the backward needs.
+    """
+
+    def layout(self, k: torch.Tensor) -> str:
+        """Memory order, 'bhsd', 'bshd' or 'sbhd', in which the merge allocates q and dout."""
+
+    def forward(self, q, k, v, *, scale: float, causal: bool, kv_len: torch.Tensor | None = None):
+        """-> (out, lse, aux)"""
+
+    def backward(self, dout, q, k, v, out, lse, aux, *, scale: float, causal: bool):
+        """-> (dq, dk, dv) for the given out and lse."""
 
 
-def _causal_bwd(dout, q, k, v, out, lse, scale, extras):
-    if extras is not None:
-        cum_q, cum_k, max_q, max_k, rng_state, unused = extras
-        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, True, rng_state, unused, scale=scale)
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse, 0.0, True, scale=scale
-    )
+class _AtenFlash:
+    """PyTorch's own flash kernels: the CPU one (any float dtype), and on CUDA the bundled
+    flash-attention (fp16/bf16), which takes fewer key/value heads than query heads natively."""
+
+    def layout(self, k):
+        return "bhsd"
+
+    def forward(self, q, k, v, *, scale, causal, kv_len=None):
+        if kv_len is not None:
+            raise NotImplementedError("PyTorch's flash kernel path has no key-length mask")
+        if q.device.type == "cuda":
+            if q.dtype not in (torch.float16, torch.bfloat16):
+                raise ValueError(f"attention_impl 'fused' on CUDA needs bf16 or fp16 inputs; got {q.dtype} "
+                                 "(use attention_impl 'sdpa' for fp32)")
+            out, lse, cum_q, cum_k, max_q, max_k, rng_state, unused, _ = (
+                torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale))
+            return out, lse, (cum_q, cum_k, max_q, max_k, rng_state, unused)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return out, lse, None
+
+    def backward(self, dout, q, k, v, out, lse, aux, *, scale, causal):
+        if aux is not None:
+            cum_q, cum_k, max_q, max_k, rng_state, unused = aux
+            return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+                dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, rng_state, unused, scale=scale)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+
+
+ATEN_FLASH = _AtenFlash()
+
+
+def _empty(shape: tuple, layout: str, like: torch.Tensor) -> torch.Tensor:
+    """An uninitialised [B, *heads, S, D] tensor stored in `layout` order ('bshd': tokens before
+    heads; 'sbhd': tokens outermost), so a kernel that wants that order gets it without a copy."""
+    if layout == "bhsd":
+        return like.new_empty(shape)
+    b, heads, s, d = shape[0], tuple(shape[1:-2]), shape[-2], shape[-1]
+    if layout == "bshd":
+        return like.new_empty((b, s, *heads, d)).movedim(1, -2)
+    return like.new_empty((s, b, *heads, d)).movedim(0, -2)
 
 
 def _grouped(x_BHSD: torch.Tensor, num_kv: int) -> torch.Tensor:
@@ -153,32 +203,34 @@ def _grouped(x_BHSD: torch.Tensor, num_kv: int) -> torch.Tensor:
     return x_BHSD.unflatten(1, (num_kv, x_BHSD.shape[1] // num_kv))
 
 
-def _pack_streams(clean: torch.Tensor, query: torch.Tensor, last_slot: torch.Tensor | float) -> torch.Tensor:
+def _pack_streams(clean: torch.Tensor, query: torch.Tensor, last_slot: torch.Tensor | float,
+                  layout: str) -> torch.Tensor:
     """[B, G, 2, g, L, ...] kernel input: clean rows, then query rows rotated by one slot.
 
     Both inputs are grouped [B, G, g, L, ...]; slot r of the query half holds query r+1 and slot
     L-1 holds `last_slot`. Keeping a KV group's 2g heads adjacent lets the kernel's GQA mapping
     (head // (2H/G)) send both streams of a group to the same key/value head.
     """
-    packed = clean.new_empty(clean.shape[:2] + (2,) + clean.shape[2:])
+    packed = _empty(clean.shape[:2] + (2,) + clean.shape[2:], layout, clean)
     packed[:, :, 0] = clean
     packed[:, :, 1, :, :-1] = query[:, :, :, 1:]
     packed[:, :, 1, :, -1] = last_slot
     return packed
 
 
-class _FusedSetCausal(torch.autograd.Function):
+class _MergedSetCausal(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, scale: float, row_valid):
+    def forward(ctx, q, k, v, scale: float, row_valid, kernel: PartialAttention):
         b, h, two_l, d = q.shape
         length, num_kv = two_l // 2, k.shape[1]
         acc = torch.promote_types(q.dtype, torch.float32)
+        layout = kernel.layout(k)
         q_g, k_x, v_x = _grouped(q, num_kv), k[:, :, :length], v[:, :, :length]
         q_m = q_g[..., length:, :]
         k_m, v_m = k[:, :, None, length:], v[:, :, None, length:]  # [B, G, 1, L, D]
 
-        q_stack = _pack_streams(q_g[..., :length, :], q_m, q_m[:, :, :, 0])
-        out_s, lse_s, ctx.kernel_extras = _causal_fwd(q_stack.flatten(1, 3), k_x, v_x, scale)
+        q_stack = _pack_streams(q_g[..., :length, :], q_m, q_m[:, :, :, 0], layout)
+        out_s, lse_s, aux = kernel.forward(q_stack.flatten(1, 3), k_x, v_x, scale=scale, causal=True)
         out_s, lse_s = out_s.unflatten(1, q_stack.shape[1:4]), lse_s.unflatten(1, q_stack.shape[1:4])
 
         # Query 0 sees no clean rank: its output is its own value. Query i >= 1 merges the
@@ -188,7 +240,7 @@ class _FusedSetCausal(torch.autograd.Function):
         lse_m = torch.cat([s_diag[..., :1], torch.logaddexp(lse_a, s_diag[..., 1:])], dim=-1)
         weight_a = torch.sigmoid(lse_a - s_diag[..., 1:])[..., None]
 
-        out = q.new_empty(q.shape)
+        out = _empty(q.shape, layout, q)
         out_g = _grouped(out, num_kv)
         out_g[..., :length, :] = out_s[:, :, 0]
         out_g[..., length, :] = v_m[..., 0, :]
@@ -202,7 +254,7 @@ class _FusedSetCausal(torch.autograd.Function):
         out_s[:, :, 1, :, :-1] = out_g[..., length + 1:, :]
         lse_s[:, :, 1, :, :-1] = lse_m[..., 1:].to(lse_s.dtype)
         ctx.save_for_backward(q_stack, k, v, out, out_s, lse_s, s_diag, lse_m, row_valid)
-        ctx.scale = scale
+        ctx.scale, ctx.kernel, ctx.aux, ctx.layout = scale, kernel, aux, layout
         return out
 
     @staticmethod
@@ -218,10 +270,10 @@ class _FusedSetCausal(torch.autograd.Function):
 
         # Part A: one kernel backward over both streams. Fed the merged output and lse, it yields
         # the exact restriction of the full softmax gradient to the clean keys.
-        do_stack = _pack_streams(do_g[..., :length, :], do_m, 0.0)
-        dq_s, dk_x, dv_x = _causal_bwd(
+        do_stack = _pack_streams(do_g[..., :length, :], do_m, 0.0, ctx.layout)
+        dq_s, dk_x, dv_x = ctx.kernel.backward(
             do_stack.flatten(1, 3), q_stack.flatten(1, 3), k[:, :, :length], v[:, :, :length],
-            out_s.flatten(1, 3), lse_s.flatten(1, 3), scale, ctx.kernel_extras,
+            out_s.flatten(1, 3), lse_s.flatten(1, 3), ctx.aux, scale=scale, causal=True,
         )
         dq_s = dq_s.unflatten(1, q_stack.shape[1:4])
 
@@ -232,35 +284,60 @@ class _FusedSetCausal(torch.autograd.Function):
         p_diag = (s_diag - lse_m).exp()
         ds_diag = p_diag * (do_m * (v_m - out_m)).sum(-1)
 
-        dq = q_stack.new_empty(out.shape)
+        dq = _empty(out.shape, ctx.layout, q_stack)
         dq_g = _grouped(dq, num_kv)
         dq_g[..., :length, :] = dq_s[:, :, 0]
         dq_g[..., length:, :] = scale * ds_diag[..., None] * k_m
         dq_g[..., length + 1:, :] += dq_s[:, :, 1, :, :-1]
         dk = torch.cat([dk_x, torch.einsum("bgnl,bgnld->bgld", scale * ds_diag, q_m).to(k.dtype)], dim=2)
         dv = torch.cat([dv_x, torch.einsum("bgnl,bgnld->bgld", p_diag, do_m).to(v.dtype)], dim=2)
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None
+
+
+def merged_set_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: PartialAttention, *,
+                                scale: float | None = None, valid_len: torch.Tensor | None = None) -> torch.Tensor:
+    """Set-causal attention (the 'fused' decomposition) on any partial-attention kernel:
+    q [B, H, 2L, D], k/v [B, G, 2L, D] -> [B, H, 2L, D]."""
+    _check_qkv(q, k, v)
+    length = _split_length(q, valid_len)
+    row_valid = None if valid_len is None else _row_valid(valid_len, length)
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return _MergedSetCausal.apply(q, k, v, scale, row_valid, kernel)
 
 
 def _fused(q, k, v, scale, valid_len):
-    length = _split_length(q, valid_len)
-    row_valid = None if valid_len is None else _row_valid(valid_len, length)
-    return _FusedSetCausal.apply(q, k, v, scale, row_valid)
+    return merged_set_causal_attention(q, k, v, ATEN_FLASH, scale=scale, valid_len=valid_len)
 
+
+# --------------------------------------------------------------------------------------------
+# The registry of training implementations. setdiff_megatron/kernels adds 'auto', 'te' and
+# 'flash_attn' when imported (models/config.py imports it); core itself imports only torch.
 
 AttentionImpl = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, "torch.Tensor | None"], torch.Tensor]
 
 ATTENTION_IMPLS: dict[str, AttentionImpl] = {"dense": _dense, "sdpa": _sdpa, "fused": _fused}
+_IMPL_CHECKS: dict[str, Callable[[], None]] = {}
+
+
+def register_attention_impl(name: str, fn: AttentionImpl, *, check: Callable[[], None] | None = None) -> None:
+    """Add a training implementation; `check` raises if it cannot run on this machine and is
+    called whenever the name is resolved (keep it cheap: cache what it probes)."""
+    ATTENTION_IMPLS[name] = fn
+    if check is not None:
+        _IMPL_CHECKS[name] = check
 
 
 def resolve_attention_impl(name: str) -> AttentionImpl:
     """Resolve an implementation name once (models call this at construction)."""
     try:
-        return ATTENTION_IMPLS[name]
+        fn = ATTENTION_IMPLS[name]
     except KeyError:
         raise ValueError(
             f"attention_impl must be one of {sorted(ATTENTION_IMPLS)}; got {name!r}"
         ) from None
+    if name in _IMPL_CHECKS:
+        _IMPL_CHECKS[name]()
+    return fn
 
 
 def set_causal_attention(
@@ -333,6 +410,70 @@ def staged_step_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     )
 
 
+def merged_step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, kernel: PartialAttention, *, num_commit: int,
+                          cache_len: torch.Tensor | None = None, commit_len: torch.Tensor | None = None,
+                          scale: float | None = None) -> torch.Tensor:
+    """One sampling step on a partial-attention kernel, exact against `step_mask`; forward only.
+
+    KERNELS.md 4, single pass over the cache: (1) every step row attends the cache in ONE kernel
+    call with no mask (keys at or beyond cache_len[b] hidden), so the cache is read once; (2) the
+    step block, rows [commits; queries] against the commits: commit a sees commits <= a (with (1),
+    bottom-right causal over [cache; commits]), a query sees every commit; commits at or beyond
+    commit_len[b] are hidden except from their own row; (3) each query's own key. (2) and (3) are
+    T x (N + 1) scores, computed directly; (4) the parts merge through their log-sum-exps. Real
+    cache entries and commits must be a prefix of each row (what KVCache keeps).
+    """
+    t, n, c = q.shape[2], num_commit, k_cache.shape[2]
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    acc = torch.promote_types(q.dtype, torch.float32)
+    groups = q.shape[1] // k.shape[1]
+    q_a = q.to(acc)
+    k_h, v_h = (x.repeat_interleave(groups, dim=1).to(acc) for x in (k, v))  # the T step tokens only
+    i = torch.arange(t, device=q.device)
+    j = i[:n]
+    sees = (j[None, :] <= i[:, None]) | (i[:, None] >= n)  # [T, N]
+    if commit_len is not None:
+        sees = sees & ((j[None, :] < commit_len[:, None])[:, None, None, :] | (j[None, :] == i[:, None]))
+    scores = torch.cat([
+        (q_a @ k_h[:, :, :n].transpose(-1, -2) * scale).masked_fill(~sees, float("-inf")),
+        ((q_a * k_h).sum(-1) * scale).masked_fill(i < n, float("-inf"))[..., None],
+    ], dim=-1)
+    lse = scores.logsumexp(-1)  # finite: every row sees its own key
+    p = (scores - lse[..., None]).exp()
+    out = p[..., :n] @ v_h[:, :, :n] + p[..., n:] * v_h
+    if c > 0:
+        out_c, lse_c, _ = kernel.forward(q, k_cache, v_cache, scale=scale, causal=False, kv_len=cache_len)
+        out_c, lse_c = out_c.to(acc), lse_c.to(acc)
+        if cache_len is not None:  # a row without cache entries: whatever the kernel wrote is void
+            empty = (cache_len == 0)[:, None, None]
+            lse_c = lse_c.masked_fill(empty, float("-inf"))
+            out_c = out_c.masked_fill(empty[..., None], 0.0)
+        lse_all = torch.logaddexp(lse_c, lse)
+        out = (lse_c - lse_all).exp()[..., None] * out_c + (lse - lse_all).exp()[..., None] * out
+    return out.to(q.dtype)
+
+
+StepImpl = Callable[..., torch.Tensor]
+"""(q, k, v, k_cache, v_cache, *, num_commit, cache_len, commit_len, scale) -> out"""
+
+STEP_IMPLS: dict[str, StepImpl] = {}
+"""Kernel-backed step attention by implementation name (setdiff_megatron/kernels registers them);
+names without an entry take the masked SDPA step."""
+
+
+def register_step_impl(name: str, fn: StepImpl) -> None:
+    STEP_IMPLS[name] = fn
+
+
+def _prefix_len(mask: torch.Tensor, name: str) -> torch.Tensor:
+    """Lengths of a [B, N] mask whose True entries form a prefix of each row."""
+    length = mask.sum(1)
+    if not torch.equal(mask, torch.arange(mask.shape[1], device=mask.device) < length[:, None]):
+        raise ValueError(f"{name}: kernel step attention needs each row's real entries to be a prefix")
+    return length
+
+
 def set_causal_step_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -344,6 +485,9 @@ def set_causal_step_attention(
     cache_mask: torch.Tensor | None = None,
     commit_mask: torch.Tensor | None = None,
     scale: float | None = None,
+    impl: str = "sdpa",
+    cache_len: torch.Tensor | None = None,
+    commit_len: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one sampling step, exact against the training rule.
 
@@ -351,7 +495,10 @@ def set_causal_step_attention(
     committed (their K/V join the cache afterwards); the rest are MASK queries, each scored as the
     next rank after every committed token. k_cache/v_cache [B, G, C, D] hold committed tokens.
     cache_mask [B, C] and commit_mask [B, num_commit] mark real entries (False = a hole, or a
-    dummy commit of a row that commits fewer tokens this step).
+    dummy commit of a row that commits fewer tokens this step); cache_len/commit_len [B] say the
+    same for prefixes. `impl`: a training implementation name; those with a kernel step ('te',
+    'flash_attn', 'auto' once setdiff_megatron.kernels is imported) run `merged_step_attention`
+    (prefix masks only), the others masked SDPA.
     """
     _check_qkv(q, k, v)
     t = q.shape[2]
@@ -361,6 +508,19 @@ def set_causal_step_attention(
         raise ValueError(
             f"k_cache/v_cache must be [B, G, C, D] matching k {tuple(k.shape)}; got {tuple(k_cache.shape)}"
         )
+    if impl not in ATTENTION_IMPLS:
+        resolve_attention_impl(impl)  # raises the usual error
+    if impl in STEP_IMPLS:
+        if cache_mask is not None and cache_len is None:
+            cache_len = _prefix_len(cache_mask, "cache_mask")
+        if commit_mask is not None and commit_len is None:
+            commit_len = _prefix_len(commit_mask, "commit_mask")
+        return STEP_IMPLS[impl](q, k, v, k_cache, v_cache, num_commit=num_commit, cache_len=cache_len,
+                                commit_len=commit_len, scale=scale)
+    if cache_len is not None and cache_mask is None:
+        cache_mask = torch.arange(k_cache.shape[2], device=q.device) < cache_len[:, None]
+    if commit_len is not None and commit_mask is None:
+        commit_mask = torch.arange(num_commit, device=q.device) < commit_len[:, None]
     mask = step_attention_mask(q.shape[0], num_commit, t - num_commit, k_cache.shape[2], cache_mask=cache_mask,
                                commit_mask=commit_mask, device=q.device)
     return staged_step_attention(q, torch.cat([k_cache, k], dim=2), torch.cat([v_cache, v], dim=2), mask, scale)

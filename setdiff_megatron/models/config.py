@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from setdiff_megatron.core.attention import ATTENTION_IMPLS
+from setdiff_megatron.kernels import ATTENTION_IMPL_NAMES  # also registers 'auto', 'te', 'flash_attn'
 
 __all__ = ["ModelConfig", "FLAVORS"]
 
@@ -45,7 +45,10 @@ class ModelConfig:
     """Biases on the query, key and value projections (Qwen2); the output projection has none."""
     tie_embeddings: bool = True
     attention_impl: str = "fused"
-    """Training attention: 'fused' (default), 'sdpa' (masked) or 'dense' (reference)."""
+    """Set-causal attention: 'fused' (default; the decomposition on PyTorch's flash kernels), 'auto'
+    (the best this machine has per device and dtype, logged once), 'te' (Transformer Engine cuDNN,
+    BF16, FP8 under train.fp8 with fp8_recipe delayed), 'flash_attn' (flash-attn 2), 'sdpa' (masked)
+    or 'dense' (reference). 'te' and 'flash_attn' need a CUDA GPU; see README 'Attention kernels'."""
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
@@ -77,8 +80,8 @@ class ModelConfig:
         if (self.vocab_size is not None and self.mask_token_id is not None
                 and not 0 <= self.mask_token_id < self.vocab_size):
             raise ValueError(f"mask_token_id must lie in [0, vocab_size={self.vocab_size}); got {self.mask_token_id}")
-        if self.attention_impl not in ATTENTION_IMPLS:
-            raise ValueError(f"attention_impl must be one of {sorted(ATTENTION_IMPLS)}; got {self.attention_impl!r}")
+        if self.attention_impl not in ATTENTION_IMPL_NAMES:
+            raise ValueError(f"attention_impl must be one of {list(ATTENTION_IMPL_NAMES)}; got {self.attention_impl!r}")
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)

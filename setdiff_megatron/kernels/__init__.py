@@ -1,0 +1,16 @@
+"""GPU attention kernels behind core/attention.py's set-causal decomposition.
+
+  te_fused    Transformer Engine's low-level fused (cuDNN) attention, BF16 and FP8
+  flash_attn  flash-attn 2's low-level forward/backward with the log-sum-exp
+  emulation   pure-PyTorch stand-ins with the same call signatures, for CPU tests
+  dispatch    'auto' (best available per device and dtype, logged once) and the forced names
+
+The merge math lives once, in core/attention.py; each module here only adapts a kernel to its
+`PartialAttention` protocol. TE and flash-attn are imported lazily, inside functions, and every
+failure to import them (TE raises RuntimeError without cuDNN) counts as "not available".
+Importing this package registers 'auto', 'te' and 'flash_attn' with core/attention.py.
+"""
+
+from setdiff_megatron.kernels.dispatch import ATTENTION_IMPL_NAMES, Choice, choose_attention_impl
+
+__all__ = ["ATTENTION_IMPL_NAMES", "Choice", "choose_attention_impl"]
