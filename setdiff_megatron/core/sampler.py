@@ -142,26 +142,31 @@ class SetSampler:
     def _requests(self, prompts: Sequence[Sequence[int]], cfg: DecodingConfig) -> list[list[int]]:
         if len(prompts) == 0:
             raise ValueError("prompts must hold at least one prompt (a list of token ids); got none")
-        mask, budget = self.mask_token_id, self.context_len - 1
+        mask = self.mask_token_id
         for seq in (*((t,) for t in cfg.eos_token_ids), *cfg.stop_sequences):
             if mask in seq:
                 raise ValueError(f"stop sequences and eos_token_ids must not contain the MASK token {mask}; got {seq}")
         requests = []
         for i, prompt in enumerate(prompts):
-            tokens = [int(t) for t in prompt] + [mask] * cfg.max_new_tokens
-            if any(t < 0 for t in tokens):
-                raise ValueError(f"prompts[{i}] must hold token ids >= 0")
-            num_masked = tokens.count(mask)
-            visible = len(tokens) - num_masked
-            if num_masked == 0:
-                raise ValueError(f"prompts[{i}] has nothing to decode: no MASK token and max_new_tokens=0")
-            if visible + min(num_masked, cfg.window) > budget:
-                raise ValueError(
-                    f"prompts[{i}] is longer than the context: its {visible} visible tokens plus one window "
-                    f"({min(num_masked, cfg.window)}) must be <= context_len - 1 = {budget}"
-                )
-            requests.append(tokens)
+            problem = self.request_problem(prompt, cfg)
+            if problem:
+                raise ValueError(f"prompts[{i}] {problem}")
+            requests.append([int(t) for t in prompt] + [mask] * cfg.max_new_tokens)
         return requests
+
+    def request_problem(self, prompt: Sequence[int], cfg: DecodingConfig) -> str | None:
+        """Why `prompt` cannot be decoded under `cfg` (to follow the prompt's name), or None."""
+        mask = self.mask_token_id
+        if any(int(t) < 0 for t in prompt):
+            return "must hold token ids >= 0"
+        num_masked = sum(int(t) == mask for t in prompt) + cfg.max_new_tokens
+        visible = len(prompt) + cfg.max_new_tokens - num_masked
+        if num_masked == 0:
+            return "has nothing to decode: no MASK token and max_new_tokens=0"
+        if visible + min(num_masked, cfg.window) > self.context_len - 1:
+            return (f"is longer than the context: its {visible} visible tokens plus one window "
+                    f"({min(num_masked, cfg.window)}) must be <= context_len - 1 = {self.context_len - 1}")
+        return None
 
     def _new_cache(self, requests: list[list[int]], cfg: DecodingConfig) -> KVCache:
         need = min(max(len(r) for r in requests), self.context_len - 1)

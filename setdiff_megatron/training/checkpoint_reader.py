@@ -39,8 +39,9 @@ class TrainedCheckpoint:
     """The step directory that was read."""
     step: int
     config: ModelConfig
-    state_dict: dict[str, torch.Tensor]
-    """The torch model's weights (models/torch_model.py names), in the dtype they were saved in."""
+    state_dict: dict[str, torch.Tensor] | None
+    """The torch model's weights (models/torch_model.py names), in the dtype they were saved in;
+    None when read without weights."""
     tokenizer: SetDiffTokenizer
     recipe: Recipe
     layout: dict
@@ -116,8 +117,18 @@ def _unstack_layers(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def read_checkpoint(path: str | Path) -> TrainedCheckpoint:
-    """Weights, config, tokenizer and recipe of a checkpoint (a run directory takes its newest)."""
+def _torch_weights(step_dir: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
+    megatron = _unstack_layers(_global_tensors(step_dir))
+    try:
+        return megatron_to_torch({(0, 0): megatron}, config, backend="te")
+    except (KeyError, ValueError) as exc:
+        raise UserError(f"checkpoint {step_dir} does not match its recorded model config: {exc}") from None
+
+
+def read_checkpoint(path: str | Path, *, weights: bool = True) -> TrainedCheckpoint:
+    """Weights, config, tokenizer and recipe of a checkpoint (a run directory takes its newest).
+    Without `weights`, a caller loads them itself (each TP rank its own shard, through
+    dist_checkpointing) from the returned `path`."""
     step_dir = resolve_checkpoint(path)
     saved = json.loads((step_dir / TRAIN_STATE).read_text())
     recipe = load_recipe(step_dir / RESOLVED_NAME)
@@ -125,10 +136,6 @@ def read_checkpoint(path: str | Path) -> TrainedCheckpoint:
         raise UserError(f"checkpoint {step_dir} has no tokenizer/ directory; it cannot encode prompts or be exported")
     tokenizer = load_tokenizer(step_dir / "tokenizer", add_missing_tokens=False)
     config = _model_config(saved, recipe, step_dir)
-    megatron = _unstack_layers(_global_tensors(step_dir))
-    try:
-        state_dict = megatron_to_torch({(0, 0): megatron}, config, backend="te")
-    except (KeyError, ValueError) as exc:
-        raise UserError(f"checkpoint {step_dir} does not match its recorded model config: {exc}") from None
+    state_dict = _torch_weights(step_dir, config) if weights else None
     return TrainedCheckpoint(path=step_dir, step=saved["step"], config=config, state_dict=state_dict,
                              tokenizer=tokenizer, recipe=recipe, layout=saved["layout"])

@@ -15,15 +15,17 @@ from setdiff_megatron.recipes import Recipe
 from setdiff_megatron.errors import UserError
 
 
+def torchrun_argv(nproc: int, cli_args: list[str]) -> list[str]:
+    """`setdiff CLI_ARGS` as `nproc` local processes under torchrun."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "-m", "setdiff_megatron.cli", *cli_args]
+
+
 def torchrun_command(recipe: Recipe, recipe_path: str, overrides: list[str]) -> list[str]:
     launch = recipe.launch
     if launch.nnodes > 1:
         raise UserError("launch.nnodes > 1 needs a cluster launcher; run it through SLURM (see slurm/)")
-    return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc_per_node={launch.nproc_per_node}",
-        "-m", "setdiff_megatron.cli", "train", recipe_path, *overrides,
-    ]
+    return torchrun_argv(launch.nproc_per_node, ["train", recipe_path, *overrides])
 
 
 def launch_local(recipe: Recipe, recipe_path: str, overrides: list[str], *, dry_run: bool = False) -> int:

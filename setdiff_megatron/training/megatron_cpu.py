@@ -15,6 +15,7 @@ thread only, so megatron code run from other threads (async checkpoint writers) 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Iterator
 
 import torch
@@ -153,6 +154,17 @@ def auto_cpu_mode() -> bool:
 
 def cpu_mode_enabled() -> bool:
     return _STATE["mode"] is not None
+
+
+def quiet_known_warnings() -> None:
+    """megatron-core warns at import about optional GPU libraries (TE, Apex) a CPU run never has,
+    and torch about deprecated collectives, ShardedTensor and non-leaf .grad reads inside
+    megatron; none of them is something a user of this project can act on."""
+    for pattern in (r".*Transformer Engine and Apex are not installed.*", r".*Apex is not installed.*",
+                    r".*is deprecated\. Please use `torch\.distributed.*", r".*full scope is deprecated.*",
+                    r".*\.grad attribute of a Tensor that is not a leaf.*", r".*CUDA_DEVICE_MAX_CONNECTIONS.*",
+                    r".*`load_state_dict` is deprecated.*", r".*deprecating ShardedTensor.*"):
+        warnings.filterwarnings("ignore", message=pattern)
 
 
 def dist_backend() -> str:

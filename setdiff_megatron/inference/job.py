@@ -1,0 +1,166 @@
+"""`setdiff sample`: a JSONL file of prompts through the cached set sampler, over many processes.
+
+Prompts are cut into batches of `batch_size` consecutive prompts, and batch b belongs to shard
+b mod S (S = data-parallel ranks x explicit shards, e.g. of a SLURM array). Batches, and the
+seed of each one (decoding seed + index of its first prompt), are therefore the same under
+any number of processes: outputs do not depend on how the job was spread, sampled ones
+included. Every TP rank of a group runs the sampler (the megatron model gathers logits, so
+they agree); the first writes. Results are resumable and merged by `ShardedResults`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from setdiff_megatron.core.decoding import DecodingConfig
+from setdiff_megatron.core.sample_output import RowResult
+from setdiff_megatron.core.sampler import SetSampler
+from setdiff_megatron.errors import UserError
+from setdiff_megatron.inference.loading import Ranks, SamplingModel, init_ranks, load_sampling_model
+from setdiff_megatron.inference.prompts import PromptRecord, encode_prompt, read_prompts
+from setdiff_megatron.inference.results import ShardedResults
+
+__all__ = ["SampleJob", "run_sample_job"]
+
+
+@dataclass
+class SampleJob:
+    source: str
+    prompts: str
+    out: str
+    decoding: DecodingConfig
+    batch_size: int = 16
+    tp: int = 1
+    shard: int | None = None
+    num_shards: int | None = None
+    """Explicit shards (a SLURM array): this invocation does shard `shard` of `num_shards`."""
+    device: str = "auto"
+    dtype: str | None = None
+    add_bos: bool | None = None
+    """None: as the model was trained (recipe method.keep_clean_bos)."""
+    context_len: int | None = None
+    """None: the model's max_seq_len."""
+    stop_at_eos: bool = True
+    progress: bool = True
+
+
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _check(job: SampleJob) -> None:
+    if job.batch_size < 1:
+        raise UserError(f"--batch-size must be >= 1; got {job.batch_size}")
+    if (job.shard is None) != (job.num_shards is None):
+        raise UserError("--shard and --num-shards go together")
+    if job.num_shards is not None and not 0 <= job.shard < job.num_shards:
+        raise UserError(f"--shard must be in [0, --num-shards); got {job.shard} of {job.num_shards}")
+
+
+def _span_texts(record: PromptRecord, row: RowResult, prompt_ids: list[int], sm: SamplingModel) -> list[str]:
+    """The decoded text of each infilled span, in order."""
+    masked = [i for i, t in enumerate(prompt_ids) if t == sm.tokenizer.mask_id]
+    texts, start = [], 0
+    for length in (s for s in record.segments if isinstance(s, int)):
+        texts.append(sm.tokenizer.decode([row.tokens[i] for i in masked[start:start + length]]))
+        start += length
+    return texts
+
+
+def _record(record: PromptRecord, row: RowResult, prompt_ids: list[int], sm: SamplingModel) -> dict:
+    out = {"index": record.index, **record.extra}
+    if any(isinstance(s, int) for s in record.segments):
+        out["segments"] = list(record.segments)
+        out["infills"] = _span_texts(record, row, prompt_ids, sm)
+    else:
+        out["prompt"] = record.segments[0]
+    out |= {
+        "completion": sm.tokenizer.decode(row.completion, skip_special_tokens=True),
+        "finish_reason": row.finish_reason, "num_decoded": row.num_decoded, "nfe": row.nfe, "steps": row.steps,
+        "tokens_per_step": round(row.tokens_per_step, 4), "seconds": round(row.seconds, 4),
+    }
+    return out
+
+
+def run_sample_job(job: SampleJob) -> int:
+    _check(job)
+    ranks = init_ranks(job.tp)
+    records = read_prompts(job.prompts)
+    sm = load_sampling_model(job.source, ranks, device=job.device, dtype=job.dtype)
+    decoding = job.decoding
+    if job.stop_at_eos and not decoding.eos_token_ids:
+        decoding = replace(decoding, eos_token_ids=(sm.tokenizer.eos_id,))
+    context_len = job.context_len or sm.config.max_seq_len
+    if context_len > sm.config.max_seq_len:
+        raise UserError(f"--context-len {context_len} exceeds the model's max_seq_len {sm.config.max_seq_len}")
+    sampler = SetSampler(sm.model, mask_token_id=sm.tokenizer.mask_id, context_len=context_len)
+    add_bos = sm.add_bos if job.add_bos is None else job.add_bos
+    encoded = [encode_prompt(r, sm.tokenizer, add_bos=add_bos) for r in records]
+    for record, ids in zip(records, encoded):
+        problem = sampler.request_problem(ids, decoding)
+        if problem:
+            raise UserError(f"{job.prompts}:{record.line}: the prompt {problem}")
+
+    results = ShardedResults(job.out, {
+        "source": str(Path(job.source).resolve()), "prompts_sha256": _sha256(job.prompts),
+        "decoding": asdict(decoding), "batch_size": job.batch_size, "context_len": context_len,
+        "add_bos": add_bos, "dtype": str(next(sm.model.parameters()).dtype),
+    })
+    results.check_job()
+    if ranks.rank == 0:
+        results.start()
+    ranks.barrier()
+    done = results.done()
+
+    num_shards = ranks.dp_size * (job.num_shards or 1)
+    shard = (job.shard or 0) * ranks.dp_size + ranks.dp_rank
+    batches = [list(range(first, min(first + job.batch_size, len(records))))
+               for first in range(0, len(records), job.batch_size)]
+    mine = [(b[0], [i for i in b if i not in done]) for n, b in enumerate(batches) if n % num_shards == shard]
+    mine = [(first, todo) for first, todo in mine if todo]
+    writer = results.part(f"shard-{shard:05d}-of-{num_shards:05d}") if ranks.writes else None
+    tokens, seconds = _sample(sampler, decoding, mine, records, encoded, sm, writer,
+                              progress=job.progress and ranks.rank == 0)
+    ranks.barrier()
+    if ranks.rank == 0:
+        _report(job, results, len(records), len(done), tokens, seconds)
+    return 0
+
+
+def _sample(sampler: SetSampler, decoding: DecodingConfig, batches: list[tuple[int, list[int]]],
+            records: list[PromptRecord], encoded: list[list[int]], sm: SamplingModel, writer,
+            *, progress: bool) -> tuple[int, float]:
+    from tqdm import tqdm
+
+    total_tokens, start = 0, time.perf_counter()
+    with tqdm(total=sum(len(todo) for _, todo in batches), unit="prompt", disable=not progress,
+              file=sys.stderr, dynamic_ncols=True) as bar:
+        for first, todo in batches:
+            # The batch's seed follows its first prompt, wherever the batch runs.
+            output = sampler.generate([encoded[i] for i in todo], replace(decoding, seed=decoding.seed + first))
+            if writer is not None:
+                writer.write([_record(records[i], row, encoded[i], sm) for i, row in zip(todo, output.rows)])
+            total_tokens += output.metrics.num_tokens
+            bar.update(len(todo))
+            bar.set_postfix(tok_s=f"{total_tokens / (time.perf_counter() - start):.1f}",
+                            tok_step=f"{output.metrics.tokens_per_step:.2f}")
+    return total_tokens, time.perf_counter() - start
+
+
+def _report(job: SampleJob, results: ShardedResults, total: int, skipped: int, tokens: int, seconds: float) -> None:
+    rate = f"{tokens} tokens in {seconds:.1f} s ({tokens / max(seconds, 1e-9):.1f} tokens/s on this rank)"
+    skipped_text = f", {skipped} already written" if skipped else ""
+    if job.shard is not None:
+        print(f"setdiff: shard {job.shard} of {job.num_shards} done: {rate}{skipped_text}; rerun without "
+              f"--shard to merge into {job.out}", file=sys.stderr)
+        return
+    missing = results.merge(total)
+    if missing:
+        raise UserError(f"{len(missing)} prompts are still missing from {results.parts} (e.g. index {missing[0]}); "
+                        "rerun the job to finish them")
+    print(f"setdiff: wrote {total} results to {job.out}: {rate}{skipped_text}", file=sys.stderr)

@@ -1,0 +1,80 @@
+"""Prompt files and the resumable, sharded results store of sampling/evaluation jobs."""
+
+import json
+
+import pytest
+
+from setdiff_megatron.errors import UserError
+from setdiff_megatron.inference.prompts import read_prompts
+from setdiff_megatron.inference.results import ShardedResults
+
+
+def write(path, *lines: str):
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+def test_prompts_keep_order_extra_keys_and_spans(tmp_path):
+    path = write(tmp_path / "p.jsonl", '{"prompt": "a", "id": 7}', "", '{"segments": ["x", 3, "y"], "ref": "z"}')
+    first, second = read_prompts(path)
+    assert (first.index, first.line, first.segments, first.extra) == (0, 1, ("a",), {"id": 7})
+    assert (second.index, second.line, second.segments, second.extra) == (1, 3, ("x", 3, "y"), {"ref": "z"})
+
+
+@pytest.mark.parametrize("line, fragment", [
+    ('{"prompt": "a"', "p.jsonl:2: not valid JSON"),
+    ('["a"]', "p.jsonl:2: expected a JSON object"),
+    ('{"text": "a"}', "p.jsonl:2: give exactly one of 'prompt'"),
+    ('{"prompt": "a", "segments": ["b"]}', "give exactly one of"),
+    ('{"segments": ["a", 0]}', "span lengths >= 1"),
+    ('{"segments": []}', "non-empty list"),
+    ('{"prompt": 3}', "'prompt' must be a string"),
+])
+def test_malformed_prompt_lines_name_file_and_line(tmp_path, line, fragment):
+    with pytest.raises(UserError, match=fragment):
+        read_prompts(write(tmp_path / "p.jsonl", '{"prompt": "ok"}', line))
+
+
+def test_empty_or_missing_prompt_file(tmp_path):
+    with pytest.raises(UserError, match="holds no prompts"):
+        read_prompts(write(tmp_path / "p.jsonl", "", "  "))
+    with pytest.raises(UserError, match="does not exist"):
+        read_prompts(tmp_path / "nope.jsonl")
+
+
+def test_results_resume_across_shardings_and_merge_in_order(tmp_path):
+    out = tmp_path / "o.jsonl"
+    results = ShardedResults(out, {"model": "m"})
+    results.check_job()
+    results.start()
+    results.part("shard-1-of-2").write([{"index": 1, "v": "b"}, {"index": 3, "v": "d"}])
+    assert results.done() == {1, 3}
+    assert results.merge(4) == [0, 2] and not out.exists()
+    # A rerun with one shard finishes the rest; the merge orders by index and removes the parts.
+    results.part("shard-0-of-1").write([{"index": 2, "v": "c"}, {"index": 0, "v": "a"}])
+    assert results.merge(4) == []
+    assert [json.loads(line)["v"] for line in out.read_text().splitlines()] == ["a", "b", "c", "d"]
+    assert not results.parts.exists() and results.done() == {0, 1, 2, 3}
+
+
+def test_a_torn_last_line_is_dropped_and_cut_before_appending(tmp_path):
+    results = ShardedResults(tmp_path / "o.jsonl", {})
+    results.start()
+    part = results.parts / "shard-0.jsonl"
+    part.write_text('{"index": 0}\n{"index": 1, "v": "tr')  # killed mid-write
+    assert results.done() == {0}
+    results.part("shard-0").write([{"index": 1, "v": "whole"}])
+    assert part.read_text().splitlines() == ['{"index": 0}', '{"index": 1, "v": "whole"}']
+
+
+def test_other_settings_are_refused_and_foreign_files_kept(tmp_path):
+    out = tmp_path / "o.jsonl"
+    results = ShardedResults(out, {"window": 4})
+    results.start()
+    results.part("a").write([{"index": 0}])
+    with pytest.raises(UserError, match="other settings .*window: 4 there, 8 here"):
+        ShardedResults(out, {"window": 8}).check_job()
+    foreign = write(tmp_path / "mine.jsonl", "keep me")
+    with pytest.raises(UserError, match="not written by this kind of job"):
+        ShardedResults(foreign, {}).check_job()
+    assert foreign.read_text() == "keep me\n" and results.done() == {0}
