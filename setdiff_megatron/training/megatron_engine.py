@@ -19,7 +19,6 @@ import datetime
 import math
 import os
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +30,7 @@ from setdiff_megatron.recipes import Recipe, save_resolved_recipe
 from setdiff_megatron.recipes.validation import check_recipe, data_parallel_size
 from setdiff_megatron.training import checkpointing, signals
 from setdiff_megatron.training.data_pipeline import DataLoaders, prepare_data
-from setdiff_megatron.training.megatron_cpu import auto_cpu_mode, dist_backend, model_parallel_seed
+from setdiff_megatron.training.megatron_cpu import auto_cpu_mode, dist_backend, model_parallel_seed, quiet_known_warnings
 from setdiff_megatron.training.metrics import MetricsLogger, peak_flops, training_flops_per_token
 
 __all__ = ["train", "TrainResult"]
@@ -46,16 +45,6 @@ class TrainResult:
     valid_losses: list[tuple[int, float]]
     checkpoint: Path | None
     tokens_per_s: float
-
-
-def quiet_known_warnings() -> None:
-    """megatron-core warns at import about optional GPU libraries (TE, Apex) a CPU run never has,
-    and torch about deprecated collectives and non-leaf .grad reads inside megatron; none of them
-    is something a user of this engine can act on."""
-    for pattern in (r".*Transformer Engine and Apex are not installed.*", r".*Apex is not installed.*",
-                    r".*is deprecated\. Please use `torch\.distributed.*", r".*full scope is deprecated.*",
-                    r".*\.grad attribute of a Tensor that is not a leaf.*"):
-        warnings.filterwarnings("ignore", message=pattern)
 
 
 def _init_distributed(recipe: Recipe) -> None:
