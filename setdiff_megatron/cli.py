@@ -26,7 +26,7 @@ def _train(args: argparse.Namespace) -> int:
     if recipe.engine == "megatron":
         from setdiff_megatron.training.megatron_engine import train
     else:
-        raise UserError("engine: deepspeed is not available yet; use engine: megatron")
+        from setdiff_megatron.training.deepspeed_engine import train
     from setdiff_megatron.training.signals import Preempted
 
     try:

@@ -97,6 +97,9 @@ class ParallelSection(Section):
     """Shard optimizer state over data-parallel ranks (megatron); ZeRO-1 in DeepSpeed terms."""
     zero_stage: Literal[0, 1, 2, 3] = 0
     """DeepSpeed ZeRO stage; ignored by the megatron engine."""
+    offload_optimizer: bool = False
+    """DeepSpeed: keep the optimizer state (fp32 master weights, Adam moments, fp32 gradients) in
+    host memory and step it on the CPU; needs zero_stage >= 1."""
 
 
 class TrainSection(Section):

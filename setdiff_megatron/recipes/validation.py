@@ -10,11 +10,16 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+from setdiff_megatron.errors import require
 from setdiff_megatron.recipes.loading import RecipeError
 from setdiff_megatron.recipes.schema import Recipe
 
-__all__ = ["validate_recipe", "check_recipe", "check_engine_installed", "data_parallel_size", "ENGINE_EXTRAS"]
+__all__ = ["validate_recipe", "check_recipe", "check_engine_installed", "data_parallel_size", "ENGINE_EXTRAS",
+           "offload_host_bytes"]
 
+# Host bytes per parameter of offloaded optimizer state: fp32 master weights, two Adam moments
+# and fp32 gradients.
+OFFLOAD_BYTES_PER_PARAM = 16
 # engine -> (module that must import, pip extra that provides it)
 ENGINE_EXTRAS = {"megatron": ("megatron.core", "megatron"), "deepspeed": ("deepspeed", "deepspeed")}
 
@@ -45,11 +50,55 @@ def _parallel_rules(r: Recipe, world_size: int) -> list[str]:
             errors.append(f"parallel.global_batch_size: {p.global_batch_size} must be a multiple of "
                           f"micro_batch_size x data-parallel size = {p.micro_batch_size} x {dp}")
     if r.engine == "deepspeed" and (p.tp > 1 or p.pp > 1):
-        errors.append("parallel: the deepspeed engine is data-parallel (ZeRO); set tp = pp = 1 or engine: megatron")
+        errors.append("parallel: tensor and pipeline parallelism (tp, pp > 1) are megatron-engine features; "
+                      "the deepspeed engine is data-parallel (ZeRO): set tp = pp = 1 or engine: megatron")
     if r.engine == "megatron" and p.zero_stage > 1:
         errors.append("parallel.zero_stage: ZeRO stages 2-3 are DeepSpeed's; with engine megatron use "
                       "parallel.distributed_optimizer")
     return errors
+
+
+def _deepspeed_rules(r: Recipe, has_gpu: bool, host_memory: int | None) -> list[str]:
+    p = r.parallel
+    if r.engine != "deepspeed":
+        return ["parallel.offload_optimizer: optimizer offload is a deepspeed-engine feature; "
+                "set engine: deepspeed or offload_optimizer=false"] if p.offload_optimizer else []
+    errors = []
+    if p.distributed_optimizer and p.zero_stage == 0:
+        errors.append("parallel.distributed_optimizer: with engine deepspeed the optimizer is sharded by "
+                      "parallel.zero_stage (1 is megatron's distributed optimizer); set zero_stage >= 1 "
+                      "or distributed_optimizer=false")
+    if p.offload_optimizer and p.zero_stage == 0:
+        errors.append("parallel.offload_optimizer: DeepSpeed offloads only ZeRO-partitioned optimizer state; "
+                      "set parallel.zero_stage >= 1")
+    if r.train.precision == "bf16" and p.zero_stage == 0:
+        # Stage 0 would update bf16 weights in place: DeepSpeed keeps fp32 master weights in ZeRO only.
+        errors.append("train.precision: bf16 under engine deepspeed needs parallel.zero_stage >= 1 (fp32 master "
+                      "weights live in DeepSpeed's ZeRO optimizer); or use train.precision=fp32")
+    if r.train.precision == "fp16" and not has_gpu:
+        errors.append("train.precision: DeepSpeed has no fp16 on the CPU; use bf16 or fp32 here")
+    if p.offload_optimizer and p.zero_stage and host_memory is not None:
+        need = offload_host_bytes(r)
+        if need > host_memory:
+            errors.append(f"parallel.offload_optimizer: the offloaded optimizer state needs about "
+                          f"{need / 2**30:.1f} GiB of host memory on this node ({OFFLOAD_BYTES_PER_PARAM} bytes per "
+                          f"parameter, shared over data-parallel ranks), but {host_memory / 2**30:.1f} GiB is "
+                          "available; use more nodes or offload_optimizer=false")
+    return errors
+
+
+def offload_host_bytes(r: Recipe) -> int:
+    """Host memory that optimizer offload takes on one node: each of its processes holds a 1/dp
+    share of the fp32 master weights, both Adam moments and the fp32 gradients. The vocabulary
+    is the recipe's (or the BPE size it trains), so this is an estimate before the tokenizer loads."""
+    vocab = r.model.vocab_size or r.data.vocab_size
+    params = r.model.to_model_config(vocab_size=vocab, mask_token_id=0).num_params()
+    return OFFLOAD_BYTES_PER_PARAM * params * r.launch.nproc_per_node // r.launch.world_size
+
+
+def _host_memory() -> int:
+    psutil = require("psutil", "deepspeed", "the host-memory check of parallel.offload_optimizer")
+    return psutil.virtual_memory().available
 
 
 def _method_rules(r: Recipe) -> list[str]:
@@ -109,13 +158,18 @@ def _path_rules(r: Recipe) -> list[str]:
 
 
 def validate_recipe(recipe: Recipe, *, world_size: int | None = None, has_gpu: bool | None = None,
-                    check_paths: bool = True) -> list[str]:
+                    check_paths: bool = True, host_memory: int | None = None) -> list[str]:
+    """`host_memory` (bytes) is what optimizer offload may fill on a node; None measures this
+    machine's available memory when checking against it (`check_paths`), else skips that rule."""
     if has_gpu is None:
         import torch
 
         has_gpu = torch.cuda.is_available()
+    if host_memory is None and check_paths and recipe.parallel.offload_optimizer:
+        host_memory = _host_memory()
     world = world_size if world_size is not None else recipe.launch.world_size
-    errors = _parallel_rules(recipe, world) + _method_rules(recipe) + _train_rules(recipe, has_gpu)
+    errors = (_parallel_rules(recipe, world) + _deepspeed_rules(recipe, has_gpu, host_memory)
+              + _method_rules(recipe) + _train_rules(recipe, has_gpu))
     if check_paths:
         errors += _path_rules(recipe)
     return errors

@@ -35,6 +35,7 @@ import shutil
 import socket
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -47,7 +48,7 @@ from setdiff_megatron.recipes.loading import RESOLVED_NAME
 from setdiff_megatron.training import signals
 
 __all__ = ["TrainState", "save", "maybe_resume", "preflight", "verify", "find_checkpoints", "describe",
-           "CHECKPOINTS"]
+           "CHECKPOINTS", "save_with", "write_run_files", "host_rng_state", "set_host_rng_state"]
 
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
@@ -455,3 +456,59 @@ def describe(run_dir: str | Path) -> list[str]:
     if latest is None or latest not in {p.name for p in published}:
         lines.append(f"latest: {latest or 'absent'} (no published checkpoint of that name)")
     return lines
+
+
+# ---- the same protocol for other engines ------------------------------------------------------
+# `save` above predates these and keeps its own copy of the protocol; the DeepSpeed engine
+# (deepspeed_checkpointing.py) writes its checkpoints through them.
+
+def save_with(recipe: Recipe, step: int, write: Callable[[Path], None]) -> Path:
+    """Collective: publish the checkpoint of `step` that `write(tmp)` writes on every rank, the
+    way `save` does: preemption signals blocked, interrupted saves cleared, a manifest hashed by
+    all ranks, an atomic rename and `latest` by rank 0, then retention. Returns the directory."""
+    rank, root = _rank_world()[0], _root(recipe)
+    final = root / _name(step)
+    tmp = final.with_name(f"{final.name}.tmp")
+    with signals.blocked():
+        if rank == 0:
+            for stale in [*root.glob("step_*.tmp"), *root.glob("step_*.old")]:
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        write(tmp)
+        dist.barrier()
+        _write_manifest(tmp)
+        if rank == 0:
+            _publish(tmp, final, root)
+            _apply_retention(recipe, root, keep=final)
+        dist.barrier()
+    return final
+
+
+def write_run_files(directory: Path, recipe: Recipe, state: TrainState, scheduler, tokenizer, run_layout: dict) -> None:
+    """Rank 0: what a resume and `describe` read besides the weights, as `save` writes it:
+    train_state.json (step, data position, scheduler, layout, model identity, tokenizer), the
+    resolved recipe and the tokenizer files."""
+    train_state = {**asdict(state), "scheduler": scheduler.state_dict(), "layout": run_layout,
+                   "model": _model_identity(recipe, tokenizer),
+                   "tokenizer": {"vocab_size": tokenizer.vocab_size, "mask_id": tokenizer.mask_id}}
+    (directory / TRAIN_STATE).write_text(json.dumps(train_state, indent=1))
+    save_resolved_recipe(recipe, directory)
+    tokenizer.save(directory / "tokenizer")
+
+
+def host_rng_state() -> dict:
+    """Python, numpy, torch and CUDA generator states, loadable with weights_only=True."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"python": random.getstate(), "torch": torch.get_rng_state(),
+            "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+
+
+def set_host_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

@@ -1,0 +1,92 @@
+"""What the DeepSpeed engine is told, derived from a recipe: DeepSpeed's JSON config, the
+optimizer and the learning-rate schedule.
+
+The update rule is the megatron engine's, so that one recipe trains the same model under both:
+torch's AdamW (or SGD) over megatron-core's parameter groups (no weight decay on 1-D parameters
+and biases), megatron-core's OptimizerParamScheduler with the megatron engine's arguments (the
+same warmup/cosine/linear/constant/WSD numbers; the first step of a warmup runs at LR 0, as
+there), global-norm clipping (DeepSpeed's coefficient is megatron's: clip / (norm + 1e-6)) and
+fp16 dynamic loss scaling with megatron's defaults. DeepSpeed's own fused optimizers (FusedAdam,
+DeepSpeedCPUAdam) are not used: they need compiled ops and would step differently; with optimizer
+offload, torch's AdamW steps the host-side state.
+
+`deepspeed_config` is a pure function of the recipe and the data-parallel size, so it is tested
+without DeepSpeed; the other two import megatron-core (the data pipeline needs it anyway).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from setdiff_megatron.recipes.schema import Recipe
+
+__all__ = ["deepspeed_config", "param_groups", "build_optimizer", "build_lr_scheduler"]
+
+# megatron-core's fp16 loss scaling (OptimizerConfig): initial 2**32, window 1000, hysteresis 2.
+FP16_LOSS_SCALING = {"loss_scale": 0, "initial_scale_power": 32, "loss_scale_window": 1000, "hysteresis": 2,
+                     "min_loss_scale": 1}
+
+
+def deepspeed_config(recipe: Recipe, dp_size: int) -> dict:
+    """DeepSpeed's config for this recipe on `dp_size` data-parallel processes."""
+    p, t = recipe.parallel, recipe.train
+    zero: dict = {"stage": p.zero_stage}
+    if p.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    config = {
+        "train_batch_size": p.global_batch_size,
+        "train_micro_batch_size_per_gpu": p.micro_batch_size,
+        "gradient_accumulation_steps": p.global_batch_size // (p.micro_batch_size * dp_size),
+        "gradient_clipping": t.clip_grad,
+        "zero_optimization": zero,
+        "bf16": {"enabled": t.precision == "bf16"},
+        "fp16": {"enabled": t.precision == "fp16", **FP16_LOSS_SCALING},
+        # The optimizer is torch's (see the module docstring), also when its state is offloaded.
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": None,  # metrics.py reports progress
+        "wall_clock_breakdown": False,
+    }
+    if t.precision == "bf16":
+        # Accumulate gradients over micro-batches in fp32, as megatron's main_grad buffers do.
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
+    return config
+
+
+def param_groups(model: nn.Module) -> list[dict]:
+    """megatron-core's default groups: 1-D parameters (norms) and biases take no weight decay.
+    `wd_mult` is what OptimizerParamScheduler multiplies the weight decay by."""
+    no_decay = {n for n, p in model.named_parameters() if p.dim() == 1 or n.endswith(".bias")}
+    return [{"params": [p for n, p in model.named_parameters() if n not in no_decay], "wd_mult": 1.0},
+            {"params": [p for n, p in model.named_parameters() if n in no_decay], "wd_mult": 0.0}]
+
+
+def build_optimizer(recipe: Recipe, model: nn.Module) -> torch.optim.Optimizer:
+    """The optimizer megatron-core builds on its torch path (decoupled weight decay for Adam)."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    t = recipe.train
+    if t.optimizer == "adamw":
+        return torch.optim.AdamW(param_groups(model), lr=t.lr, weight_decay=t.weight_decay, betas=t.betas, eps=t.eps)
+    # OptimizerConfig.sgd_momentum is a dataclass default: megatron's momentum, read from megatron.
+    return torch.optim.SGD(param_groups(model), lr=t.lr, weight_decay=t.weight_decay,
+                           momentum=OptimizerConfig.sgd_momentum)
+
+
+def build_lr_scheduler(recipe: Recipe, optimizer, total_steps: int):
+    """megatron-core's scheduler with the megatron engine's arguments. It sets every param
+    group's LR and weight decay at construction (step 0) and at each `step(increment=1)`."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    t = recipe.train
+    warmup = min(t.warmup_steps, total_steps - 1)  # megatron needs warmup < decay steps
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if warmup else t.lr, max_lr=t.lr, min_lr=t.min_lr, lr_warmup_steps=warmup,
+        lr_decay_steps=total_steps, lr_decay_style={"wsd": "WSD"}.get(t.schedule, t.schedule),
+        start_wd=t.weight_decay, end_wd=t.weight_decay, wd_incr_steps=total_steps, wd_incr_style="constant",
+        wsd_decay_steps=max(1, int(t.decay_fraction * total_steps)) if t.schedule == "wsd" else None,
+        lr_wsd_decay_style="linear" if t.schedule == "wsd" else None,
+        # The recipe's schedule wins over a resumed checkpoint's; the checkpoint gives the step.
+        override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=False,
+    )

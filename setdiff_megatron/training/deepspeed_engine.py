@@ -1,0 +1,295 @@
+"""The DeepSpeed engine: the torch model under ZeRO stage 0-3, trained from the same recipes as
+the megatron engine.
+
+The wiring, in the order it is built:
+  process group    deepspeed.init_distributed: gloo on CPUs (DS_ACCELERATOR=cpu), NCCL on GPUs
+  data             data_pipeline, one data-parallel rank per process: the megatron engine's
+                   samples and orders (seeded by seed, data-parallel rank and consumed samples)
+  model            models/torch_model with train.seed's weights, activation checkpointing per
+                   train.recompute, wrapped by deepspeed.initialize with deepspeed_config.py's
+                   config (ZeRO stage, optimizer offload, precision, accumulation, clipping)
+  step             the micro-batches of one global batch, the loss per target token of the whole
+                   global batch (as megatron), one optimizer step, megatron-core's LR scheduler
+  around it        validation loss, metrics.py, deepspeed_checkpointing.py, and a checkpoint-and-
+                   exit (code 75) on SIGTERM/SIGUSR1 at a step boundary (signals.py)
+
+Not here: tensor and pipeline parallelism (the megatron engine's), and building a model too big
+for one device under deepspeed.zero.Init: every rank builds the full model, which ZeRO-3 then
+partitions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import importlib
+import logging
+import math
+import os
+import time
+import warnings
+from functools import partial
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
+
+from setdiff_megatron.core.loss import set_diffusion_loss
+from setdiff_megatron.core.streams import TwoStreamBatch
+from setdiff_megatron.errors import UserError, require
+from setdiff_megatron.models.config import ModelConfig
+from setdiff_megatron.models.torch_model import SetDiffusionTransformer
+from setdiff_megatron.recipes import Recipe, save_resolved_recipe
+from setdiff_megatron.recipes.validation import check_recipe
+from setdiff_megatron.training import checkpointing, deepspeed_checkpointing, signals
+from setdiff_megatron.training.data_pipeline import DataLoaders, prepare_data
+from setdiff_megatron.training.deepspeed_config import build_lr_scheduler, build_optimizer, deepspeed_config
+# The two engines must agree on the step count (it shapes the LR schedule) and report alike.
+from setdiff_megatron.training.megatron_engine import TrainResult, _memory_gb, _total_steps
+from setdiff_megatron.training.metrics import MetricsLogger, peak_flops, training_flops_per_token
+
+__all__ = ["train", "build_model", "build_engine", "TrainStep"]
+
+
+def import_deepspeed(recipe: Recipe):
+    """DeepSpeed, with its CPU accelerator where the run has no GPU (picked before the import,
+    which fixes the accelerator) and its INFO logging off (metrics.py reports progress)."""
+    if recipe.launch.device == "cpu" or not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    deepspeed = require("deepspeed", "deepspeed", "engine: deepspeed")
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    # ZeRO calls a collective that torch deprecates; nothing a user of this engine can act on.
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated")
+    return deepspeed
+
+
+@contextlib.contextmanager
+def _no_shared_memory_op(accelerator) -> Iterator[None]:
+    """DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce when it starts (C++; over
+    four minutes on a fresh 2-core machine, and it needs a compiler). Only its inference
+    all-reduce uses it, so training starts without building it."""
+    ds_comm = importlib.import_module("deepspeed.comm.torch")  # `deepspeed.comm.torch` is also torch itself
+    build = ds_comm.build_shm_op
+    if accelerator.device_name() == "cpu":
+        ds_comm.build_shm_op = lambda: None
+    try:
+        yield
+    finally:
+        ds_comm.build_shm_op = build
+
+
+def _init_distributed(deepspeed) -> None:
+    from deepspeed.accelerator import get_accelerator
+
+    # A plain `python -m setdiff_megatron.cli train` is a world of one.
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(29500 + os.getpid() % 1000)),
+                       ("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(key, value)
+    accelerator = get_accelerator()
+    if accelerator.device_name() != "cpu":
+        accelerator.set_device(int(os.environ["LOCAL_RANK"]))
+    with _no_shared_memory_op(accelerator):
+        deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name(),
+                                   timeout=datetime.timedelta(minutes=30))
+
+
+def apply_recompute(model: SetDiffusionTransformer, mode: str) -> None:
+    """train.recompute from outside the model: 'full' recomputes each transformer block in the
+    backward pass, 'selective' each attention sub-layer (megatron recomputes only the core
+    attention; the torch model has no smaller seam). Parameter names do not change."""
+    if mode == "none":
+        return
+    for block in model.layers:
+        module = block if mode == "full" else block.self_attn
+        module.forward = partial(checkpoint, module.forward, use_reentrant=False)
+
+
+def build_model(recipe: Recipe, model_cfg: ModelConfig) -> SetDiffusionTransformer:
+    """The torch model with the weights of train.seed: every rank builds the same ones."""
+    torch.manual_seed(recipe.train.seed)
+    model = SetDiffusionTransformer(model_cfg)
+    apply_recompute(model, recipe.train.recompute)
+    return model
+
+
+def build_engine(deepspeed, recipe: Recipe, model: SetDiffusionTransformer, dp_size: int):
+    """The DeepSpeed engine around `model`, with the recipe's optimizer."""
+    if recipe.parallel.zero_stage == 3 and model.lm_head is None:
+        # The tied output layer reads embed_tokens.weight outside embed_tokens' forward: ZeRO-3
+        # must gather it for the whole model's forward, not just the embedding's.
+        deepspeed.zero.register_external_parameter(model, model.embed_tokens.weight)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=build_optimizer(recipe, model),
+                                      config=deepspeed_config(recipe, dp_size))
+    return engine
+
+
+def _all_sum(local: torch.Tensor) -> torch.Tensor:
+    total = local.clone()
+    dist.all_reduce(total)
+    return total
+
+
+class TrainStep:
+    """Forward and backward passes of this rank's micro-batches.
+
+    megatron averages the loss over the target tokens of the whole global batch; DeepSpeed
+    divides each micro-batch's loss by the accumulation steps and averages gradients over the
+    data-parallel ranks. So a micro-batch contributes its NLL sum x (micro-batches x dp) / the
+    global batch's target tokens, and the gradient is megatron's.
+    """
+
+    def __init__(self, engine, dp_size: int, mask_token_id: int):
+        self.engine, self.dp_size, self.mask_token_id = engine, dp_size, mask_token_id
+        self.device = engine.device
+
+    def _nll(self, batch: TwoStreamBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.engine(batch.clean_tokens, batch.query_tokens, batch.position_ids, batch.valid_len)
+        out = set_diffusion_loss(logits, batch.targets, batch.loss_mask, mask_token_id=self.mask_token_id)
+        return out.nll_sum.sum(), out.num_tokens.sum()
+
+    def forward_backward(self, batches: list[TwoStreamBatch]) -> torch.Tensor:
+        """[NLL sum, target tokens] of the global batch; gradients accumulated, no update yet."""
+        tokens = _all_sum(sum(b.loss_mask.sum() for b in batches).double().reshape(1).to(self.device))
+        scale = len(batches) * self.dp_size / max(tokens.item(), 1.0)
+        local = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for i, batch in enumerate(batches):
+            # One accumulation boundary per global batch, whatever DeepSpeed's micro-step count.
+            self.engine.set_gradient_accumulation_boundary(i == len(batches) - 1)
+            nll, count = self._nll(batch)
+            self.engine.backward(nll * scale)
+            local += torch.stack([nll.detach().double(), count.double()])
+        return _all_sum(local).cpu()
+
+    def discard(self) -> bool:
+        """Drop this step's gradients; True if no update happened. DeepSpeed's ZeRO optimizers
+        skip a step whose gradient norm is not finite and clear its gradients (their overflow
+        path), so they are stepped; at stage 0 the gradients are plain .grad tensors."""
+        if not self.engine.zero_optimization():
+            self.engine.zero_grad()
+            return True
+        self.engine.step()
+        return not self.engine.was_step_applied()
+
+    def evaluate(self, batches: list[TwoStreamBatch]) -> torch.Tensor:
+        """[NLL sum, target tokens] of these micro-batches over all ranks, without gradients."""
+        local = torch.zeros(2, dtype=torch.float64, device=self.device)
+        self.engine.eval()
+        with torch.no_grad():
+            for batch in batches:
+                nll, count = self._nll(batch)
+                local += torch.stack([nll.double(), count.double()])
+        self.engine.train()
+        return _all_sum(local).cpu()
+
+
+def train(recipe: Recipe, recipe_path: str | Path = "<recipe>") -> TrainResult:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    check_recipe(recipe, recipe_path, world_size=world)
+    checkpointing.preflight(recipe)
+    deepspeed = import_deepspeed(recipe)
+    _init_distributed(deepspeed)
+    with signals.PreemptionHandler(recipe.checkpoint.dir) as preemption:
+        try:
+            return _train(deepspeed, recipe, world, preemption)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def _train(deepspeed, recipe: Recipe, world: int, preemption: signals.PreemptionHandler) -> TrainResult:
+    rank, run_dir = dist.get_rank(), Path(recipe.checkpoint.dir)
+    total_steps = _total_steps(recipe)
+    gbs, seq_len = recipe.parallel.global_batch_size, recipe.data.seq_len
+
+    if rank == 0:
+        save_resolved_recipe(recipe, run_dir)
+    data = prepare_data(recipe, num_train_samples=total_steps * gbs,
+                        num_valid_samples=recipe.eval.batches * recipe.parallel.micro_batch_size * world,
+                        is_first_rank=rank == 0, barrier=dist.barrier)
+    model_cfg = recipe.model.to_model_config(vocab_size=data.tokenizer.vocab_size, mask_token_id=data.tokenizer.mask_id)
+    engine = build_engine(deepspeed, recipe, build_model(recipe, model_cfg), world)
+    scheduler = build_lr_scheduler(recipe, engine.optimizer, total_steps)
+    state = checkpointing.TrainState()
+    resumed = deepspeed_checkpointing.maybe_resume(recipe, engine, scheduler, state, data.tokenizer)
+    loaders = DataLoaders(recipe, data, dp_rank=rank, dp_size=world, consumed_samples=state.consumed_samples,
+                          device=engine.device)
+    step_fn = TrainStep(engine, world, model_cfg.mask_token_id)
+    valid_batches = loaders.valid_batches(recipe.eval.batches)
+
+    logger = MetricsLogger(recipe.log, run_dir / "logs", total_steps=total_steps, start_step=state.step,
+                           enabled=rank == 0, run_name=recipe.name, config=recipe.model_dump(mode="json"))
+    if resumed is not None:
+        logger.message(f"resumed from {resumed} at step {state.step}")
+    flops_per_token = training_flops_per_token(model_cfg, seq_len)
+    peak = peak_flops(torch.cuda.get_device_name() if engine.device.type == "cuda" else None)
+    result = TrainResult(state.step, None, [], None, 0.0)
+
+    def evaluate() -> float | None:
+        if not valid_batches:
+            return None
+        nll, count = step_fn.evaluate(valid_batches).tolist()
+        return nll / max(count, 1)
+
+    def save() -> Path:
+        return deepspeed_checkpointing.save(recipe, engine, scheduler, state, data.tokenizer)
+
+    if state.step == 0:
+        first = evaluate()
+        if first is not None:
+            result.valid_losses.append((0, first))
+            logger.log(0, {"valid/loss": first})
+    tokens_seen, train_time = 0, 0.0
+    saved_step = state.step if resumed is not None else None
+    try:
+        while state.step < total_steps:
+            start = time.perf_counter()
+            nll, count = step_fn.forward_backward(loaders.next_step()).tolist()
+            loss = nll / max(count, 1)
+            if not math.isfinite(loss):
+                if recipe.train.nan_policy == "stop":
+                    raise UserError(f"loss is {loss} at step {state.step + 1}; stopping (train.nan_policy=stop). "
+                                    "Lower train.lr or raise train.warmup_steps; the last checkpoint is intact")
+                outcome = "skipped" if step_fn.discard() else "applied (DeepSpeed found the gradients finite)"
+                logger.message(f"step {state.step + 1}: loss is {loss}, step {outcome} (train.nan_policy=skip)")
+                state.skipped_steps += 1
+            else:
+                engine.step()
+                scheduler.step(increment=1)
+            state.step += 1
+            state.consumed_samples = loaders.consumed_samples
+            elapsed = time.perf_counter() - start
+            tokens_seen += gbs * seq_len
+            train_time += elapsed
+            result.final_train_loss = loss
+            logger.advance()
+            if state.step % recipe.log.interval == 0 or state.step == total_steps:
+                tps = gbs * seq_len / elapsed
+                metrics = {"train/loss": loss, "train/lr": scheduler.get_lr(engine.optimizer.param_groups[0]),
+                           "train/grad_norm": float(engine.get_global_grad_norm() or 0.0),
+                           "perf/tokens_per_s": tps, "perf/step_time_s": elapsed,
+                           "perf/tflops": flops_per_token * tps / world / 1e12, "perf/memory_gb": _memory_gb()}
+                if peak:
+                    metrics["perf/mfu"] = flops_per_token * tps / world / peak
+                logger.log(state.step, metrics)
+            if state.step % recipe.eval.interval == 0 or state.step == total_steps:
+                valid = evaluate()
+                if valid is not None:
+                    result.valid_losses.append((state.step, valid))
+                    logger.log(state.step, {"valid/loss": valid})
+            if state.step % recipe.checkpoint.interval == 0 or state.step == total_steps:
+                result.checkpoint, saved_step = save(), state.step
+            if state.step < total_steps and preemption.agreed():  # every rank, every step boundary
+                if saved_step != state.step:
+                    result.checkpoint = save()
+                raise preemption.stop(state.step, result.checkpoint or resumed)
+    finally:
+        logger.close()
+    result.steps = state.step
+    result.tokens_per_s = tokens_seen / train_time if train_time else 0.0
+    if rank == 0:
+        curve = ", ".join(f"{s}: {v:.3f}" for s, v in result.valid_losses)
+        print(f"done: {result.steps} steps, {result.tokens_per_s:.0f} tokens/s; validation loss by step {{{curve}}}")
+        print(f"checkpoint: {result.checkpoint}  logs: {run_dir / 'logs'} (metrics.jsonl, tensorboard/)")
+    return result
