@@ -5,21 +5,36 @@
 2. A ~1B-parameter model on the megatron body, `local` layers, BF16: step time, tokens/s and MFU
    (model FLOPs of training_flops_per_token against the GPU's dense BF16 peak), and the same
    training step with the reference's dense-mask attention (sdpa) as the baseline ratio.
-3. FP8: not verified here. The lent machine has torch but no Transformer Engine (its CUDA wheels
-   do not fit what can be carried), so the `te` backend and FP8 GEMMs need a machine with TE.
+3. Attention kernels (setdiff_megatron/kernels): each GPU implementation this machine has (TE
+   fused BF16, TE FP8 under an fp8_autocast with DelayedScaling, flash-attn 2, PyTorch's flash)
+   against the dense fp32 reference, outputs and q/k/v gradients, GQA and padding, head dim 128;
+   the sampling step (ragged cache) against the masked step; forward+backward time of each
+   against masked SDPA over 2L. Tolerances (max error / max |reference|): bf16 2e-2; FP8 0.15
+   for the output, 0.35 for gradients (this check on the CPU emulation of the FP8 kernels, with
+   shorter L, sees up to 0.09 and 0.26: input quantization to E4M3 dominates, not dP in E5M2).
+   A kernel that is not installed is reported as skipped, with the reason: the lent machine has
+   CUDA torch but neither TE (its CUDA wheels are 276-729 MB, past what can be carried) nor
+   flash-attn (no PyPI wheels), so there only PyTorch's path runs; run it on a machine with them.
 
-    bash benchmarks/gpu_check.sh       # installs the carried megatron-core wheel, then runs this
+    bash benchmarks/gpu_check.sh                      # everything
+    bash benchmarks/gpu_check.sh --sections kernels   # only part 3 (a minute or two)
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
+from contextlib import nullcontext
 
 import torch
 
-from benchmarks.machine import machine_info, save_results
-from setdiff_megatron.core.attention import set_causal_attention
+from benchmarks.machine import best_time, machine_info, save_results
+from setdiff_megatron.core.attention import set_causal_attention, set_causal_step_attention
+from setdiff_megatron.errors import UserError
+from setdiff_megatron.kernels import choose_attention_impl, flash_attn, te_fused
+
+BF16_TOL, FP8_TOL = {"out": 2e-2, "grad": 2e-2}, {"out": 0.15, "grad": 0.35}
 from setdiff_megatron.training.metrics import peak_flops, training_flops_per_token
 
 
@@ -83,17 +98,158 @@ def train_step(attention_impl: str, *, steps: int = 6) -> dict:
     return row
 
 
-def main() -> None:
+def kernel_variants() -> dict[str, tuple]:
+    """name -> (attention_impl, context manager factory) for the kernels this machine has, or the
+    reason it is skipped."""
+    variants = {"fused": ("fused", nullcontext)}
+    te_ok, te_why = te_fused.te_status()
+    if te_ok:
+        from transformer_engine.common.recipe import DelayedScaling, Format
+        from transformer_engine.pytorch import fp8_autocast
+
+        variants["te"] = ("te", nullcontext)
+        variants["te_fp8"] = ("te", lambda: fp8_autocast(enabled=True, fp8_recipe=DelayedScaling(
+            fp8_format=Format.HYBRID, amax_history_len=1, amax_compute_algo="most_recent")))
+    else:
+        variants["te"] = variants["te_fp8"] = f"skipped: {te_why}"
+    fa_ok, fa_why = flash_attn.flash_status()
+    variants["flash_attn"] = ("flash_attn", nullcontext) if fa_ok else f"skipped: {fa_why}"
+    return variants
+
+
+def _rel_errors(got, expected) -> dict:
+    return {name: (a.float() - b).abs().max().item() / max(b.abs().max().item(), 1e-6)
+            for name, a, b in zip(["out", "dq", "dk", "dv"], got, expected)}
+
+
+def kernel_parity(variants: dict) -> list[dict]:
+    rows = []
+    for length, heads, kv_heads, padded in [(7, 8, 2, True), (256, 16, 8, False), (1024, 16, 4, True),
+                                            (2048, 16, 16, False)]:
+        gen = torch.Generator(device="cuda").manual_seed(length)
+        q = torch.randn((2, heads, 2 * length, 128), generator=gen, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn((2, kv_heads, 2 * length, 128), generator=gen, device="cuda", dtype=torch.bfloat16)
+        v, dout = torch.randn_like(k), torch.randn_like(q)
+        valid = torch.tensor([length, max(length - 3, 0)], device="cuda") if padded else None
+        ref_args = [t.detach().float().requires_grad_() for t in (q, k, v)]
+        ref_out = set_causal_attention(*ref_args, impl="dense", valid_len=valid)
+        reference = [ref_out, *torch.autograd.grad(ref_out, ref_args, dout.float())]
+        for name, variant in variants.items():
+            row = {"kernel": name, "L": length, "heads": heads, "kv_heads": kv_heads, "padded": padded}
+            if isinstance(variant, str):
+                rows.append({**row, "result": variant})
+                continue
+            impl, context = variant
+            tol = FP8_TOL if name.endswith("fp8") else BF16_TOL
+            args = [t.detach().requires_grad_() for t in (q, k, v)]
+            try:
+                with context():
+                    out = set_causal_attention(*args, impl=impl, valid_len=valid)
+                grads = torch.autograd.grad(out, args, dout)
+            except UserError as exc:  # e.g. FP8 at a length cuDNN does not take
+                rows.append({**row, "result": f"unsupported: {exc}"})
+                print(f"{name:>10} L={length:>5}: unsupported: {exc}")
+                continue
+            errors = _rel_errors([out, *grads], reference)
+            ok = errors["out"] < tol["out"] and all(errors[g] < tol["grad"] for g in ("dq", "dk", "dv"))
+            rows.append({**row, "rel_max_err": errors, "tolerance": tol, "ok": ok})
+            print(f"{name:>10} L={length:>5} heads {heads}/{kv_heads} pad={padded}: "
+                  + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()), "OK" if ok else "FAIL")
+        del ref_args, ref_out, reference
+        torch.cuda.empty_cache()
+    return rows
+
+
+def step_parity(variants: dict) -> list[dict]:
+    """One sampling step (300 cached, ragged rows, 4 commits with a dummy, 8 queries) against the
+    masked SDPA step in fp32."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    b, heads, kv_heads, d, cached, commits, queries = 3, 16, 4, 128, 300, 4, 8
+    q = torch.randn((b, heads, commits + queries, d), generator=gen, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn((b, kv_heads, commits + queries, d), generator=gen, device="cuda", dtype=torch.bfloat16)
+            for _ in range(2))
+    kc, vc = (torch.randn((b, kv_heads, cached, d), generator=gen, device="cuda", dtype=torch.bfloat16)
+              for _ in range(2))
+    lengths = {"cache_len": torch.tensor([cached, 120, 0], device="cuda"),
+               "commit_len": torch.tensor([commits, 3, 0], device="cuda")}
+    expected = set_causal_step_attention(*(t.float() for t in (q, k, v, kc, vc)), num_commit=commits, **lengths)
+    rows = []
+    for name in ("te", "flash_attn"):
+        if isinstance(variants[name], str):
+            rows.append({"kernel": name, "result": variants[name]})
+            continue
+        got = set_causal_step_attention(q, k, v, kc, vc, num_commit=commits, impl=name, **lengths)
+        err = (got.float() - expected).abs().max().item() / expected.abs().max().item()
+        rows.append({"kernel": name, "rel_max_err": err, "tolerance": BF16_TOL["out"], "ok": err < BF16_TOL["out"]})
+        print(f"step {name}: rel max err {err:.1e}", "OK" if rows[-1]["ok"] else "FAIL")
+    return rows
+
+
+def kernel_timing(variants: dict, *, repeats: int = 5) -> list[dict]:
+    """Forward + backward of each kernel against masked SDPA over 2L: bf16, batch 2, 16 query /
+    8 key-value heads, head dim 128."""
+    rows = []
+    for length in (2048, 4096):
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q = torch.randn((2, 16, 2 * length, 128), generator=gen, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn((2, 8, 2 * length, 128), generator=gen, device="cuda", dtype=torch.bfloat16)
+        v, dout = torch.randn_like(k), torch.randn_like(q)
+        args = [t.requires_grad_() for t in (q, k, v)]
+        timings = {}
+        for name, variant in {"sdpa": ("sdpa", nullcontext), **variants}.items():
+            if isinstance(variant, str):
+                continue
+            impl, context = variant
+
+            def run():
+                with context():
+                    out = set_causal_attention(*args, impl=impl)
+                torch.autograd.grad(out, args, dout)
+                torch.cuda.synchronize()
+
+            try:
+                timings[name] = best_time(run, repeats=repeats, warmup=2)
+            except UserError as exc:
+                print(f"timing {name} L={length}: unsupported: {exc}")
+        row = {"L": length, "seconds": timings, "speedup_vs_sdpa": {n: timings["sdpa"] / t for n, t in timings.items()}}
+        rows.append(row)
+        print(f"fwd+bwd L={length}: " + ", ".join(f"{n} {t * 1e3:.2f} ms ({timings['sdpa'] / t:.2f}x)"
+                                                   for n, t in timings.items()))
+        torch.cuda.empty_cache()
+    return rows
+
+
+def kernel_checks() -> dict:
+    variants = kernel_variants()
+    print("auto picks:", choose_attention_impl("cuda", torch.bfloat16, 128))
+    return {"auto": choose_attention_impl("cuda", torch.bfloat16, 128)._asdict(),
+            "parity": kernel_parity(variants), "step": step_parity(variants), "timing": kernel_timing(variants)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sections", nargs="+", choices=["parity", "kernels", "train"],
+                        default=["parity", "kernels", "train"])
+    sections = parser.parse_args(argv).sections
     if not torch.cuda.is_available():
         raise SystemExit("gpu_check needs a CUDA GPU")
     print("machine:", machine_info())
-    parity = attention_parity()
-    ours = train_step("fused")
-    baseline = train_step("sdpa")
-    print(f"fused vs dense-mask sdpa training step: {baseline['step_s'] / ours['step_s']:.2f}x; "
-          f"MFU {ours['mfu']}")
-    print("FP8: not verified (no Transformer Engine on this machine)")
-    save_results("gpu_check", {"attention": parity, "train": [ours, baseline], "fp8": "not verified"})
+    results = {}
+    if "parity" in sections:
+        results["attention"] = attention_parity()
+    if "kernels" in sections:
+        results["kernels"] = kernel_checks()
+    if "train" in sections:
+        ours = train_step("fused")
+        baseline = train_step("sdpa")
+        print(f"fused vs dense-mask sdpa training step: {baseline['step_s'] / ours['step_s']:.2f}x; "
+              f"MFU {ours['mfu']}")
+        results["train"] = [ours, baseline]
+    te_ok, te_why = te_fused.te_status()
+    results["fp8"] = "see kernels.parity te_fp8 rows" if te_ok and "kernels" in sections else (
+        f"not verified ({te_why})")
+    print("FP8 attention:", results["fp8"])
+    save_results("gpu_check", results)
 
 
 if __name__ == "__main__":

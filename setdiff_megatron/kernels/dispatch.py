@@ -98,9 +98,10 @@ def _check(impl: str, status, install: str):
 
 
 register_attention_impl("auto", auto_attention)
-register_attention_impl("te", te_fused.te_attention, check=_check("te", te_fused.te_status, te_fused.TE_INSTALL))
+register_attention_impl("te", te_fused.te_attention,
+                        check=_check("te", lambda: te_fused.te_status(), te_fused.TE_INSTALL))
 register_attention_impl("flash_attn", flash_attn.flash_attention,
-                        check=_check("flash_attn", flash_attn.flash_status, flash_attn.FLASH_INSTALL))
+                        check=_check("flash_attn", lambda: flash_attn.flash_status(), flash_attn.FLASH_INSTALL))
 register_step_impl("auto", auto_step_attention)
 register_step_impl("te", te_fused.te_step_attention)
 register_step_impl("flash_attn", flash_attn.flash_step_attention)
