@@ -1,19 +1,24 @@
-"""`setdiff launch RECIPE --slurm` on a real cluster: training through srun, and preemption.
+"""`setdiff launch RECIPE --slurm` on a real cluster: training through srun, preemption, and
+sampling from the result as a job array.
 
 A short tiny-cpu run (20 steps, 2 tasks) is the reference; a second one gets SIGUSR1 in its
 batch shell mid-run, must checkpoint, exit 75, requeue itself and resume to the same losses.
-Both share one data cache, so only the first builds the tokenizer and indices.
+Both share one data cache, so only the first builds the tokenizer and indices. The reference
+checkpoint is then sampled by a 2-shard array and a merge job, and locally.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from setdiff_megatron.launch.slurm import submit_sharded
 from tests.slurm.jobs import TINY, cancel, finished, isolated_env, job, losses, setdiff, wait_for_file_line, wait_until
 
 pytestmark = pytest.mark.slurm
@@ -94,3 +99,36 @@ def test_usr1_checkpoints_requeues_and_resumes_to_the_same_losses(shared, refere
     assert f"setdiff: job {job_id} (restart 1)" in text
     assert f"resumed from {run_dir}/checkpoints/step_{stopped:08d} at step {stopped}" in text
     assert losses(run_dir) == losses(reference[1])  # every train and validation loss, exactly
+
+
+def test_sample_array_of_two_shards_then_merge_equals_a_local_run(reference, shared, tmp_path):
+    """`setdiff sample` on the reference checkpoint: 2 array shards (--shard {shard} --num-shards
+    {num_shards}) and the same command without them as the afterok merge job, against one local run."""
+    _, run_dir, _ = reference
+    _, env = shared
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": text}) + "\n" for i, text in
+                               enumerate(["def f(x):\n", "import os\n", "class A:\n", "for i in range(3):\n", "x = "])))
+    options = ["--prompts", str(prompts), "--batch-size", "2", "--max-new-tokens", "8", "--no-progress"]
+    local = setdiff("sample", str(run_dir), *options, "--out", str(tmp_path / "local.jsonl"), env=env, timeout=300)
+    assert local.returncode == 0, local.stderr
+
+    base = [sys.executable, "-m", "setdiff_megatron.cli", "sample", str(run_dir), *options,
+            "--out", str(tmp_path / "out.jsonl")]
+    jobs = submit_sharded([*base, "--shard", "{shard}", "--num-shards", "{num_shards}"], base, num_shards=2,
+                          work_dir=tmp_path, job_name="sample")
+    try:
+        merge = wait_until(jobs.merge_id, finished, timeout=300, what="finished",
+                           log=tmp_path / "slurm" / f"sample-merge-{jobs.merge_id}.out")
+        shards = [job(f"{jobs.array_id}_{i}") for i in range(2)]
+    finally:
+        cancel(jobs.array_id)
+        cancel(jobs.merge_id)
+    assert [s["JobState"] for s in shards] == ["COMPLETED", "COMPLETED"]
+    assert (merge["JobState"], merge["ExitCode"]) == ("COMPLETED", "0:0")
+
+    def results(path: Path) -> list[dict]:  # all but the wall-clock time
+        return [{k: v for k, v in json.loads(line).items() if k != "seconds"} for line in path.read_text().splitlines()]
+
+    assert len(results(tmp_path / "out.jsonl")) == 5
+    assert results(tmp_path / "out.jsonl") == results(tmp_path / "local.jsonl")
