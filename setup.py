@@ -16,6 +16,8 @@ EXTRAS = {
     "hf": ["transformers>=4.45", "safetensors>=0.4", "tokenizers>=0.21"],
     # Preprocessing writes megatron-core indexed datasets and packs samples with its GPTDataset.
     "data": ["tokenizers>=0.21", "datasets>=2.19", "pyarrow>=14", "megatron-core>=0.16.1,<0.17"],
+    # Evaluation jobs: ROUGE, Pareto plots.
+    "eval": ["rouge-score>=0.1.2", "matplotlib>=3.8"],
     "wandb": ["wandb>=0.17"],
     "tensorboard": ["tensorboard>=2.14"],
     # GPU only: Transformer Engine needs CUDA torch, cuDNN and nvcc. Install it yourself on a GPU
@@ -25,7 +27,7 @@ EXTRAS = {
 }
 # The test suite exercises every CPU engine and format, so `dev` pulls in their extras.
 EXTRAS["dev"] = sorted({"pytest>=8", "pytest-timeout>=2.3", *EXTRAS["megatron"], *EXTRAS["hf"], *EXTRAS["data"],
-                        *EXTRAS["tensorboard"]})
+                        *EXTRAS["tensorboard"], *EXTRAS["eval"]})
 
 setup(
     name="setdiff-megatron",

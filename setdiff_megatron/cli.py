@@ -85,86 +85,33 @@ def _checkpoint_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _without_option(argv: list[str], name: str) -> list[str]:
-    """`argv` without `name VALUE` / `name=VALUE`."""
-    out, i = [], 0
-    while i < len(argv):
-        if argv[i] == name:
-            i += 2
-            continue
-        if not argv[i].startswith(name + "="):
-            out.append(argv[i])
-        i += 1
-    return out
-
-
 def _sample(args: argparse.Namespace) -> int:
-    import os
-
-    from setdiff_megatron.core.decoding import DecodingConfig
+    from setdiff_megatron.inference.cli_args import decoding_from_args, relaunch
     from setdiff_megatron.inference.job import SampleJob, run_sample_job
 
-    if args.nproc > 1 and "RANK" not in os.environ:
-        import subprocess
-
-        from setdiff_megatron.training.launch import torchrun_argv
-
-        # Each process runs this command without --nproc (torchrun would also take it for its own option).
-        return subprocess.call(torchrun_argv(args.nproc, _without_option(args.argv, "--nproc")))
-    try:
-        decoding = DecodingConfig(
-            window=args.window, fill_window=args.fill_window, tokens_per_step=args.tokens_per_step,
-            threshold=args.threshold, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-            repetition_penalty=args.repetition_penalty, max_new_tokens=args.max_new_tokens, seed=args.seed)
-    except ValueError as exc:
-        raise UserError(f"decoding option: {exc}") from None
+    code = relaunch(args)
+    if code is not None:
+        return code
     return run_sample_job(SampleJob(
-        source=args.source, prompts=args.prompts, out=args.out, decoding=decoding, batch_size=args.batch_size,
-        tp=args.tp, shard=args.shard, num_shards=args.num_shards, device=args.device, dtype=args.dtype,
-        add_bos=args.add_bos, context_len=args.context_len, stop_at_eos=not args.ignore_eos,
+        source=args.source, prompts=args.prompts, out=args.out, decoding=decoding_from_args(args),
+        batch_size=args.batch_size, tp=args.tp, shard=args.shard, num_shards=args.num_shards, device=args.device,
+        dtype=args.dtype, add_bos=args.add_bos, context_len=args.context_len, stop_at_eos=not args.ignore_eos,
         progress=not args.no_progress))
 
 
 def _add_sample_parser(sub) -> None:
+    from setdiff_megatron.inference.cli_args import add_decoding_arguments, add_job_arguments
+
     sample = sub.add_parser(
         "sample", help="decode a JSONL file of prompts with the cached set sampler",
         description="Decode prompts ({\"prompt\": text} or {\"segments\": [text, span length, text, ...]} per "
         "line) from a checkpoint (a run directory or step_* directory) or a Hugging Face export. Prompts are "
         "sharded over processes (--nproc, torchrun or a SLURM array via --shard/--num-shards) and the results "
         "merged into OUT in prompt order; a rerun skips prompts already written.")
-    sample.add_argument("source", help="checkpoint run directory, step_* directory, or Hugging Face export")
+    add_job_arguments(sample)
     sample.add_argument("--prompts", required=True, help="JSONL file of prompts")
     sample.add_argument("--out", required=True, help="JSONL results, one per prompt, in prompt order")
-    par = sample.add_argument_group("processes")
-    par.add_argument("--nproc", type=int, default=1, help="start this many local processes (torchrun)")
-    par.add_argument("--tp", type=int, default=1, help="tensor-parallel size (megatron model); "
-                     "the processes are split into tp x data-parallel")
-    par.add_argument("--shard", type=int, default=None, help="do only this shard (e.g. $SLURM_ARRAY_TASK_ID)")
-    par.add_argument("--num-shards", type=int, default=None, help="number of explicit shards")
-    par.add_argument("--batch-size", type=int, default=16, help="prompts decoded together (default 16)")
-    par.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    par.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"],
-                     help="default: bf16 on GPUs, fp32 on CPUs")
-    dec = sample.add_argument_group("decoding (core/decoding.py DecodingConfig)")
-    dec.add_argument("--max-new-tokens", type=int, default=64, help="generated tail per prompt (0: infill only)")
-    dec.add_argument("--window", type=int, default=16, help="W: queries per step come from the W positions "
-                     "right of the leftmost masked one; 1 is autoregressive decoding")
-    dec.add_argument("--fill-window", action="store_true", help="always offer W masked positions")
-    dec.add_argument("--tokens-per-step", type=int, default=1, help="k: decode the k most confident queries")
-    dec.add_argument("--threshold", type=float, default=None, help="tau in (0, 1]: also decode every query "
-                     "at least this confident")
-    dec.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    dec.add_argument("--top-k", type=int, default=None)
-    dec.add_argument("--top-p", type=float, default=None)
-    dec.add_argument("--repetition-penalty", type=float, default=1.0)
-    dec.add_argument("--seed", type=int, default=0)
-    dec.add_argument("--ignore-eos", action="store_true", help="do not stop a completion at the EOS token")
-    dec.add_argument("--context-len", type=int, default=None, help="default: the model's max_seq_len")
-    bos = dec.add_mutually_exclusive_group()
-    bos.add_argument("--add-bos", dest="add_bos", action="store_true", default=None,
-                     help="start prompts with BOS (default: as the model was trained)")
-    bos.add_argument("--no-add-bos", dest="add_bos", action="store_false")
-    sample.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_decoding_arguments(sample)
     sample.set_defaults(func=_sample)
 
 
@@ -272,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     launch.set_defaults(func=_launch)
 
     _add_sample_parser(sub)
+    from setdiff_megatron.evaluation.cli import add_eval_parser
+
+    add_eval_parser(sub)
 
     _add_convert_parser(sub)
 

@@ -1,1 +1,4 @@
-"""evaluation layer of setdiff-megatron (see DESIGN in README)."""
+"""Evaluation jobs: likelihood, generation tasks, infilling, speed-quality sweeps, lm-eval.
+
+Every job shards its examples over processes, writes per-shard results atomically, skips
+finished work on a rerun and merges (inference/results.py)."""

@@ -23,6 +23,7 @@ from setdiff_megatron.errors import UserError
 from setdiff_megatron.inference.loading import Ranks, SamplingModel, init_ranks, load_sampling_model
 from setdiff_megatron.inference.prompts import PromptRecord, encode_prompt, read_prompts
 from setdiff_megatron.inference.results import ShardedResults
+from setdiff_megatron.inference.sharding import Shard, check_shard_options
 
 __all__ = ["SampleJob", "run_sample_job"]
 
@@ -45,21 +46,16 @@ class SampleJob:
     context_len: int | None = None
     """None: the model's max_seq_len."""
     stop_at_eos: bool = True
+    stop: tuple[str, ...] = ()
+    """Stop strings, each tokenized on its own: a completion ends where those tokens appear (kept in
+    it). Best effort, since a string may tokenize otherwise in context; callers that need an exact
+    cut also cut the text."""
     progress: bool = True
 
 
 def _sha256(path: str) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def _check(job: SampleJob) -> None:
-    if job.batch_size < 1:
-        raise UserError(f"--batch-size must be >= 1; got {job.batch_size}")
-    if (job.shard is None) != (job.num_shards is None):
-        raise UserError("--shard and --num-shards go together")
-    if job.num_shards is not None and not 0 <= job.shard < job.num_shards:
-        raise UserError(f"--shard must be in [0, --num-shards); got {job.shard} of {job.num_shards}")
 
 
 def _span_texts(record: PromptRecord, row: RowResult, prompt_ids: list[int], sm: SamplingModel) -> list[str]:
@@ -88,13 +84,16 @@ def _record(record: PromptRecord, row: RowResult, prompt_ids: list[int], sm: Sam
 
 
 def run_sample_job(job: SampleJob) -> int:
-    _check(job)
+    check_shard_options(job.shard, job.num_shards, job.batch_size)
     ranks = init_ranks(job.tp)
     records = read_prompts(job.prompts)
     sm = load_sampling_model(job.source, ranks, device=job.device, dtype=job.dtype)
     decoding = job.decoding
     if job.stop_at_eos and not decoding.eos_token_ids:
         decoding = replace(decoding, eos_token_ids=(sm.tokenizer.eos_id,))
+    if job.stop:
+        decoding = replace(decoding, stop_sequences=decoding.stop_sequences + tuple(
+            tuple(sm.tokenizer.encode(text)) for text in job.stop))
     context_len = job.context_len or sm.config.max_seq_len
     if context_len > sm.config.max_seq_len:
         raise UserError(f"--context-len {context_len} exceeds the model's max_seq_len {sm.config.max_seq_len}")
@@ -117,14 +116,10 @@ def run_sample_job(job: SampleJob) -> int:
     ranks.barrier()
     done = results.done()
 
-    num_shards = ranks.dp_size * (job.num_shards or 1)
-    shard = (job.shard or 0) * ranks.dp_size + ranks.dp_rank
-    batches = [list(range(first, min(first + job.batch_size, len(records))))
-               for first in range(0, len(records), job.batch_size)]
-    mine = [(b[0], [i for i in b if i not in done]) for n, b in enumerate(batches) if n % num_shards == shard]
-    mine = [(first, todo) for first, todo in mine if todo]
-    writer = results.part(f"shard-{shard:05d}-of-{num_shards:05d}") if ranks.writes else None
-    tokens, seconds = _sample(sampler, decoding, mine, records, encoded, sm, writer,
+    shard = Shard.of(ranks, job.shard, job.num_shards)
+    writer = results.part(shard.name) if ranks.writes else None
+    tokens, seconds = _sample(sampler, decoding, shard.batches(len(records), job.batch_size, done), records,
+                              encoded, sm, writer,
                               progress=job.progress and ranks.rank == 0)
     ranks.barrier()
     if ranks.rank == 0:

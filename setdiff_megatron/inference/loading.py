@@ -23,6 +23,7 @@ from setdiff_megatron.data.tokenizers import SetDiffTokenizer
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
+from setdiff_megatron.recipes import Recipe
 
 __all__ = ["SamplingModel", "Ranks", "load_sampling_model", "init_ranks", "DTYPES"]
 
@@ -56,6 +57,8 @@ class SamplingModel:
     add_bos: bool
     """The training data started each sample with a clean BOS (recipe method.keep_clean_bos)."""
     source: Path
+    recipe: Recipe | None
+    """The recipe a checkpoint was trained with (None for a Hugging Face export)."""
 
 
 def _device(name: str) -> torch.device:
@@ -86,20 +89,17 @@ def init_ranks(tp: int) -> Ranks:
 
 
 def _read_source(source: Path, *, weights: bool):
-    """(config, torch weights or None, tokenizer, add_bos, megatron step dir or None)."""
+    """(config, torch weights or None, tokenizer, recipe or None, megatron step dir or None)."""
     from setdiff_megatron.training.checkpoint_reader import is_megatron_checkpoint, read_checkpoint
 
     if is_megatron_checkpoint(source):
         ckpt = read_checkpoint(source, weights=weights)
-        return ckpt.config, ckpt.state_dict, ckpt.tokenizer, ckpt.recipe.method.keep_clean_bos, ckpt.path
+        return ckpt.config, ckpt.state_dict, ckpt.tokenizer, ckpt.recipe, ckpt.path
     if (source / "config.json").is_file():
-        try:
-            from setdiff_megatron.hf.load import load_hf_export
-        except ImportError:
-            raise UserError(f"{source} looks like a Hugging Face directory, which this version cannot "
-                            "load yet; pass a megatron checkpoint") from None
+        from setdiff_megatron.hf.load import load_hf_export
+
         config, state_dict, tokenizer = load_hf_export(source)
-        return config, state_dict, tokenizer, False, None
+        return config, state_dict, tokenizer, None, None
     raise UserError(f"{source} is neither a setdiff checkpoint (a run directory or step_* directory) nor a "
                     "Hugging Face export (a directory with config.json)")
 
@@ -138,11 +138,13 @@ def load_sampling_model(source: str | Path, ranks: Ranks, *, device: str = "auto
         raise UserError(f"--dtype must be one of {sorted(DTYPES)}; got {dtype!r}")
     torch_dtype = DTYPES[dtype or ("bf16" if where.type == "cuda" else "fp32")]
     sharded = ranks.tp > 1
-    config, state_dict, tokenizer, add_bos, step_dir = _read_source(source, weights=not sharded)
+    config, state_dict, tokenizer, recipe, step_dir = _read_source(source, weights=not sharded)
     if sharded:
         model = _megatron_shard(config, state_dict, step_dir, ranks.tp, torch_dtype, where)
     else:
         model = SetDiffusionTransformer(config)
         model.load_state_dict(state_dict)
         model = model.to(device=where, dtype=torch_dtype).eval()
-    return SamplingModel(model=model, config=config, tokenizer=tokenizer, add_bos=add_bos, source=source)
+    add_bos = recipe is not None and recipe.method.keep_clean_bos
+    return SamplingModel(model=model, config=config, tokenizer=tokenizer, add_bos=add_bos, source=source,
+                         recipe=recipe)

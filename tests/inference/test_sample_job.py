@@ -15,7 +15,6 @@ from setdiff_megatron.core.sampler import SetSampler
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 from setdiff_megatron.training.checkpoint_reader import read_checkpoint
 
-TINY = str(Path(__file__).parents[2] / "recipes" / "tiny-cpu.yaml")
 PROMPTS = [
     {"prompt": "def main(", "id": "a"},
     {"prompt": "import os\n"},
@@ -28,17 +27,8 @@ DECODING = ["--max-new-tokens", "12", "--window", "4", "--threshold", "0.3", "--
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory) -> Path:
-    """20 steps of the tiny-cpu recipe at TP=2 (2 processes); the data cache is shared with the
-    other training tests of the session."""
-    run = tmp_path_factory.mktemp("sample") / "run"
-    data = tmp_path_factory.getbasetemp() / "checkpoint-tests-data"
-    proc = subprocess.run([sys.executable, "-m", "setdiff_megatron.cli", "train", TINY, f"checkpoint.dir={run}",
-                           f"data.cache_dir={data}", "parallel.tp=2", "parallel.global_batch_size=8",
-                           "train.steps=20", "checkpoint.interval=20", "eval.interval=1000",
-                           "log.tensorboard=false"], capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return run
+def run_dir(trained_run) -> Path:
+    return trained_run
 
 
 @pytest.fixture

@@ -1,0 +1,54 @@
+"""Quality metrics of generated text: exact match, ROUGE-1/2/L, and GSM8K answer extraction.
+
+ROUGE is Google's `rouge-score` (F-measure, Porter stemming, as the summarisation and infilling
+papers report it); its tokenizer keeps ASCII letters and digits only, so text in other scripts
+scores through exact match instead.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+
+from setdiff_megatron.errors import require
+
+__all__ = ["ROUGE_KEYS", "rouge", "exact_match", "gsm8k_answer", "normalize"]
+
+ROUGE_KEYS = ("rouge1", "rouge2", "rougeL")
+_NUMBER = re.compile(r"-?[\d,]*\.?\d+")
+_GSM8K_FINAL = re.compile(r"####\s*(-?[\d,]*\.?\d+)")
+
+
+@lru_cache(maxsize=1)
+def _scorer():
+    rouge_scorer = require("rouge_score.rouge_scorer", "eval", "ROUGE scoring")
+    return rouge_scorer.RougeScorer(list(ROUGE_KEYS), use_stemmer=True)
+
+
+def rouge(prediction: str, reference: str) -> dict[str, float]:
+    """ROUGE-1/2/L F-measures of one prediction against one reference."""
+    scores = _scorer().score(reference, prediction)
+    return {key: scores[key].fmeasure for key in ROUGE_KEYS}
+
+
+def normalize(text: str) -> str:
+    return " ".join(text.split())
+
+
+def exact_match(prediction: str, reference: str) -> float:
+    """1.0 when both texts are equal up to whitespace runs, else 0.0."""
+    return float(normalize(prediction) == normalize(reference))
+
+
+def _number(text: str) -> str:
+    value = text.replace(",", "")
+    return value.rstrip("0").rstrip(".") if "." in value else value
+
+
+def gsm8k_answer(text: str) -> str | None:
+    """The final number of a GSM8K-style solution: after '####' if present, else the last number."""
+    final = _GSM8K_FINAL.search(text)
+    if final:
+        return _number(final.group(1))
+    numbers = _NUMBER.findall(text)
+    return _number(numbers[-1]) if numbers else None

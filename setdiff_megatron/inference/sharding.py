@@ -1,0 +1,48 @@
+"""Which batches of a job's examples this process does.
+
+Examples are cut into batches of consecutive indices, and batch b belongs to shard b mod S,
+S being the data-parallel ranks times the explicit shards (e.g. of a SLURM array). A batch is
+therefore the same whatever the number of processes, and so are its results, including those
+seeded per batch; a rerun does only the examples not yet written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from setdiff_megatron.errors import UserError
+from setdiff_megatron.inference.loading import Ranks
+
+__all__ = ["Shard", "check_shard_options"]
+
+
+def check_shard_options(shard: int | None, num_shards: int | None, batch_size: int) -> None:
+    if batch_size < 1:
+        raise UserError(f"--batch-size must be >= 1; got {batch_size}")
+    if (shard is None) != (num_shards is None):
+        raise UserError("--shard and --num-shards go together")
+    if num_shards is not None and not 0 <= shard < num_shards:
+        raise UserError(f"--shard must be in [0, --num-shards); got {shard} of {num_shards}")
+
+
+@dataclass(frozen=True)
+class Shard:
+    index: int
+    count: int
+
+    @classmethod
+    def of(cls, ranks: Ranks, shard: int | None, num_shards: int | None) -> "Shard":
+        return cls(index=(shard or 0) * ranks.dp_size + ranks.dp_rank, count=ranks.dp_size * (num_shards or 1))
+
+    @property
+    def name(self) -> str:
+        return f"shard-{self.index:05d}-of-{self.count:05d}"
+
+    def batches(self, num_examples: int, batch_size: int, done: set[int]) -> list[tuple[int, list[int]]]:
+        """(first index of the batch, its indices not yet done) for each of this shard's batches with work left."""
+        mine = []
+        for number, first in enumerate(range(0, num_examples, batch_size)):
+            todo = [i for i in range(first, min(first + batch_size, num_examples)) if i not in done]
+            if number % self.count == self.index and todo:
+                mine.append((first, todo))
+        return mine
