@@ -297,6 +297,9 @@ def _rename_tokens(module: _Module, renames: Mapping[str, str]) -> str:
             raise BundleError(f"{module.path}:{node.lineno}: cannot rename {sorted(renames)} inside an f-string")
     lines = module.source.splitlines(keepends=True)
     edits: list[tuple[int, int, int, str]] = []
+    # Package imports are rewritten from their own names (see _transform), never renamed here.
+    skip = {row for imp in module.imports if imp.target
+            for row in range(imp.node.lineno, imp.node.end_lineno + 1)}
     tokens = [t for t in tokenize.generate_tokens(io.StringIO(module.source).readline)
               if t.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.COMMENT, tokenize.INDENT, tokenize.DEDENT)]
     depth = 0
@@ -305,7 +308,7 @@ def _rename_tokens(module: _Module, renames: Mapping[str, str]) -> str:
             depth += 1
         elif tok.type == tokenize.OP and tok.string in ")]}":
             depth -= 1
-        if tok.type != tokenize.NAME or tok.string not in renames:
+        if tok.type != tokenize.NAME or tok.string not in renames or tok.start[0] in skip:
             continue
         prev = tokens[i - 1].string if i else ""
         nxt = tokens[i + 1].string if i + 1 < len(tokens) else ""
@@ -369,8 +372,8 @@ def _transform(module: _Module, bundler: _Bundler, renames: Mapping[str, Mapping
                     break
                 if sub in bundler.modules:
                     new.append(f"{indent}{a.asname or a.name} = {bundler.view(sub, renames.get(sub, {}))}\n")
-                elif a.asname and a.asname != a.name:
-                    new.append(f"{indent}{a.asname} = {a.name}\n")
+                elif a.asname:
+                    new.append(f"{indent}{a.asname} = {renames.get(imp.target, {}).get(a.name, a.name)}\n")
         if not new and imp.lazy:
             new = [f"{indent}pass\n"]
         replace.append((first, last, new))

@@ -1,7 +1,8 @@
 """Where converted weights come from: every source is (config, torch state dict, tokenizer, recipe).
 
   megatron   a checkpoint of the megatron engine, any TP/PP layout (training/checkpoint_reader.py)
-  deepspeed  a checkpoint of the DeepSpeed engine, once training/deepspeed_engine.py exists
+  deepspeed  a checkpoint of the DeepSpeed engine (training/deepspeed_checkpointing.py's
+             consolidated_state_dict), where that engine is installed
   setdiff    a Hugging Face export of ours (model_type setdiff; hf/load.py)
   llama, qwen2, qwen3   a Hugging Face causal LM to adapt (hf/ar_import.py)
 
@@ -89,13 +90,44 @@ def read_hf_dir(directory: str | Path) -> Source:
     return Source(config["model_type"], directory, cfg, state, tokenizer)
 
 
-def _deepspeed_reader():
-    """training/deepspeed_engine.py's consolidated_state_dict, when that engine is installed here."""
+def _deepspeed_step(path: Path) -> Path | None:
+    """The step directory `path` names if it is a checkpoint of the DeepSpeed engine, else None."""
+    from setdiff_megatron.training.checkpoint_reader import resolve_checkpoint
+
     try:
-        from setdiff_megatron.training import deepspeed_engine
-    except ImportError:
+        from setdiff_megatron.training.deepspeed_checkpointing import TAG
+    except ImportError:  # an installation without the DeepSpeed engine
         return None
-    return getattr(deepspeed_engine, "consolidated_state_dict", None)
+    from setdiff_megatron.training.checkpointing import CHECKPOINTS, LATEST, TRAIN_STATE, find_checkpoints
+
+    guess = path  # the step directory a resolution would pick, found without hashing anything
+    if not (path / TRAIN_STATE).is_file():
+        root = path / CHECKPOINTS if (path / CHECKPOINTS).is_dir() else path
+        named = (root / LATEST).read_text().strip() if (root / LATEST).is_file() else None
+        guess = root / named if named else next(iter(find_checkpoints(root)), path)
+    return resolve_checkpoint(path) if (guess / TAG).is_dir() else None
+
+
+def _deepspeed_source(step_dir: Path) -> Source:
+    from setdiff_megatron.recipes import load_recipe
+    from setdiff_megatron.recipes.loading import RESOLVED_NAME
+    from setdiff_megatron.training.checkpoint_reader import _model_config
+    from setdiff_megatron.training.checkpointing import TRAIN_STATE
+    from setdiff_megatron.training.deepspeed_checkpointing import consolidated_state_dict
+    from setdiff_megatron.models.weight_maps import torch_shapes
+
+    saved = json.loads((step_dir / TRAIN_STATE).read_text())
+    recipe = load_recipe(step_dir / RESOLVED_NAME)
+    if not (step_dir / "tokenizer").is_dir():
+        raise UserError(f"checkpoint {step_dir} has no tokenizer/ directory; it cannot be exported")
+    tokenizer = load_tokenizer(step_dir / "tokenizer", add_missing_tokens=False)
+    config = _model_config(saved, recipe, step_dir)  # noqa: SLF001 - the reader's config rule, shared
+    state = consolidated_state_dict(step_dir)
+    shapes = torch_shapes(config)
+    bad = sorted(set(shapes) ^ set(state)) + [k for k in shapes if k in state and tuple(state[k].shape) != shapes[k]]
+    if bad:
+        raise UserError(f"checkpoint {step_dir} does not match its recorded model config: {bad[:5]}")
+    return Source("deepspeed", step_dir, config, state, tokenizer, recipe, saved["step"], saved["layout"])
 
 
 def read_source(path: str | Path) -> Source:
@@ -105,20 +137,13 @@ def read_source(path: str | Path) -> Source:
     path = Path(path)
     if not path.exists():
         raise UserError(f"{path} does not exist")
+    if is_megatron_checkpoint(path) and (step_dir := _deepspeed_step(path)) is not None:
+        return _deepspeed_source(step_dir)
     if is_megatron_checkpoint(path):
         ckpt = read_checkpoint(path)
         return Source("megatron", ckpt.path, ckpt.config, ckpt.state_dict, ckpt.tokenizer, ckpt.recipe,
                       ckpt.step, ckpt.layout)
     if (path / "config.json").is_file():
         return read_hf_dir(path)
-    reader = _deepspeed_reader()
-    if reader is not None and ((path / "latest").is_file() or any(path.glob("global_step*"))):
-        return _deepspeed_source(reader, path)
     raise UserError(f"{path} is neither a megatron checkpoint (train_state.json, or a run directory with "
                     "checkpoints/latest) nor a Hugging Face directory (config.json)")
-
-
-def _deepspeed_source(reader, path: Path) -> Source:
-    out = reader(path)
-    return Source("deepspeed", Path(getattr(out, "path", path)), out.config, out.state_dict, out.tokenizer,
-                  getattr(out, "recipe", None), getattr(out, "step", None), getattr(out, "layout", None))

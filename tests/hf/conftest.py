@@ -1,0 +1,75 @@
+"""Fixtures of the Hugging Face tests: tiny AR models, a tiny set diffusion export, a clean Python,
+and (slow tests) a tiny-cpu run at TP=2. Nothing is downloaded."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from setdiff_megatron.data.tokenizers import load_tokenizer
+from setdiff_megatron.hf.export import write_export
+from setdiff_megatron.hf.sources import Source
+from setdiff_megatron.models.config import ModelConfig
+from setdiff_megatron.models.torch_model import SetDiffusionTransformer
+from tests.hf.clean_env import make_clean_site
+from tests.hf.tiny_models import make_ar_model, make_tokenizer
+
+ROOT = Path(__file__).parents[2]
+TINY_RECIPE = ROOT / "recipes" / "tiny-cpu.yaml"
+
+
+@pytest.fixture(scope="session")
+def ar_dirs(tmp_path_factory) -> dict[str, Path]:
+    """Tiny random Llama (untied), Qwen2 (q/k/v biases, padded vocabulary) and Qwen3 (q/k norm,
+    tied, head_dim != hidden/heads, padded vocabulary) directories."""
+    base = tmp_path_factory.mktemp("ar")
+    return {
+        "llama": make_ar_model("llama", base / "llama"),
+        "qwen2": make_ar_model("qwen2", base / "qwen2", extra_rows=7, seed=1),
+        "qwen3": make_ar_model("qwen3", base / "qwen3", tie=True, extra_rows=7, seed=2),
+    }
+
+
+def random_setdiff_source(directory: Path, *, tie: bool = True, seed: int = 0) -> Source:
+    """A random set diffusion model with a real tokenizer, as an export source."""
+    make_tokenizer(directory / "tok", "qwen")
+    tokenizer = load_tokenizer(directory / "tok")
+    cfg = ModelConfig(vocab_size=tokenizer.vocab_size, mask_token_id=tokenizer.mask_id, hidden_size=64, num_layers=2,
+                      num_heads=4, num_kv_heads=2, intermediate_size=96, max_seq_len=64, qk_norm=True,
+                      tie_embeddings=tie)
+    torch.manual_seed(seed)
+    model = SetDiffusionTransformer(cfg)
+    return Source("megatron", directory / "source", cfg, model.state_dict(), tokenizer)
+
+
+@pytest.fixture(scope="session")
+def export_dir(tmp_path_factory) -> tuple[Path, Source]:
+    """A set diffusion export (fp32, untied, several shards) and its source."""
+    base = tmp_path_factory.mktemp("export")
+    source = random_setdiff_source(base, tie=False)
+    out = base / "hf"
+    out.mkdir()
+    write_export(source, out, torch.float32, max_shard_bytes=60_000)
+    return out, source
+
+
+@pytest.fixture(scope="session")
+def clean_site(tmp_path_factory) -> Path:
+    return make_clean_site(tmp_path_factory.mktemp("clean") / "site")
+
+
+@pytest.fixture(scope="session")
+def trained_tp2(tmp_path_factory) -> Path:
+    """A short tiny-cpu run at TP=2 (two gloo processes): a real megatron checkpoint."""
+    run = tmp_path_factory.mktemp("tiny_tp2") / "run"
+    cmd = [sys.executable, "-m", "setdiff_megatron.cli", "train", str(TINY_RECIPE), f"checkpoint.dir={run}",
+           "log.tensorboard=false", "parallel.tp=2", "parallel.global_batch_size=8", "parallel.micro_batch_size=4",
+           "train.steps=6", "train.warmup_steps=2", "eval.interval=1000", "eval.batches=1",
+           "checkpoint.interval=1000", "log.interval=1"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return run

@@ -1,0 +1,138 @@
+"""Import of Llama, Qwen2 and Qwen3 causal LMs: under the left-to-right order the clean stream of
+our model is the AR model's own computation, so hidden states and logits must match; the MASK
+token; refusals; the megatron checkpoint written by `convert from-hf`; a first adaptation."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from setdiff_megatron.cli import main
+from setdiff_megatron.core.orders import Staggered
+from setdiff_megatron.errors import UserError
+from setdiff_megatron.hf import verify
+from setdiff_megatron.hf.sources import read_hf_dir
+from setdiff_megatron.training.checkpoint_reader import read_checkpoint
+
+KINDS = ("llama", "qwen2", "qwen3")
+
+
+def _ar(path: Path):
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_clean_stream_is_the_ar_model(ar_dirs, kind):
+    source = read_hf_dir(ar_dirs[kind])
+    reference = _ar(ar_dirs[kind])
+    rows = reference.get_input_embeddings().weight.shape[0]
+    tokens = verify.fixed_tokens(source.config, max_token=min(rows, source.tokenizer.vocab_size))
+    with torch.no_grad():
+        expected = reference(tokens, output_hidden_states=True)
+    hidden, logits = verify.clean_stream(verify.torch_model(source.config, source.state_dict), tokens)
+    assert (hidden - expected.hidden_states[-1]).abs().max() < 1e-5
+    assert (logits[..., :rows] - expected.logits).abs().max() < 1e-5
+    cfg = source.config
+    assert (cfg.qkv_bias, cfg.qk_norm, cfg.tie_embeddings) == {
+        "llama": (False, False, False), "qwen2": (True, False, False), "qwen3": (False, True, True)}[kind]
+    assert cfg.rope_theta == 50000.0 and cfg.head_dim == (24 if kind == "qwen3" else 16)
+
+
+def test_mask_token(ar_dirs):
+    qwen = read_hf_dir(ar_dirs["qwen3"])
+    assert qwen.tokenizer.special_tokens["mask"] == "<|fim_middle|>"  # reused, as the paper does with Qwen3
+    assert qwen.config.vocab_size == 307  # the padded rows stay; the MASK row is pretrained
+    llama = read_hf_dir(ar_dirs["llama"])
+    assert llama.tokenizer.special_tokens["mask"] == "<|mask|>"
+    rows = _ar(ar_dirs["llama"]).get_input_embeddings().weight.shape[0]
+    assert llama.config.vocab_size == llama.tokenizer.vocab_size > rows and llama.config.mask_token_id >= rows
+    for name in ("embed_tokens.weight", "lm_head.weight"):  # new rows: the mean of the source rows
+        weight = llama.state_dict[name]
+        assert torch.allclose(weight[llama.config.mask_token_id], weight[:rows].mean(0), atol=1e-6)
+
+
+def _edit_config(src: Path, dst: Path, **changes) -> Path:
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_refusals_are_one_line_user_errors(ar_dirs, tmp_path):
+    llama = ar_dirs["llama"]
+    cases = {
+        "GPT2LMHeadModel' is not supported; supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM":
+            _edit_config(llama, tmp_path / "gpt2", model_type="gpt2", architectures=["GPT2LMHeadModel"]),
+        "rope scaling 'llama3'": _edit_config(llama, tmp_path / "rope", rope_parameters={
+            "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}),
+        "mlp_bias": _edit_config(llama, tmp_path / "mlp_bias", mlp_bias=True),
+        "attention_bias": _edit_config(llama, tmp_path / "attn_bias", attention_bias=True),
+        "mlp.gate_proj.weight": _edit_config(llama, tmp_path / "shape", intermediate_size=80),
+    }
+    for message, directory in cases.items():
+        with pytest.raises(UserError, match=None) as info:
+            read_hf_dir(directory)
+        assert message in str(info.value) and "\n" not in str(info.value), str(info.value)
+    pickled = _edit_config(llama, tmp_path / "pickled")
+    (pickled / "model.safetensors").rename(pickled / "pytorch_model.bin")
+    with pytest.raises(UserError, match="only pickled weights"):
+        read_hf_dir(pickled)
+    no_tokenizer = _edit_config(llama, tmp_path / "no_tokenizer")
+    (no_tokenizer / "tokenizer.json").unlink()
+    with pytest.raises(UserError, match="has no tokenizer"):
+        read_hf_dir(no_tokenizer)
+
+
+def test_convert_from_hf_writes_a_megatron_checkpoint(ar_dirs, tmp_path, capsys):
+    """`setdiff convert from-hf` (one writer process at tp 1): the published layout, read back
+    exactly, the megatron body checked, an existing output refused."""
+    out = tmp_path / "qwen3-setdiff"
+    assert main(["convert", "from-hf", str(ar_dirs["qwen3"]), str(out), "--check"]) == 0
+    printed = capsys.readouterr().out
+    assert "clean stream (left to right) vs qwen3 source logits" in printed and "megatron model vs" in printed
+    step = out / "checkpoints" / "step_00000000"
+    assert (out / "checkpoints" / "latest").read_text().strip() == step.name
+    assert {"manifest.json", "train_state.json", "recipe.yaml", "tokenizer", "metadata.json"} <= {p.name for p in step.iterdir()}
+    state = json.loads((step / "train_state.json").read_text())
+    assert state["weights_only"] and state["layout"]["tp"] == 1 and state["model"]["qk_norm"]
+    ckpt = read_checkpoint(out)
+    source = read_hf_dir(ar_dirs["qwen3"])
+    assert ckpt.config == source.config and ckpt.tokenizer.sha256 == source.tokenizer.sha256
+    assert all(torch.equal(ckpt.state_dict[k], source.state_dict[k]) for k in source.state_dict)
+    assert main(["convert", "from-hf", str(ar_dirs["qwen3"]), str(out)]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["qwen3-setdiff"]
+
+
+def test_short_adaptation_lowers_the_set_diffusion_loss(ar_dirs):
+    """A few optimizer steps of the set diffusion objective from the imported Qwen2 (in process;
+    the engine run through model.init_from is test_slow_roundtrip's)."""
+    source = read_hf_dir(ar_dirs["qwen2"])
+    model = verify.torch_model(source.config, source.state_dict).train()
+    text = "def add(a, b):\n    return a + b\nfor i in range(10):\n    print(i * i)\n" * 2
+    tokens = torch.tensor([source.tokenizer.encode(text)[:48]] * 4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3)
+    policy, gen = Staggered(d=2), torch.Generator().manual_seed(0)
+
+    def loss() -> torch.Tensor:
+        return model.loss(tokens, policy, generator=gen).loss
+
+    with torch.no_grad():
+        before = sum(loss().item() for _ in range(4)) / 4
+    for _ in range(12):
+        optimizer.zero_grad()
+        loss().backward()
+        optimizer.step()
+    with torch.no_grad():
+        after = sum(loss().item() for _ in range(4)) / 4
+    assert after < before - 1.0, (before, after)
