@@ -150,18 +150,22 @@ _BACKENDS: dict[tuple, object] = {}
 class TEFusedKernel:
     """core.attention.PartialAttention on fused_attn_fwd/bwd; `fp8` selects cuDNN's FP8 kernels."""
 
-    def __init__(self, api: SimpleNamespace, fp8: FP8Settings | None = None):
-        self.api, self.fp8 = api, fp8
+    def __init__(self, api: SimpleNamespace, fp8: FP8Settings | None = None, *, strict: bool = True):
+        self.api, self.fp8, self.strict = api, fp8, strict
 
     def layout(self, k: torch.Tensor) -> str:
         return physical_layout(k)
 
-    def _backend(self, dtype, fmt, mask, q, k):
+    def _backend(self, dtype, fmt, mask, q, k, *, fp8: bool = False):
         key = (self.api.name, dtype, fmt, mask, q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3])
         if key not in _BACKENDS:
             _BACKENDS[key] = self.api.fused_backend(True, dtype, fmt, mask, *key[4:])
         if _BACKENDS[key] is None:
-            what = "FP8" if self.fp8 else str(q.dtype).removeprefix("torch.")
+            what = "FP8" if fp8 else str(q.dtype).removeprefix("torch.")
+            if fp8 and not self.strict:
+                log_once(("te-fp8-backend", key), f"attention: {self.api.name} has no fused FP8 attention for "
+                         f"{key[4:]} (heads, kv heads, sq, sk, head dim); this call runs in {q.dtype}")
+                return None
             raise UserError(
                 f"{self.api.name} has no fused {what} attention for head_dim {q.shape[3]}, {q.shape[1]}/{k.shape[1]} "
                 f"heads, {q.shape[2]}x{k.shape[2]} '{mask}': use model.attention_impl: auto or fused")
@@ -178,12 +182,12 @@ class TEFusedKernel:
         qp, kp, vp = (_to(x, fmt) for x in (q, k, v))
         call = dict(attn_scale=scale, qkv_layout=f"{fmt}_{fmt}_{fmt}", attn_mask_type=mask, window_size=_window(mask))
         fp8 = self.fp8
-        if fp8 is None:
+        backend = None if fp8 is None else self._backend(fp8.fwd_dtype, fmt, mask, q, k, fp8=True)
+        if backend is None:
             backend = self._backend(self.api.te_dtype(q.dtype), fmt, mask, q, k)
             out, aux = self.api.fused_attn_fwd(True, sq, sk, cu_q, cu_kv, qp, kp, vp, q.dtype, backend, **call)
             quantized = None
         else:
-            backend = self._backend(fp8.fwd_dtype, fmt, mask, q, k)
             amax_qkv = torch.stack([x.abs().amax().float() for x in (qp, kp, vp)]).amax()
             qkv_q = self.api.make_quantizer(_scale(fp8.fwd_max, amax_qkv, fp8.margin), fp8.fwd_dtype)
             s_q = self.api.make_quantizer(_scale(fp8.fwd_max, torch.ones((), device=q.device), fp8.margin),
@@ -206,7 +210,7 @@ class TEFusedKernel:
         call = dict(attn_scale=scale, qkv_layout=f"{fmt}_{fmt}_{fmt}", attn_mask_type=mask,
                     window_size=_window(mask), deterministic=torch.are_deterministic_algorithms_enabled())
         fp8 = self.fp8
-        if fp8 is None:
+        if quantized is None:
             qp, kp, vp = (_to(x, fmt) for x in (q, k, v))
             grads = self.api.fused_attn_bwd(sq, sk, cu_q, cu_kv, qp, kp, vp, op, dop, dout.dtype,
                                             self.api.te_dtype(dout.dtype), [stats, rng_state], backend, **call)
@@ -217,8 +221,8 @@ class TEFusedKernel:
             # bounds follow (a column of P sums to at most sq, a row to at most 1).
             do_norm, v_norm = _row_norm_max(dop), _row_norm_max(v)
             bound_dp = do_norm * v_norm
-            bound_dqkv = torch.stack([2 * scale * bound_dp * _row_norm_max(k), 2 * scale * bound_dp * _row_norm_max(q) * sq,
-                                      do_norm * sq]).amax()
+            bound_dqkv = torch.stack([2 * scale * bound_dp * _row_norm_max(k),
+                                      2 * scale * bound_dp * _row_norm_max(q) * sq, do_norm * sq]).amax()
             o_q = self.api.make_quantizer(_scale(fp8.fwd_max, op.abs().amax(), margin), fp8.fwd_dtype)
             do_q = self.api.make_quantizer(_scale(bwd_max, dop.abs().amax(), margin), fp8.bwd_dtype)
             dp_q = self.api.make_quantizer(_scale(bwd_max, bound_dp, margin), fp8.bwd_dtype)
@@ -277,7 +281,7 @@ def te_kernel_for(q: torch.Tensor, api: SimpleNamespace, *, strict: bool = True)
         return TEFusedKernel(api)
     reason = fp8_unsupported_reason(api.capability(q.device), q.shape[-1])
     if reason is None:
-        return TEFusedKernel(api, fp8)
+        return TEFusedKernel(api, fp8, strict=strict)
     if strict:
         raise UserError(f"FP8 attention (train.fp8 with train.fp8_recipe: delayed): {reason}; set model.head_dim: 128, "
                         "or train.fp8_recipe: tensorwise (FP8 GEMMs, BF16 attention), or model.attention_impl: auto")

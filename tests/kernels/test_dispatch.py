@@ -41,8 +41,9 @@ def test_cpu_picks_the_fused_pytorch_path_and_says_why(fresh, caplog):
     with caplog.at_level(logging.INFO, logger="setdiff_megatron.kernels"):
         out = set_causal_attention(q, k, v, impl="auto")
         set_causal_attention(q, k, v, impl="auto")
+    reason = choose_attention_impl("cpu", torch.float32, 16).reason
     assert [r.getMessage() for r in caplog.records] == [
-        f"attention_impl auto -> fused for cpu torch.float32 head_dim 16: {choose_attention_impl('cpu', torch.float32, 16).reason}"]
+        f"attention_impl auto -> fused for cpu torch.float32 head_dim 16: {reason}"]
     torch.testing.assert_close(out, set_causal_attention(q, k, v, impl="fused"), rtol=0, atol=0)
     assert torch.equal(set_causal_step_attention(q, k, v, k, v, num_commit=3, impl="auto"),
                        set_causal_step_attention(q, k, v, k, v, num_commit=3))
@@ -101,6 +102,17 @@ def test_fp8_with_a_head_dim_the_kernel_cannot_take(fresh, caplog):
     assert not torch.equal(te_attention(q, k, v, 0.125, None, api=emulation.te_api(capability=(10, 0), fp8=DELAYED)),
                            bf16)
     assert torch.equal(te_attention(q, k, v, 0.125, None, api=emulation.te_api(fp8=CURRENT)), bf16)
+
+
+def test_fp8_config_cudnn_refuses(fresh):
+    """cuDNN has no FP8 kernel for a shape: forced 'te' says so, 'auto' runs that call in BF16."""
+    q, k, v = qkv(head_dim=128, dtype=torch.bfloat16)
+    api = emulation.te_api(fp8=DELAYED)
+    api.fused_backend = lambda is_training, dtype, *rest: None if dtype == "e4m3" else "F16_arbitrary_seqlen"
+    with pytest.raises(UserError, match="has no fused FP8 attention for head_dim 128"):
+        te_attention(q, k, v, 0.1, None, api=api)
+    bf16 = te_attention(q, k, v, 0.1, None, api=emulation.te_api())
+    assert torch.equal(te_attention(q, k, v, 0.1, None, api=api, strict=False), bf16)
 
 
 def test_unsupported_te_config_is_a_user_error():

@@ -63,7 +63,8 @@ def test_matches_dense_fp32(kernel, shape, padded):
     """fp32: within 1e-5 of the fp64 dense reference (observed <= 1e-6)."""
     q, k, v, dout = inputs(shape, torch.float32, hash((shape, padded)) % 2**31)
     scale = shape[-1] ** -0.5
-    valid_len = torch.randint(0, shape[3] + 1, (shape[0],), generator=torch.Generator().manual_seed(1)) if padded else None
+    gen = torch.Generator().manual_seed(1)
+    valid_len = torch.randint(0, shape[3] + 1, (shape[0],), generator=gen) if padded else None
     expected = outputs_and_grads(lambda *a: dense(*a, valid_len), *(t.double() for t in (q, k, v, dout)))
     got = outputs_and_grads(lambda *a: TRAIN[kernel](*a, scale, valid_len), q, k, v, dout)
     assert_all_close(got, expected, 1e-5, kernel)
