@@ -222,8 +222,10 @@ def templates() -> dict[str, str]:
     convert = render_command(
         Resources(job_name="setdiff-convert", cpus_per_task=16, time="02:00:00", output="slurm-%x-%j.out"),
         'setdiff convert "$@"', title=[
-            "Checkpoint conversion (megatron <-> Hugging Face) as a one-node, one-task job:",
-            "  sbatch slurm/convert.sbatch ARGS ...   (the arguments of `setdiff convert`)",
+            "Checkpoint conversion (megatron <-> Hugging Face) as a one-node, one-task job, with the",
+            "arguments of `setdiff convert`:",
+            "  sbatch slurm/convert.sbatch to-hf runs/owt-110m-d8 exports/owt-110m-d8 --check",
+            "  sbatch slurm/convert.sbatch from-hf /models/Qwen3-1.7B-Base runs/gsm8k-init --tp 2",
             "Conversion gathers the whole model into one process: ask for enough memory (--mem)."])
     return {"pretrain.sbatch": pretrain, "convert.sbatch": convert}
 
