@@ -136,3 +136,17 @@ def test_short_adaptation_lowers_the_set_diffusion_loss(ar_dirs):
     with torch.no_grad():
         after = sum(loss().item() for _ in range(4)) / 4
     assert after < before - 1.0, (before, after)
+
+
+def test_reading_never_unpickles(ar_dirs, export_dir, monkeypatch):
+    """Hugging Face directories are read from safetensors only: torch.load is never called."""
+    from setdiff_megatron.hf.load import load_hf_export
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch.load called")
+
+    monkeypatch.setattr(torch, "load", refuse)
+    for kind in KINDS:
+        read_hf_dir(ar_dirs[kind])
+    load_hf_export(export_dir[0])
+
