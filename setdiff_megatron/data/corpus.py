@@ -77,6 +77,11 @@ def stdlib_documents(max_bytes: int | None = DEFAULT_MAX_BYTES) -> list[tuple[st
     return documents
 
 
+def is_heldout(index: int, holdout_every: int = HOLDOUT_EVERY) -> bool:
+    """Whether the index-th document of `stdlib_documents` is held out for validation."""
+    return index % holdout_every == holdout_every - 1
+
+
 def write_stdlib_corpus(
     directory: str | Path,
     *,
@@ -90,7 +95,7 @@ def write_stdlib_corpus(
     documents = stdlib_documents(max_bytes)
     splits = {"train": [], "valid": []}
     for i, (path, text) in enumerate(documents):
-        splits["valid" if i % holdout_every == holdout_every - 1 else "train"].append((path, text))
+        splits["valid" if is_heldout(i, holdout_every) else "train"].append((path, text))
     if not splits["valid"]:
         raise UserError(f"max_bytes={max_bytes} keeps under {holdout_every} files: nothing to hold out")
     written = []

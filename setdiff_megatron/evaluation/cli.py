@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 
 # Modules with `add_parser(subparsers)`; their heavy imports stay inside the functions they register.
-EVAL_MODULES = ("setdiff_megatron.evaluation.likelihood",)
+EVAL_MODULES = ("setdiff_megatron.evaluation.likelihood", "setdiff_megatron.evaluation.infilling")
 
 
 def add_eval_parser(sub) -> None:

@@ -1,0 +1,265 @@
+"""`setdiff eval infill`: mask the middle of a text, let the model fill it, score the fill.
+
+Two tasks:
+  rocstories  the paper's infilling benchmark: a five-sentence story (the cloze set's four
+              sentences and its right ending) with its middle sentence (--targets 1) or middle
+              three sentences (--targets 3) masked; ROUGE against the original.
+  code        a function body of a held-out file of the built-in corpus (the stdlib files the
+              tiny recipes never train on) masked between its signature and the code after it;
+              exact match and ROUGE.
+Spans get the oracle length (the original's token count) and both contexts are prefilled, as in
+the paper (ALGORITHM.md 2.6; its decoding there: --window 32 --repetition-penalty 1.2, greedy).
+The job writes the prompts once (`prompts.jsonl`, a reference per line), decodes them through
+the sampling job (sharded, resumable: `samples.jsonl`) and scores the merged samples
+(`metrics.json`). Examples longer than the model's context are skipped and counted.
+"""
+
+from __future__ import annotations
+
+import ast
+import csv
+import json
+import sys
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from setdiff_megatron.core.decoding import DecodingConfig
+from setdiff_megatron.errors import UserError
+from setdiff_megatron.evaluation.scoring import ROUGE_KEYS, exact_match, rouge
+
+__all__ = ["InfillExample", "rocstories_examples", "code_examples", "InfillJob", "run_infill_job", "add_parser"]
+
+TASKS = ("rocstories", "code")
+_ROC_COLUMNS = ("InputStoryid", "InputSentence1", "InputSentence2", "InputSentence3", "InputSentence4",
+                "RandomFifthSentenceQuiz1", "RandomFifthSentenceQuiz2", "AnswerRightEnding")
+
+
+@dataclass(frozen=True)
+class InfillExample:
+    id: str
+    left: str
+    middle: str
+    right: str
+
+
+def rocstories_examples(path: str | Path, targets: int = 1, max_examples: int | None = None) -> list[InfillExample]:
+    """Stories of the ROCStories cloze CSV with their middle sentence(s) as the span."""
+    if targets not in (1, 3):
+        raise UserError(f"--targets must be 1 or 3 (middle sentences masked); got {targets}")
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"ROCStories CSV {path} does not exist")
+    with path.open(encoding="utf-8", newline="") as f:
+        reader = csv.DictReader(f)
+        missing = [c for c in _ROC_COLUMNS if c not in (reader.fieldnames or [])]
+        if missing:
+            raise UserError(f"{path} is not a ROCStories cloze CSV: no column {missing[0]}")
+        examples = []
+        for row in reader:
+            ending = row[f"RandomFifthSentenceQuiz{row['AnswerRightEnding']}"]
+            story = [row[f"InputSentence{i}"] for i in range(1, 5)] + [ending]
+            first = 2 if targets == 1 else 1
+            examples.append(InfillExample(
+                id=row["InputStoryid"], left=" ".join(story[:first]),
+                middle=" " + " ".join(story[first:first + targets]), right=" " + " ".join(story[first + targets:])))
+            if max_examples is not None and len(examples) == max_examples:
+                break
+    return examples
+
+
+def _function_bodies(text: str) -> list[tuple[int, int]]:
+    """(start, end) character offsets of the bodies of top-level and method definitions with a
+    short, docstring-free body, from the first body line to the end of the last."""
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return []
+    starts = [0]
+    for line in text.splitlines(keepends=True):
+        starts.append(starts[-1] + len(line))
+    spans = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) or node.body[0].lineno == node.lineno:
+            continue
+        first, last = node.body[0], node.body[-1]
+        if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+            continue
+        if 2 <= last.end_lineno - first.lineno + 1 <= 6:
+            spans.append((starts[first.lineno - 1], starts[last.end_lineno]))
+    return sorted(spans)
+
+
+def code_examples(max_examples: int | None = None, *, context_lines: int = 6) -> list[InfillExample]:
+    """Function bodies of held-out stdlib files, with `context_lines` lines of code on each side."""
+    from setdiff_megatron.data.corpus import is_heldout, stdlib_documents
+
+    examples = []
+    for index, (path, text) in enumerate(stdlib_documents()):
+        if not is_heldout(index):
+            continue
+        for start, end in _function_bodies(text):
+            left = "".join(text[:start].splitlines(keepends=True)[-context_lines:])
+            right = "".join(text[end:].splitlines(keepends=True)[:context_lines])
+            examples.append(InfillExample(id=f"{path}:{start}", left=left, middle=text[start:end], right=right))
+            if max_examples is not None and len(examples) == max_examples:
+                return examples
+    return examples
+
+
+@dataclass
+class InfillJob:
+    source: str
+    task: str
+    out: str
+    decoding: DecodingConfig
+    data: str | None = None
+    """The ROCStories cloze CSV (task rocstories)."""
+    targets: int = 1
+    max_examples: int | None = None
+    batch_size: int = 16
+    tp: int = 1
+    shard: int | None = None
+    num_shards: int | None = None
+    device: str = "auto"
+    dtype: str | None = None
+    add_bos: bool | None = None
+    progress: bool = True
+
+
+def _examples(job: InfillJob) -> list[InfillExample]:
+    if job.task == "rocstories":
+        if job.data is None:
+            raise UserError("--task rocstories needs --data PATH to the ROCStories cloze CSV")
+        return rocstories_examples(job.data, job.targets, job.max_examples)
+    if job.task == "code":
+        return code_examples(job.max_examples)
+    raise UserError(f"--task must be one of {', '.join(TASKS)}; got {job.task!r}")
+
+
+def _num_tokens(ex: InfillExample, tokenizer) -> int:
+    return sum(len(tokenizer.encode(part)) for part in (ex.left, ex.middle, ex.right))
+
+
+def _fit_code_context(ex: InfillExample, tokenizer, budget: int) -> InfillExample:
+    """Drop context lines farthest from the body, from the longer side, until the example fits
+    `budget` tokens or only the signature line and one line after remain."""
+    left, right = ex.left.splitlines(keepends=True), ex.right.splitlines(keepends=True)
+    while _num_tokens(ex, tokenizer) > budget and (len(left) > 1 or len(right) > 1):
+        if len(left) > 1 and (len(left) >= len(right) or len(right) <= 1):
+            left = left[1:]
+        else:
+            right = right[:-1]
+        ex = replace(ex, left="".join(left), right="".join(right))
+    return ex
+
+
+def _write_prompts(job: InfillJob, path: Path) -> tuple[int, int]:
+    """Write the prompts that fit the model's context; returns (written, skipped)."""
+    from setdiff_megatron.training.checkpoint_reader import is_megatron_checkpoint, read_checkpoint
+
+    examples = _examples(job)
+    if not examples:
+        raise UserError(f"task {job.task} produced no examples")
+    if is_megatron_checkpoint(job.source):
+        ckpt = read_checkpoint(job.source, weights=False)
+        tokenizer, max_len = ckpt.tokenizer, ckpt.config.max_seq_len
+    else:
+        from setdiff_megatron.hf.load import load_hf_export
+
+        config, _, tokenizer = load_hf_export(job.source)
+        max_len = config.max_seq_len
+    lines, skipped = [], 0
+    for ex in examples:
+        if job.task == "code":
+            ex = _fit_code_context(ex, tokenizer, max_len - 2)
+        span = len(tokenizer.encode(ex.middle))
+        if _num_tokens(ex, tokenizer) > max_len - 2:  # room for a BOS
+            skipped += 1
+            continue
+        lines.append(json.dumps({"id": ex.id, "segments": [ex.left, span, ex.right], "reference": ex.middle},
+                                ensure_ascii=False))
+    if not lines:
+        raise UserError(f"every {job.task} example is longer than the model's context ({max_len} tokens)")
+    text = "".join(line + "\n" for line in lines)
+    if not path.is_file() or path.read_text(encoding="utf-8") != text:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(path)
+    return len(lines), skipped
+
+
+def score_samples(samples: list[dict]) -> dict:
+    """Mean ROUGE-1/2/L and exact match of each fill against its reference."""
+    totals = dict.fromkeys((*ROUGE_KEYS, "exact_match"), 0.0)
+    for record in samples:
+        fill, reference = record["infills"][0], record["reference"]
+        for key, value in rouge(fill, reference).items():
+            totals[key] += value
+        totals["exact_match"] += exact_match(fill, reference)
+    return {key: value / len(samples) for key, value in totals.items()}
+
+
+def run_infill_job(job: InfillJob) -> dict | None:
+    """Returns the metrics on the process that merged the samples, else None."""
+    from setdiff_megatron.inference.job import SampleJob, run_sample_job
+    from setdiff_megatron.inference.loading import init_ranks
+
+    out = Path(job.out)
+    prompts = out / "prompts.jsonl"
+    ranks = init_ranks(job.tp)
+    if ranks.rank == 0:
+        written, skipped = _write_prompts(job, prompts)
+        (out / "prompts.info.json").write_text(json.dumps({"examples": written, "skipped_too_long": skipped}))
+    ranks.barrier()
+    samples = out / "samples.jsonl"
+    run_sample_job(SampleJob(
+        source=job.source, prompts=str(prompts), out=str(samples), decoding=replace(job.decoding, max_new_tokens=0),
+        batch_size=job.batch_size, tp=job.tp, shard=job.shard, num_shards=job.num_shards, device=job.device,
+        dtype=job.dtype, add_bos=job.add_bos, stop_at_eos=False, progress=job.progress))
+    if ranks.rank != 0 or job.shard is not None:
+        return None
+    records = [json.loads(line) for line in samples.read_text(encoding="utf-8").splitlines()]
+    info = json.loads((out / "prompts.info.json").read_text())
+    decoded = sum(r["num_decoded"] for r in records)
+    metrics = {
+        "task": job.task, "targets": job.targets if job.task == "rocstories" else None, **score_samples(records),
+        "examples": len(records), "skipped_too_long": info["skipped_too_long"],
+        "tokens_per_step": decoded / max(sum(r["steps"] for r in records), 1),
+        "mean_nfe": sum(r["nfe"] for r in records) / len(records),
+        "decoding": {k: v for k, v in asdict(job.decoding).items() if k != "max_new_tokens"},
+    }
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
+    print(f"setdiff: {job.task} infilling over {len(records)} examples ({info['skipped_too_long']} too long, skipped): "
+          + ", ".join(f"{k} {metrics[k]:.4f}" for k in (*ROUGE_KEYS, "exact_match"))
+          + f", {metrics['tokens_per_step']:.2f} tokens/step; {out / 'metrics.json'}", file=sys.stderr)
+    return metrics
+
+
+def _run(args) -> int:
+    from setdiff_megatron.inference.cli_args import decoding_from_args, relaunch
+
+    code = relaunch(args)
+    if code is not None:
+        return code
+    run_infill_job(InfillJob(
+        source=args.source, task=args.task, out=args.out, decoding=decoding_from_args(args), data=args.data,
+        targets=args.targets, max_examples=args.max_examples, batch_size=args.batch_size, tp=args.tp,
+        shard=args.shard, num_shards=args.num_shards, device=args.device, dtype=args.dtype, add_bos=args.add_bos,
+        progress=not args.no_progress))
+    return 0
+
+
+def add_parser(jobs) -> None:
+    from setdiff_megatron.inference.cli_args import add_decoding_arguments, add_job_arguments
+
+    parser = jobs.add_parser("infill", help="fill masked story sentences or function bodies; ROUGE / exact match",
+                             description=" ".join(__doc__.split("\n\n")[0].split()))
+    add_job_arguments(parser)
+    parser.add_argument("--task", required=True, choices=TASKS)
+    parser.add_argument("--out", required=True, help="directory for prompts.jsonl, samples.jsonl, metrics.json")
+    parser.add_argument("--data", default=None, help="the ROCStories cloze CSV (task rocstories)")
+    parser.add_argument("--targets", type=int, default=1, help="middle sentences masked: 1 or 3 (rocstories)")
+    parser.add_argument("--max-examples", type=int, default=None)
+    add_decoding_arguments(parser, max_new_tokens=0)
+    parser.set_defaults(func=_run)

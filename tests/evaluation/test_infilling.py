@@ -1,0 +1,100 @@
+"""`setdiff eval infill`: ROCStories middle sentences and held-out function bodies, filled with
+both contexts prefilled and scored against the originals."""
+
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+
+from setdiff_megatron.data.corpus import is_heldout, stdlib_documents
+from setdiff_megatron.errors import UserError
+from setdiff_megatron.evaluation.infilling import code_examples, rocstories_examples, score_samples
+from setdiff_megatron.evaluation.scoring import rouge
+
+STORIES = [
+    ["s1", "Tom had a dog.", "The dog was old.", "One day it ran away.", "Tom looked everywhere.",
+     "He found it at the park.", "He lost his keys.", "1"],
+    ["s2", "Ann baked a cake.", "She added sugar.", "The oven broke.", "She called a repairman.",
+     "He sang a song.", "The cake was finished the next day.", "2"],
+]
+
+
+@pytest.fixture
+def stories(tmp_path):
+    path = tmp_path / "cloze.csv"
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["InputStoryid", "InputSentence1", "InputSentence2", "InputSentence3", "InputSentence4",
+                         "RandomFifthSentenceQuiz1", "RandomFifthSentenceQuiz2", "AnswerRightEnding"])
+        writer.writerows(STORIES)
+    return path
+
+
+def test_rocstories_masks_the_middle_of_the_right_story(stories):
+    one, two = rocstories_examples(stories, targets=1)
+    assert (one.left, one.middle, one.right) == (
+        "Tom had a dog. The dog was old.", " One day it ran away.", " Tom looked everywhere. He found it at the park.")
+    assert two.right.endswith("The cake was finished the next day.")  # the right ending, not the random one
+    three = rocstories_examples(stories, targets=3, max_examples=1)[0]
+    assert (three.left, three.middle) == ("Tom had a dog.", " The dog was old. One day it ran away. Tom looked everywhere.")
+
+
+def test_rocstories_bad_input(stories, tmp_path):
+    with pytest.raises(UserError, match="--targets must be 1 or 3"):
+        rocstories_examples(stories, targets=2)
+    (tmp_path / "bad.csv").write_text("a,b\n1,2\n")
+    with pytest.raises(UserError, match="not a ROCStories cloze CSV: no column InputStoryid"):
+        rocstories_examples(tmp_path / "bad.csv")
+    with pytest.raises(UserError, match="does not exist"):
+        rocstories_examples(tmp_path / "none.csv")
+
+
+def test_code_examples_are_function_bodies_of_held_out_files():
+    examples = code_examples(max_examples=5)
+    heldout = {path: text for i, (path, text) in enumerate(stdlib_documents()) if is_heldout(i)}
+    assert len(examples) == 5
+    for ex in examples:
+        path = ex.id.rsplit(":", 1)[0]
+        assert path in heldout and ex.left + ex.middle + ex.right in heldout[path]
+        assert ex.left.rstrip().endswith(":") and ex.middle.startswith(" ") and 2 <= ex.middle.count("\n") <= 6
+
+
+def test_scores_average_rouge_and_exact_match():
+    samples = [{"infills": ["the dog ran"], "reference": "the dog ran"},
+               {"infills": ["a cat sat"], "reference": "the dog ran away"}]
+    scores = score_samples(samples)
+    assert scores["exact_match"] == 0.5
+    assert scores["rouge1"] == pytest.approx((1 + rouge("a cat sat", "the dog ran away")["rouge1"]) / 2)
+
+
+def infill(source, out, *args):
+    return subprocess.run([sys.executable, "-m", "setdiff_megatron.cli", "eval", "infill", str(source), "--out",
+                           str(out), "--no-progress", "--window", "4", "--threshold", "0.5", *args],
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_infill_job_scores_its_samples_and_resumes(trained_run, stories, tmp_path):
+    proc = infill(trained_run, tmp_path / "roc", "--task", "rocstories", "--data", str(stories))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.loads((tmp_path / "roc" / "metrics.json").read_text())
+    samples = [json.loads(line) for line in (tmp_path / "roc" / "samples.jsonl").read_text().splitlines()]
+    assert metrics["examples"] == 2 and [s["id"] for s in samples] == ["s1", "s2"]
+    assert all(s["completion"] == "" and len(s["infills"]) == 1 for s in samples)
+    assert metrics["rougeL"] == pytest.approx(score_samples(samples)["rougeL"])
+    again = infill(trained_run, tmp_path / "roc", "--task", "rocstories", "--data", str(stories))
+    assert again.returncode == 0 and "2 already written" in again.stderr
+    assert json.loads((tmp_path / "roc" / "metrics.json").read_text()) == metrics
+
+
+def test_code_infill_job(trained_run, tmp_path):
+    proc = infill(trained_run, tmp_path / "code", "--task", "code", "--max-examples", "3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.loads((tmp_path / "code" / "metrics.json").read_text())
+    assert metrics["examples"] + metrics["skipped_too_long"] == 3 and 0 <= metrics["exact_match"] <= 1
+
+
+def test_rocstories_needs_its_csv(trained_run, tmp_path):
+    proc = infill(trained_run, tmp_path / "x", "--task", "rocstories")
+    assert proc.returncode == 2 and "--task rocstories needs --data" in proc.stderr and proc.stderr.count("\n") == 1
