@@ -5,7 +5,9 @@ from __future__ import annotations
 import importlib
 
 # Modules with `add_parser(subparsers)`; their heavy imports stay inside the functions they register.
-EVAL_MODULES = ("setdiff_megatron.evaluation.likelihood", "setdiff_megatron.evaluation.infilling")
+EVAL_MODULES = ("setdiff_megatron.evaluation.likelihood", "setdiff_megatron.evaluation.infilling",
+                "setdiff_megatron.evaluation.tasks", "setdiff_megatron.evaluation.sweep",
+                "setdiff_megatron.evaluation.lm_eval_cli")
 
 
 def add_eval_parser(sub) -> None:
