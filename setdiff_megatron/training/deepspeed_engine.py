@@ -50,7 +50,7 @@ from setdiff_megatron.training.deepspeed_config import build_lr_scheduler, build
 from setdiff_megatron.training.megatron_engine import TrainResult, _memory_gb, _total_steps
 from setdiff_megatron.training.metrics import MetricsLogger, peak_flops, training_flops_per_token
 
-__all__ = ["train", "build_model", "build_engine", "TrainStep"]
+__all__ = ["train", "import_deepspeed", "init_distributed", "build_model", "build_engine", "TrainStep"]
 
 
 def import_deepspeed(recipe: Recipe):
@@ -80,7 +80,7 @@ def _no_shared_memory_op(accelerator) -> Iterator[None]:
         ds_comm.build_shm_op = build
 
 
-def _init_distributed(deepspeed) -> None:
+def init_distributed(deepspeed) -> None:
     from deepspeed.accelerator import get_accelerator
 
     # A plain `python -m setdiff_megatron.cli train` is a world of one.
@@ -189,7 +189,7 @@ def train(recipe: Recipe, recipe_path: str | Path = "<recipe>") -> TrainResult:
     check_recipe(recipe, recipe_path, world_size=world)
     checkpointing.preflight(recipe)
     deepspeed = import_deepspeed(recipe)
-    _init_distributed(deepspeed)
+    init_distributed(deepspeed)
     with signals.PreemptionHandler(recipe.checkpoint.dir) as preemption:
         try:
             return _train(deepspeed, recipe, world, preemption)

@@ -1,0 +1,134 @@
+"""Two-rank worker (torchrun, gloo): the DeepSpeed engine's step at ZeRO stages 0-3 against
+single-process training, and its checkpoints against the live weights.
+
+Every rank builds the same weights (the engine's own build_model) and the same micro-batches
+(tests/megatron/cases.py). Rank 0 first trains a plain torch copy on whole global batches; then
+each stage trains through build_engine/TrainStep on this rank's half, saves a checkpoint through
+deepspeed_checkpointing and compares consolidated_state_dict with the live fp32 weights. The
+JSON it writes holds observations; test_deepspeed_engine.py holds the expectations.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from setdiff_megatron.core.loss import set_diffusion_loss
+from setdiff_megatron.recipes import load_recipe
+from setdiff_megatron.training.checkpointing import TrainState
+from setdiff_megatron.training.deepspeed_checkpointing import consolidated_state_dict, save
+from setdiff_megatron.training.deepspeed_config import build_lr_scheduler, build_optimizer
+from setdiff_megatron.training.deepspeed_engine import (
+    TrainStep, build_engine, build_model, import_deepspeed, init_distributed)
+from tests.conftest import debug_config
+from tests.megatron.cases import NUM_MICROBATCHES, ROOT, batches
+
+STEPS = 5
+# (name, overrides): fp32 at every stage, activation recompute on two of them, optimizer offload,
+# and a bf16 ZeRO-1 run (DeepSpeed's BF16_Optimizer) for its checkpoint only.
+RUNS = [("stage0", ["parallel.zero_stage=0"]),
+        ("stage1", ["parallel.zero_stage=1"]),
+        ("stage2", ["parallel.zero_stage=2", "train.recompute=selective"]),
+        ("stage3", ["parallel.zero_stage=3", "train.recompute=full"]),
+        ("stage2_offload", ["parallel.zero_stage=2", "parallel.offload_optimizer=true"]),
+        ("stage1_bf16", ["parallel.zero_stage=1", "train.precision=bf16"])]
+
+
+class StubTokenizer:
+    """What a checkpoint records of a tokenizer: its size, MASK id and files."""
+
+    vocab_size, mask_id = 64, 63
+
+    def save(self, directory: Path) -> None:
+        directory.mkdir(parents=True)
+        (directory / "tokenizer.json").write_text("{}")
+
+
+def recipe_for(run_dir: Path, overrides: list[str]):
+    cfg = debug_config()
+    return load_recipe(ROOT / "recipes" / "tiny-cpu-deepspeed.yaml", [
+        f"model.hidden_size={cfg.hidden_size}", f"model.num_layers={cfg.num_layers}",
+        f"model.num_heads={cfg.num_heads}", f"model.num_kv_heads={cfg.num_kv_heads}", "model.intermediate_size=128",
+        "parallel.micro_batch_size=2", "parallel.global_batch_size=8", f"train.steps={STEPS}",
+        "train.warmup_steps=2", "train.lr=3e-3", "train.min_lr=3e-4", "train.weight_decay=0.1",
+        "train.precision=fp32", f"checkpoint.dir={run_dir}", *overrides])
+
+
+def reference_losses(recipe, cfg, data) -> list[float]:
+    """One process, whole global batches: per-token loss over the batch, clip, step."""
+    model = build_model(recipe, cfg)
+    optimizer = build_optimizer(recipe, model)
+    scheduler = build_lr_scheduler(recipe, optimizer, STEPS)
+    losses = []
+    for step in range(STEPS):
+        micro = data[step * NUM_MICROBATCHES:(step + 1) * NUM_MICROBATCHES]
+        tokens = sum(b.loss_mask.sum() for b in micro).item()
+        total = 0.0
+        for b in micro:
+            logits = model(b.clean_tokens, b.query_tokens, b.position_ids, b.valid_len)
+            nll = set_diffusion_loss(logits, b.targets, b.loss_mask, mask_token_id=cfg.mask_token_id).nll_sum.sum()
+            (nll / tokens).backward()
+            total += nll.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.train.clip_grad)
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step(increment=1)
+        losses.append(total / tokens)
+    return losses
+
+
+def full_fp32(deepspeed, engine) -> dict[str, torch.Tensor]:
+    """Collective: the live fp32 weights (ZeRO's master copies, gathered), by parameter name."""
+    if not engine.zero_optimization():
+        return {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+    return {n: deepspeed.utils.safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()}
+
+
+def run(deepspeed, name: str, overrides: list[str], cfg, data, out_dir: Path) -> dict:
+    start = time.perf_counter()
+    rank = dist.get_rank()
+    recipe = recipe_for(out_dir / name, overrides)
+    engine = build_engine(deepspeed, recipe, build_model(recipe, cfg), dp_size=2)
+    scheduler = build_lr_scheduler(recipe, engine.optimizer, STEPS)
+    step_fn = TrainStep(engine, 2, cfg.mask_token_id)
+    losses = []
+    for step in range(STEPS):
+        first = step * NUM_MICROBATCHES + rank * NUM_MICROBATCHES // 2
+        nll, count = step_fn.forward_backward(data[first:first + NUM_MICROBATCHES // 2]).tolist()
+        engine.step()
+        scheduler.step(increment=1)
+        losses.append(nll / count)
+    checkpoint = save(recipe, engine, scheduler, TrainState(step=STEPS), StubTokenizer())
+    live = full_fp32(deepspeed, engine)
+    result = {"losses": losses, "optimizer": type(engine.optimizer).__name__}
+    if rank == 0:
+        saved = consolidated_state_dict(checkpoint)
+        result["keys_match"] = sorted(saved) == sorted(live)
+        result["consolidated_diff"] = max((saved[k] - live[k]).abs().max().item() for k in live)
+        result["dtypes"] = sorted({str(v.dtype) for v in saved.values()})
+    result["seconds"] = time.perf_counter() - start
+    return result
+
+
+def main(out: Path) -> None:
+    recipe = recipe_for(out.parent, [])
+    deepspeed = import_deepspeed(recipe)
+    init_distributed(deepspeed)
+    cfg = recipe.model.to_model_config(vocab_size=StubTokenizer.vocab_size, mask_token_id=StubTokenizer.mask_id)
+    data = batches(cfg, count=STEPS * NUM_MICROBATCHES)
+    results = {"reference": reference_losses(recipe, cfg, data) if dist.get_rank() == 0 else None}
+    for name, overrides in RUNS:
+        results[name] = run(deepspeed, name, overrides, cfg, data, out.parent)
+    if dist.get_rank() == 0:
+        out.write_text(json.dumps(results, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

@@ -1,0 +1,169 @@
+"""The DeepSpeed engine on 2 CPU processes: ZeRO 0-3 against single-process training, against
+the megatron engine, its checkpoints (consolidation, exact resume after SIGTERM), and `setdiff
+train recipes/tiny-cpu-deepspeed.yaml` as a user runs it.
+
+Tolerances, fp32 throughout (seen on 2 cores in brackets): ZeRO vs one process 1e-6 absolute
+on per-token losses of about 4.1 [<= 1e-7]; DeepSpeed vs megatron engine 2e-6 [5e-7];
+resume and consolidation exact.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from setdiff_megatron.recipes import load_recipe
+from setdiff_megatron.training.checkpointing import verify
+from setdiff_megatron.training.deepspeed_config import build_lr_scheduler
+from setdiff_megatron.training.signals import EXIT_REQUEUE
+from tests.megatron.cases import ROOT, run_worker
+from tests.training.deepspeed_megatron_worker import SCHEDULE_STEPS, SCHEDULES
+
+pytest.importorskip("deepspeed", reason="the deepspeed extra: pip install -e .[deepspeed]")
+
+RECIPE = ROOT / "recipes" / "tiny-cpu-deepspeed.yaml"
+STEPS = 5
+# Two micro-batches per rank, a loss at every step, fp32 (the parity tolerances are fp32's).
+BASE = ("log.tensorboard=false", "parallel.micro_batch_size=4", "train.precision=fp32", "log.interval=1",
+        "eval.interval=1000", "checkpoint.interval=1000", f"train.steps={STEPS}")
+ZERO_RUNS = ["stage0", "stage1", "stage2", "stage3", "stage2_offload"]
+
+
+@pytest.fixture(scope="module")
+def data_cache(tmp_path_factory) -> Path:
+    """The built-in corpus of recipes/tiny-cpu.yaml, shared with the megatron checkpoint tests."""
+    return tmp_path_factory.getbasetemp() / "checkpoint-tests-data"
+
+
+def command(run_dir: Path, data_cache: Path, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "setdiff_megatron.cli", "train", str(RECIPE), f"checkpoint.dir={run_dir}",
+            f"data.cache_dir={data_cache}", *BASE, *overrides]
+
+
+def losses(run_dir: Path) -> list[tuple[int, float]]:
+    lines = (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()
+    return [(m["step"], m["train/loss"]) for m in map(json.loads, lines) if "train/loss" in m]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, data_cache) -> Path:
+    """An uninterrupted 5-step run of the recipe, 2 processes, ZeRO-2."""
+    run_dir = tmp_path_factory.mktemp("deepspeed") / "straight"
+    out = subprocess.run(command(run_dir, data_cache), capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def zero_results(tmp_path_factory) -> dict:
+    return run_worker("tests.training.deepspeed_zero_worker", tmp_path_factory.mktemp("zero") / "zero.json",
+                      nproc=2, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def megatron_results(tmp_path_factory, data_cache, straight) -> dict:
+    """The megatron engine's losses from the DeepSpeed engine's start (after `straight`, which
+    prepares the corpus)."""
+    out = tmp_path_factory.mktemp("megatron") / "megatron.json"
+    overrides = [f"checkpoint.dir={out.parent}", f"data.cache_dir={data_cache}", *BASE]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "tests.training.deepspeed_megatron_worker", str(out), *overrides]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONWARNINGS": "ignore"}, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0 and out.exists(), proc.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("run", ZERO_RUNS)
+def test_zero_stage_matches_single_process_training(zero_results, run):
+    """Same weights and batches for 5 steps; recompute at stages 2 (selective) and 3 (full)."""
+    got, expected = zero_results[run]["losses"], zero_results["reference"]
+    assert len(got) == STEPS and max(abs(a - b) for a, b in zip(got, expected)) <= 1e-6, (got, expected)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("run,optimizer", [("stage0", "AdamW"), ("stage1", "DeepSpeedZeroOptimizer"),
+                                           ("stage3", "DeepSpeedZeroOptimizer_Stage3"),
+                                           ("stage2_offload", "DeepSpeedZeroOptimizer"),
+                                           ("stage1_bf16", "BF16_Optimizer")])
+def test_checkpoint_consolidates_to_the_live_fp32_weights(zero_results, run, optimizer):
+    result = zero_results[run]
+    assert result["optimizer"] == optimizer
+    assert result["keys_match"] and result["consolidated_diff"] == 0.0 and result["dtypes"] == ["torch.float32"]
+
+
+@pytest.mark.multiproc
+def test_losses_match_the_megatron_engine(straight, megatron_results):
+    """TP=1, PP=1, DP=2 in both engines (megatron with its distributed optimizer): same start,
+    same samples and orders, same optimizer and schedule."""
+    got = [loss for _, loss in losses(straight)]
+    assert len(got) == STEPS
+    assert max(abs(a - b) for a, b in zip(got, megatron_results["losses"])) <= 2e-6, (got, megatron_results)
+
+
+@pytest.mark.multiproc
+@pytest.mark.filterwarnings("ignore:Transformer Engine and Apex are not installed")
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_lr_schedule_equals_the_megatron_engines(megatron_results, schedule):
+    recipe = load_recipe(RECIPE, [f"train.schedule={schedule}", "train.warmup_steps=10", "train.min_lr=1e-4",
+                                  "train.decay_fraction=0.3"])
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = build_lr_scheduler(recipe, optimizer, SCHEDULE_STEPS)
+    lrs = []
+    for _ in range(SCHEDULE_STEPS):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        scheduler.step(increment=1)
+    assert lrs == megatron_results["schedules"][schedule]
+
+
+@pytest.mark.multiproc
+def test_resume_after_sigterm_is_exact(tmp_path, data_cache, straight):
+    """SIGTERM to the whole job after step 2: a checkpoint at the next step boundary, exit 75;
+    the relaunch resumes there and logs the uninterrupted run's losses exactly."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(command(run_dir, data_cache), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        metrics, deadline = run_dir / "logs" / "metrics.jsonl", time.monotonic() + 600
+        while proc.poll() is None and time.monotonic() < deadline:
+            if metrics.is_file() and sum(1 for line in metrics.read_text().splitlines() if "train/loss" in line) >= 2:
+                os.killpg(proc.pid, signal.SIGTERM)
+                break
+            time.sleep(0.1)
+        output, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    stopped = losses(run_dir)[-1][0]
+    checkpoint = run_dir / "checkpoints" / f"step_{stopped:08d}"
+    assert proc.returncode == EXIT_REQUEUE and stopped < STEPS, output[-3000:]
+    assert f"stopped at step {stopped} by SIGTERM; checkpoint {checkpoint}" in output
+    assert verify(checkpoint) is None
+
+    resumed = subprocess.run(command(run_dir, data_cache), capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0 and f"resumed from {checkpoint} at step {stopped}" in resumed.stdout, \
+        resumed.stderr[-3000:]
+    assert losses(run_dir)[stopped:] == losses(straight)[stopped:]
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_tiny_recipe_lowers_the_validation_loss(tmp_path, data_cache):
+    """`setdiff train recipes/tiny-cpu-deepspeed.yaml`, shortened to 40 steps."""
+    run_dir = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-m", "setdiff_megatron.cli", "train", str(RECIPE),
+                          f"checkpoint.dir={run_dir}", f"data.cache_dir={data_cache}", "log.tensorboard=false",
+                          "train.steps=40", "eval.interval=40", "checkpoint.interval=40"],
+                         capture_output=True, text=True, timeout=1800)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()
+    valid = [m["valid/loss"] for m in map(json.loads, lines) if "valid/loss" in m]
+    assert len(valid) == 2 and valid[1] < valid[0] - 1.0, valid
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000040"
