@@ -219,7 +219,7 @@ def table(rows: list[dict]) -> str:
 
 def _row(checkpoint: str, source: str, point: SweepPoint, metrics: dict, out: Path) -> dict[str, Any]:
     return {
-        "checkpoint": checkpoint, "source": source, "point": point.name, "decoding": asdict(point.decoding),
+        "checkpoint": checkpoint, "source": source, "point": point.name, "decoding": metrics["decoding"],
         "task": metrics["task"], "metric": metrics["metric"], "score_name": metrics["score_name"],
         "score": metrics["score"], "quality": metrics["quality"], "tokens_per_s": metrics["tokens_per_s"],
         "tokens_per_step": metrics["tokens_per_step"], "mean_nfe": metrics["mean_nfe"],
@@ -271,9 +271,11 @@ def _run(args) -> int:
     spec = load_spec(args.spec)  # bad specs fail once, before processes start
     points = expand_points(spec, args.spec)
     if args.dry_run:
+        default = asdict(DecodingConfig())
         for ckpt in spec.checkpoints:
             for p in points:
-                print(f"{ckpt} {p.name}: {json.dumps(asdict(p.decoding))}")
+                changed = {k: v for k, v in asdict(p.decoding).items() if v != default[k]}
+                print(f"{ckpt} {p.name}: {json.dumps(changed)}")
         return 0
     code = relaunch(args)
     if code is not None:

@@ -1,0 +1,109 @@
+"""`setdiff eval sweep`: a 3-point grid on the tiny trained checkpoint (one JSONL row per point,
+a Pareto plot, AR at one token per step), per-point resumption, the Pareto frontier, and
+one-line errors on bad specs."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from setdiff_megatron.cli import main
+from setdiff_megatron.evaluation.sweep import load_spec, pareto_front, run_sweep
+
+EXAMPLE = Path(__file__).parents[2] / "recipes" / "eval" / "sweep-tiny.yaml"
+ROW_FIELDS = {"checkpoint", "source", "point", "decoding", "task", "metric", "score_name", "score", "quality",
+              "tokens_per_s", "tokens_per_step", "mean_nfe", "num_examples", "num_tokens", "batch_size", "hardware",
+              "dir"}
+
+
+@pytest.fixture(scope="module")
+def sweep(trained_run, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sweep")
+    (tmp / "tasks.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
+        {"prompt": "def main(", "reference": "):"},
+        {"prompt": "import os\n", "reference": ["import sys", "import re"]},
+        {"prompt": "x = 1\n", "reference": "y = 2"},
+    ]))
+    spec = {"task": str(tmp / "tasks.jsonl"), "metric": "rouge", "checkpoints": {"tiny": str(trained_run)},
+            "out": str(tmp / "out"), "batch_size": 3,
+            "decoding": {"max_new_tokens": 6, "temperature": 1.0, "seed": 1},
+            "points": [{"name": "ar", "window": 1}, {"window": 4}, {"window": 4, "threshold": 0.5}]}
+    (tmp / "spec.yaml").write_text(yaml.safe_dump(spec))
+    return tmp, run_sweep(tmp / "spec.yaml", progress=False)
+
+
+def test_one_row_per_point_with_a_plot(sweep):
+    tmp, rows = sweep
+    assert [r["point"] for r in rows] == ["ar", "w4", "w4-t0.5"]
+    assert [json.loads(line) for line in (tmp / "out" / "sweep.jsonl").read_text().splitlines()] == rows
+    for row in rows:
+        assert set(row) == ROW_FIELDS
+        assert row["tokens_per_s"] > 0 and row["mean_nfe"] > 0 and row["batch_size"] == 3
+        assert row["hardware"]["device"] == "cpu" and set(row["quality"]) == {"rouge1", "rouge2", "rougeL"}
+        assert row["score"] == row["quality"]["rougeL"] and row["num_examples"] == 3
+    assert [(r["decoding"]["window"], r["decoding"]["threshold"]) for r in rows] == [(1, None), (4, None), (4, 0.5)]
+    assert rows[0]["tokens_per_step"] == 1.0 and rows[0]["mean_nfe"] == 7.0  # AR: prefill + 6 steps of one token
+    assert rows[1]["tokens_per_step"] == 1.0  # k = 1 and no threshold: one token per step, out of order
+    png = (tmp / "out" / "pareto.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
+
+
+def test_finished_points_are_skipped(sweep, capsys):
+    tmp, rows = sweep
+    shutil.rmtree(tmp / "out" / "points" / "tiny" / "w4")  # as if the job died during this point
+    again = run_sweep(tmp / "spec.yaml", progress=False)
+    err = capsys.readouterr().err
+    assert err.count("is up to date") == 2 and "wrote 3 results" in err
+    timing = ("tokens_per_s",)
+    assert [{k: v for k, v in r.items() if k not in timing} for r in again] == \
+           [{k: v for k, v in r.items() if k not in timing} for r in rows]
+    assert [r["tokens_per_s"] for r in again][::2] == [r["tokens_per_s"] for r in rows][::2]
+
+
+def test_pareto_front():
+    #         0    1    2    3    4
+    speed = [1.0, 2.0, 3.0, 2.0, 0.5]
+    score = [0.9, 0.8, 0.5, 0.7, 0.9]
+    assert pareto_front(speed, score) == [0, 1, 2]  # 3 is beaten by 1, 4 by 0
+
+
+def test_the_example_spec_loads():
+    spec = load_spec(EXAMPLE)
+    assert spec.metric == "rouge" and (EXAMPLE.parents[2] / spec.task).is_file()
+
+
+def sweep_cli(capsys, spec: Path) -> tuple[int, str]:
+    code = main(["eval", "sweep", str(spec), "--dry-run"])
+    return code, capsys.readouterr().err
+
+
+BASE = {"task": "t.jsonl", "metric": "exact", "checkpoints": {"a": "run"}, "out": "o", "points": [{"window": 1}]}
+
+
+@pytest.mark.parametrize("changes, fragment", [
+    ({"windw": 4}, "spec.yaml: windw: unknown key; allowed: task, metric"),
+    ({"points": [{"window": 4, "treshold": 0.5}]}, "spec.yaml: points.0.treshold: unknown key; allowed: window,"),
+    ({"points": []}, "spec.yaml: the sweep has no points: give 'points'"),
+    ({"points": [], "grid": {"window": []}}, "spec.yaml: grid.window: expected a non-empty list of values"),
+    ({"grid": {"widow": [1]}}, "spec.yaml: grid.widow: unknown setting; allowed: window,"),
+    ({"metric": "bleu"}, "spec.yaml: metric: Input should be 'exact', 'rouge' or 'gsm8k' (got 'bleu')"),
+    ({"points": [{"window": 0}]}, "spec.yaml: points.0.window: Input should be greater than 0 (got 0)"),
+    ({"points": [{"window": 4, "threshold": 1.5}]}, "spec.yaml: point w4-t1.5: threshold must be in (0, 1]"),
+    ({"points": [{"window": 4}, {"window": 4}]}, "two points are named 'w4'"),
+    ({"checkpoints": {}}, "spec.yaml: checkpoints: Dictionary should have at least 1 item"),
+    ({"checkpoints": {"a/b": "run"}}, "spec.yaml: checkpoints.a/b.[key]: String should match pattern"),
+])
+def test_bad_specs_fail_with_one_line(tmp_path, capsys, changes, fragment):
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump({**BASE, **changes}))
+    code, err = sweep_cli(capsys, tmp_path / "spec.yaml")
+    assert code == 2 and err.count("\n") == 1 and fragment in err, err
+
+
+def test_missing_and_malformed_spec_files(tmp_path, capsys):
+    code, err = sweep_cli(capsys, tmp_path / "none.yaml")
+    assert code == 2 and err.count("\n") == 1 and "none.yaml does not exist" in err
+    (tmp_path / "bad.yaml").write_text("task: [unclosed\n")
+    code, err = sweep_cli(capsys, tmp_path / "bad.yaml")
+    assert code == 2 and err.count("\n") == 1 and "bad.yaml:2: not valid YAML" in err, err
