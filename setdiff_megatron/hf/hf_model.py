@@ -7,11 +7,11 @@ module it needs, so it may import only the standard library, torch, transformers
 untied output layer beside it as `lm_head`.
 
 Calling conventions (they are not a causal LM's):
-  model(input_ids, position_ids=None, query_ids=None, valid_len=None).logits
+  model(input_ids, position_ids=None, query_ids=None, valid_len=None, attention_mask=None).logits
       input_ids is the clean stream in rank order, query_ids the query stream (default all MASK),
       position_ids the original positions (default 0..L-1, i.e. left to right); logits [B, L, V]
       are the query stream's: logits[:, r] predicts the token at position_ids[:, r] from the clean
-      tokens of ranks < r.
+      tokens of ranks < r. Padding comes last: valid_len [B], or a right-padded attention_mask.
   model.generate(input_ids, attention_mask=None, **decoding)
       prompts are the unpadded rows (MASK tokens inside a prompt are infilled); decoding policies
       come from generation_config.json (window, tokens_per_step, threshold, do_sample/temperature,
@@ -91,7 +91,17 @@ class SetDiffModel(SetDiffPreTrainedModel):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 query_ids: torch.Tensor | None = None, valid_len: torch.Tensor | None = None,
-                return_dict: bool | None = None, **unused) -> SetDiffOutput | tuple:
+                attention_mask: torch.Tensor | None = None, return_dict: bool | None = None,
+                **kwargs) -> SetDiffOutput | tuple:
+        unknown = sorted(k for k, v in kwargs.items() if v is not None and v is not False)
+        if unknown:
+            raise TypeError(f"SetDiffModel.forward() does not take {unknown}")
+        if attention_mask is not None and valid_len is None:
+            # Padding must come last in rank order, as the order policies put it.
+            valid_len = attention_mask.sum(1)
+            ranks = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+            if not torch.equal(attention_mask.bool(), ranks < valid_len[:, None]):
+                raise ValueError("attention_mask must mark padding at the end of each row (right padding)")
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         if query_ids is None:

@@ -134,3 +134,24 @@ def test_export_errors_are_one_line(export_dir, tmp_path, capsys, ar_dirs):
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and message in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exists"]  # nothing partial left behind
+
+
+def test_forward_padding_and_arguments(export_dir):
+    """In process (transformers' dynamic module): right padding through attention_mask is
+    valid_len; left padding and arguments the model does not take are errors, not ignored."""
+    import transformers
+
+    out, source = export_dir
+    model = transformers.AutoModel.from_pretrained(str(out), trust_remote_code=True, dtype=torch.float32)
+    batch = verify.fixed_batch(source.config)
+    mask = torch.ones_like(batch.clean_tokens)
+    mask[1, -5:] = 0
+    with torch.no_grad():
+        by_mask = model(batch.clean_tokens, attention_mask=mask).logits
+        by_len = model(batch.clean_tokens, valid_len=mask.sum(1)).logits
+    assert torch.equal(by_mask, by_len)
+    with pytest.raises(ValueError, match="right padding"):
+        model(batch.clean_tokens, attention_mask=mask.flip(1))
+    with pytest.raises(TypeError, match="labels"):
+        model(batch.clean_tokens, labels=batch.clean_tokens)
+
