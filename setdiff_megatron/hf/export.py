@@ -179,7 +179,8 @@ def _verify_export(source: Source, directory: Path, dtype: torch.dtype, toleranc
     transformers = require("transformers", "hf", "Checking a Hugging Face export")
     batch = verify.fixed_batch(source.config)
     reference = verify.query_logits(verify.torch_model(source.config, source.state_dict, round_to=dtype), batch)
-    exported = transformers.AutoModel.from_pretrained(str(directory), trust_remote_code=True, dtype=torch.float32)
+    with verify.quiet_transformers(transformers):
+        exported = transformers.AutoModel.from_pretrained(str(directory), trust_remote_code=True, dtype=torch.float32)
     with torch.no_grad():
         logits = exported(batch.clean_tokens, position_ids=batch.position_ids, query_ids=batch.query_tokens).logits
     out = [verify.compare("exported model (transformers AutoModel) vs source", logits, reference, tolerance)]

@@ -83,7 +83,8 @@ def _verify_import(source: Source, stage: Path, dtype: torch.dtype, scratch: Pat
     out = []
     if source.kind in AR_KINDS:
         transformers = require("transformers", "hf", "Checking an imported Hugging Face model")
-        reference = transformers.AutoModelForCausalLM.from_pretrained(str(source.path), dtype=torch.float32)
+        with verify.quiet_transformers(transformers):
+            reference = transformers.AutoModelForCausalLM.from_pretrained(str(source.path), dtype=torch.float32)
         rows = reference.get_input_embeddings().weight.shape[0]
         tokens = verify.fixed_tokens(written.config, max_token=min(rows, source.tokenizer.vocab_size))
         with torch.no_grad():

@@ -12,7 +12,9 @@ reports how far rounding itself moved the logits.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -86,6 +88,20 @@ def clean_stream(model: SetDiffusionTransformer, tokens: torch.Tensor) -> tuple[
         hook.remove()
     clean = captured["x"][:, : tokens.shape[1]]
     return model.norm(clean).float(), model.output_logits(clean).float()
+
+
+@contextlib.contextmanager
+def quiet_transformers(transformers) -> Iterator[None]:
+    """No progress bars from transformers while a check loads a model (stderr keeps the one-line
+    error of a failed check)."""
+    logging = transformers.utils.logging
+    was_enabled = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            logging.enable_progress_bar()
 
 
 def compare(what: str, a: torch.Tensor, b: torch.Tensor, tolerance: float = DEFAULT_TOLERANCE) -> Comparison:

@@ -128,6 +128,8 @@ def test_export_errors_are_one_line(export_dir, tmp_path, capsys, ar_dirs):
         (["convert", "to-hf", str(tmp_path / "missing"), str(tmp_path / "o1")], "does not exist"),
         (["convert", "to-hf", str(ar_dirs["llama"]), str(tmp_path / "o2")], "convert from-hf"),
         (["convert", "to-hf", str(out), str(tmp_path / "o3"), "--shard-size", "lots"], "shard size"),
+        (["convert", "to-hf", str(out), str(tmp_path / "o4"), "--check", "--tolerance", "1e-12"],
+         "--check: exported model (transformers AutoModel) vs source differs by"),
     ]
     for argv, message in cases:
         assert main(argv) == 2, argv
