@@ -41,7 +41,7 @@ def _top_level(dist: metadata.Distribution) -> set[str]:
     names = set()
     for f in dist.files or []:
         first = f.parts[0]
-        if first.endswith((".dist-info", ".egg-info", ".data")) or first in ("..", "__pycache__") or first.endswith(".pth"):
+        if first.endswith((".dist-info", ".egg-info", ".data", ".pth")) or first in ("..", "__pycache__"):
             continue
         names.add(first)
     return names

@@ -4,7 +4,6 @@ and greedy-decoding parity, the export loader, and one-line errors."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -114,7 +113,7 @@ def test_reexport_of_an_export_with_check(export_dir, tmp_path, capsys):
     assert main(["convert", "to-hf", str(out), str(target), "--dtype", "bf16", "--check"]) == 0
     printed = capsys.readouterr().out
     assert "ok" in printed and "rounding to bfloat16" in printed
-    cfg, state, _ = load_hf_export(target)
+    _, state, _ = load_hf_export(target)
     assert state["embed_tokens.weight"].dtype == torch.bfloat16
     assert not target.with_name("again.partial").exists()
 
