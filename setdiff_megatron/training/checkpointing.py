@@ -33,7 +33,7 @@ import random
 import re
 import shutil
 import socket
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Callable
 
@@ -43,6 +43,7 @@ import torch.distributed as dist
 import yaml
 
 from setdiff_megatron.errors import UserError
+from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.recipes import Recipe, save_resolved_recipe
 from setdiff_megatron.recipes.loading import RESOLVED_NAME
 from setdiff_megatron.training import signals
@@ -188,6 +189,8 @@ def _model_difference(directory: Path, model: dict | None) -> str | None:
     saved = json.loads(path.read_text()).get("model")
     if saved is None:
         return f"{path} records no model config (saved by an older setdiff)"
+    # A field added to ModelConfig after the checkpoint was saved holds its default there.
+    saved = {f.name: f.default for f in fields(ModelConfig) if f.name in model} | saved
     diffs = [f"{k} {saved.get(k)} there, {v} here" for k, v in model.items() if saved.get(k) != v]
     return f"{path} is for another model: {'; '.join(diffs)}" if diffs else None
 

@@ -175,3 +175,14 @@ def test_supervised_launch_reports_a_preempted_worker_as_75(tmp_path, restore_ha
 
     assert signals.supervise_launch(tmp_path, preempted_workers) == signals.EXIT_REQUEUE
     assert signals.supervise_launch(tmp_path, lambda: 1) == 1  # the earlier launch's record is gone
+
+
+def test_a_model_field_added_later_counts_as_its_default(tmp_path):
+    """A checkpoint saved before ModelConfig gained a field (qkv_bias) is the same model when this
+    run uses the field's default, and another model when it does not."""
+    (tmp_path / checkpointing.TRAIN_STATE).write_text(json.dumps({"model": {"hidden_size": 64}}))
+    assert checkpointing._model_difference(tmp_path, {"hidden_size": 64, "qkv_bias": False}) is None
+    assert "qkv_bias None there" not in (checkpointing._model_difference(tmp_path, {"hidden_size": 64, "qkv_bias": True})
+                                         or "")
+    assert "qkv_bias False there, True here" in checkpointing._model_difference(
+        tmp_path, {"hidden_size": 64, "qkv_bias": True})
