@@ -12,7 +12,11 @@ EXTRAS = {
     # megatron-core 0.16.x is the newest line for Python 3.11; psutil is needed by its
     # dist_checkpointing (without it a save errors and then hangs).
     "megatron": ["megatron-core>=0.16.1,<0.17", "psutil", "pybind11"],
-    "deepspeed": ["deepspeed>=0.16", "psutil"],
+    # DeepSpeed installs as pure Python on a CPU-only machine (its ops compile on first use, and the
+    # engine uses none on CPUs); pinned to the tested line, as the engine reads the format of its
+    # BF16_Optimizer checkpoints. The engine also runs megatron-core's LR scheduler and, through
+    # data/, its dataset builder.
+    "deepspeed": ["deepspeed>=0.19.8,<0.20", "psutil", "megatron-core>=0.16.1,<0.17"],
     "hf": ["transformers>=4.45", "safetensors>=0.4", "tokenizers>=0.21"],
     # Preprocessing writes megatron-core indexed datasets and packs samples with its GPTDataset.
     "data": ["tokenizers>=0.21", "datasets>=2.19", "pyarrow>=14", "megatron-core>=0.16.1,<0.17"],
@@ -26,8 +30,8 @@ EXTRAS = {
     "te": [],
 }
 # The test suite exercises every CPU engine and format, so `dev` pulls in their extras.
-EXTRAS["dev"] = sorted({"pytest>=8", "pytest-timeout>=2.3", *EXTRAS["megatron"], *EXTRAS["hf"], *EXTRAS["data"],
-                        *EXTRAS["tensorboard"], *EXTRAS["eval"]})
+EXTRAS["dev"] = sorted({"pytest>=8", "pytest-timeout>=2.3", *EXTRAS["megatron"], *EXTRAS["deepspeed"], *EXTRAS["hf"],
+                        *EXTRAS["data"], *EXTRAS["tensorboard"], *EXTRAS["eval"]})
 
 setup(
     name="setdiff-megatron",

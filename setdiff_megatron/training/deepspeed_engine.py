@@ -162,15 +162,20 @@ class TrainStep:
             local += torch.stack([nll.detach().double(), count.double()])
         return _all_sum(local).cpu()
 
+    def update(self) -> bool:
+        """The optimizer step; False if DeepSpeed skipped it: its ZeRO optimizers skip an update
+        whose gradient norm is not finite (and fp16 loss scaling one that overflowed)."""
+        self.engine.step()
+        return self.engine.was_step_applied()
+
     def discard(self) -> bool:
-        """Drop this step's gradients; True if no update happened. DeepSpeed's ZeRO optimizers
-        skip a step whose gradient norm is not finite and clear its gradients (their overflow
-        path), so they are stepped; at stage 0 the gradients are plain .grad tensors."""
+        """Drop this step's gradients; True if no update happened. A ZeRO optimizer keeps them
+        in its own partitions, so it is stepped and skips non-finite ones (`update`); at stage 0
+        they are plain .grad tensors."""
         if not self.engine.zero_optimization():
             self.engine.zero_grad()
             return True
-        self.engine.step()
-        return not self.engine.was_step_applied()
+        return not self.update()
 
     def evaluate(self, batches: list[TwoStreamBatch]) -> torch.Tensor:
         """[NLL sum, target tokens] of these micro-batches over all ranks, without gradients."""
@@ -247,16 +252,23 @@ def _train(deepspeed, recipe: Recipe, world: int, preemption: signals.Preemption
             start = time.perf_counter()
             nll, count = step_fn.forward_backward(loaders.next_step()).tolist()
             loss = nll / max(count, 1)
+            # A non-finite loss is seen before the update; non-finite gradients of a finite loss
+            # only by DeepSpeed, which then skips the update (megatron would apply it and meet
+            # a non-finite loss a step later). fp16 overflow skips are loss scaling at work.
+            problem = None
             if not math.isfinite(loss):
-                if recipe.train.nan_policy == "stop":
-                    raise UserError(f"loss is {loss} at step {state.step + 1}; stopping (train.nan_policy=stop). "
-                                    "Lower train.lr or raise train.warmup_steps; the last checkpoint is intact")
-                outcome = "skipped" if step_fn.discard() else "applied (DeepSpeed found the gradients finite)"
-                logger.message(f"step {state.step + 1}: loss is {loss}, step {outcome} (train.nan_policy=skip)")
-                state.skipped_steps += 1
-            else:
-                engine.step()
+                problem = f"loss is {loss}"
+            elif not step_fn.update() and recipe.train.precision != "fp16":
+                problem = "the gradients are not finite"
+            if problem is None:
                 scheduler.step(increment=1)
+            elif recipe.train.nan_policy == "stop":
+                raise UserError(f"{problem} at step {state.step + 1}; stopping (train.nan_policy=stop). "
+                                "Lower train.lr or raise train.warmup_steps; the last checkpoint is intact")
+            else:
+                outcome = "skipped" if math.isfinite(loss) or step_fn.discard() else "applied (finite gradients)"
+                logger.message(f"step {state.step + 1}: {problem}, step {outcome} (train.nan_policy=skip)")
+                state.skipped_steps += 1
             state.step += 1
             state.consumed_samples = loaders.consumed_samples
             elapsed = time.perf_counter() - start

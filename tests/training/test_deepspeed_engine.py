@@ -167,3 +167,20 @@ def test_tiny_recipe_lowers_the_validation_loss(tmp_path, data_cache):
     valid = [m["valid/loss"] for m in map(json.loads, lines) if "valid/loss" in m]
     assert len(valid) == 2 and valid[1] < valid[0] - 1.0, valid
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000040"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["stop", "skip"])
+def test_nan_loss_follows_the_recipe_policy(tmp_path, data_cache, policy):
+    """An absurd learning rate without clipping sends the weights to inf within a step or two;
+    ZeRO's optimizer then skips the update of non-finite gradients."""
+    out = subprocess.run(command(tmp_path / "run", data_cache, "launch.nproc_per_node=1",
+                                 "parallel.global_batch_size=8", "train.warmup_steps=0", "train.lr=1e30",
+                                 "train.clip_grad=0", "train.schedule=constant", "train.min_lr=1e30",
+                                 f"train.nan_policy={policy}"), capture_output=True, text=True, timeout=900)
+    if policy == "stop":
+        assert out.returncode == 2 and "train.nan_policy=stop" in out.stderr and "Traceback" not in out.stderr, \
+            out.stderr[-2000:]
+    else:
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert "step skipped (train.nan_policy=skip)" in out.stdout + out.stderr
