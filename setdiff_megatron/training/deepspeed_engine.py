@@ -2,7 +2,7 @@
 the megatron engine.
 
 The wiring, in the order it is built:
-  process group    deepspeed.init_distributed: gloo on CPUs (DS_ACCELERATOR=cpu), NCCL on GPUs
+  process group    deepspeed_runtime.py: gloo on CPUs (DS_ACCELERATOR=cpu), NCCL on GPUs
   data             data_pipeline, one data-parallel rank per process: the megatron engine's
                    samples and orders (seeded by seed, data-parallel rank and consumed samples)
   model            models/torch_model with train.seed's weights, activation checkpointing per
@@ -20,17 +20,11 @@ partitions.
 
 from __future__ import annotations
 
-import contextlib
-import datetime
-import importlib
-import logging
 import math
 import os
 import time
-import warnings
 from functools import partial
 from pathlib import Path
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -38,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from setdiff_megatron.core.loss import set_diffusion_loss
 from setdiff_megatron.core.streams import TwoStreamBatch
-from setdiff_megatron.errors import UserError, require
+from setdiff_megatron.errors import UserError
 from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 from setdiff_megatron.recipes import Recipe, save_resolved_recipe
@@ -46,53 +40,12 @@ from setdiff_megatron.recipes.validation import check_recipe
 from setdiff_megatron.training import checkpointing, deepspeed_checkpointing, signals
 from setdiff_megatron.training.data_pipeline import DataLoaders, prepare_data
 from setdiff_megatron.training.deepspeed_config import build_lr_scheduler, build_optimizer, deepspeed_config
+from setdiff_megatron.training.deepspeed_runtime import import_deepspeed, init_distributed
 # The two engines must agree on the step count (it shapes the LR schedule) and report alike.
 from setdiff_megatron.training.megatron_engine import TrainResult, _memory_gb, _total_steps
 from setdiff_megatron.training.metrics import MetricsLogger, peak_flops, training_flops_per_token
 
-__all__ = ["train", "import_deepspeed", "init_distributed", "build_model", "build_engine", "TrainStep"]
-
-
-def import_deepspeed(recipe: Recipe):
-    """DeepSpeed, with its CPU accelerator where the run has no GPU (picked before the import,
-    which fixes the accelerator) and its INFO logging off (metrics.py reports progress)."""
-    if recipe.launch.device == "cpu" or not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    deepspeed = require("deepspeed", "deepspeed", "engine: deepspeed")
-    deepspeed.utils.logger.setLevel(logging.WARNING)
-    # ZeRO calls a collective that torch deprecates; nothing a user of this engine can act on.
-    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated")
-    return deepspeed
-
-
-@contextlib.contextmanager
-def _no_shared_memory_op(accelerator) -> Iterator[None]:
-    """DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce when it starts (C++; over
-    four minutes on a fresh 2-core machine, and it needs a compiler). Only its inference
-    all-reduce uses it, so training starts without building it."""
-    ds_comm = importlib.import_module("deepspeed.comm.torch")  # `deepspeed.comm.torch` is also torch itself
-    build = ds_comm.build_shm_op
-    if accelerator.device_name() == "cpu":
-        ds_comm.build_shm_op = lambda: None
-    try:
-        yield
-    finally:
-        ds_comm.build_shm_op = build
-
-
-def init_distributed(deepspeed) -> None:
-    from deepspeed.accelerator import get_accelerator
-
-    # A plain `python -m setdiff_megatron.cli train` is a world of one.
-    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(29500 + os.getpid() % 1000)),
-                       ("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
-        os.environ.setdefault(key, value)
-    accelerator = get_accelerator()
-    if accelerator.device_name() != "cpu":
-        accelerator.set_device(int(os.environ["LOCAL_RANK"]))
-    with _no_shared_memory_op(accelerator):
-        deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name(),
-                                   timeout=datetime.timedelta(minutes=30))
+__all__ = ["train", "build_model", "build_engine", "TrainStep"]
 
 
 def apply_recompute(model: SetDiffusionTransformer, mode: str) -> None:
@@ -279,9 +232,10 @@ def _train(deepspeed, recipe: Recipe, world: int, preemption: signals.Preemption
             if state.step % recipe.log.interval == 0 or state.step == total_steps:
                 tps = gbs * seq_len / elapsed
                 metrics = {"train/loss": loss, "train/lr": scheduler.get_lr(engine.optimizer.param_groups[0]),
-                           "train/grad_norm": float(engine.get_global_grad_norm() or 0.0),
                            "perf/tokens_per_s": tps, "perf/step_time_s": elapsed,
                            "perf/tflops": flops_per_token * tps / world / 1e12, "perf/memory_gb": _memory_gb()}
+                if engine.get_global_grad_norm() is not None:  # stage 0 in fp32 does not report it
+                    metrics["train/grad_norm"] = float(engine.get_global_grad_norm())
                 if peak:
                     metrics["perf/mfu"] = flops_per_token * tps / world / peak
                 logger.log(state.step, metrics)

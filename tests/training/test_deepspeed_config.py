@@ -71,7 +71,8 @@ def test_offload_estimate_and_rule():
     (["parallel.zero_stage=0", "train.precision=bf16"], "bf16 under engine deepspeed needs parallel.zero_stage >= 1"),
     pytest.param(["train.precision=fp16"], "DeepSpeed has no fp16 on the CPU",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU-only rule")),
-    (["parallel.zero_stage=0", "parallel.distributed_optimizer=true"], "the optimizer is sharded by parallel.zero_stage"),
+    (["parallel.zero_stage=0", "parallel.distributed_optimizer=true"],
+     "the optimizer is sharded by parallel.zero_stage"),
 ])
 def test_train_refuses_with_one_line(tmp_path, capsys, overrides, fragment):
     code = main(["train", str(RECIPE), f"checkpoint.dir={tmp_path / 'run'}", *overrides])
@@ -81,7 +82,7 @@ def test_train_refuses_with_one_line(tmp_path, capsys, overrides, fragment):
 
 
 def test_missing_deepspeed_names_the_extra(monkeypatch):
-    from setdiff_megatron.training.deepspeed_engine import import_deepspeed
+    from setdiff_megatron.training.deepspeed_runtime import import_deepspeed
 
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # `import deepspeed` now raises ImportError
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # restored afterwards
