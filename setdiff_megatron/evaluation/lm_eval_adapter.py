@@ -81,6 +81,10 @@ class SetDiffLM(LM):
         ranks = init_ranks(1)
         self._rank, self._world_size = ranks.rank, ranks.world_size
         where = "auto" if device in (None, "auto") else "cuda" if str(device).startswith("cuda") else str(device)
+        if where == "cuda" and not torch.cuda.is_available():
+            # lm-eval's command line asks for cuda:0 unless told otherwise.
+            log.warning("setdiff: --device %s but no GPU is visible; running on the CPU", device)
+            where = "cpu"
         self.sm = load_sampling_model(pretrained, ranks, device=where, dtype=dtype)
         self.model, self.tokenizer = self.sm.model, self.sm.tokenizer
         self._device = next(self.model.parameters()).device
