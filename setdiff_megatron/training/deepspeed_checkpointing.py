@@ -37,7 +37,7 @@ from setdiff_megatron.recipes import Recipe
 from setdiff_megatron.training import checkpointing
 from setdiff_megatron.training.checkpointing import TRAIN_STATE, TrainState
 
-__all__ = ["save", "maybe_resume", "consolidated_state_dict", "TAG"]
+__all__ = ["save", "resume_target", "load", "consolidated_state_dict", "TAG"]
 
 TAG = "deepspeed"
 # Keys of the layout that DeepSpeed's own format must find unchanged to load.
@@ -82,11 +82,14 @@ def _refusal(path: Path, saved: dict, here: dict) -> str | None:
     return None
 
 
-def maybe_resume(recipe: Recipe, engine, scheduler, state: TrainState, tokenizer) -> Path | None:
-    """Load the checkpoint that `checkpoint.resume` selects into the freshly built objects."""
-    path = checkpointing._resume_target(recipe, checkpointing._model_identity(recipe, tokenizer))
-    if path is None:
-        return None
+def resume_target(recipe: Recipe, tokenizer) -> Path | None:
+    """Collective: the checkpoint that `checkpoint.resume` selects, as the megatron engine selects
+    it. Known before the engine is built, which decides whether `model.init_from` applies."""
+    return checkpointing._resume_target(recipe, checkpointing._model_identity(recipe, tokenizer))
+
+
+def load(path: Path, recipe: Recipe, engine, scheduler, state: TrainState) -> None:
+    """Load checkpoint `path` into the freshly built objects, or refuse with the reason."""
     saved = json.loads((path / TRAIN_STATE).read_text())
     problem = _refusal(path, saved["layout"], layout(recipe, engine))
     if problem:
@@ -100,7 +103,6 @@ def maybe_resume(recipe: Recipe, engine, scheduler, state: TrainState, tokenizer
     for key in asdict(state):
         setattr(state, key, saved[key])
     checkpointing.set_host_rng_state(torch.load(_rng_file(path, dist.get_rank()), weights_only=True))
-    return path
 
 
 def _bf16_optimizer_weights(ds_dir: Path) -> dict[str, torch.Tensor]:

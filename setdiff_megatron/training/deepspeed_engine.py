@@ -5,9 +5,10 @@ The wiring, in the order it is built:
   process group    deepspeed_runtime.py: gloo on CPUs (DS_ACCELERATOR=cpu), NCCL on GPUs
   data             data_pipeline, one data-parallel rank per process: the megatron engine's
                    samples and orders (seeded by seed, data-parallel rank and consumed samples)
-  model            models/torch_model with train.seed's weights, activation checkpointing per
-                   train.recompute, wrapped by deepspeed.initialize with deepspeed_config.py's
-                   config (ZeRO stage, optimizer offload, precision, accumulation, clipping)
+  model            models/torch_model with train.seed's weights (or model.init_from's),
+                   activation checkpointing per train.recompute, wrapped by deepspeed.initialize
+                   with deepspeed_config.py's config (ZeRO stage, optimizer offload, precision,
+                   accumulation, clipping)
   step             the micro-batches of one global batch, the loss per target token of the whole
                    global batch (as megatron), one optimizer step, megatron-core's LR scheduler
   around it        validation loss, metrics.py, deepspeed_checkpointing.py, and a checkpoint-and-
@@ -65,6 +66,19 @@ def build_model(recipe: Recipe, model_cfg: ModelConfig) -> SetDiffusionTransform
     model = SetDiffusionTransformer(model_cfg)
     apply_recompute(model, recipe.train.recompute)
     return model
+
+
+def initialize_from(model: SetDiffusionTransformer, path: str, model_cfg: ModelConfig, tokenizer) -> None:
+    """model.init_from: trained weights (any source hf/sources.py reads) instead of train.seed's,
+    loaded before DeepSpeed copies and partitions them. hf/init_from.py checks the tokenizer and
+    the architecture, as for the megatron engine."""
+    from setdiff_megatron.hf.init_from import fit_source
+    from setdiff_megatron.hf.sources import read_source
+
+    source = read_source(path)
+    model.load_state_dict(fit_source(source, model_cfg, tokenizer))
+    if dist.get_rank() == 0:
+        print(f"setdiff: initialised from {source.describe()}", flush=True)
 
 
 def build_engine(deepspeed, recipe: Recipe, model: SetDiffusionTransformer, dp_size: int):
@@ -167,10 +181,15 @@ def _train(deepspeed, recipe: Recipe, world: int, preemption: signals.Preemption
                         num_valid_samples=recipe.eval.batches * recipe.parallel.micro_batch_size * world,
                         is_first_rank=rank == 0, barrier=dist.barrier)
     model_cfg = recipe.model.to_model_config(vocab_size=data.tokenizer.vocab_size, mask_token_id=data.tokenizer.mask_id)
-    engine = build_engine(deepspeed, recipe, build_model(recipe, model_cfg), world)
+    resumed = deepspeed_checkpointing.resume_target(recipe, data.tokenizer)
+    model = build_model(recipe, model_cfg)
+    if resumed is None and recipe.model.init_from:
+        initialize_from(model, recipe.model.init_from, model_cfg, data.tokenizer)
+    engine = build_engine(deepspeed, recipe, model, world)
     scheduler = build_lr_scheduler(recipe, engine.optimizer, total_steps)
     state = checkpointing.TrainState()
-    resumed = deepspeed_checkpointing.maybe_resume(recipe, engine, scheduler, state, data.tokenizer)
+    if resumed is not None:
+        deepspeed_checkpointing.load(resumed, recipe, engine, scheduler, state)
     loaders = DataLoaders(recipe, data, dp_rank=rank, dp_size=world, consumed_samples=state.consumed_samples,
                           device=engine.device)
     step_fn = TrainStep(engine, world, model_cfg.mask_token_id)

@@ -46,9 +46,9 @@ def command(run_dir: Path, data_cache: Path, *overrides: str) -> list[str]:
             f"data.cache_dir={data_cache}", *BASE, *overrides]
 
 
-def losses(run_dir: Path) -> list[tuple[int, float]]:
+def losses(run_dir: Path, key: str = "train/loss") -> list[tuple[int, float]]:
     lines = (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()
-    return [(m["step"], m["train/loss"]) for m in map(json.loads, lines) if "train/loss" in m]
+    return [(m["step"], m[key]) for m in map(json.loads, lines) if key in m]
 
 
 @pytest.fixture(scope="module")
@@ -155,6 +155,18 @@ def test_resume_after_sigterm_is_exact(tmp_path, data_cache, straight):
 
 @pytest.mark.multiproc
 @pytest.mark.slow
+def test_init_from_a_checkpoint_starts_from_its_weights(tmp_path, data_cache, straight):
+    """model.init_from, read through hf/sources.py and consolidated_state_dict: the new run's
+    validation loss before its first step is the source run's after its last."""
+    source = straight / "checkpoints" / f"step_{STEPS:08d}"
+    out = subprocess.run(command(tmp_path / "run", data_cache, f"model.init_from={source}", "train.steps=1"),
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0 and f"initialised from DeepSpeed checkpoint {source}" in out.stdout, out.stderr[-3000:]
+    assert losses(tmp_path / "run", "valid/loss")[0] == (0, losses(straight, "valid/loss")[-1][1])
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
 def test_tiny_recipe_lowers_the_validation_loss(tmp_path, data_cache):
     """`setdiff train recipes/tiny-cpu-deepspeed.yaml`, shortened to 40 steps."""
     run_dir = tmp_path / "run"
@@ -163,8 +175,7 @@ def test_tiny_recipe_lowers_the_validation_loss(tmp_path, data_cache):
                           "train.steps=40", "eval.interval=40", "checkpoint.interval=40"],
                          capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0, out.stderr[-3000:]
-    lines = (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()
-    valid = [m["valid/loss"] for m in map(json.loads, lines) if "valid/loss" in m]
+    valid = [loss for _, loss in losses(run_dir, "valid/loss")]
     assert len(valid) == 2 and valid[1] < valid[0] - 1.0, valid
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000040"
 
