@@ -268,8 +268,9 @@ def _run(args) -> int:
     from setdiff_megatron.evaluation.tasks import wandb_from_args
     from setdiff_megatron.inference.cli_args import relaunch
 
-    spec = load_spec(args.spec)  # bad specs fail once, before processes start
+    spec = load_spec(args.spec)  # bad input fails once, before processes start
     points = expand_points(spec, args.spec)
+    read_tasks(spec.task)
     if args.dry_run:
         default = asdict(DecodingConfig())
         for ckpt in spec.checkpoints:

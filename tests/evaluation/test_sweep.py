@@ -4,6 +4,8 @@ one-line errors on bad specs."""
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -107,3 +109,22 @@ def test_missing_and_malformed_spec_files(tmp_path, capsys):
     (tmp_path / "bad.yaml").write_text("task: [unclosed\n")
     code, err = sweep_cli(capsys, tmp_path / "bad.yaml")
     assert code == 2 and err.count("\n") == 1 and "bad.yaml:2: not valid YAML" in err, err
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_tensor_parallel_sweep_equals_tp1(sweep, tmp_path):
+    """Every point loads the megatron model again in the same processes (TP=2 over 2 processes)."""
+    tmp, rows = sweep
+    proc = subprocess.run([sys.executable, "-m", "setdiff_megatron.cli", "eval", "sweep", str(tmp / "spec.yaml"),
+                           "--out", str(tmp_path), "--nproc", "2", "--tp", "2", "--no-progress"],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for row in rows:
+        point = Path(row["dir"]).relative_to(tmp / "out")
+        assert scored(tmp_path / point) == scored(tmp / "out" / point)
+
+
+def scored(path: Path) -> list[dict]:
+    return [{k: v for k, v in json.loads(line).items() if k != "seconds"}
+            for line in (path / "scored.jsonl").read_text().splitlines()]
