@@ -118,9 +118,8 @@ def _megatron_shard(config: ModelConfig, state_dict, step_dir: Path | None, tp: 
     auto_cpu_mode()
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tp)
-    elif parallel_state.get_tensor_model_parallel_world_size() != tp:  # a second model in this process
-        raise UserError(f"this process already holds a model at TP={parallel_state.get_tensor_model_parallel_world_size()}; "
-                        f"it cannot load another at TP={tp}")
+    elif (held := parallel_state.get_tensor_model_parallel_world_size()) != tp:  # a second model in this process
+        raise UserError(f"this process already holds a model at TP={held}; it cannot load another at TP={tp}")
     model_parallel_seed(0)
     (chunk,) = build_model_chunks(config, transformer_config_from(config, tp=tp, params_dtype=dtype))
     if step_dir is not None:

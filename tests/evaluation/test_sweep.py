@@ -6,12 +6,14 @@ import json
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
 import yaml
 
 from setdiff_megatron.cli import main
+from setdiff_megatron.evaluation.records import WandbConfig, log_to_wandb
 from setdiff_megatron.evaluation.sweep import load_spec, pareto_front, run_sweep
 
 EXAMPLE = Path(__file__).parents[2] / "recipes" / "eval" / "sweep-tiny.yaml"
@@ -128,3 +130,32 @@ def test_a_tensor_parallel_sweep_equals_tp1(sweep, tmp_path):
 def scored(path: Path) -> list[dict]:
     return [{k: v for k, v in json.loads(line).items() if k != "seconds"}
             for line in (path / "scored.jsonl").read_text().splitlines()]
+
+
+def test_wandb_logging_is_offline_by_default(monkeypatch, tmp_path):
+    """The calls a job makes, against a stand-in wandb module (the package is an optional extra)."""
+    calls = []
+
+    class Run:
+        summary = {}
+
+        def log(self, data, step=None):
+            calls.append(("log", data, step))
+
+        def finish(self):
+            calls.append(("finish",))
+
+    stub = types.ModuleType("wandb")
+    stub.init = lambda **kwargs: calls.append(("init", kwargs)) or Run()
+    stub.Table = lambda columns, data: ("table", columns, data)
+    monkeypatch.setitem(sys.modules, "wandb", stub)
+    rows = [{"point": "ar", "score": 0.5, "tokens_per_s": 10.0}, {"point": "w4", "score": 0.4, "tokens_per_s": 20.0}]
+    log_to_wandb(WandbConfig("proj"), job_type="eval-sweep", config={"a": 1}, summary={"num_points": 2}, rows=rows,
+                 out_dir=tmp_path)
+    assert calls[0] == ("init", {"project": "proj", "name": None, "mode": "offline", "job_type": "eval-sweep",
+                                 "config": {"a": 1}, "dir": str(tmp_path), "reinit": True})
+    assert calls[1] == ("log", {"score": 0.5, "tokens_per_s": 10.0}, 0)
+    assert calls[3][1]["points"] == ("table", ["point", "score", "tokens_per_s"], [["ar", 0.5, 10.0], ["w4", 0.4, 20.0]])
+    assert Run.summary == {"num_points": 2} and calls[-1] == ("finish",)
+    log_to_wandb(WandbConfig(None), job_type="x", config={}, summary={})  # no project: nothing happens
+    assert len(calls) == 5
