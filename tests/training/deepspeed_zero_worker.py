@@ -4,8 +4,9 @@ single-process training, and its checkpoints against the live weights.
 Every rank builds the same weights (the engine's own build_model) and the same micro-batches
 (tests/megatron/cases.py). Rank 0 first trains a plain torch copy on whole global batches; then
 each stage trains through build_engine/TrainStep on this rank's half, saves a checkpoint through
-deepspeed_checkpointing and compares consolidated_state_dict with the live fp32 weights. The
-JSON it writes holds observations; test_deepspeed_engine.py holds the expectations.
+deepspeed_checkpointing and compares consolidated_state_dict with the live fp32 weights; two of
+them go on training, and again from their checkpoint in a new engine. The JSON it writes holds
+observations; test_deepspeed_engine.py holds the expectations.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from setdiff_megatron.core.loss import set_diffusion_loss
 from setdiff_megatron.recipes import load_recipe
 from setdiff_megatron.training.checkpointing import TrainState
-from setdiff_megatron.training.deepspeed_checkpointing import consolidated_state_dict, save
+from setdiff_megatron.training.deepspeed_checkpointing import consolidated_state_dict, load, save
 from setdiff_megatron.training.deepspeed_config import build_lr_scheduler, build_optimizer
 from setdiff_megatron.training.deepspeed_engine import TrainStep, build_engine, build_model
 from setdiff_megatron.training.deepspeed_runtime import import_deepspeed, init_distributed
@@ -37,6 +38,9 @@ RUNS = [("stage0", ["parallel.zero_stage=0"]),
         ("stage3", ["parallel.zero_stage=3", "train.recompute=full"]),
         ("stage2_offload", ["parallel.zero_stage=2", "parallel.offload_optimizer=true"]),
         ("stage1_bf16", ["parallel.zero_stage=1", "train.precision=bf16"])]
+# Runs that also continue from their checkpoint in a new engine, for MORE_STEPS steps.
+RESUMED = ("stage2_offload", "stage3")
+MORE_STEPS = 2
 
 
 class StubTokenizer:
@@ -89,29 +93,44 @@ def full_fp32(deepspeed, engine) -> dict[str, torch.Tensor]:
     return {n: deepspeed.utils.safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()}
 
 
-def run(deepspeed, name: str, overrides: list[str], cfg, data, out_dir: Path) -> dict:
-    start = time.perf_counter()
-    rank = dist.get_rank()
-    recipe = recipe_for(out_dir / name, overrides)
-    engine = build_engine(deepspeed, recipe, build_model(recipe, cfg), dp_size=2)
-    scheduler = build_lr_scheduler(recipe, engine.optimizer, STEPS)
-    step_fn = TrainStep(engine, 2, cfg.mask_token_id)
+def train(engine, scheduler, step_fn: TrainStep, data, steps: range) -> list[float]:
+    """This rank's half of the global batch of each step in `steps`; the per-token losses."""
+    half = NUM_MICROBATCHES // 2
     losses = []
-    for step in range(STEPS):
-        first = step * NUM_MICROBATCHES + rank * NUM_MICROBATCHES // 2
-        nll, count = step_fn.forward_backward(data[first:first + NUM_MICROBATCHES // 2]).tolist()
+    for step in steps:
+        first = step * NUM_MICROBATCHES + dist.get_rank() * half
+        nll, count = step_fn.forward_backward(data[first:first + half]).tolist()
         engine.step()
         scheduler.step(increment=1)
         losses.append(nll / count)
+    return losses
+
+
+def start(deepspeed, recipe, cfg) -> tuple:
+    engine = build_engine(deepspeed, recipe, build_model(recipe, cfg), dp_size=2)
+    return engine, build_lr_scheduler(recipe, engine.optimizer, STEPS), TrainStep(engine, 2, cfg.mask_token_id)
+
+
+def run(deepspeed, name: str, overrides: list[str], cfg, data, out_dir: Path) -> dict:
+    start_time = time.perf_counter()
+    recipe = recipe_for(out_dir / name, overrides)
+    engine, scheduler, step_fn = start(deepspeed, recipe, cfg)
+    result = {"losses": train(engine, scheduler, step_fn, data, range(STEPS)),
+              "optimizer": type(engine.optimizer).__name__}
     checkpoint = save(recipe, engine, scheduler, TrainState(step=STEPS), StubTokenizer())
     live = full_fp32(deepspeed, engine)
-    result = {"losses": losses, "optimizer": type(engine.optimizer).__name__}
-    if rank == 0:
+    if dist.get_rank() == 0:
         saved = consolidated_state_dict(checkpoint)
         result["keys_match"] = sorted(saved) == sorted(live)
         result["consolidated_diff"] = max((saved[k] - live[k]).abs().max().item() for k in live)
         result["dtypes"] = sorted({str(v.dtype) for v in saved.values()})
-    result["seconds"] = time.perf_counter() - start
+    if name in RESUMED:
+        more = range(STEPS, STEPS + MORE_STEPS)
+        result["continued"] = train(engine, scheduler, step_fn, data, more)
+        engine, scheduler, step_fn = start(deepspeed, recipe, cfg)  # train.seed's weights again
+        load(checkpoint, recipe, engine, scheduler, TrainState())
+        result["resumed"] = train(engine, scheduler, step_fn, data, more)
+    result["seconds"] = time.perf_counter() - start_time
     return result
 
 
@@ -120,7 +139,7 @@ def main(out: Path) -> None:
     deepspeed = import_deepspeed(recipe)
     init_distributed(deepspeed)
     cfg = recipe.model.to_model_config(vocab_size=StubTokenizer.vocab_size, mask_token_id=StubTokenizer.mask_id)
-    data = batches(cfg, count=STEPS * NUM_MICROBATCHES)
+    data = batches(cfg, count=(STEPS + MORE_STEPS) * NUM_MICROBATCHES)
     results = {"reference": reference_losses(recipe, cfg, data) if dist.get_rank() == 0 else None}
     for name, overrides in RUNS:
         results[name] = run(deepspeed, name, overrides, cfg, data, out.parent)

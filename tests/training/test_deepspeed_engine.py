@@ -1,6 +1,7 @@
 """The DeepSpeed engine on 2 CPU processes: ZeRO 0-3 against single-process training, against
-the megatron engine, its checkpoints (consolidation, exact resume after SIGTERM), and `setdiff
-train recipes/tiny-cpu-deepspeed.yaml` as a user runs it.
+the megatron engine, its checkpoints (consolidation, exact resume in a new engine and, slow,
+after SIGTERM through the launcher), and `setdiff train recipes/tiny-cpu-deepspeed.yaml` as a
+user runs it (slow).
 
 Tolerances, fp32 throughout (seen on 2 cores in brackets): ZeRO vs one process 1e-6 absolute
 on per-token losses of about 4.1 [<= 1e-7]; DeepSpeed vs megatron engine 2e-6 [5e-7];
@@ -24,6 +25,7 @@ from setdiff_megatron.training.deepspeed_config import build_lr_scheduler
 from setdiff_megatron.training.signals import EXIT_REQUEUE
 from tests.megatron.cases import ROOT, run_worker
 from tests.training.deepspeed_megatron_worker import SCHEDULE_STEPS, SCHEDULES
+from tests.training.deepspeed_zero_worker import RESUMED
 
 pytest.importorskip("deepspeed", reason="the deepspeed extra: pip install -e .[deepspeed]")
 
@@ -100,6 +102,13 @@ def test_checkpoint_consolidates_to_the_live_fp32_weights(zero_results, run, opt
 
 
 @pytest.mark.multiproc
+@pytest.mark.parametrize("run", RESUMED)
+def test_resume_into_a_new_engine_is_exact(zero_results, run):
+    """Two more steps from the step-5 checkpoint in a new engine equal two more steps in the old one."""
+    assert zero_results[run]["resumed"] == zero_results[run]["continued"]
+
+
+@pytest.mark.multiproc
 def test_losses_match_the_megatron_engine(straight, megatron_results):
     """TP=1, PP=1, DP=2 in both engines (megatron with its distributed optimizer): same start,
     same samples and orders, same optimizer and schedule."""
@@ -124,6 +133,7 @@ def test_lr_schedule_equals_the_megatron_engines(megatron_results, schedule):
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow
 def test_resume_after_sigterm_is_exact(tmp_path, data_cache, straight):
     """SIGTERM to the whole job after step 2: a checkpoint at the next step boundary, exit 75;
     the relaunch resumes there and logs the uninterrupted run's losses exactly."""
