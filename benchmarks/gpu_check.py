@@ -15,9 +15,19 @@
    A kernel that is not installed is reported as skipped, with the reason: the lent machine has
    CUDA torch but neither TE (its CUDA wheels are 276-729 MB, past what can be carried) nor
    flash-attn (no PyPI wheels), so there only PyTorch's path runs; run it on a machine with them.
+4. The sampler on the KV cache's kernel step (KVCache.attention_impl 'te' / 'flash_attn', each
+   where installed) against its masked SDPA step, bf16, same weights and prompts:
+   a. parity: a small model (head dim 128) trained for a few seconds to copy a repeated token, so
+      greedy choices are not near ties; 16 mixed-length rows with an infill span, thresholded
+      sets (ragged commits) and outputs past the context (eviction): greedy tokens must be equal;
+      the step logits' max error / max |SDPA logits| is reported against 2e-2;
+   b. tokens/s at batch 1 and 16 on a random ~0.8B model (head dim 128, 16 prompts of 256-1024
+      tokens, 64 new tokens each, set-size 2 in a window of 16): each kernel path against the
+      SDPA path; greedy agreement is reported, not required (a random model's bf16 near ties).
 
     bash benchmarks/gpu_check.sh                      # everything
     bash benchmarks/gpu_check.sh --sections kernels   # only part 3 (a minute or two)
+    bash benchmarks/gpu_check.sh --sections sampler   # only part 4 (estimated: a few minutes)
 """
 
 from __future__ import annotations
@@ -31,6 +41,8 @@ import torch
 
 from benchmarks.machine import best_time, machine_info, save_results
 from setdiff_megatron.core.attention import set_causal_attention, set_causal_step_attention
+from setdiff_megatron.core.decoding import DecodingConfig
+from setdiff_megatron.core.sampler import SetSampler
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.kernels import choose_attention_impl, flash_attn, te_fused
 
@@ -226,10 +238,139 @@ def kernel_checks() -> dict:
             "parity": kernel_parity(variants), "step": step_parity(variants), "timing": kernel_timing(variants)}
 
 
+# The sampler check's models: a copier for parity (trained on the spot) and a ~0.8B timing model.
+COPY_MODEL = dict(hidden_size=256, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=768, vocab_size=512,
+                  mask_token_id=511, max_seq_len=64)
+TIMING_MODEL = dict(hidden_size=2048, num_layers=16, num_heads=16, num_kv_heads=8, intermediate_size=5632,
+                    vocab_size=32000, mask_token_id=31999, max_seq_len=2048)
+
+
+class _CachePath:
+    """A model seen by the sampler with its KV cache on one step attention ('sdpa': the mask)."""
+
+    def __init__(self, model, impl: str, *, record: bool = False):
+        self.model, self.impl, self.record, self.logits = model, impl, record, []
+
+    def new_cache(self, batch_size, capacity):
+        cache = self.model.new_cache(batch_size, capacity)
+        cache.attention_impl = self.impl
+        return cache
+
+    def step(self, *args, **kwargs):
+        out = self.model.step(*args, **kwargs)
+        if self.record:
+            self.logits.append(out.float())
+        return out
+
+
+def _copying_model(device: str, steps: int = 200):
+    """COPY_MODEL trained (fp32, masked SDPA) on rows repeating one token: it learns to copy a
+    visible token to every masked position, confidently."""
+    from setdiff_megatron.core.orders import Staggered
+    from setdiff_megatron.models.config import ModelConfig
+    from setdiff_megatron.models.torch_model import SetDiffusionTransformer
+
+    torch.manual_seed(0)
+    model = SetDiffusionTransformer(ModelConfig(**COPY_MODEL, attention_impl="sdpa")).to(device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    for _ in range(steps):
+        batch = torch.randint(0, COPY_MODEL["mask_token_id"], (64, 1), device=device, generator=gen).expand(-1, 32)
+        loss = model.loss(batch, Staggered(d=4), generator=gen).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval(), loss.item()
+
+
+def sampler_parity(paths: list[str], device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Part 4a: greedy decodes and step logits of each kernel cache path against the SDPA one."""
+    model, loss = _copying_model(device)
+    model = model.to(dtype)
+    mask = COPY_MODEL["mask_token_id"]
+    gen = torch.Generator().manual_seed(1)
+    prompts = []
+    for i in range(16):
+        n = 1 + i % 12
+        tok = int(torch.randint(0, mask, (1,), generator=gen))
+        prompts.append([tok] * n + ([mask, mask, tok] if i % 3 == 0 else []))
+    # threshold: rows decode different set sizes; 40 new tokens past context 32: eviction
+    cfg = DecodingConfig(window=8, threshold=0.5, max_new_tokens=40)
+    runs = {}
+    for impl in ["sdpa", *paths]:
+        recorder = _CachePath(model, impl, record=True)
+        out = SetSampler(recorder, mask_token_id=mask, context_len=32).generate(prompts, cfg)
+        runs[impl] = (out, recorder.logits)
+    (ref, ref_logits) = runs["sdpa"]
+    copied = sum(t == p[0] for r, p in zip(ref.rows, prompts) for t in r.tokens) / sum(len(r.tokens) for r in ref.rows)
+    result = {"train_loss": loss, "copied_share": copied, "tokens_per_step": ref.metrics.tokens_per_step,
+              "max_row_len": max(len(r.tokens) for r in ref.rows), "context_len": 32}
+    print(f"sampler parity: copier loss {loss:.3f}, {copied:.1%} of tokens copied, "
+          f"{ref.metrics.tokens_per_step:.2f} tokens/step (sdpa cache path)")
+    for impl in paths:
+        out, logits = runs[impl]
+        equal = [a.tokens == b.tokens for a, b in zip(out.rows, ref.rows)]
+        err = None
+        if all(equal) and len(logits) == len(ref_logits):
+            err = max(((a - b).abs().max() / b.abs().max().clamp(min=1e-6)).item()
+                      for a, b in zip(logits, ref_logits) if b.numel())
+        ok = all(equal) and err is not None and err < BF16_TOL["out"]
+        result[impl] = {"tokens_equal": sum(equal), "rows": len(equal), "step_logits_rel_err": err,
+                        "tolerance": BF16_TOL["out"], "ok": ok}
+        print(f"sampler parity {impl}: {sum(equal)}/{len(equal)} rows equal, step logits rel err "
+              f"{'n/a' if err is None else f'{err:.1e}'}", "OK" if ok else "FAIL")
+    return result
+
+
+def sampler_timing(paths: list[str], device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
+                   batches: tuple[int, ...] = (1, 16)) -> list[dict]:
+    """Part 4b: tokens/s of each cache path at each batch size, same model, prompts and policy."""
+    from setdiff_megatron.models.config import ModelConfig
+    from setdiff_megatron.models.torch_model import SetDiffusionTransformer
+
+    torch.manual_seed(0)
+    model = SetDiffusionTransformer(ModelConfig(**TIMING_MODEL)).to(device, dtype).eval()
+    mask, gen = TIMING_MODEL["mask_token_id"], torch.Generator().manual_seed(0)
+    lengths = torch.randint(TIMING_MODEL["max_seq_len"] // 8, TIMING_MODEL["max_seq_len"] // 2, (16,), generator=gen)
+    prompts = [torch.randint(0, mask, (int(n),), generator=gen).tolist() for n in lengths]
+    cfg = DecodingConfig(window=16, tokens_per_step=2, max_new_tokens=64)
+    sampler = {impl: SetSampler(_CachePath(model, impl), mask_token_id=mask, context_len=TIMING_MODEL["max_seq_len"])
+               for impl in ["sdpa", *paths]}
+    rows = []
+    for batch in batches:
+        outs = {}
+        for impl, s in sampler.items():
+            s.generate(prompts[:batch], cfg, batch_size=batch)  # warm-up (kernels, allocator)
+            outs[impl] = s.generate(prompts, cfg, batch_size=batch)
+        base = outs["sdpa"].metrics.tokens_per_s
+        row = {"batch": batch, "tokens_per_s": {k: o.metrics.tokens_per_s for k, o in outs.items()},
+               "speedup_vs_sdpa": {k: o.metrics.tokens_per_s / base for k, o in outs.items()},
+               "rows_equal_to_sdpa": {k: sum(a.tokens == b.tokens for a, b in zip(o.rows, outs["sdpa"].rows))
+                                      for k, o in outs.items()}}
+        rows.append(row)
+        print(f"sampler batch {batch:>2}: " + ", ".join(
+            f"{k} {row['tokens_per_s'][k]:.0f} tok/s ({row['speedup_vs_sdpa'][k]:.2f}x, "
+            f"{row['rows_equal_to_sdpa'][k]}/16 rows equal)" for k in outs))
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def sampler_checks(variants: dict) -> dict:
+    """Part 4 over the kernel cache paths this machine has (the others reported as skipped)."""
+    paths = [name for name in ("te", "flash_attn") if not isinstance(variants[name], str)]
+    skipped = {name: variants[name] for name in ("te", "flash_attn") if name not in paths}
+    for name, why in skipped.items():
+        print(f"sampler {name} cache path: {why}")
+    if not paths:
+        return {"skipped": skipped}
+    return {"skipped": skipped, "parity": sampler_parity(paths), "timing": sampler_timing(paths)}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sections", nargs="+", choices=["parity", "kernels", "train"],
-                        default=["parity", "kernels", "train"])
+    parser.add_argument("--sections", nargs="+", choices=["parity", "kernels", "sampler", "train"],
+                        default=["parity", "kernels", "sampler", "train"])
     sections = parser.parse_args(argv).sections
     if not torch.cuda.is_available():
         raise SystemExit("gpu_check needs a CUDA GPU")
@@ -239,6 +380,8 @@ def main(argv: list[str] | None = None) -> None:
         results["attention"] = attention_parity()
     if "kernels" in sections:
         results["kernels"] = kernel_checks()
+    if "sampler" in sections:
+        results["sampler"] = sampler_checks(kernel_variants())
     if "train" in sections:
         ours = train_step("fused")
         baseline = train_step("sdpa")

@@ -13,6 +13,10 @@ masks each row's unused tail once rows differ. The capacity must also hold one s
 (commits and queries) behind `length`: they are staged there for attention. The sampler retires finished rows
 (`select_rows`) and drops entries from the middle of rows that outgrow the context (`drop`).
 
+Attention: masked SDPA over the staged slots with a dense step mask (the default), or, when
+`attention_impl` names a kernel step (core.attention.STEP_IMPLS: 'te', 'flash_attn'), a fused
+kernel reading the cache in place with per-row lengths instead of a mask (KERNELS.md 4).
+
 Shapes: N layers, B batch, G key/value heads, C capacity, D head dim, T step tokens.
 """
 
@@ -22,7 +26,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from setdiff_megatron.core.attention import staged_step_attention, step_attention_mask
+from setdiff_megatron.core.attention import (
+    STEP_IMPLS,
+    set_causal_step_attention,
+    staged_step_attention,
+    step_attention_mask,
+)
 
 __all__ = ["KVCache"]
 
@@ -37,33 +46,48 @@ class KVCache:
     step's commit slots; a caller that knows lengths.max() (the sampler) may lower it."""
     ragged: bool = False
     """Set once rows may differ in length; until then attention needs no key mask."""
+    attention_impl: str = "sdpa"
+    """Step attention: a name with a kernel step in core.attention.STEP_IMPLS ('te', 'flash_attn')
+    runs that kernel over the cache with per-row lengths; any other name, masked SDPA. Models
+    pass their attention_impl, 'auto' resolved for their device and dtype."""
     _step: tuple | None = field(default=None, repr=False)
-    """(attention mask, commit slots of ragged rows, commit counts) of the step in flight:
-    computed by layer 0, shared by the other layers, consumed by `advance`."""
+    """(attention mask or None on the kernel path, commit slots of ragged rows, commit counts) of
+    the step in flight: computed by layer 0, shared by the other layers, consumed by `advance`."""
 
     @classmethod
     def allocate(cls, *, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int,
-                 capacity: int, dtype: torch.dtype = torch.float32, device=None) -> "KVCache":
+                 capacity: int, dtype: torch.dtype = torch.float32, device=None,
+                 attention_impl: str = "sdpa") -> "KVCache":
         shape = (num_layers, batch_size, num_kv_heads, capacity, head_dim)
         return cls(
             keys=torch.zeros(shape, dtype=dtype, device=device),
             values=torch.zeros(shape, dtype=dtype, device=device),
             lengths=torch.zeros(batch_size, dtype=torch.long, device=device),
+            attention_impl=attention_impl,
         )
 
     @property
     def capacity(self) -> int:
         return self.keys.shape[3]
 
+    @property
+    def uses_kernel(self) -> bool:
+        """Whether attention runs a kernel step (lengths, no dense mask) rather than masked SDPA."""
+        return self.attention_impl in STEP_IMPLS
+
     def _plan_step(self, batch_size: int, num_commit: int, num_tokens: int,
                    commit_valid: torch.Tensor | None) -> tuple:
         device, key_mask, slots = self.lengths.device, None, None
+        counts = None if commit_valid is None else commit_valid.sum(1)
+        if self.ragged:
+            slots = self.lengths[:, None] + torch.arange(num_commit, device=device)
+        if self.uses_kernel:  # the kernel takes lengths (self.lengths, counts): no dense mask
+            return None, slots, counts
         if self.ragged:
             key_mask = torch.arange(self.length, device=device) < self.lengths[:, None]
-            slots = self.lengths[:, None] + torch.arange(num_commit, device=device)
         mask = step_attention_mask(batch_size, num_commit, num_tokens - num_commit, self.length,
                                    cache_mask=key_mask, commit_mask=commit_valid, device=device)
-        return mask, slots, None if commit_valid is None else commit_valid.sum(1)
+        return mask, slots, counts
 
     def attend(self, layer: int, q_BHTD: torch.Tensor, k_BGTD: torch.Tensor, v_BGTD: torch.Tensor, *,
                num_commit: int, commit_valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -71,7 +95,9 @@ class KVCache:
 
         The step's T tokens are staged in slots [length, length + T), behind every row's entries,
         so attention reads the cache in place rather than a per-layer copy of it; then, where rows
-        differ in length, the valid commits (a prefix of each row) move to the row's own end.
+        differ in length, the valid commits (a prefix of each row) move to the row's own end. On
+        the kernel path the cache part is slots [0, length) with each row's real entries a prefix
+        of lengths[b] (once ragged), and the staged commits a prefix of commit_valid's counts.
         """
         start, num_tokens = self.length, k_BGTD.shape[2]
         if start + num_tokens > self.capacity:
@@ -81,11 +107,18 @@ class KVCache:
             )
         if layer == 0:
             self._step = self._plan_step(q_BHTD.shape[0], num_commit, num_tokens, commit_valid)
-        mask, slots, _ = self._step
+        mask, slots, counts = self._step
         keys, values = self.keys[layer], self.values[layer]
         keys[:, :, start:start + num_tokens] = k_BGTD
         values[:, :, start:start + num_tokens] = v_BGTD
-        out = staged_step_attention(q_BHTD, keys[:, :, :start + num_tokens], values[:, :, :start + num_tokens], mask)
+        if mask is None:
+            out = set_causal_step_attention(
+                q_BHTD, keys[:, :, start:start + num_tokens], values[:, :, start:start + num_tokens],
+                keys[:, :, :start], values[:, :, :start], num_commit=num_commit, impl=self.attention_impl,
+                cache_len=self.lengths if self.ragged else None, commit_len=counts)
+        else:
+            out = staged_step_attention(q_BHTD, keys[:, :, :start + num_tokens], values[:, :, :start + num_tokens],
+                                        mask)
         if slots is not None:
             index = slots[:, None, :, None].expand(-1, k_BGTD.shape[1], -1, k_BGTD.shape[3])
             keys.scatter_(2, index, k_BGTD[:, :, :num_commit])
@@ -102,7 +135,7 @@ class KVCache:
     def select_rows(self, index: torch.Tensor) -> "KVCache":
         """A cache holding only the rows `index` (a copy): how the sampler retires finished rows."""
         return KVCache(keys=self.keys[:, index], values=self.values[:, index], lengths=self.lengths[index],
-                       length=self.length, ragged=self.ragged)
+                       length=self.length, ragged=self.ragged, attention_impl=self.attention_impl)
 
     def drop(self, start_B: torch.Tensor, count_B: torch.Tensor) -> None:
         """Remove entries [start, start + count) of each row, shifting its later entries left.

@@ -49,7 +49,7 @@ from setdiff_megatron.core.kv_cache import KVCache
 from setdiff_megatron.core.streams import TwoStreamBatch
 from setdiff_megatron.errors import UserError, require
 from setdiff_megatron.models.config import ModelConfig
-from setdiff_megatron.models.torch_model import Rotary
+from setdiff_megatron.models.torch_model import Rotary, cache_attention_impl
 from setdiff_megatron.models.weight_maps import BACKENDS, check_tp_split, padded_vocab_size, stage_layers
 
 __all__ = [
@@ -323,6 +323,7 @@ class SetDiffusionGPT(LanguageModule):
             num_layers=len(self.decoder.layers), batch_size=batch_size,
             num_kv_heads=self.model_cfg.num_kv_heads // self.tp_group.size(), head_dim=self.model_cfg.head_dim,
             capacity=capacity, dtype=weight.dtype, device=weight.device,
+            attention_impl=cache_attention_impl(self.model_cfg, weight),
         )
 
     def step(self, tokens: torch.Tensor, position_ids: torch.Tensor, cache: KVCache, num_commit: int,

@@ -28,9 +28,10 @@ from setdiff_megatron.core.kv_cache import KVCache
 from setdiff_megatron.core.loss import LossOutput, set_diffusion_loss
 from setdiff_megatron.core.orders import OrderPolicy
 from setdiff_megatron.core.streams import sample_two_stream_batch
+from setdiff_megatron.kernels import choose_attention_impl
 from setdiff_megatron.models.config import ModelConfig
 
-__all__ = ["SetDiffusionTransformer", "Rotary", "apply_rotary"]
+__all__ = ["SetDiffusionTransformer", "Rotary", "apply_rotary", "cache_attention_impl"]
 
 # attend(q [B, H, S, D], k [B, G, S, D], v [B, G, S, D]) -> [B, H, S, D]
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -54,6 +55,14 @@ def apply_rotary(x_BSHD: torch.Tensor, cos_BSd: torch.Tensor, sin_BSd: torch.Ten
     x1, x2 = x_BSHD.float().chunk(2, dim=-1)
     cos, sin = cos_BSd[:, :, None], sin_BSd[:, :, None]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x_BSHD)
+
+
+def cache_attention_impl(cfg: ModelConfig, weight: torch.Tensor) -> str:
+    """The KV cache's step attention: the model's attention_impl, 'auto' resolved for the weights'
+    device and dtype ('te'/'flash_attn' run a kernel step, the others masked SDPA)."""
+    if cfg.attention_impl != "auto":
+        return cfg.attention_impl
+    return choose_attention_impl(weight.device.type, weight.dtype, cfg.head_dim).impl
 
 
 class Attention(nn.Module):
@@ -172,6 +181,7 @@ class SetDiffusionTransformer(nn.Module):
         return KVCache.allocate(
             num_layers=self.config.num_layers, batch_size=batch_size, num_kv_heads=self.config.num_kv_heads,
             head_dim=self.config.head_dim, capacity=capacity, dtype=p.dtype, device=p.device,
+            attention_impl=cache_attention_impl(self.config, p),
         )
 
     def step(self, tokens: torch.Tensor, position_ids: torch.Tensor, cache: KVCache, num_commit: int,

@@ -121,7 +121,10 @@ class TrainSection(Section):
     """Global gradient-norm clip; 0 disables it."""
     precision: Literal["fp32", "bf16", "fp16"] = "bf16"
     fp8: Literal["e4m3", "hybrid"] | None = None
-    """FP8 GEMMs through Transformer Engine (GPU, backend 'te'); attention stays BF16."""
+    """FP8 GEMMs through Transformer Engine (GPU, backend 'te'). With fp8_recipe 'delayed' and
+    model.attention_impl 'te' (or 'auto' where it picks TE), set-causal attention runs in FP8 too
+    on sm90 at head dim 128 (sm100+: head dim <= 128; other shapes: an error under 'te', BF16
+    under 'auto'); otherwise attention is BF16."""
     fp8_recipe: Literal["delayed", "tensorwise"] = "delayed"
     seed: NonNegativeInt = 1234
     recompute: Literal["none", "selective", "full"] = "none"

@@ -2,7 +2,8 @@
 
 `validate_recipe` returns every violation, each as "key.path: what is wrong and what to do";
 `check_recipe` raises the first one as a RecipeError naming the recipe file. Hardware-dependent
-rules (FP8 and the TE backend need a GPU) are checked against the machine the run starts on.
+rules (FP8, the TE backend and the te/flash_attn attention kernels need a GPU) are checked
+against the machine the run starts on.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ __all__ = ["validate_recipe", "check_recipe", "check_engine_installed", "data_pa
 OFFLOAD_BYTES_PER_PARAM = 16
 # engine -> (module that must import, pip extra that provides it)
 ENGINE_EXTRAS = {"megatron": ("megatron.core", "megatron"), "deepspeed": ("deepspeed", "deepspeed")}
+# attention_impl names that run only on CUDA GPUs -> the library behind them
+GPU_ATTENTION = {"te": "Transformer Engine", "flash_attn": "flash-attn"}
 
 
 def data_parallel_size(recipe: Recipe, world_size: int) -> int:
@@ -135,6 +138,9 @@ def _train_rules(r: Recipe, has_gpu: bool) -> list[str]:
     if not has_gpu:
         if r.model.backend == "te":
             errors.append("model.backend: te (Transformer Engine) needs a GPU; use model.backend=local here")
+        if r.model.attention_impl in GPU_ATTENTION:
+            errors.append(f"model.attention_impl: {r.model.attention_impl} ({GPU_ATTENTION[r.model.attention_impl]}) "
+                          "needs a GPU; use model.attention_impl=auto here")
         if t.fp8 is not None:
             errors.append("train.fp8: FP8 needs a GPU with Transformer Engine; use train.fp8=null here")
         if r.launch.device == "cuda":
