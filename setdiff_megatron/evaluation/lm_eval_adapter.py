@@ -150,21 +150,22 @@ class SetDiffLM(LM):
             out.append((value, bool((greedy[row, span] == target).all())))
         return out
 
-    def _score(self, pairs: list[tuple[list[int], list[int]]], desc: str) -> list[tuple[float, bool]]:
+    def _score(self, pairs: list[tuple[list[int], list[int]]], desc: str,
+               disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         from tqdm import tqdm
 
         # Longest first: batches of similar lengths pad little, and a too-large batch fails first.
         order = sorted(range(len(pairs)), key=lambda i: -len(pairs[i][0]) - len(pairs[i][1]))
         out: list[tuple[float, bool] | None] = [None] * len(pairs)
         for first in tqdm(range(0, len(order), self.batch_size), desc=desc, unit="batch", file=sys.stderr,
-                          disable=self.rank != 0):
+                          disable=self.rank != 0 or disable_tqdm):
             chunk = order[first:first + self.batch_size]
             for i, result in zip(chunk, self._score_batch([pairs[i] for i in chunk])):
                 out[i] = result
         return out  # type: ignore[return-value]
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        return self._score([self._pair(*req.args) for req in requests], "loglikelihood")
+        return self._score([self._pair(*req.args) for req in requests], "loglikelihood", disable_tqdm)
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """Windows of max_length tokens; each token is scored once, with as much context as fits."""
@@ -177,7 +178,7 @@ class SetDiffLM(LM):
                 pairs.append((ids[max(0, end - self.max_length):start], ids[start:end]))
                 owner.append(n)
         totals = [0.0] * len(requests)
-        for n, (value, _) in zip(owner, self._score(pairs, "loglikelihood_rolling")):
+        for n, (value, _) in zip(owner, self._score(pairs, "loglikelihood_rolling", disable_tqdm)):
             totals[n] += value
         return totals
 

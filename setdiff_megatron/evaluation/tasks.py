@@ -28,7 +28,8 @@ from typing import Any
 from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.evaluation import scoring
-from setdiff_megatron.evaluation.records import WandbConfig, check_wandb, hardware, log_to_wandb, write_json, write_jsonl
+from setdiff_megatron.evaluation.records import (WandbConfig, check_wandb, hardware, log_to_wandb, write_json,
+                                                 write_jsonl)
 
 __all__ = ["METRICS", "PRIMARY", "GenerateJob", "TaskExample", "read_tasks", "score_completion",
            "summarize", "run_generate_job", "add_parser"]

@@ -125,7 +125,8 @@ def test_a_rerun_after_an_interruption_gives_the_same_metrics(trained_run, tasks
 @pytest.mark.multiproc
 def test_two_processes_give_what_one_process_gives(trained_run, tasks, one_process, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "setdiff_megatron.cli", "eval", "generate", str(trained_run),
-                           "--tasks", str(tasks[0]), "--metric", "rouge", "--out", str(tmp_path), "--nproc", "2", *ARGS],
+                           "--tasks", str(tasks[0]), "--metric", "rouge", "--out", str(tmp_path), "--nproc", "2",
+                           *ARGS],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = json.loads((tmp_path / "metrics.json").read_text())

@@ -149,7 +149,8 @@ def test_loglikelihood_rolling_scores_every_token_once(lm, monkeypatch):
 def test_generate_until_is_the_sampler_cut_at_the_stop_strings(lm):
     tok = lm.tokenizer
     contexts = ["def main(", "import os\n", "class A:\n"]
-    outputs = lm.generate_until(requests(*[(c, {"until": ["\n\n", "Question:"], "max_gen_toks": 10}) for c in contexts]))
+    gen_kwargs = {"until": ["\n\n", "Question:"], "max_gen_toks": 10}
+    outputs = lm.generate_until(requests(*[(c, gen_kwargs) for c in contexts]))
     cfg = DecodingConfig(window=4, threshold=0.9, max_new_tokens=10, eos_token_ids=(tok.eos_id,),
                          stop_sequences=(tuple(tok.encode("\n\n")), tuple(tok.encode("Question:"))))
     rows = SetSampler(lm.model, mask_token_id=tok.mask_id, context_len=lm.max_length).generate(
@@ -166,7 +167,8 @@ def mc_accuracy(lm) -> float:
     """Multiple choice by hand: the choice of highest log-likelihood (after lm-eval's " " delimiter)."""
     picks = []
     for doc in DOCS:
-        scores = lm.loglikelihood(requests(*[(f"Question: {doc['question']}\nAnswer:", f" {c}") for c in doc["choices"]]))
+        context = f"Question: {doc['question']}\nAnswer:"
+        scores = lm.loglikelihood(requests(*[(context, f" {c}") for c in doc["choices"]]))
         picks.append(max(range(3), key=lambda i: scores[i][0]) == doc["label"])
     return sum(picks) / len(picks)
 

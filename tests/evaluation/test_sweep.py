@@ -155,7 +155,8 @@ def test_wandb_logging_is_offline_by_default(monkeypatch, tmp_path):
     assert calls[0] == ("init", {"project": "proj", "name": None, "mode": "offline", "job_type": "eval-sweep",
                                  "config": {"a": 1}, "dir": str(tmp_path), "reinit": True})
     assert calls[1] == ("log", {"score": 0.5, "tokens_per_s": 10.0}, 0)
-    assert calls[3][1]["points"] == ("table", ["point", "score", "tokens_per_s"], [["ar", 0.5, 10.0], ["w4", 0.4, 20.0]])
+    table = ("table", ["point", "score", "tokens_per_s"], [["ar", 0.5, 10.0], ["w4", 0.4, 20.0]])
+    assert calls[3][1]["points"] == table
     assert Run.summary == {"num_points": 2} and calls[-1] == ("finish",)
     log_to_wandb(WandbConfig(None), job_type="x", config={}, summary={})  # no project: nothing happens
     assert len(calls) == 5
