@@ -21,7 +21,7 @@ from torch import nn
 
 from setdiff_megatron.recipes.schema import Recipe
 
-__all__ = ["deepspeed_config", "param_groups", "build_optimizer", "build_lr_scheduler"]
+__all__ = ["deepspeed_config", "param_groups", "build_optimizer"]
 
 # megatron-core's fp16 loss scaling (OptimizerConfig): initial 2**32, window 1000, hysteresis 2.
 FP16_LOSS_SCALING = {"loss_scale": 0, "initial_scale_power": 32, "loss_scale_window": 1000, "hysteresis": 2,
@@ -72,21 +72,3 @@ def build_optimizer(recipe: Recipe, model: nn.Module) -> torch.optim.Optimizer:
     # OptimizerConfig.sgd_momentum is a dataclass default: megatron's momentum, read from megatron.
     return torch.optim.SGD(param_groups(model), lr=t.lr, weight_decay=t.weight_decay,
                            momentum=OptimizerConfig.sgd_momentum)
-
-
-def build_lr_scheduler(recipe: Recipe, optimizer, total_steps: int):
-    """megatron-core's scheduler with the megatron engine's arguments. It sets every param
-    group's LR and weight decay at construction (step 0) and at each `step(increment=1)`."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    t = recipe.train
-    warmup = min(t.warmup_steps, total_steps - 1)  # megatron needs warmup < decay steps
-    return OptimizerParamScheduler(
-        optimizer, init_lr=0.0 if warmup else t.lr, max_lr=t.lr, min_lr=t.min_lr, lr_warmup_steps=warmup,
-        lr_decay_steps=total_steps, lr_decay_style={"wsd": "WSD"}.get(t.schedule, t.schedule),
-        start_wd=t.weight_decay, end_wd=t.weight_decay, wd_incr_steps=total_steps, wd_incr_style="constant",
-        wsd_decay_steps=max(1, int(t.decay_fraction * total_steps)) if t.schedule == "wsd" else None,
-        lr_wsd_decay_style="linear" if t.schedule == "wsd" else None,
-        # The recipe's schedule wins over a resumed checkpoint's; the checkpoint gives the step.
-        override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=False,
-    )

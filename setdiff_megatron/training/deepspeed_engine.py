@@ -38,13 +38,13 @@ from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 from setdiff_megatron.recipes import Recipe, save_resolved_recipe
 from setdiff_megatron.recipes.validation import check_recipe
-from setdiff_megatron.training import checkpointing, deepspeed_checkpointing, signals
+from setdiff_megatron.training import checkpointing, deepspeed_checkpointing, lr_schedule, signals
 from setdiff_megatron.training.data_pipeline import DataLoaders, prepare_data
-from setdiff_megatron.training.deepspeed_config import build_lr_scheduler, build_optimizer, deepspeed_config
+from setdiff_megatron.training.deepspeed_config import build_optimizer, deepspeed_config
 from setdiff_megatron.training.deepspeed_runtime import import_deepspeed, init_distributed
 # The two engines must agree on the step count (it shapes the LR schedule) and report alike.
-from setdiff_megatron.training.megatron_engine import TrainResult, _memory_gb, _total_steps
-from setdiff_megatron.training.metrics import MetricsLogger, peak_flops, training_flops_per_token
+from setdiff_megatron.training.megatron_engine import TrainResult
+from setdiff_megatron.training.metrics import MetricsLogger, peak_flops, step_metrics, training_flops_per_token
 
 __all__ = ["train", "build_model", "build_engine", "TrainStep"]
 
@@ -172,7 +172,7 @@ def train(recipe: Recipe, recipe_path: str | Path = "<recipe>") -> TrainResult:
 
 def _train(deepspeed, recipe: Recipe, world: int, preemption: signals.PreemptionHandler) -> TrainResult:
     rank, run_dir = dist.get_rank(), Path(recipe.checkpoint.dir)
-    total_steps = _total_steps(recipe)
+    total_steps = lr_schedule.total_steps(recipe)
     gbs, seq_len = recipe.parallel.global_batch_size, recipe.data.seq_len
 
     if rank == 0:
@@ -186,7 +186,7 @@ def _train(deepspeed, recipe: Recipe, world: int, preemption: signals.Preemption
     if resumed is None and recipe.model.init_from:
         initialize_from(model, recipe.model.init_from, model_cfg, data.tokenizer)
     engine = build_engine(deepspeed, recipe, model, world)
-    scheduler = build_lr_scheduler(recipe, engine.optimizer, total_steps)
+    scheduler = lr_schedule.build_lr_scheduler(recipe, engine.optimizer, total_steps)
     state = checkpointing.TrainState()
     if resumed is not None:
         deepspeed_checkpointing.load(resumed, recipe, engine, scheduler, state)
@@ -249,14 +249,11 @@ def _train(deepspeed, recipe: Recipe, world: int, preemption: signals.Preemption
             result.final_train_loss = loss
             logger.advance()
             if state.step % recipe.log.interval == 0 or state.step == total_steps:
-                tps = gbs * seq_len / elapsed
-                metrics = {"train/loss": loss, "train/lr": scheduler.get_lr(engine.optimizer.param_groups[0]),
-                           "perf/tokens_per_s": tps, "perf/step_time_s": elapsed,
-                           "perf/tflops": flops_per_token * tps / world / 1e12, "perf/memory_gb": _memory_gb()}
+                metrics = step_metrics(loss=loss, lr=scheduler.get_lr(engine.optimizer.param_groups[0]),
+                                       step_time_s=elapsed, tokens=gbs * seq_len, flops_per_token=flops_per_token,
+                                       world_size=world, peak=peak)
                 if engine.get_global_grad_norm() is not None:  # stage 0 in fp32 does not report it
                     metrics["train/grad_norm"] = float(engine.get_global_grad_norm())
-                if peak:
-                    metrics["perf/mfu"] = flops_per_token * tps / world / peak
                 logger.log(state.step, metrics)
             if state.step % recipe.eval.interval == 0 or state.step == total_steps:
                 valid = evaluate()

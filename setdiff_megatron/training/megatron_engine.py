@@ -28,10 +28,10 @@ import torch.distributed as dist
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.recipes import Recipe, save_resolved_recipe
 from setdiff_megatron.recipes.validation import check_recipe, data_parallel_size
-from setdiff_megatron.training import checkpointing, signals
+from setdiff_megatron.training import checkpointing, lr_schedule, signals
 from setdiff_megatron.training.data_pipeline import DataLoaders, prepare_data
 from setdiff_megatron.training.megatron_cpu import auto_cpu_mode, dist_backend, model_parallel_seed, quiet_known_warnings
-from setdiff_megatron.training.metrics import MetricsLogger, peak_flops, training_flops_per_token
+from setdiff_megatron.training.metrics import MetricsLogger, peak_flops, step_metrics, training_flops_per_token
 
 __all__ = ["train", "TrainResult"]
 
@@ -64,12 +64,6 @@ def _init_distributed(recipe: Recipe) -> None:
     model_parallel_seed(recipe.train.seed)
 
 
-def _total_steps(recipe: Recipe) -> int:
-    if recipe.train.steps is not None:
-        return recipe.train.steps
-    return math.ceil(recipe.train.tokens / (recipe.parallel.global_batch_size * recipe.data.seq_len))
-
-
 def build_model(recipe: Recipe, model_cfg):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
@@ -96,7 +90,6 @@ def build_model(recipe: Recipe, model_cfg):
 
 def build_optimizer(recipe: Recipe, chunks, total_steps: int):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     t = recipe.train
     opt_config = OptimizerConfig(
@@ -106,18 +99,7 @@ def build_optimizer(recipe: Recipe, chunks, total_steps: int):
         params_dtype=PRECISION[t.precision], use_distributed_optimizer=recipe.parallel.distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(opt_config, chunks)
-    warmup = min(t.warmup_steps, total_steps - 1)  # megatron needs warmup < decay steps
-    decay_style = {"cosine": "cosine", "constant": "constant", "linear": "linear", "wsd": "WSD"}[t.schedule]
-    scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0 if warmup else t.lr, max_lr=t.lr, min_lr=t.min_lr, lr_warmup_steps=warmup,
-        lr_decay_steps=total_steps, lr_decay_style=decay_style, start_wd=t.weight_decay,
-        end_wd=t.weight_decay, wd_incr_steps=total_steps, wd_incr_style="constant",
-        wsd_decay_steps=max(1, int(t.decay_fraction * total_steps)) if t.schedule == "wsd" else None,
-        lr_wsd_decay_style="linear" if t.schedule == "wsd" else None,
-        # The recipe's schedule wins over a resumed checkpoint's (so a run can be extended by
-        # raising train.steps); the checkpoint only supplies how many steps were taken.
-        override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=False,
-    )
+    scheduler = lr_schedule.build_lr_scheduler(recipe, optimizer, total_steps)
     return optimizer, scheduler
 
 
@@ -157,14 +139,6 @@ def _global_loss(local: torch.Tensor) -> torch.Tensor:
     return total / parallel_state.get_tensor_model_parallel_world_size()
 
 
-def _memory_gb() -> float:
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**30
-    import psutil
-
-    return psutil.Process().memory_info().rss / 2**30
-
-
 def train(recipe: Recipe, recipe_path: str | Path = "<recipe>") -> TrainResult:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     check_recipe(recipe, recipe_path, world_size=world)
@@ -188,7 +162,7 @@ def _train(recipe: Recipe, world: int, preemption: signals.PreemptionHandler) ->
 
     rank, run_dir = dist.get_rank(), Path(recipe.checkpoint.dir)
     is_logger = rank == world - 1  # a last pipeline stage, where the loss lives
-    total_steps = _total_steps(recipe)
+    total_steps = lr_schedule.total_steps(recipe)
     dp_size, dp_rank = data_parallel_size(recipe, world), parallel_state.get_data_parallel_rank()
     gbs, seq_len = recipe.parallel.global_batch_size, recipe.data.seq_len
 
@@ -265,13 +239,10 @@ def _train(recipe: Recipe, world: int, preemption: signals.PreemptionHandler) ->
             result.final_train_loss = loss
             logger.advance()
             if state.step % recipe.log.interval == 0 or state.step == total_steps:
-                tps = gbs * seq_len / elapsed
-                metrics = {"train/loss": loss, "train/lr": scheduler.get_lr(optimizer.param_groups[0]),
-                           "train/grad_norm": float(grad_norm or 0.0), "perf/tokens_per_s": tps,
-                           "perf/step_time_s": elapsed, "perf/tflops": flops_per_token * tps / world / 1e12,
-                           "perf/memory_gb": _memory_gb()}
-                if peak:
-                    metrics["perf/mfu"] = flops_per_token * tps / world / peak
+                metrics = step_metrics(loss=loss, lr=scheduler.get_lr(optimizer.param_groups[0]), step_time_s=elapsed,
+                                       tokens=gbs * seq_len, flops_per_token=flops_per_token, world_size=world,
+                                       peak=peak)
+                metrics["train/grad_norm"] = float(grad_norm or 0.0)
                 logger.log(state.step, metrics)
             if state.step % recipe.eval.interval == 0 or state.step == total_steps:
                 valid = evaluate()

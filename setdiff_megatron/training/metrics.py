@@ -18,7 +18,7 @@ from setdiff_megatron.errors import require
 from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.recipes.schema import LogSection
 
-__all__ = ["MetricsLogger", "training_flops_per_token", "peak_flops"]
+__all__ = ["MetricsLogger", "training_flops_per_token", "peak_flops", "memory_gb", "step_metrics"]
 
 
 def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -102,3 +102,27 @@ class MetricsLogger:
 
 
 _BAR_KEYS = ("train/loss", "valid/loss", "train/lr", "perf/tokens_per_s")
+
+
+def memory_gb() -> float:
+    """Peak GPU memory of this process, or its resident host memory on a CPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**30
+
+
+def step_metrics(*, loss: float, lr: float, step_time_s: float, tokens: int, flops_per_token: float,
+                 world_size: int, peak: float | None) -> dict[str, float]:
+    """What both engines log for an optimizer step: loss, LR, throughput, TFLOP/s and MFU per
+    process, memory."""
+    tps = tokens / step_time_s
+    tflops = flops_per_token * tps / world_size
+    metrics = {"train/loss": loss, "train/lr": lr, "perf/tokens_per_s": tps, "perf/step_time_s": step_time_s,
+               "perf/tflops": tflops / 1e12, "perf/memory_gb": memory_gb()}
+    if peak:
+        metrics["perf/mfu"] = tflops / peak
+    return metrics

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from setdiff_megatron.models.weight_maps import torch_to_megatron
 from setdiff_megatron.recipes import load_recipe
-from setdiff_megatron.training import deepspeed_engine, megatron_engine
+from setdiff_megatron.training import deepspeed_engine, lr_schedule, megatron_engine
 from setdiff_megatron.training.data_pipeline import DataLoaders, prepare_data
 from setdiff_megatron.training.megatron_cpu import auto_cpu_mode
 from tests.megatron.cases import ROOT
@@ -55,7 +55,7 @@ def main(out: Path, overrides: list[str]) -> None:
     auto_cpu_mode()
     megatron_engine._init_distributed(recipe)
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), dist.get_world_size()
-    steps = megatron_engine._total_steps(recipe)
+    steps = lr_schedule.total_steps(recipe)
     gbs, mbs = recipe.parallel.global_batch_size, recipe.parallel.micro_batch_size
     data = prepare_data(recipe, num_train_samples=steps * gbs, num_valid_samples=recipe.eval.batches * mbs * dp_size,
                         is_first_rank=dist.get_rank() == 0, barrier=dist.barrier)

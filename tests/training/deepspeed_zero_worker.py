@@ -23,7 +23,8 @@ from setdiff_megatron.core.loss import set_diffusion_loss
 from setdiff_megatron.recipes import load_recipe
 from setdiff_megatron.training.checkpointing import TrainState
 from setdiff_megatron.training.deepspeed_checkpointing import consolidated_state_dict, load, save
-from setdiff_megatron.training.deepspeed_config import build_lr_scheduler, build_optimizer
+from setdiff_megatron.training.deepspeed_config import build_optimizer
+from setdiff_megatron.training.lr_schedule import build_lr_scheduler
 from setdiff_megatron.training.deepspeed_engine import TrainStep, build_engine, build_model
 from setdiff_megatron.training.deepspeed_runtime import import_deepspeed, init_distributed
 from tests.conftest import debug_config
