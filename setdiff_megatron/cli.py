@@ -86,7 +86,7 @@ def _checkpoint_inspect(args: argparse.Namespace) -> int:
 
 
 def _sample(args: argparse.Namespace) -> int:
-    from setdiff_megatron.inference.cli_args import decoding_from_args, relaunch
+    from setdiff_megatron.inference.cli_args import decoding_from_args, placement_from_args, relaunch
     from setdiff_megatron.inference.job import SampleJob, run_sample_job
 
     code = relaunch(args)
@@ -94,9 +94,8 @@ def _sample(args: argparse.Namespace) -> int:
         return code
     return run_sample_job(SampleJob(
         source=args.source, prompts=args.prompts, out=args.out, decoding=decoding_from_args(args),
-        batch_size=args.batch_size, tp=args.tp, shard=args.shard, num_shards=args.num_shards, device=args.device,
-        dtype=args.dtype, add_bos=args.add_bos, context_len=args.context_len, stop_at_eos=not args.ignore_eos,
-        progress=not args.no_progress))
+        placement=placement_from_args(args), add_bos=args.add_bos, context_len=args.context_len,
+        stop_at_eos=not args.ignore_eos))
 
 
 def _add_sample_parser(sub) -> None:

@@ -20,12 +20,13 @@ import ast
 import csv
 import json
 import sys
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.evaluation.scoring import ROUGE_KEYS, exact_match, rouge
+from setdiff_megatron.inference.sharding import Placement
 
 __all__ = ["InfillExample", "rocstories_examples", "code_examples", "InfillJob", "run_infill_job", "add_parser"]
 
@@ -116,14 +117,8 @@ class InfillJob:
     """The ROCStories cloze CSV (task rocstories)."""
     targets: int = 1
     max_examples: int | None = None
-    batch_size: int = 16
-    tp: int = 1
-    shard: int | None = None
-    num_shards: int | None = None
-    device: str = "auto"
-    dtype: str | None = None
+    placement: Placement = field(default_factory=Placement)
     add_bos: bool | None = None
-    progress: bool = True
 
 
 def _examples(job: InfillJob) -> list[InfillExample]:
@@ -207,7 +202,7 @@ def run_infill_job(job: InfillJob) -> dict | None:
 
     out = Path(job.out)
     prompts = out / "prompts.jsonl"
-    ranks = init_ranks(job.tp)
+    ranks = init_ranks(job.placement.tp)
     if ranks.rank == 0:
         written, skipped = _write_prompts(job, prompts)
         (out / "prompts.info.json").write_text(json.dumps({"examples": written, "skipped_too_long": skipped}))
@@ -215,9 +210,8 @@ def run_infill_job(job: InfillJob) -> dict | None:
     samples = out / "samples.jsonl"
     run_sample_job(SampleJob(
         source=job.source, prompts=str(prompts), out=str(samples), decoding=replace(job.decoding, max_new_tokens=0),
-        batch_size=job.batch_size, tp=job.tp, shard=job.shard, num_shards=job.num_shards, device=job.device,
-        dtype=job.dtype, add_bos=job.add_bos, stop_at_eos=False, progress=job.progress))
-    if ranks.rank != 0 or job.shard is not None:
+        placement=job.placement, add_bos=job.add_bos, stop_at_eos=False))
+    if ranks.rank != 0 or job.placement.shard is not None:
         return None
     records = [json.loads(line) for line in samples.read_text(encoding="utf-8").splitlines()]
     info = json.loads((out / "prompts.info.json").read_text())
@@ -237,16 +231,15 @@ def run_infill_job(job: InfillJob) -> dict | None:
 
 
 def _run(args) -> int:
-    from setdiff_megatron.inference.cli_args import decoding_from_args, relaunch
+    from setdiff_megatron.inference.cli_args import decoding_from_args, placement_from_args, relaunch
 
     code = relaunch(args)
     if code is not None:
         return code
     run_infill_job(InfillJob(
         source=args.source, task=args.task, out=args.out, decoding=decoding_from_args(args), data=args.data,
-        targets=args.targets, max_examples=args.max_examples, batch_size=args.batch_size, tp=args.tp,
-        shard=args.shard, num_shards=args.num_shards, device=args.device, dtype=args.dtype, add_bos=args.add_bos,
-        progress=not args.no_progress))
+        targets=args.targets, max_examples=args.max_examples, placement=placement_from_args(args),
+        add_bos=args.add_bos))
     return 0
 
 

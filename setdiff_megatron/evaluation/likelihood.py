@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -30,7 +30,7 @@ from setdiff_megatron.core.streams import sample_two_stream_batch
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.inference.loading import SamplingModel, init_ranks, load_sampling_model
 from setdiff_megatron.inference.results import ShardedResults
-from setdiff_megatron.inference.sharding import Shard, check_shard_options
+from setdiff_megatron.inference.sharding import Placement, Shard
 
 __all__ = ["LikelihoodJob", "run_likelihood_job", "read_documents", "summarize", "add_parser"]
 
@@ -52,13 +52,7 @@ class LikelihoodJob:
     """None: the model's max_seq_len."""
     max_docs: int | None = None
     seed: int = 0
-    batch_size: int = 16
-    tp: int = 1
-    shard: int | None = None
-    num_shards: int | None = None
-    device: str = "auto"
-    dtype: str | None = None
-    progress: bool = True
+    placement: Placement = field(default_factory=Placement)
 
 
 @dataclass(frozen=True)
@@ -181,12 +175,13 @@ def summarize(records: list[dict]) -> dict:
 
 def run_likelihood_job(job: LikelihoodJob) -> dict | None:
     """Returns the summary on the rank that merged (None elsewhere, or for an explicit shard)."""
-    check_shard_options(job.shard, job.num_shards, job.batch_size)
+    place = job.placement
+    place.check()
     if job.num_orders < 1:
         raise UserError(f"--num-orders must be >= 1; got {job.num_orders}")
-    ranks = init_ranks(job.tp)
+    ranks = init_ranks(place.tp)
     docs = read_documents(job.data, job.max_docs)
-    sm = load_sampling_model(job.source, ranks, device=job.device, dtype=job.dtype)
+    sm = load_sampling_model(job.source, ranks, device=place.device, dtype=place.dtype)
     seq_len = job.seq_len or sm.config.max_seq_len
     if not 1 <= seq_len <= sm.config.max_seq_len:
         raise UserError(f"--seq-len must be in [1, {sm.config.max_seq_len}] (the model's max_seq_len); got {seq_len}")
@@ -203,15 +198,15 @@ def run_likelihood_job(job: LikelihoodJob) -> dict | None:
     if ranks.rank == 0:
         results.start()
     ranks.barrier()
-    shard = Shard.of(ranks, job.shard, job.num_shards)
+    shard = Shard.of(ranks, place)
     writer = results.part(shard.name) if ranks.writes else None
-    batches = shard.batches(len(windows), job.batch_size, results.done())
+    batches = shard.batches(len(windows), place.batch_size, results.done())
     device = next(sm.model.parameters()).device
 
     from tqdm import tqdm
 
     for _, todo in tqdm(batches, desc="likelihood", unit="batch", file=sys.stderr,
-                        disable=not (job.progress and ranks.rank == 0)):
+                        disable=not (place.progress and ranks.rank == 0)):
         chunk = [windows[i] for i in todo]
         nll = window_nll(sm.model, chunk, policy, mask_token_id=sm.tokenizer.mask_id, keep_clean_bos=sm.add_bos,
                          num_orders=job.num_orders, seed=job.seed, device=device)
@@ -219,9 +214,9 @@ def run_likelihood_job(job: LikelihoodJob) -> dict | None:
             writer.write([{"index": w.index, "nll": values, "num_tokens": _num_targets(w, sm.add_bos),
                            "num_bytes": w.num_bytes} for w, values in zip(chunk, nll)])
     ranks.barrier()
-    if ranks.rank != 0 or job.shard is not None:
-        if job.shard is not None and ranks.rank == 0:
-            print(f"setdiff: likelihood shard {job.shard} of {job.num_shards} done; rerun without --shard to merge",
+    if ranks.rank != 0 or place.shard is not None:
+        if place.shard is not None and ranks.rank == 0:
+            print(f"setdiff: likelihood shard {place.shard} of {place.num_shards} done; rerun without --shard to merge",
                   file=sys.stderr)
         return None
     missing = results.merge(len(windows))
@@ -238,16 +233,14 @@ def run_likelihood_job(job: LikelihoodJob) -> dict | None:
 
 
 def _run(args) -> int:
-    from setdiff_megatron.inference.cli_args import relaunch
+    from setdiff_megatron.inference.cli_args import placement_from_args, relaunch
 
     code = relaunch(args)
     if code is not None:
         return code
     run_likelihood_job(LikelihoodJob(
         source=args.source, data=args.data, out=args.out, order=args.order, d=args.d, num_orders=args.num_orders,
-        seq_len=args.seq_len, max_docs=args.max_docs, seed=args.seed, batch_size=args.batch_size, tp=args.tp,
-        shard=args.shard, num_shards=args.num_shards, device=args.device, dtype=args.dtype,
-        progress=not args.no_progress))
+        seq_len=args.seq_len, max_docs=args.max_docs, seed=args.seed, placement=placement_from_args(args)))
     return 0
 
 

@@ -17,7 +17,7 @@ import itertools
 import json
 import os
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -29,6 +29,7 @@ from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.evaluation.records import WandbConfig, check_wandb, log_to_wandb, write_jsonl
 from setdiff_megatron.evaluation.tasks import GenerateJob, read_tasks, run_generate_job
+from setdiff_megatron.inference.sharding import Placement
 
 __all__ = ["SweepSpec", "SweepPoint", "load_spec", "expand_points", "pareto_front", "run_sweep", "add_parser"]
 
@@ -228,10 +229,10 @@ def _row(checkpoint: str, source: str, point: SweepPoint, metrics: dict, out: Pa
     }
 
 
-def run_sweep(spec_path: str | Path, *, out: str | None = None, tp: int = 1, shard: int | None = None,
-              num_shards: int | None = None, device: str = "auto", dtype: str | None = None, progress: bool = True,
+def run_sweep(spec_path: str | Path, *, out: str | None = None, placement: Placement = Placement(),
               wandb: WandbConfig = WandbConfig()) -> list[dict] | None:
-    """Run every point not yet scored; returns the rows on the process that merged (None elsewhere)."""
+    """Run every point not yet scored; returns the rows on the process that merged (None elsewhere).
+    The spec's batch size wins over the placement's: it is part of what a point measures."""
     spec = load_spec(spec_path)
     points = expand_points(spec, spec_path)
     read_tasks(spec.task)
@@ -239,14 +240,15 @@ def run_sweep(spec_path: str | Path, *, out: str | None = None, tp: int = 1, sha
     out_dir = Path(out or spec.out)
     main = int(os.environ.get("RANK", "0")) == 0
     rows, total = [], len(spec.checkpoints) * len(points)
+    placement = replace(placement, batch_size=spec.batch_size)
+    shard, num_shards = placement.shard, placement.num_shards
     for n, ((ckpt, source), point) in enumerate(itertools.product(spec.checkpoints.items(), points), start=1):
         point_dir = out_dir / "points" / ckpt / point.name
         if main:
             print(f"setdiff: sweep point {n}/{total}: {ckpt} {point.name}", file=sys.stderr)
         metrics = run_generate_job(GenerateJob(
             source=source, tasks=spec.task, out=str(point_dir), metric=spec.metric, decoding=point.decoding,
-            stop=tuple(spec.stop), batch_size=spec.batch_size, tp=tp, shard=shard, num_shards=num_shards,
-            device=device, dtype=dtype, add_bos=spec.add_bos, context_len=spec.context_len, progress=progress))
+            stop=tuple(spec.stop), placement=placement, add_bos=spec.add_bos, context_len=spec.context_len))
         if metrics is not None:
             rows.append(_row(ckpt, source, point, metrics, point_dir))
     if shard is not None or not main:
@@ -266,7 +268,7 @@ def run_sweep(spec_path: str | Path, *, out: str | None = None, tp: int = 1, sha
 
 def _run(args) -> int:
     from setdiff_megatron.evaluation.tasks import wandb_from_args
-    from setdiff_megatron.inference.cli_args import relaunch
+    from setdiff_megatron.inference.cli_args import placement_from_args, relaunch
 
     spec = load_spec(args.spec)  # bad input fails once, before processes start
     points = expand_points(spec, args.spec)
@@ -281,27 +283,19 @@ def _run(args) -> int:
     code = relaunch(args)
     if code is not None:
         return code
-    run_sweep(args.spec, out=args.out, tp=args.tp, shard=args.shard, num_shards=args.num_shards, device=args.device,
-              dtype=args.dtype, progress=not args.no_progress, wandb=wandb_from_args(args))
+    run_sweep(args.spec, out=args.out, placement=placement_from_args(args), wandb=wandb_from_args(args))
     return 0
 
 
 def add_parser(jobs) -> None:
     from setdiff_megatron.evaluation.tasks import add_wandb_arguments
+    from setdiff_megatron.inference.cli_args import add_job_arguments
 
     parser = jobs.add_parser("sweep", help="speed-quality sweep over decoding settings (JSONL, table, Pareto plot)",
                              description=__doc__.split("\n\n")[1].replace("\n", " "))
     parser.add_argument("spec", help="a sweep spec (YAML), e.g. recipes/eval/sweep-tiny.yaml")
     parser.add_argument("--out", default=None, help="output directory (default: the spec's out)")
     parser.add_argument("--dry-run", action="store_true", help="check the spec and print its points")
-    group = parser.add_argument_group("processes")
-    group.add_argument("--nproc", type=int, default=1, help="start this many local processes (torchrun)")
-    group.add_argument("--tp", type=int, default=1, help="tensor-parallel size (megatron model)")
-    group.add_argument("--shard", type=int, default=None, help="do only this shard of every point "
-                       "(e.g. $SLURM_ARRAY_TASK_ID)")
-    group.add_argument("--num-shards", type=int, default=None, help="number of explicit shards")
-    group.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    group.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"])
-    group.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_job_arguments(parser, source=False, batch_size=False)  # the spec names the checkpoints and batch size
     add_wandb_arguments(parser)
     parser.set_defaults(func=_run)

@@ -30,6 +30,7 @@ from setdiff_megatron.errors import UserError
 from setdiff_megatron.evaluation import scoring
 from setdiff_megatron.evaluation.records import (WandbConfig, check_wandb, hardware, log_to_wandb, write_json,
                                                  write_jsonl)
+from setdiff_megatron.inference.sharding import Placement
 
 __all__ = ["METRICS", "PRIMARY", "GenerateJob", "TaskExample", "read_tasks", "score_completion",
            "summarize", "run_generate_job", "add_parser"]
@@ -58,16 +59,10 @@ class GenerateJob:
     decoding: DecodingConfig
     stop: tuple[str, ...] = ()
     """Completions are cut before the first of these strings (and decoding stops there, best effort)."""
-    batch_size: int = 16
-    tp: int = 1
-    shard: int | None = None
-    num_shards: int | None = None
-    device: str = "auto"
-    dtype: str | None = None
+    placement: Placement = field(default_factory=Placement)
     add_bos: bool | None = None
     context_len: int | None = None
     stop_at_eos: bool = True
-    progress: bool = True
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
@@ -161,8 +156,8 @@ def _settings(job: GenerateJob) -> dict[str, Any]:
     return json.loads(json.dumps({
         "source": str(Path(job.source).resolve()), "tasks": str(Path(job.tasks).resolve()),
         "tasks_sha256": _sha256(job.tasks), "metric": job.metric, "stop": list(job.stop),
-        "decoding": asdict(job.decoding), "batch_size": job.batch_size, "add_bos": job.add_bos,
-        "context_len": job.context_len, "stop_at_eos": job.stop_at_eos, "dtype": job.dtype,
+        "decoding": asdict(job.decoding), "batch_size": job.placement.batch_size, "add_bos": job.add_bos,
+        "context_len": job.context_len, "stop_at_eos": job.stop_at_eos, "dtype": job.placement.dtype,
     }))
 
 
@@ -180,6 +175,7 @@ def finished(out: str | Path, settings: dict[str, Any]) -> dict[str, Any] | None
 
 def _check(job: GenerateJob) -> None:
     check_metric(job.metric)
+    job.placement.check()
     if any(not s for s in job.stop):
         raise UserError("--stop strings must not be empty")
     check_wandb(job.wandb)
@@ -194,15 +190,15 @@ def score_job(job: GenerateJob, settings: dict[str, Any]) -> dict[str, Any]:
     examples = read_tasks(job.tasks)
     scored = []
     for record in tqdm(generations, desc="scoring", unit="example", file=sys.stderr,
-                       disable=not job.progress or len(generations) < 256):
+                       disable=not job.placement.progress or len(generations) < 256):
         scores = score_completion(job.metric, record["completion"], examples[record["index"]].references, job.stop)
         scored.append({**record, "references": list(examples[record["index"]].references), **scores})
     write_jsonl(out / SCORED, scored)
     metrics = {
         "task": str(job.tasks), "metric": job.metric, "source": str(job.source),
-        **summarize(scored, job.metric, job.batch_size),
-        "batch_size": job.batch_size, "decoding": asdict(job.decoding), "stop": list(job.stop),
-        "hardware": hardware(job.device), "settings": settings,
+        **summarize(scored, job.metric, job.placement.batch_size),
+        "batch_size": job.placement.batch_size, "decoding": asdict(job.decoding), "stop": list(job.stop),
+        "hardware": hardware(job.placement.device), "settings": settings,
     }
     write_json(out / SUMMARY, metrics)
     return json.loads(json.dumps(metrics))  # as it reads back from disk
@@ -230,10 +226,9 @@ def run_generate_job(job: GenerateJob) -> dict[str, Any] | None:
         return done
     run_sample_job(SampleJob(
         source=job.source, prompts=job.tasks, out=str(Path(job.out) / GENERATIONS), decoding=job.decoding,
-        batch_size=job.batch_size, tp=job.tp, shard=job.shard, num_shards=job.num_shards, device=job.device,
-        dtype=job.dtype, add_bos=job.add_bos, context_len=job.context_len, stop_at_eos=job.stop_at_eos,
-        stop=job.stop, progress=job.progress))
-    if job.shard is not None or int(os.environ.get("RANK", "0")) != 0:
+        placement=job.placement, add_bos=job.add_bos, context_len=job.context_len, stop_at_eos=job.stop_at_eos,
+        stop=job.stop))
+    if job.placement.shard is not None or int(os.environ.get("RANK", "0")) != 0:
         return None
     metrics = score_job(job, settings)
     print(f"setdiff: {_describe(metrics)}; {Path(job.out) / SUMMARY}", file=sys.stderr)
@@ -257,7 +252,7 @@ def wandb_from_args(args) -> WandbConfig:
 
 
 def _run(args) -> int:
-    from setdiff_megatron.inference.cli_args import decoding_from_args, relaunch
+    from setdiff_megatron.inference.cli_args import decoding_from_args, placement_from_args, relaunch
 
     # Bad input fails here, once, rather than in every launched process.
     read_tasks(args.tasks)
@@ -267,9 +262,8 @@ def _run(args) -> int:
         return code
     run_generate_job(GenerateJob(
         source=args.source, tasks=args.tasks, out=args.out, metric=args.metric, decoding=decoding_from_args(args),
-        stop=tuple(args.stop), batch_size=args.batch_size, tp=args.tp, shard=args.shard, num_shards=args.num_shards,
-        device=args.device, dtype=args.dtype, add_bos=args.add_bos, context_len=args.context_len,
-        stop_at_eos=not args.ignore_eos, progress=not args.no_progress, wandb=wandb_from_args(args)))
+        stop=tuple(args.stop), placement=placement_from_args(args), add_bos=args.add_bos,
+        context_len=args.context_len, stop_at_eos=not args.ignore_eos, wandb=wandb_from_args(args)))
     return 0
 
 

@@ -9,19 +9,23 @@ import subprocess
 
 from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.errors import UserError
+from setdiff_megatron.inference.sharding import Placement
 
-__all__ = ["add_job_arguments", "add_decoding_arguments", "decoding_from_args", "relaunch"]
+__all__ = ["add_job_arguments", "add_decoding_arguments", "decoding_from_args", "placement_from_args", "relaunch"]
 
 
-def add_job_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("source", help="checkpoint run directory, step_* directory, or Hugging Face export")
+def add_job_arguments(parser: argparse.ArgumentParser, *, source: bool = True, batch_size: bool = True) -> None:
+    """The options of `Placement` (and the model source, unless the job names its own)."""
+    if source:
+        parser.add_argument("source", help="checkpoint run directory, step_* directory, or Hugging Face export")
     group = parser.add_argument_group("processes")
     group.add_argument("--nproc", type=int, default=1, help="start this many local processes (torchrun)")
     group.add_argument("--tp", type=int, default=1, help="tensor-parallel size (megatron model); "
                        "the processes are split into tp x data-parallel")
     group.add_argument("--shard", type=int, default=None, help="do only this shard (e.g. $SLURM_ARRAY_TASK_ID)")
     group.add_argument("--num-shards", type=int, default=None, help="number of explicit shards")
-    group.add_argument("--batch-size", type=int, default=16, help="examples processed together (default 16)")
+    if batch_size:
+        group.add_argument("--batch-size", type=int, default=16, help="examples processed together (default 16)")
     group.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     group.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"],
                        help="default: bf16 on GPUs, fp32 on CPUs")
@@ -49,6 +53,11 @@ def add_decoding_arguments(parser: argparse.ArgumentParser, *, max_new_tokens: i
     bos.add_argument("--add-bos", dest="add_bos", action="store_true", default=None,
                      help="start prompts with BOS (default: as the model was trained)")
     bos.add_argument("--no-add-bos", dest="add_bos", action="store_false")
+
+
+def placement_from_args(args: argparse.Namespace, **changes) -> Placement:
+    return Placement(batch_size=getattr(args, "batch_size", Placement.batch_size), tp=args.tp, shard=args.shard, num_shards=args.num_shards,
+                     device=args.device, dtype=args.dtype, progress=not args.no_progress, **changes)
 
 
 def decoding_from_args(args: argparse.Namespace) -> DecodingConfig:

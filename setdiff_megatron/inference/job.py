@@ -13,17 +13,17 @@ from __future__ import annotations
 import hashlib
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.core.sample_output import RowResult
 from setdiff_megatron.core.sampler import SetSampler
 from setdiff_megatron.errors import UserError
-from setdiff_megatron.inference.loading import Ranks, SamplingModel, init_ranks, load_sampling_model
+from setdiff_megatron.inference.loading import SamplingModel, init_ranks, load_sampling_model
 from setdiff_megatron.inference.prompts import PromptRecord, encode_prompt, read_prompts
 from setdiff_megatron.inference.results import ShardedResults
-from setdiff_megatron.inference.sharding import Shard, check_shard_options
+from setdiff_megatron.inference.sharding import Placement, Shard
 
 __all__ = ["SampleJob", "run_sample_job"]
 
@@ -34,13 +34,7 @@ class SampleJob:
     prompts: str
     out: str
     decoding: DecodingConfig
-    batch_size: int = 16
-    tp: int = 1
-    shard: int | None = None
-    num_shards: int | None = None
-    """Explicit shards (a SLURM array): this invocation does shard `shard` of `num_shards`."""
-    device: str = "auto"
-    dtype: str | None = None
+    placement: Placement = field(default_factory=Placement)
     add_bos: bool | None = None
     """None: as the model was trained (recipe method.keep_clean_bos)."""
     context_len: int | None = None
@@ -50,7 +44,6 @@ class SampleJob:
     """Stop strings, each tokenized on its own: a completion ends where those tokens appear (kept in
     it). Best effort, since a string may tokenize otherwise in context; callers that need an exact
     cut also cut the text."""
-    progress: bool = True
 
 
 def _sha256(path: str) -> str:
@@ -84,10 +77,11 @@ def _record(record: PromptRecord, row: RowResult, prompt_ids: list[int], sm: Sam
 
 
 def run_sample_job(job: SampleJob) -> int:
-    check_shard_options(job.shard, job.num_shards, job.batch_size)
-    ranks = init_ranks(job.tp)
+    place = job.placement
+    place.check()
+    ranks = init_ranks(place.tp)
     records = read_prompts(job.prompts)
-    sm = load_sampling_model(job.source, ranks, device=job.device, dtype=job.dtype)
+    sm = load_sampling_model(job.source, ranks, device=place.device, dtype=place.dtype)
     decoding = job.decoding
     if job.stop_at_eos and not decoding.eos_token_ids:
         decoding = replace(decoding, eos_token_ids=(sm.tokenizer.eos_id,))
@@ -107,7 +101,7 @@ def run_sample_job(job: SampleJob) -> int:
 
     results = ShardedResults(job.out, {
         "source": str(Path(job.source).resolve()), "prompts_sha256": _sha256(job.prompts),
-        "decoding": asdict(decoding), "batch_size": job.batch_size, "context_len": context_len,
+        "decoding": asdict(decoding), "batch_size": place.batch_size, "context_len": context_len,
         "add_bos": add_bos, "dtype": str(next(sm.model.parameters()).dtype),
     })
     results.check_job()
@@ -116,11 +110,11 @@ def run_sample_job(job: SampleJob) -> int:
     ranks.barrier()
     done = results.done()
 
-    shard = Shard.of(ranks, job.shard, job.num_shards)
+    shard = Shard.of(ranks, place)
     writer = results.part(shard.name) if ranks.writes else None
-    tokens, seconds = _sample(sampler, decoding, shard.batches(len(records), job.batch_size, done), records,
+    tokens, seconds = _sample(sampler, decoding, shard.batches(len(records), place.batch_size, done), records,
                               encoded, sm, writer,
-                              progress=job.progress and ranks.rank == 0)
+                              progress=place.progress and ranks.rank == 0)
     ranks.barrier()
     if ranks.rank == 0:
         _report(job, results, len(records), len(done), tokens, seconds)
@@ -150,8 +144,8 @@ def _sample(sampler: SetSampler, decoding: DecodingConfig, batches: list[tuple[i
 def _report(job: SampleJob, results: ShardedResults, total: int, skipped: int, tokens: int, seconds: float) -> None:
     rate = f"{tokens} tokens in {seconds:.1f} s ({tokens / max(seconds, 1e-9):.1f} tokens/s on this rank)"
     skipped_text = f", {skipped} already written" if skipped else ""
-    if job.shard is not None:
-        print(f"setdiff: shard {job.shard} of {job.num_shards} done: {rate}{skipped_text}; rerun without "
+    if job.placement.shard is not None:
+        print(f"setdiff: shard {job.placement.shard} of {job.placement.num_shards} done: {rate}{skipped_text}; rerun without "
               f"--shard to merge into {job.out}", file=sys.stderr)
         return
     missing = results.merge(total)

@@ -13,16 +13,29 @@ from dataclasses import dataclass
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.inference.loading import Ranks
 
-__all__ = ["Shard", "check_shard_options"]
+__all__ = ["Placement", "Shard"]
 
 
-def check_shard_options(shard: int | None, num_shards: int | None, batch_size: int) -> None:
-    if batch_size < 1:
-        raise UserError(f"--batch-size must be >= 1; got {batch_size}")
-    if (shard is None) != (num_shards is None):
-        raise UserError("--shard and --num-shards go together")
-    if num_shards is not None and not 0 <= shard < num_shards:
-        raise UserError(f"--shard must be in [0, --num-shards); got {shard} of {num_shards}")
+@dataclass(frozen=True)
+class Placement:
+    """Where a sampling or evaluation job runs and how it batches: the options all of them share."""
+
+    batch_size: int = 16
+    tp: int = 1
+    shard: int | None = None
+    num_shards: int | None = None
+    """Explicit shards (a SLURM array): this invocation does shard `shard` of `num_shards`."""
+    device: str = "auto"
+    dtype: str | None = None
+    progress: bool = True
+
+    def check(self) -> None:
+        if self.batch_size < 1:
+            raise UserError(f"--batch-size must be >= 1; got {self.batch_size}")
+        if (self.shard is None) != (self.num_shards is None):
+            raise UserError("--shard and --num-shards go together")
+        if self.num_shards is not None and not 0 <= self.shard < self.num_shards:
+            raise UserError(f"--shard must be in [0, --num-shards); got {self.shard} of {self.num_shards}")
 
 
 @dataclass(frozen=True)
@@ -31,8 +44,9 @@ class Shard:
     count: int
 
     @classmethod
-    def of(cls, ranks: Ranks, shard: int | None, num_shards: int | None) -> "Shard":
-        return cls(index=(shard or 0) * ranks.dp_size + ranks.dp_rank, count=ranks.dp_size * (num_shards or 1))
+    def of(cls, ranks: Ranks, placement: Placement) -> "Shard":
+        return cls(index=(placement.shard or 0) * ranks.dp_size + ranks.dp_rank,
+                   count=ranks.dp_size * (placement.num_shards or 1))
 
     @property
     def name(self) -> str:

@@ -15,6 +15,7 @@ from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.core.sampler import SetSampler
 from setdiff_megatron.evaluation import scoring
 from setdiff_megatron.evaluation.tasks import GenerateJob, run_generate_job
+from setdiff_megatron.inference.sharding import Placement
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 from setdiff_megatron.training.checkpoint_reader import read_checkpoint
 
@@ -61,7 +62,8 @@ def tasks(direct, tmp_path_factory):
 
 def job(trained_run, tasks, out, metric="rouge", **changes) -> GenerateJob:
     return GenerateJob(source=str(trained_run), tasks=str(tasks), out=str(out), metric=metric,
-                       decoding=DecodingConfig(**DECODING), stop=(STOP,), batch_size=2, progress=False, **changes)
+                       decoding=DecodingConfig(**DECODING), stop=(STOP,),
+                       placement=Placement(batch_size=2, progress=False, **changes))
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import yaml
 from setdiff_megatron.cli import main
 from setdiff_megatron.evaluation.records import WandbConfig, log_to_wandb
 from setdiff_megatron.evaluation.sweep import load_spec, pareto_front, run_sweep
+from setdiff_megatron.inference.sharding import Placement
 
 EXAMPLE = Path(__file__).parents[2] / "recipes" / "eval" / "sweep-tiny.yaml"
 ROW_FIELDS = {"checkpoint", "source", "point", "decoding", "task", "metric", "score_name", "score", "quality",
@@ -35,7 +36,7 @@ def sweep(trained_run, tmp_path_factory):
             "decoding": {"max_new_tokens": 6, "temperature": 1.0, "seed": 1},
             "points": [{"name": "ar", "window": 1}, {"window": 4}, {"window": 4, "threshold": 0.5}]}
     (tmp / "spec.yaml").write_text(yaml.safe_dump(spec))
-    return tmp, run_sweep(tmp / "spec.yaml", progress=False)
+    return tmp, run_sweep(tmp / "spec.yaml", placement=Placement(progress=False))
 
 
 def test_one_row_per_point_with_a_plot(sweep):
@@ -57,7 +58,7 @@ def test_one_row_per_point_with_a_plot(sweep):
 def test_finished_points_are_skipped(sweep, capsys):
     tmp, rows = sweep
     shutil.rmtree(tmp / "out" / "points" / "tiny" / "w4")  # as if the job died during this point
-    again = run_sweep(tmp / "spec.yaml", progress=False)
+    again = run_sweep(tmp / "spec.yaml", placement=Placement(progress=False))
     err = capsys.readouterr().err
     assert err.count("is up to date") == 2 and "wrote 3 results" in err
     timing = ("tokens_per_s",)
