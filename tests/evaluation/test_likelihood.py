@@ -119,3 +119,34 @@ def test_bad_input_fails_with_one_line(trained_run, tmp_path, args, content, fra
     (tmp_path / "docs.jsonl").write_text(content)
     proc = likelihood(trained_run, tmp_path / "docs.jsonl", tmp_path / "out", *args)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and fragment in proc.stderr, proc.stderr
+
+
+def test_a_job_killed_mid_run_resumes_to_the_same_numbers(trained_run, tmp_path):
+    """SIGKILL once the first batch is written; the rerun does only the rest and matches an
+    uninterrupted run."""
+    import os
+    import signal
+    import time
+
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": d * 3}) + "\n" for d in DOCS * 4))
+    args = ["--num-orders", "2", "--seq-len", "32", "--batch-size", "1"]
+    whole = likelihood(trained_run, docs, tmp_path / "whole", *args)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    cut = tmp_path / "cut"
+    command = [sys.executable, "-m", "setdiff_megatron.cli", "eval", "likelihood", str(trained_run), "--data",
+               str(docs), "--out", str(cut), "--no-progress", *args]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and time.monotonic() < deadline:
+        parts = list((cut / "windows.jsonl.parts").glob("*.jsonl")) if cut.exists() else []
+        if parts and parts[0].read_text().count("\n") >= 2:
+            os.killpg(proc.pid, signal.SIGKILL)
+            break
+        time.sleep(0.05)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the job finished before it could be killed"
+    rerun = likelihood(trained_run, docs, cut, *args)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    a, b = (json.loads((d / "likelihood.json").read_text()) for d in (tmp_path / "whole", cut))
+    assert a["num_windows"] == b["num_windows"] and a["nll_per_token"] == pytest.approx(b["nll_per_token"], abs=1e-9)
