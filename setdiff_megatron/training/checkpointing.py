@@ -314,31 +314,13 @@ def save(recipe: Recipe, chunks, optimizer, scheduler, state: TrainState, tokeni
     """Collective: every rank calls it. Returns the published checkpoint directory."""
     from megatron.core import dist_checkpointing
 
-    rank, root = dist.get_rank(), _root(recipe)
-    final = root / _name(state.step)
-    tmp = final.with_name(f"{final.name}.tmp")
-    with signals.blocked():
-        if rank == 0:
-            for stale in [*root.glob("step_*.tmp"), *root.glob("step_*.old")]:  # interrupted saves
-                shutil.rmtree(stale, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        dist.barrier()
+    def write(tmp: Path) -> None:
         dist_checkpointing.save(_sharded_state(chunks, optimizer, is_loading=False), str(tmp))
-        torch.save(_rng_state(), tmp / f"rank_{rank:05d}.pt")
-        if rank == 0:
-            train_state = {**asdict(state), "scheduler": scheduler.state_dict(), "layout": layout(recipe),
-                           "model": _model_identity(recipe, tokenizer),
-                           "tokenizer": {"vocab_size": tokenizer.vocab_size, "mask_id": tokenizer.mask_id}}
-            (tmp / TRAIN_STATE).write_text(json.dumps(train_state, indent=1))
-            save_resolved_recipe(recipe, tmp)
-            tokenizer.save(tmp / "tokenizer")
-        dist.barrier()
-        _write_manifest(tmp)
-        if rank == 0:
-            _publish(tmp, final, root)
-            _apply_retention(recipe, root, keep=final)
-        dist.barrier()
-    return final
+        torch.save(_rng_state(), tmp / f"rank_{dist.get_rank():05d}.pt")
+        if dist.get_rank() == 0:
+            write_run_files(tmp, recipe, state, scheduler, tokenizer, layout(recipe))
+
+    return save_with(recipe, state.step, write)
 
 
 # ---- loading ----------------------------------------------------------------------------------
@@ -461,9 +443,8 @@ def describe(run_dir: str | Path) -> list[str]:
     return lines
 
 
-# ---- the same protocol for other engines ------------------------------------------------------
-# `save` above predates these and keeps its own copy of the protocol; the DeepSpeed engine
-# (deepspeed_checkpointing.py) writes its checkpoints through them.
+# ---- the publication protocol of every engine ------------------------------------------------
+# `save` above (megatron) and deepspeed_checkpointing.py write their checkpoints through these.
 
 def save_with(recipe: Recipe, step: int, write: Callable[[Path], None]) -> Path:
     """Collective: publish the checkpoint of `step` that `write(tmp)` writes on every rank, the
