@@ -12,30 +12,15 @@ from __future__ import annotations
 
 import argparse
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks import sampling, train_throughput
 from benchmarks.machine import RESULTS_DIR, machine_info
-from setdiff_megatron.models.config import ModelConfig
-from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 
 
 def training_step():
     length, batch = train_throughput.SHAPES[0]
-    torch.manual_seed(0)
-    model = SetDiffusionTransformer(ModelConfig(**train_throughput.MODEL, max_seq_len=length, attention_impl="fused"))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    data = train_throughput.batches(length, batch, 1)[0]
-
-    def step():
-        logits = model(data.clean_tokens, data.query_tokens, data.position_ids)
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), data.targets.flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-
-    return step
+    return train_throughput.torch_step("fused", length, batch)
 
 
 def sampling_run():

@@ -32,7 +32,8 @@ def batches(length: int, batch: int, count: int) -> list:
     return [sample_two_stream_batch(t, Staggered(d=4), mask_token_id=4096, generator=gen) for t in tokens]
 
 
-def torch_step_seconds(impl: str, length: int, batch: int, repeats: int) -> float:
+def torch_step(impl: str, length: int, batch: int):
+    """A closure running one optimizer step of the torch model on a fixed batch."""
     torch.manual_seed(0)
     model = SetDiffusionTransformer(ModelConfig(**MODEL, max_seq_len=length, attention_impl=impl))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -45,7 +46,11 @@ def torch_step_seconds(impl: str, length: int, batch: int, repeats: int) -> floa
         loss.backward()
         opt.step()
 
-    return best_time(step, repeats=repeats)
+    return step
+
+
+def torch_step_seconds(impl: str, length: int, batch: int, repeats: int) -> float:
+    return best_time(torch_step(impl, length, batch), repeats=repeats)
 
 
 def megatron_step_seconds(length: int, batch: int, repeats: int) -> float:

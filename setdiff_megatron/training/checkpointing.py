@@ -261,25 +261,13 @@ def _sharded_state(chunks, optimizer, *, is_loading: bool) -> dict:
 def _rng_state() -> dict:
     from megatron.core import tensor_parallel
 
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    return {
-        "python": random.getstate(), "torch": torch.get_rng_state(),
-        # numpy's key array as a tensor, so the file loads with weights_only=True
-        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
-        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
-    }
+    return {**host_rng_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
 
 
 def _set_rng_state(state: dict) -> None:
     from megatron.core import tensor_parallel
 
-    random.setstate(state["python"])
-    kind, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+    set_host_rng_state(state)
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
