@@ -30,6 +30,7 @@ from setdiff_megatron.errors import UserError
 from setdiff_megatron.evaluation import scoring
 from setdiff_megatron.evaluation.records import (WandbConfig, check_wandb, hardware, log_to_wandb, write_json,
                                                  write_jsonl)
+from setdiff_megatron.inference.jsonl import jsonl_records
 from setdiff_megatron.inference.sharding import Placement
 
 __all__ = ["METRICS", "PRIMARY", "GenerateJob", "TaskExample", "read_tasks", "score_completion",
@@ -81,20 +82,9 @@ def _example(record: Any, where: str, index: int, line: int) -> TaskExample:
 
 def read_tasks(path: str | Path) -> list[TaskExample]:
     """The examples of a task file, checked line by line (errors name file:line)."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"task file {path} does not exist")
     examples = []
-    with path.open(encoding="utf-8") as f:
-        for number, text in enumerate(f, start=1):
-            if not text.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                record = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise UserError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
-            examples.append(_example(record, where, len(examples), number))
+    for number, where, record in jsonl_records(path, "task file"):
+        examples.append(_example(record, where, len(examples), number))
     if not examples:
         raise UserError(f'task file {path} holds no examples (one JSON object per line: {{"prompt": "...", '
                         '"reference": "..."}})')

@@ -9,13 +9,13 @@ non-blank lines, the key by which outputs are merged and resumed.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from setdiff_megatron.data.tokenizers import SetDiffTokenizer
 from setdiff_megatron.errors import UserError
+from setdiff_megatron.inference.jsonl import jsonl_records
 
 __all__ = ["PromptRecord", "read_prompts", "encode_prompt"]
 
@@ -48,22 +48,11 @@ def _segments(record: Any, where: str) -> tuple[str | int, ...]:
 
 
 def read_prompts(path: str | Path) -> list[PromptRecord]:
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"prompt file {path} does not exist")
     records = []
-    with path.open(encoding="utf-8") as f:
-        for number, text in enumerate(f, start=1):
-            if not text.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                record = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise UserError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
-            segments = _segments(record, where)
-            extra = {k: v for k, v in record.items() if k not in ("prompt", "segments")}
-            records.append(PromptRecord(index=len(records), line=number, segments=segments, extra=extra))
+    for number, where, record in jsonl_records(path, "prompt file"):
+        segments = _segments(record, where)
+        extra = {k: v for k, v in record.items() if k not in ("prompt", "segments")}
+        records.append(PromptRecord(index=len(records), line=number, segments=segments, extra=extra))
     if not records:
         raise UserError(f"prompt file {path} holds no prompts (one JSON object per line: "
                         '{"prompt": "..."} or {"segments": ["...", 8, "..."]})')
