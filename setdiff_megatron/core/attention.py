@@ -19,6 +19,10 @@ same outputs and gradients:
 Padding: `valid_len[b]` ranks are real in each stream; ranks at or beyond it are padding, whose
 outputs are defined as zero (the order policies put padding last, so no real row sees them).
 
+Query rows only: q may hold just the query stream (L rows against the 2L keys). The model's last
+layer asks for that, since nothing reads its clean-stream outputs; every implementation then
+skips the clean rows' attention (the fused one calls the kernel with H heads instead of 2H).
+
 Shapes: B batch, H query heads, G key/value heads (GQA: H % G == 0), L ranks per stream,
 T tokens in a sampling step, C cached tokens, D head dim.
 """
@@ -58,7 +62,8 @@ def set_causal_mask(length: int, device: torch.device | str | None = None) -> to
     return torch.cat([clean_rows, query_rows], dim=0)
 
 
-def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, query_rows_only: bool = False) -> None:
+    """Shapes of q/k/v; with `query_rows_only` q may also hold half of k's tokens."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(
             f"q, k, v must be 4-D [batch, heads, tokens, head_dim]; got {tuple(q.shape)}, "
@@ -66,7 +71,8 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         )
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}")
-    if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] or q.shape[3] != k.shape[3]:
+    rows_ok = q.shape[2] == k.shape[2] or (query_rows_only and 2 * q.shape[2] == k.shape[2])
+    if q.shape[0] != k.shape[0] or not rows_ok or q.shape[3] != k.shape[3]:
         raise ValueError(
             f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch, tokens and head_dim"
         )
@@ -76,23 +82,24 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         )
 
 
-def _row_valid(valid_len: torch.Tensor, length: int) -> torch.Tensor:
-    """[B, 1, 2L, 1] float mask of real rows in both streams."""
+def _row_valid(valid_len: torch.Tensor, length: int, streams: int = 2) -> torch.Tensor:
+    """[B, 1, streams * L, 1] float mask of real rows in both streams (or the query stream)."""
     ranks = torch.arange(length, device=valid_len.device)
     valid_BL = ranks[None, :] < valid_len[:, None]
-    return valid_BL.repeat(1, 2)[:, None, :, None]
+    return valid_BL.repeat(1, streams)[:, None, :, None]
 
 
-def _split_length(q: torch.Tensor, valid_len: torch.Tensor | None) -> int:
-    two_l = q.shape[2]
+def _split_length(k: torch.Tensor, valid_len: torch.Tensor | None) -> int:
+    """L, from the keys (always both streams)."""
+    two_l = k.shape[2]
     if two_l < 2 or two_l % 2:
         raise ValueError(
             f"the token axis must hold two streams of L >= 1 ranks (2L tokens); got {two_l}"
         )
     length = two_l // 2
     if valid_len is not None:
-        if valid_len.shape != (q.shape[0],):
-            raise ValueError(f"valid_len must have shape [batch]={q.shape[0]}; got {tuple(valid_len.shape)}")
+        if valid_len.shape != (k.shape[0],):
+            raise ValueError(f"valid_len must have shape [batch]={k.shape[0]}; got {tuple(valid_len.shape)}")
         if bool((valid_len < 0).any()) or bool((valid_len > length).any()):
             raise ValueError(f"valid_len must lie in [0, L={length}]")
     return length
@@ -103,14 +110,15 @@ def _split_length(q: torch.Tensor, valid_len: torch.Tensor | None) -> int:
 
 
 def _dense(q, k, v, scale, valid_len):
-    length = _split_length(q, valid_len)
+    length = _split_length(k, valid_len)
+    rows = q.shape[2]
     groups = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(groups, dim=1)
     v = v.repeat_interleave(groups, dim=1)
-    allowed = set_causal_mask(length, q.device)[None, None]  # [1, 1, 2L, 2L]
+    allowed = set_causal_mask(length, q.device)[None, None, -rows:]  # [1, 1, rows, 2L]
     if valid_len is not None:
         real = _row_valid(valid_len, length)[..., 0].bool()  # [B, 1, 2L]
-        allowed = allowed & real[..., :, None] & real[..., None, :]
+        allowed = allowed & real[..., -rows:, None] & real[..., None, :]
     scores = (q @ k.transpose(-1, -2)) * scale
     # Fully masked (padding) rows would be NaN: give them zero scores, then zero their output.
     has_key = allowed.any(dim=-1, keepdim=True)
@@ -119,12 +127,12 @@ def _dense(q, k, v, scale, valid_len):
 
 
 def _sdpa(q, k, v, scale, valid_len):
-    length = _split_length(q, valid_len)
+    length = _split_length(k, valid_len)
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=set_causal_mask(length, q.device), scale=scale,
+        q, k, v, attn_mask=set_causal_mask(length, q.device)[-q.shape[2]:], scale=scale,
         enable_gqa=k.shape[1] != q.shape[1],
     )
-    return out if valid_len is None else out * _row_valid(valid_len, length).to(out.dtype)
+    return out if valid_len is None else out * _row_valid(valid_len, length, q.shape[2] // length).to(out.dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -203,56 +211,60 @@ def _grouped(x_BHSD: torch.Tensor, num_kv: int) -> torch.Tensor:
     return x_BHSD.unflatten(1, (num_kv, x_BHSD.shape[1] // num_kv))
 
 
-def _pack_streams(clean: torch.Tensor, query: torch.Tensor, last_slot: torch.Tensor | float,
+def _pack_streams(clean: torch.Tensor | None, query: torch.Tensor, last_slot: torch.Tensor | float,
                   layout: str) -> torch.Tensor:
-    """[B, G, 2, g, L, ...] kernel input: clean rows, then query rows rotated by one slot.
+    """[B, G, S, g, L, ...] kernel input: clean rows (S = 2; None: S = 1, query rows only), then
+    query rows rotated by one slot.
 
-    Both inputs are grouped [B, G, g, L, ...]; slot r of the query half holds query r+1 and slot
-    L-1 holds `last_slot`. Keeping a KV group's 2g heads adjacent lets the kernel's GQA mapping
-    (head // (2H/G)) send both streams of a group to the same key/value head.
+    Inputs are grouped [B, G, g, L, ...]; slot r of the query half holds query r+1 and slot L-1
+    holds `last_slot`. Keeping a KV group's S*g heads adjacent lets the kernel's GQA mapping
+    (head // (S*H/G)) send both streams of a group to the same key/value head.
     """
-    packed = _empty(clean.shape[:2] + (2,) + clean.shape[2:], layout, clean)
-    packed[:, :, 0] = clean
-    packed[:, :, 1, :, :-1] = query[:, :, :, 1:]
-    packed[:, :, 1, :, -1] = last_slot
+    streams = 1 if clean is None else 2
+    packed = _empty(query.shape[:2] + (streams,) + query.shape[2:], layout, query)
+    if clean is not None:
+        packed[:, :, 0] = clean
+    packed[:, :, -1, :, :-1] = query[:, :, :, 1:]
+    packed[:, :, -1, :, -1] = last_slot
     return packed
 
 
 class _MergedSetCausal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, scale: float, row_valid, kernel: PartialAttention):
-        b, h, two_l, d = q.shape
-        length, num_kv = two_l // 2, k.shape[1]
+        length, num_kv = k.shape[2] // 2, k.shape[1]
+        first_query = q.shape[2] - length  # L, or 0 when q holds the query rows only
         acc = torch.promote_types(q.dtype, torch.float32)
         layout = kernel.layout(k)
         q_g, k_x, v_x = _grouped(q, num_kv), k[:, :, :length], v[:, :, :length]
-        q_m = q_g[..., length:, :]
+        q_m = q_g[..., first_query:, :]
         k_m, v_m = k[:, :, None, length:], v[:, :, None, length:]  # [B, G, 1, L, D]
 
-        q_stack = _pack_streams(q_g[..., :length, :], q_m, q_m[:, :, :, 0], layout)
+        q_stack = _pack_streams(q_g[..., :length, :] if first_query else None, q_m, q_m[:, :, :, 0], layout)
         out_s, lse_s, aux = kernel.forward(q_stack.flatten(1, 3), k_x, v_x, scale=scale, causal=True)
         out_s, lse_s = out_s.unflatten(1, q_stack.shape[1:4]), lse_s.unflatten(1, q_stack.shape[1:4])
 
         # Query 0 sees no clean rank: its output is its own value. Query i >= 1 merges the
         # kernel's slot i-1 (clean ranks < i) with its diagonal score through the log-sum-exp.
         s_diag = (q_m.to(acc) * k_m.to(acc)).sum(-1) * scale  # [B, G, g, L]
-        lse_a = lse_s[:, :, 1, :, :-1].to(acc)
+        lse_a = lse_s[:, :, -1, :, :-1].to(acc)
         lse_m = torch.cat([s_diag[..., :1], torch.logaddexp(lse_a, s_diag[..., 1:])], dim=-1)
         weight_a = torch.sigmoid(lse_a - s_diag[..., 1:])[..., None]
 
         out = _empty(q.shape, layout, q)
         out_g = _grouped(out, num_kv)
-        out_g[..., :length, :] = out_s[:, :, 0]
-        out_g[..., length, :] = v_m[..., 0, :]
-        out_g[..., length + 1:, :] = torch.lerp(
-            v_m[..., 1:, :].to(acc), out_s[:, :, 1, :, :-1].to(acc), weight_a.to(acc)
+        if first_query:
+            out_g[..., :length, :] = out_s[:, :, 0]
+        out_g[..., first_query, :] = v_m[..., 0, :]
+        out_g[..., first_query + 1:, :] = torch.lerp(
+            v_m[..., 1:, :].to(acc), out_s[:, :, -1, :, :-1].to(acc), weight_a.to(acc)
         )
         if row_valid is not None:
             out.mul_(row_valid.to(out.dtype))
         # For the backward the kernel gets the MERGED output and lse on the query slots; the
         # discarded slot keeps the kernel's own finite lse so exp(score - lse) stays bounded.
-        out_s[:, :, 1, :, :-1] = out_g[..., length + 1:, :]
-        lse_s[:, :, 1, :, :-1] = lse_m[..., 1:].to(lse_s.dtype)
+        out_s[:, :, -1, :, :-1] = out_g[..., first_query + 1:, :]
+        lse_s[:, :, -1, :, :-1] = lse_m[..., 1:].to(lse_s.dtype)
         ctx.save_for_backward(q_stack, k, v, out, out_s, lse_s, s_diag, lse_m, row_valid)
         ctx.scale, ctx.kernel, ctx.aux, ctx.layout = scale, kernel, aux, layout
         return out
@@ -262,15 +274,16 @@ class _MergedSetCausal(torch.autograd.Function):
         q_stack, k, v, out, out_s, lse_s, s_diag, lse_m, row_valid = ctx.saved_tensors
         scale = ctx.scale
         length, num_kv = k.shape[2] // 2, k.shape[1]
+        first_query = out.shape[2] - length
         acc = lse_m.dtype
         if row_valid is not None:
             dout = dout * row_valid.to(dout.dtype)
         do_g = _grouped(dout, num_kv)
-        do_m = do_g[..., length:, :]
+        do_m = do_g[..., first_query:, :]
 
         # Part A: one kernel backward over both streams. Fed the merged output and lse, it yields
         # the exact restriction of the full softmax gradient to the clean keys.
-        do_stack = _pack_streams(do_g[..., :length, :], do_m, 0.0, ctx.layout)
+        do_stack = _pack_streams(do_g[..., :length, :] if first_query else None, do_m, 0.0, ctx.layout)
         dq_s, dk_x, dv_x = ctx.kernel.backward(
             do_stack.flatten(1, 3), q_stack.flatten(1, 3), k[:, :, :length], v[:, :, :length],
             out_s.flatten(1, 3), lse_s.flatten(1, 3), ctx.aux, scale=scale, causal=True,
@@ -278,17 +291,18 @@ class _MergedSetCausal(torch.autograd.Function):
         dq_s = dq_s.unflatten(1, q_stack.shape[1:4])
 
         # Diagonal: p = softmax weight of each query's own key; dS = p * (dO . (v_self - O)).
-        q_m = q_stack[:, :, 1].roll(1, dims=-2).to(acc)
+        q_m = q_stack[:, :, -1].roll(1, dims=-2).to(acc)
         k_m, v_m = k[:, :, None, length:].to(acc), v[:, :, None, length:].to(acc)
-        do_m, out_m = do_m.to(acc), _grouped(out, num_kv)[..., length:, :].to(acc)
+        do_m, out_m = do_m.to(acc), _grouped(out, num_kv)[..., first_query:, :].to(acc)
         p_diag = (s_diag - lse_m).exp()
         ds_diag = p_diag * (do_m * (v_m - out_m)).sum(-1)
 
         dq = _empty(out.shape, ctx.layout, q_stack)
         dq_g = _grouped(dq, num_kv)
-        dq_g[..., :length, :] = dq_s[:, :, 0]
-        dq_g[..., length:, :] = scale * ds_diag[..., None] * k_m
-        dq_g[..., length + 1:, :] += dq_s[:, :, 1, :, :-1]
+        if first_query:
+            dq_g[..., :length, :] = dq_s[:, :, 0]
+        dq_g[..., first_query:, :] = scale * ds_diag[..., None] * k_m
+        dq_g[..., first_query + 1:, :] += dq_s[:, :, -1, :, :-1]
         dk = torch.cat([dk_x, torch.einsum("bgnl,bgnld->bgld", scale * ds_diag, q_m).to(k.dtype)], dim=2)
         dv = torch.cat([dv_x, torch.einsum("bgnl,bgnld->bgld", p_diag, do_m).to(v.dtype)], dim=2)
         return dq, dk, dv, None, None, None
@@ -297,10 +311,10 @@ class _MergedSetCausal(torch.autograd.Function):
 def merged_set_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: PartialAttention, *,
                                 scale: float | None = None, valid_len: torch.Tensor | None = None) -> torch.Tensor:
     """Set-causal attention (the 'fused' decomposition) on any partial-attention kernel:
-    q [B, H, 2L, D], k/v [B, G, 2L, D] -> [B, H, 2L, D]."""
-    _check_qkv(q, k, v)
-    length = _split_length(q, valid_len)
-    row_valid = None if valid_len is None else _row_valid(valid_len, length)
+    q [B, H, 2L or L, D], k/v [B, G, 2L, D] -> like q."""
+    _check_qkv(q, k, v, query_rows_only=True)
+    length = _split_length(k, valid_len)
+    row_valid = None if valid_len is None else _row_valid(valid_len, length, q.shape[2] // length)
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     return _MergedSetCausal.apply(q, k, v, scale, row_valid, kernel)
 
@@ -349,9 +363,10 @@ def set_causal_attention(
     valid_len: torch.Tensor | None = None,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Set-causal attention. q [B, H, 2L, D], k/v [B, G, 2L, D] -> [B, H, 2L, D]."""
+    """Set-causal attention. q [B, H, 2L, D] (or [B, H, L, D]: the query rows only), k/v
+    [B, G, 2L, D] -> like q."""
     fn = resolve_attention_impl(impl)
-    _check_qkv(q, k, v)
+    _check_qkv(q, k, v, query_rows_only=True)
     return fn(q, k, v, scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]), valid_len)
 
 

@@ -76,16 +76,19 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x_BSE: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+    def forward(self, x_BSE: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
+                first_row: int = 0) -> torch.Tensor:
+        """Outputs of tokens first_row.. only; every token still contributes its key and value."""
         b, s, _ = x_BSE.shape
-        q = self.q_proj(x_BSE).view(b, s, self.num_heads, self.head_dim)
+        rows = s - first_row
+        q = self.q_proj(x_BSE[:, first_row:]).view(b, rows, self.num_heads, self.head_dim)
         k = self.k_proj(x_BSE).view(b, s, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x_BSE).view(b, s, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = apply_rotary(q, cos[:, first_row:], sin[:, first_row:]), apply_rotary(k, cos, sin)
         out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+        return self.o_proj(out.transpose(1, 2).reshape(b, rows, -1))
 
 
 class MLP(nn.Module):
@@ -107,8 +110,10 @@ class Block(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
+                first_row: int = 0) -> torch.Tensor:
+        """The hidden states of tokens first_row.. (the last layer skips the rows nobody reads)."""
+        x = x[:, first_row:] + self.self_attn(self.input_layernorm(x), cos, sin, attend, first_row)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -160,9 +165,10 @@ class SetDiffusionTransformer(nn.Module):
         x = self.embed_tokens(torch.cat([clean_tokens, query_tokens], dim=1))
         cos, sin = self.rotary(position_ids.repeat(1, 2))
         attend = partial(self._attention, scale=self._scale, valid_len=valid_len)
-        for layer in self.layers:
+        for layer in self.layers[:-1]:
             x = layer(x, cos, sin, attend)
-        return self.output_logits(x[:, length:])
+        # Nothing reads the clean stream after the last layer: it computes the query rows only.
+        return self.output_logits(self.layers[-1](x, cos, sin, attend, first_row=length))
 
     def loss(self, tokens: torch.Tensor, policy: OrderPolicy, *, prompt_mask: torch.Tensor | None = None,
              pad_mask: torch.Tensor | None = None, keep_clean_bos: bool = False,

@@ -98,6 +98,26 @@ def test_impl_matches_dense_outputs_and_grads(impl, shape, dtype, tol, padded):
         torch.testing.assert_close(a, e, rtol=tol, atol=tol, msg=f"{impl} {name} differs")
 
 
+@pytest.mark.parametrize("impl", ["dense", *IMPLS])
+@pytest.mark.parametrize("shape", SHAPES[1:], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("padded", [False, True], ids=["nopad", "pad"])
+def test_query_rows_only_equal_the_query_half(impl, shape, padded):
+    """The last layer's mode: q holds only the query stream. Its outputs and the gradients of
+    q, k and v equal those of the full computation when only the query half is read."""
+    b, h, g_, length, d = shape
+    gen = torch.Generator().manual_seed(hash((shape, padded, "rows")) % 2**31)
+    q = torch.randn(b, h, 2 * length, d, generator=gen, dtype=torch.float64)
+    k = torch.randn(b, g_, 2 * length, d, generator=gen, dtype=torch.float64)
+    v = torch.randn(b, g_, 2 * length, d, generator=gen, dtype=torch.float64)
+    dout = torch.randn(b, h, 2 * length, d, generator=gen, dtype=torch.float64)
+    dout[:, :, :length] = 0  # nothing reads the clean rows
+    valid_len = torch.randint(0, length + 1, (b,), generator=gen) if padded else None
+    out, dq, dk, dv = _grads("dense", q, k, v, valid_len, dout)
+    got = _grads(impl, q[:, :, length:], k, v, valid_len, dout[:, :, length:])
+    for name, e, a in zip(["out", "dq", "dk", "dv"], [out[:, :, length:], dq[:, :, length:], dk, dv], got):
+        torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-10, msg=f"{impl} {name} differs")
+
+
 def test_fused_accepts_strided_inputs_and_bf16():
     """The model hands over transposed [B, S, H, D] views; bf16 runs with fp32 statistics."""
     gen = torch.Generator().manual_seed(0)
