@@ -10,6 +10,10 @@ rotary, SwiGLU MLP) with three slots swapped:
                   parallelism works (megatron's stock torch norm refuses it)
   final norm      the same RMSNorm
 
+The model's last layer runs its core attention, output projection and MLP on the query rows
+only (nothing reads the clean stream after it), with the residual cut to match; under sequence
+parallelism it runs in full, since a TP rank's slice of the sequence is not a slice of one stream.
+
 Around the layers: a vocabulary-parallel embedding of the 2L tokens (MASK is an ordinary row),
 rotary frequencies gathered per token from the ORIGINAL positions (megatron's own `rope` ignores
 position ids), the output layer (tied to the embedding across pipeline stages like GPTModel) on
@@ -23,6 +27,7 @@ np/hn heads per TP rank and head dim, D head dim.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Iterator, Literal
@@ -34,6 +39,7 @@ from megatron.core.models.common.embeddings.language_model_embedding import Lang
 from megatron.core.models.common.language_module.language_module import LanguageModule
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.transformer.enums import AttnMaskType, ModelType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -164,10 +170,12 @@ class SetCausalCoreAttention(MegatronModule):
 
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
                  attention_type: str, cp_comm_type: str | None = None, softmax_scale: float | None = None,
-                 pg_collection: ProcessGroupCollection | None = None, *, impl: str):
+                 pg_collection: ProcessGroupCollection | None = None, *, impl: str,
+                 query_rows_only: bool = False):
         super().__init__(config=config)
         resolve_attention_impl(impl)
         self.impl = impl
+        self.query_rows_only = query_rows_only
         self.softmax_scale = softmax_scale
         self.layer_index = layer_number - 1  # megatron counts layers from 1, across pipeline stages
 
@@ -182,12 +190,36 @@ class SetCausalCoreAttention(MegatronModule):
             out = step.cache.attend(self.layer_index, q, k, v, num_commit=step.num_commit,
                                     commit_valid=step.commit_valid)
             return out.permute(2, 0, 1, 3).flatten(2)
+        if self.query_rows_only:
+            q = q[:, :, q.shape[2] // 2:]
         out = set_causal_attention(q, k, v, impl=self.impl, valid_len=attention_mask, scale=self.softmax_scale)
         return out.permute(2, 0, 1, 3).flatten(2)
 
 
-def _core_attention_spec(model_cfg: ModelConfig) -> ModuleSpec:
-    return ModuleSpec(module=SetCausalCoreAttention, params={"impl": model_cfg.attention_impl})
+def _core_attention_spec(model_cfg: ModelConfig, query_rows_only: bool = False) -> ModuleSpec:
+    return ModuleSpec(module=SetCausalCoreAttention,
+                      params={"impl": model_cfg.attention_impl, "query_rows_only": query_rows_only})
+
+
+def _residual_of_output_rows(training: bool, fused: bool) -> Callable:
+    """Megatron's bias-dropout-add with the residual cut to the attention output's rows: the last
+    layer's attention returns the query stream only, whose rows are the residual's last ones."""
+    bda = get_bias_dropout_add(training, fused)
+
+    def add(x_with_bias: tuple, residual: torch.Tensor, prob: float) -> torch.Tensor:
+        return bda(x_with_bias, residual[residual.shape[0] - x_with_bias[0].shape[0]:], prob)
+
+    return add
+
+
+def query_rows_layer_spec(spec: ModuleSpec, model_cfg: ModelConfig) -> ModuleSpec:
+    """The model's last layer: nothing reads its clean-stream outputs, so its core attention,
+    output projection and MLP run on the query rows only (the QKV projection still runs on all
+    2L tokens: the queries attend to the clean keys and values)."""
+    spec = copy.deepcopy(spec)
+    spec.submodules.self_attention.submodules.core_attention = _core_attention_spec(model_cfg, query_rows_only=True)
+    spec.submodules.self_attn_bda = _residual_of_output_rows
+    return spec
 
 
 def _te_modules():
@@ -247,8 +279,13 @@ class SetDiffusionGPT(LanguageModule):
         self.inv_freq = Rotary(model_cfg.head_dim, model_cfg.rope_theta).inv_freq
         spec, final_norm = layer_spec(model_cfg, backend)
         num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=self.pp_group.rank())
+        specs = [spec] * num_layers
+        # Under sequence parallelism each TP rank holds a slice of both streams, not of the query
+        # stream, so the last layer cannot drop the clean rows locally: it runs in full there.
+        if post_process and num_layers and not config.sequence_parallel:
+            specs[-1] = query_rows_layer_spec(spec, model_cfg)
         self.decoder = TransformerBlock(
-            config=config, spec=TransformerBlockSubmodules(layer_specs=[spec] * num_layers, layer_norm=final_norm),
+            config=config, spec=TransformerBlockSubmodules(layer_specs=specs, layer_norm=final_norm),
             pre_process=pre_process, post_process=post_process, pg_collection=self.pg_collection,
             vp_stage=vp_stage,
         )
@@ -336,13 +373,15 @@ class SetDiffusionGPT(LanguageModule):
         hidden = self.decoder(hidden_states=hidden, attention_mask=StepContext(cache, num_commit, commit_valid),
                               rotary_pos_emb=self.rotary_freqs(position_ids))
         cache.advance(num_commit, partial=commit_valid is not None)
-        return self._query_output(hidden, num_commit, None)
+        return self._query_output(hidden, tokens.shape[1] - num_commit, None)
 
-    def _query_output(self, hidden: torch.Tensor, length: int, targets: torch.Tensor | None) -> torch.Tensor:
+    def _query_output(self, hidden: torch.Tensor, num_queries: int, targets: torch.Tensor | None) -> torch.Tensor:
+        """Logits or NLL of the last `num_queries` rows of the final hidden states: the query
+        stream (the last layer may already have dropped the clean rows)."""
         if self.config.sequence_parallel:
             hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, group=self.tp_group)
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
-        logits, _ = self.output_layer(hidden[length:], weight=weight)  # [L, b, Vp/tp]
+        logits, _ = self.output_layer(hidden[hidden.shape[0] - num_queries:], weight=weight)  # [L, b, Vp/tp]
         if targets is None:
             logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits, group=self.tp_group)
             return logits[..., : self.model_cfg.vocab_size].transpose(0, 1).contiguous()

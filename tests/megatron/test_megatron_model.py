@@ -47,6 +47,9 @@ def test_local_spec_swaps_only_attention_and_norms():
     spec, final_norm = megatron_model.layer_spec(debug_config(qk_norm=True))
     attention = spec.submodules.self_attention.submodules
     assert attention.core_attention.module is megatron_model.SetCausalCoreAttention
-    assert attention.core_attention.params == {"impl": "fused"}
+    assert attention.core_attention.params == {"impl": "fused", "query_rows_only": False}
+    last = megatron_model.query_rows_layer_spec(spec, debug_config(qk_norm=True)).submodules
+    assert last.self_attention.submodules.core_attention.params["query_rows_only"]
+    assert last.self_attention.submodules.linear_qkv is attention.linear_qkv
     assert final_norm is attention.q_layernorm is spec.submodules.input_layernorm is megatron_model.RMSNorm
     assert attention.linear_qkv.__name__ == "ColumnParallelLinear"
