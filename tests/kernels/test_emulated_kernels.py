@@ -70,6 +70,19 @@ def test_matches_dense_fp32(kernel, shape, padded):
     assert_all_close(got, expected, 1e-5, kernel)
 
 
+@pytest.mark.parametrize("kernel", sorted(TRAIN))
+@pytest.mark.parametrize("layout", ["bhsd", "sbhd"])
+def test_query_rows_only_match_dense(kernel, layout):
+    """The last layer's mode (q of the query stream only) through each adapter, with padding."""
+    shape = (2, 4, 2, 9, 16)
+    q, k, v, dout = inputs(shape, torch.float32, 7, layout)
+    q, dout = q[:, :, shape[3]:], dout[:, :, shape[3]:]
+    valid_len = torch.tensor([9, 4])
+    expected = outputs_and_grads(lambda *a: dense(*a, valid_len), *(t.double() for t in (q, k, v, dout)))
+    got = outputs_and_grads(lambda *a: TRAIN[kernel](*a, shape[-1] ** -0.5, valid_len), q, k, v, dout)
+    assert_all_close(got, expected, 1e-5, kernel)
+
+
 @pytest.mark.parametrize("layout", ["bshd", "sbhd"])
 def test_te_works_in_place_on_the_models_layouts(layout):
     """Megatron hands over [s, b, h, d] storage, the torch model [b, s, h, d]: TE gets that layout
