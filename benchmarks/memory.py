@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from benchmarks.machine import machine_info, save_results
-from benchmarks.train_throughput import MODEL, batches
+from benchmarks.train_throughput import MODEL, batches, build_model
 from setdiff_megatron.core.attention import step_mask
 from setdiff_megatron.core.kv_cache import KVCache
 from setdiff_megatron.models.config import ModelConfig
@@ -161,7 +161,7 @@ def training_peak(impl: str, length: int, batch: int, device: str) -> dict:
         return_freed_memory()
     with meter(device) as m:
         torch.manual_seed(0)
-        model = SetDiffusionTransformer(ModelConfig(**MODEL, max_seq_len=length, attention_impl=impl)).to(device)
+        model = build_model(impl, length).to(device)
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
         data = batches(length, batch, 1)[0]
