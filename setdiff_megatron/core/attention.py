@@ -417,7 +417,7 @@ def staged_step_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     """One step's attention with its K/V staged behind the cache: keys/values [B, G, C + T, D].
 
     A KV cache passes views of its own storage, so no layer copies the cache; `mask` comes from
-    `step_attention_mask`, built once per step (boolean, or additive in q's dtype).
+    `step_attention_mask`, built once per step.
     """
     return F.scaled_dot_product_attention(
         q, keys, values, attn_mask=mask, scale=scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]),

@@ -87,10 +87,7 @@ class KVCache:
             key_mask = torch.arange(self.length, device=device) < self.lengths[:, None]
         mask = step_attention_mask(batch_size, num_commit, num_tokens - num_commit, self.length,
                                    cache_mask=key_mask, commit_mask=commit_valid, device=device)
-        # Additive, in the cache's dtype: SDPA converts a boolean mask on every call, which on the
-        # CPU costs several times the attention itself at sampling sizes (benchmarks/PERFORMANCE.md).
-        additive = torch.zeros(mask.shape, dtype=self.keys.dtype, device=device).masked_fill_(~mask, float("-inf"))
-        return additive, slots, counts
+        return mask, slots, counts
 
     def attend(self, layer: int, q_BHTD: torch.Tensor, k_BGTD: torch.Tensor, v_BGTD: torch.Tensor, *,
                num_commit: int, commit_valid: torch.Tensor | None = None) -> torch.Tensor:
