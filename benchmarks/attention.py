@@ -52,6 +52,11 @@ def kernel_causal_skip(length: int, args: argparse.Namespace) -> float:
     return best_time(lambda: run(False), repeats=args.repeats) / best_time(lambda: run(True), repeats=args.repeats)
 
 
+def targets(result: dict) -> list[tuple[str, float | None, str, float]]:
+    ratio = {r["L"]: r["ratio"] for r in result["rows"]}
+    return [("set-causal attention fwd+bwd vs masked SDPA, L=1024", ratio.get(1024), ">=", 3.0)]
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048])

@@ -65,6 +65,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def targets(result: dict) -> list[tuple[str, float | None, str, float]]:
+    row = next((r for r in result["rows"] if r["batch"] == 16), None)
+    if row is None:
+        return []
+    return [("sampling tokens/s, batch 16 vs batch 1", row["speedup_vs_batch1"], ">=", 8.0),
+            ("sampler bookkeeping share of decode time, batch 16", row["bookkeeping_share"], "<=", 0.10)]
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     sampler, prompts, cfg = setup(args)
