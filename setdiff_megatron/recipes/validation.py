@@ -55,6 +55,9 @@ def _parallel_rules(r: Recipe, world_size: int) -> list[str]:
     if r.engine == "deepspeed" and (p.tp > 1 or p.pp > 1):
         errors.append("parallel: tensor and pipeline parallelism (tp, pp > 1) are megatron-engine features; "
                       "the deepspeed engine is data-parallel (ZeRO): set tp = pp = 1 or engine: megatron")
+    if r.engine == "megatron" and r.train.compile:
+        errors.append("train.compile: the deepspeed engine compiles its torch model; megatron-core's layers are "
+                      "not compiled: set train.compile=false or engine: deepspeed")
     if r.engine == "megatron" and p.zero_stage > 1:
         errors.append("parallel.zero_stage: ZeRO stages 2-3 are DeepSpeed's; with engine megatron use "
                       "parallel.distributed_optimizer")

@@ -65,6 +65,8 @@ def build_model(recipe: Recipe, model_cfg: ModelConfig) -> SetDiffusionTransform
     torch.manual_seed(recipe.train.seed)
     model = SetDiffusionTransformer(model_cfg)
     apply_recompute(model, recipe.train.recompute)
+    if recipe.train.compile:
+        model.compile()  # in place: the module, and so its parameter names, stay as they are
     return model
 
 

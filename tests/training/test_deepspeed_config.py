@@ -69,6 +69,8 @@ def test_offload_estimate_and_rule():
     (["engine=megatron", "parallel.zero_stage=0", "parallel.offload_optimizer=true"],
      "optimizer offload is a deepspeed-engine feature"),
     (["parallel.zero_stage=0", "train.precision=bf16"], "bf16 under engine deepspeed needs parallel.zero_stage >= 1"),
+    (["engine=megatron", "parallel.zero_stage=0", "train.compile=true"],
+     "train.compile: the deepspeed engine compiles its torch model"),
     pytest.param(["train.precision=fp16"], "DeepSpeed has no fp16 on the CPU",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU-only rule")),
     (["parallel.zero_stage=0", "parallel.distributed_optimizer=true"],

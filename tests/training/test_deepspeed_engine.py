@@ -205,3 +205,15 @@ def test_nan_loss_follows_the_recipe_policy(tmp_path, data_cache, policy):
     else:
         assert out.returncode == 0, out.stderr[-2000:]
         assert "step skipped (train.nan_policy=skip)" in out.stdout + out.stderr
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_compiled_model_trains_as_the_eager_one(tmp_path, data_cache, straight):
+    """train.compile: torch.compile changes how the step runs, not what it computes."""
+    out = subprocess.run(command(tmp_path / "run", data_cache, "train.compile=true"), capture_output=True, text=True,
+                         timeout=1200)
+    assert out.returncode == 0, out.stderr[-3000:]
+    compiled, eager = losses(tmp_path / "run"), losses(straight)
+    assert [s for s, _ in compiled] == [s for s, _ in eager]
+    assert max(abs(a - b) for (_, a), (_, b) in zip(compiled, eager)) < 1e-5
