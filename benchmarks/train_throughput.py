@@ -65,9 +65,11 @@ def build_model(impl: str, length: int) -> SetDiffusionTransformer:
     return model
 
 
-def torch_step(impl: str, length: int, batch: int):
+def torch_step(impl: str, length: int, batch: int, compile_model: bool = False):
     """A closure running one optimizer step of the torch model on a fixed batch."""
     model = build_model(impl, length)
+    if compile_model:
+        model.compile()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     data = batches(length, batch, 1)[0]
 
@@ -81,8 +83,8 @@ def torch_step(impl: str, length: int, batch: int):
     return step
 
 
-def torch_step_seconds(impl: str, length: int, batch: int, repeats: int) -> float:
-    return best_time(torch_step(impl, length, batch), repeats=repeats)
+def torch_step_seconds(impl: str, length: int, batch: int, repeats: int, compile_model: bool = False) -> float:
+    return best_time(torch_step(impl, length, batch, compile_model), repeats=repeats)
 
 
 def megatron_step_seconds(length: int, batch: int, repeats: int) -> float:
@@ -107,15 +109,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-megatron", action="store_true", help="skip the megatron body")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile every torch model, baselines included (minutes of compilation)")
     args = parser.parse_args(argv)
     print("machine:", machine_info())
-    print(f"model: {MODEL}; full AdamW step, best of {args.repeats}; tokens/s counts sequence tokens (L per example)")
+    compiled = ", torch models compiled" if args.compile else ""
+    print(f"model: {MODEL}; full AdamW step, best of {args.repeats}{compiled}; "
+          "tokens/s counts sequence tokens (L per example)")
     header = f"{'L':>5} {'batch':>5} {'body':>9} {'attention':>10} {'tokens/s':>10} {'vs dense':>9} {'vs sdpa':>8}"
     print(header)
     rows = []
     for length, batch in SHAPES:
         tokens = length * batch
-        measured = {("torch", impl): torch_step_seconds(impl, length, batch, args.repeats)
+        measured = {("torch", impl): torch_step_seconds(impl, length, batch, args.repeats, args.compile)
                     for impl in ("dense", "sdpa", "fused", "free")}
         if not args.no_megatron:
             measured[("megatron", "fused")] = megatron_step_seconds(length, batch, args.repeats)
@@ -126,7 +132,8 @@ def main(argv: list[str] | None = None) -> dict:
             rows.append(row)
             print(f"{length:>5} {batch:>5} {body:>9} {impl:>10} {row['tokens_per_s']:>10.0f} "
                   f"{row['ratio_vs_dense']:>8.2f}x {row['ratio_vs_sdpa']:>7.2f}x")
-    path = save_results("train_throughput", {"args": vars(args), "model": MODEL, "rows": rows})
+    name = "train_throughput_compiled" if args.compile else "train_throughput"
+    path = save_results(name, {"args": vars(args), "model": MODEL, "rows": rows})
     print(f"results: {path}")
     return {"rows": rows}
 

@@ -129,11 +129,11 @@ class TrainSection(Section):
     seed: NonNegativeInt = 1234
     recompute: Literal["none", "selective", "full"] = "none"
     compile: bool = False
-    """torch.compile the model (deepspeed engine): fuses the norms', rotary's and SwiGLU's
-    elementwise work after a compilation of a minute or more at start. What it pays depends on
-    the model: 13 % off the forward and backward of the benchmark model (hidden 256, L 256, one
-    CPU process), nothing on the 2-process tiny-cpu recipe (benchmarks/PERFORMANCE.md). Parameter
-    names, and so checkpoints, do not change."""
+    """torch.compile the model (deepspeed engine), after a compilation of a minute or more at
+    start; the losses are those of eager mode. On the CPU it does not pay for this model (the
+    fused attention's autograd function splits the graph; `python -m benchmarks.train_throughput
+    --compile`): it is there for GPUs, where fusing the norms, rotary and SwiGLU saves memory
+    traffic. Parameter names, and so checkpoints, do not change."""
     nan_policy: Literal["stop", "skip"] = "stop"
     """On a NaN/Inf loss: stop the run, or skip the step and report it."""
 
