@@ -130,10 +130,10 @@ class TrainSection(Section):
     recompute: Literal["none", "selective", "full"] = "none"
     compile: bool = False
     """torch.compile the model (deepspeed engine), after a compilation of a minute or more at
-    start; the losses are those of eager mode. On the CPU it does not pay for this model (the
-    fused attention's autograd function splits the graph; `python -m benchmarks.train_throughput
-    --compile`): it is there for GPUs, where fusing the norms, rotary and SwiGLU saves memory
-    traffic. Parameter names, and so checkpoints, do not change."""
+    start; the losses are those of eager mode. On a 2-core CPU it did not pay for this model
+    (`python -m benchmarks.train_throughput --compile`, benchmarks/PERFORMANCE.md): it is there
+    for GPUs, where fusing the norms, rotary and SwiGLU saves memory traffic. Parameter names,
+    and so checkpoints, do not change."""
     nan_policy: Literal["stop", "skip"] = "stop"
     """On a NaN/Inf loss: stop the run, or skip the step and report it."""
 
