@@ -46,8 +46,9 @@ from setdiff_megatron.core.sampler import SetSampler
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.kernels import choose_attention_impl, flash_attn, te_fused
 
-BF16_TOL, FP8_TOL = {"out": 2e-2, "grad": 2e-2}, {"out": 0.15, "grad": 0.35}
 from setdiff_megatron.training.metrics import peak_flops, training_flops_per_token
+
+BF16_TOL, FP8_TOL = {"out": 2e-2, "grad": 2e-2}, {"out": 0.15, "grad": 0.35}
 
 
 def attention_parity() -> list[dict]:

@@ -37,6 +37,22 @@ def best_time(fn, *, repeats: int, warmup: int = 1) -> float:
     return min(times)
 
 
+def best_times(fns: dict, *, repeats: int, warmup: int = 1) -> dict:
+    """`best_time` of several workloads, interleaved: round r times every workload once, so a
+    slow spell of the machine (a shared VM has them, lasting seconds) hits all of them alike
+    rather than whichever ran during it, and the ratios between them stay meaningful."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
 def save_results(name: str, payload: dict) -> Path:
     RESULTS_DIR.mkdir(exist_ok=True)
     path = RESULTS_DIR / f"{name}.json"

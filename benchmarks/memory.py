@@ -32,10 +32,10 @@ import argparse
 import contextlib
 import ctypes
 import math
-import resource
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing import get_context
+from pathlib import Path
 from typing import Self
 
 import torch
@@ -121,9 +121,20 @@ def meter(device: str) -> CpuMeter | CudaMeter:
     return CudaMeter() if device == "cuda" else CpuMeter()
 
 
-def max_rss_bytes() -> int:
-    """The process's resident-set high-water mark (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def peak_rss_bytes() -> int:
+    """The process's resident-set high-water mark (VmHWM)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def reset_peak_rss() -> int:
+    """Lower the high-water mark to the current RSS (Linux: clear_refs 5) and return it. Without
+    the reset the mark may still hold a peak from before the step (an import in the spawned
+    interpreter), and the step's own growth would read as zero."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return peak_rss_bytes()
 
 
 def in_fresh_process(jobs: list[tuple]) -> list[dict]:
@@ -166,10 +177,10 @@ def training_peak(impl: str, length: int, batch: int, device: str) -> dict:
             p.grad = torch.zeros_like(p)
         data = batches(length, batch, 1)[0]
         inputs = [t.to(device) for t in (data.clean_tokens, data.query_tokens, data.position_ids, data.targets)]
-        rss = max_rss_bytes()
+        rss = reset_peak_rss()
         with m.window("step"):
             forward_backward(model, *inputs)
-        rss = max_rss_bytes() - rss
+        rss = peak_rss_bytes() - rss
     return {"step_bytes": m.peaks()["step"], "rss_bytes": rss}
 
 

@@ -12,7 +12,10 @@ built exactly as `setdiff train` builds them (benchmarks.megatron_step); each ra
 best-of-N full optimizer steps after a warm-up, with a barrier after every step, and rank 0
 reports. ratio = measured / ideal. Target: TP=2 and PP=2 within 1.3x of the ideal split.
 
-    python -m benchmarks.parallel_scaling [--repeats 3]
+At hidden size 256 (the default, as in the other benchmarks) a TP rank's GEMMs are small next to
+its all-reduces; --hidden-size 512 shows the same layouts where tensor parallelism starts to pay.
+
+    python -m benchmarks.parallel_scaling [--repeats 3] [--hidden-size 256]
 """
 
 from __future__ import annotations
@@ -39,10 +42,10 @@ LAYOUTS = {  # name: (world size, parallel section)
 TARGET = 1.3
 
 
-def recipe_dict(parallel: dict) -> dict:
+def recipe_dict(parallel: dict, hidden_size: int) -> dict:
     """The benchmark's recipe under one layout; everything but the layout is shared."""
     return {
-        "model": MODEL | {"max_seq_len": LENGTH},
+        "model": MODEL | {"hidden_size": hidden_size, "max_seq_len": LENGTH},
         "data": {"seq_len": LENGTH}, "train": {"precision": "fp32", "steps": 10, "warmup_steps": 0},
         "parallel": {"micro_batch_size": MICRO_BATCH, "global_batch_size": MICRO_BATCH * NUM_MICROBATCHES,
                      **parallel},
@@ -67,7 +70,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(rank: int, world: int, port: int, parallel: dict, repeats: int, out: SimpleQueue) -> None:
+def _rank(rank: int, world: int, port: int, parallel: dict, hidden_size: int, repeats: int, out: SimpleQueue) -> None:
     """One rank of a layout: join the group as `setdiff train` does, time best-of-N steps."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world))
@@ -86,7 +89,7 @@ def _rank(rank: int, world: int, port: int, parallel: dict, repeats: int, out: S
     from setdiff_megatron.recipes import Recipe
     from setdiff_megatron.training.megatron_engine import _init_distributed
 
-    recipe = recipe_dict(parallel)
+    recipe = recipe_dict(parallel, hidden_size)
     _init_distributed(Recipe.model_validate(recipe))
     step, _ = megatron_step(recipe, vocab_size=VOCAB_SIZE, mask_token_id=MASK_TOKEN_ID, batches=global_batch())
 
@@ -104,11 +107,11 @@ def _rank(rank: int, world: int, port: int, parallel: dict, repeats: int, out: S
     dist.destroy_process_group()
 
 
-def layout_seconds(world: int, parallel: dict, repeats: int) -> float:
+def layout_seconds(world: int, parallel: dict, hidden_size: int, repeats: int) -> float:
     """Best step time of one layout, in `world` fresh spawned processes of one thread each."""
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
-    mp.start_processes(_rank, args=(world, free_port(), parallel, repeats, out), nprocs=world,
+    mp.start_processes(_rank, args=(world, free_port(), parallel, hidden_size, repeats, out), nprocs=world,
                        join=True, start_method="spawn")
     return out.get()
 
@@ -145,15 +148,19 @@ def targets(result: dict) -> list[tuple[str, float | None, str, float]]:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--hidden-size", type=int, default=MODEL["hidden_size"])
     args = parser.parse_args(argv)
+    model = MODEL | {"hidden_size": args.hidden_size}
     print("machine:", machine_info())
-    print(f"model: {MODEL}, vocab {VOCAB_SIZE}, L={LENGTH}; {NUM_MICROBATCHES} micro-batches of {MICRO_BATCH}; "
+    print(f"model: {model}, vocab {VOCAB_SIZE}, L={LENGTH}; {NUM_MICROBATCHES} micro-batches of {MICRO_BATCH}; "
           f"fp32 AdamW step, 1 thread per process, best of {args.repeats}; ideal = T1 / ranks")
-    seconds = {name: layout_seconds(world, parallel, args.repeats) for name, (world, parallel) in LAYOUTS.items()}
+    seconds = {name: layout_seconds(world, parallel, args.hidden_size, args.repeats)
+               for name, (world, parallel) in LAYOUTS.items()}
     rows = rows_from(seconds)
     print_table(rows)
-    path = save_results("parallel_scaling", {
-        "args": vars(args), "model": MODEL | {"vocab_size": VOCAB_SIZE, "seq_len": LENGTH},
+    name = "parallel_scaling" if args.hidden_size == MODEL["hidden_size"] else f"parallel_scaling_h{args.hidden_size}"
+    path = save_results(name, {
+        "args": vars(args), "model": model | {"vocab_size": VOCAB_SIZE, "seq_len": LENGTH},
         "micro_batch_size": MICRO_BATCH, "num_microbatches": NUM_MICROBATCHES, "threads_per_process": 1, "rows": rows})
     print(f"results: {path}")
     return {"rows": rows}

@@ -19,7 +19,7 @@ from functools import partial
 
 import torch
 
-from benchmarks.machine import best_time, machine_info, save_results
+from benchmarks.machine import best_times, machine_info, save_results
 from setdiff_megatron.core.orders import Staggered
 from setdiff_megatron.core.streams import sample_two_stream_batch
 from setdiff_megatron.models.config import ModelConfig
@@ -83,11 +83,8 @@ def torch_step(impl: str, length: int, batch: int, compile_model: bool = False):
     return step
 
 
-def torch_step_seconds(impl: str, length: int, batch: int, repeats: int, compile_model: bool = False) -> float:
-    return best_time(torch_step(impl, length, batch, compile_model), repeats=repeats)
-
-
-def megatron_step_seconds(length: int, batch: int, repeats: int) -> float:
+def megatron_train_step(length: int, batch: int):
+    """A closure running one optimizer step of the megatron body (one process, TP = PP = 1)."""
     from benchmarks.megatron_step import megatron_step
 
     recipe = {
@@ -97,7 +94,7 @@ def megatron_step_seconds(length: int, batch: int, repeats: int) -> float:
     }
     step, _ = megatron_step(recipe, vocab_size=MODEL["vocab_size"], mask_token_id=MODEL["mask_token_id"],
                             batches=batches(length, batch, 1))
-    return best_time(step, repeats=repeats)
+    return step
 
 
 def targets(result: dict) -> list[tuple[str, float | None, str, float]]:
@@ -121,10 +118,11 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for length, batch in SHAPES:
         tokens = length * batch
-        measured = {("torch", impl): torch_step_seconds(impl, length, batch, args.repeats, args.compile)
-                    for impl in ("dense", "sdpa", "fused", "free")}
+        steps = {("torch", impl): torch_step(impl, length, batch, args.compile)
+                 for impl in ("dense", "sdpa", "fused", "free")}
         if not args.no_megatron:
-            measured[("megatron", "fused")] = megatron_step_seconds(length, batch, args.repeats)
+            steps[("megatron", "fused")] = megatron_train_step(length, batch)
+        measured = best_times(steps, repeats=args.repeats)
         dense, sdpa = measured[("torch", "dense")], measured[("torch", "sdpa")]
         for (body, impl), seconds in measured.items():
             row = {"L": length, "batch": batch, "body": body, "attention": impl, "tokens_per_s": tokens / seconds,
