@@ -15,7 +15,6 @@ attention too. Target: ours >= 2x the dense-mask baseline.
 from __future__ import annotations
 
 import argparse
-from functools import partial
 
 import torch
 
@@ -45,12 +44,8 @@ class ReferenceForm(SetDiffusionTransformer):
 
     def forward(self, clean_tokens: torch.Tensor, query_tokens: torch.Tensor, position_ids: torch.Tensor,
                 valid_len: torch.Tensor | None = None) -> torch.Tensor:
-        x = self.embed_tokens(torch.cat([clean_tokens, query_tokens], dim=1))
-        cos, sin = self.rotary(position_ids.repeat(1, 2))
-        attend = partial(self._attention, scale=self._scale, valid_len=valid_len)
-        for layer in self.layers:
-            x = layer(x, cos, sin, attend)
-        return self.output_logits(x[:, clean_tokens.shape[1]:])
+        hidden = self.hidden_states(clean_tokens, query_tokens, position_ids, valid_len, clean_rows=True)
+        return self.output_logits(hidden[:, clean_tokens.shape[1]:])
 
 
 def build_model(impl: str, length: int) -> SetDiffusionTransformer:

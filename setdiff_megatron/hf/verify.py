@@ -79,14 +79,9 @@ def query_logits(model, batch: TwoStreamBatch) -> torch.Tensor:
 def clean_stream(model: SetDiffusionTransformer, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(final-norm hidden states, logits) of the clean stream under the left-to-right order:
     position r sees tokens 0..r, exactly an AR model's computation."""
-    captured = {}
-    hook = model.layers[-1].register_forward_hook(lambda module, args, out: captured.setdefault("x", out))
-    try:
-        positions = torch.arange(tokens.shape[1]).expand_as(tokens)
-        model(tokens, torch.full_like(tokens, model.config.mask_token_id), positions)
-    finally:
-        hook.remove()
-    clean = captured["x"][:, : tokens.shape[1]]
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    hidden = model.hidden_states(tokens, torch.full_like(tokens, model.config.mask_token_id), positions, clean_rows=True)
+    clean = hidden[:, : tokens.shape[1]]
     return model.norm(clean).float(), model.output_logits(clean).float()
 
 

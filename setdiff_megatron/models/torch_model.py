@@ -152,6 +152,16 @@ class SetDiffusionTransformer(nn.Module):
     def forward(self, clean_tokens: torch.Tensor, query_tokens: torch.Tensor, position_ids: torch.Tensor,
                 valid_len: torch.Tensor | None = None) -> torch.Tensor:
         """Query-stream logits [B, L, V] for two streams of [B, L] tokens in rank order."""
+        return self.output_logits(self.hidden_states(clean_tokens, query_tokens, position_ids, valid_len))
+
+    def hidden_states(self, clean_tokens: torch.Tensor, query_tokens: torch.Tensor, position_ids: torch.Tensor,
+                      valid_len: torch.Tensor | None = None, *, clean_rows: bool = False) -> torch.Tensor:
+        """The last layer's output (before the final norm): the query stream's [B, L, E].
+
+        Nothing reads the clean stream after the last layer, so that layer computes the query rows
+        only. `clean_rows` makes it compute both streams, [B, 2L, E], for callers that do read the
+        clean stream: the check that it is an imported AR model's computation (hf/verify.py).
+        """
         if clean_tokens.dim() != 2 or query_tokens.shape != clean_tokens.shape or position_ids.shape != clean_tokens.shape:
             raise ValueError(
                 "clean_tokens, query_tokens and position_ids must all be [batch, length]; got "
@@ -167,8 +177,7 @@ class SetDiffusionTransformer(nn.Module):
         attend = partial(self._attention, scale=self._scale, valid_len=valid_len)
         for layer in self.layers[:-1]:
             x = layer(x, cos, sin, attend)
-        # Nothing reads the clean stream after the last layer: it computes the query rows only.
-        return self.output_logits(self.layers[-1](x, cos, sin, attend, first_row=length))
+        return self.layers[-1](x, cos, sin, attend, first_row=0 if clean_rows else length)
 
     def loss(self, tokens: torch.Tensor, policy: OrderPolicy, *, prompt_mask: torch.Tensor | None = None,
              pad_mask: torch.Tensor | None = None, keep_clean_bos: bool = False,
