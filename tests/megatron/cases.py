@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from setdiff_megatron.core.orders import Staggered
 from setdiff_megatron.core.streams import TwoStreamBatch, sample_two_stream_batch
@@ -60,6 +61,14 @@ def run_worker(module: str, out: Path, nproc: int = 1, timeout: float = 240) -> 
     if proc.returncode != 0 or not out.exists():
         raise AssertionError(f"{module} failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return json.loads(out.read_text())
+
+
+def write_worker_results(out: Path, results: dict) -> None:
+    """The worker's side of run_worker: rank 0 writes the JSON, then every rank closes the group."""
+    if dist.get_rank() == 0:
+        out.write_text(json.dumps(results, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def sampling_prompts(cfg: ModelConfig) -> list[list[int]]:

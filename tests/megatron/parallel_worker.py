@@ -9,7 +9,6 @@ are merged into torch-model names by the weight map, so one comparison covers ev
 
 from __future__ import annotations
 
-import json
 import sys
 import warnings
 from pathlib import Path
@@ -37,6 +36,7 @@ from tests.megatron.cases import (
     compare_sampling,
     parallel_config,
     reference_weights,
+    write_worker_results,
 )
 
 warnings.filterwarnings("ignore")
@@ -170,10 +170,7 @@ def main(out: Path) -> None:
     distributed = _merged([optimizer_params(cfg, weights, opt_data, use_distributed_optimizer=True)])
     results["distributed_optimizer"] = {"param_diff": _max_diff(plain, distributed),
                                         "param_change": _max_diff(plain, weights)}
-    if dist.get_rank() == 0:
-        out.write_text(json.dumps(results, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
+    write_worker_results(out, results)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ observations; test_deepspeed_engine.py holds the expectations.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ from setdiff_megatron.training.lr_schedule import build_lr_scheduler
 from setdiff_megatron.training.deepspeed_engine import TrainStep, build_engine, build_model
 from setdiff_megatron.training.deepspeed_runtime import import_deepspeed, init_distributed
 from tests.conftest import debug_config
-from tests.megatron.cases import NUM_MICROBATCHES, ROOT, batches
+from tests.megatron.cases import NUM_MICROBATCHES, ROOT, batches, write_worker_results
 
 STEPS = 5
 # (name, overrides): fp32 at every stage, activation recompute on two of them, optimizer offload,
@@ -144,10 +143,7 @@ def main(out: Path) -> None:
     results = {"reference": reference_losses(recipe, cfg, data) if dist.get_rank() == 0 else None}
     for name, overrides in RUNS:
         results[name] = run(deepspeed, name, overrides, cfg, data, out.parent)
-    if dist.get_rank() == 0:
-        out.write_text(json.dumps(results, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
+    write_worker_results(out, results)
 
 
 if __name__ == "__main__":
