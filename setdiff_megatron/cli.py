@@ -34,6 +34,11 @@ def _train(args: argparse.Namespace) -> int:
     except Preempted as stop:
         print(f"setdiff: {stop}", file=sys.stderr)
         return stop.exit_code
+    if int(os.environ.get("RANK", "0")) == 0:
+        from setdiff_megatron.evaluation.showcase import showcase
+
+        for line in showcase(recipe):
+            print(line, flush=True)
     return 0
 
 

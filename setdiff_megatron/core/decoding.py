@@ -46,6 +46,10 @@ class DecodingConfig:
     reference's position span, which out-of-order decoding can shrink to one query)."""
     fill_window: bool = False
     """Offer the W leftmost masked positions instead, so every step scores W queries."""
+    block_size: int | None = None
+    """Block diffusion (BD3-LM) decoding: queries never pass the end of the block (positions
+    [j*S, (j+1)*S), counted from the canvas start) that holds the leftmost masked position, so a
+    block is finished before the next one is queried, as a block-order model was trained. None: off."""
     tokens_per_step: int = 1
     """k >= 1: the k most confident queries are decoded each step (at most the queries offered)."""
     threshold: float | None = None
@@ -72,6 +76,7 @@ class DecodingConfig:
         checks = [
             ("window", self.window, self.window >= 1, ">= 1"),
             ("tokens_per_step", self.tokens_per_step, self.tokens_per_step >= 1, ">= 1"),
+            ("block_size", self.block_size, self.block_size is None or self.block_size >= 1, ">= 1, or None for off"),
             ("threshold", self.threshold, self.threshold is None or 0 < self.threshold <= 1,
              "in (0, 1], or None for off"),
             ("temperature", self.temperature, self.temperature >= 0, ">= 0 (0 = greedy)"),
@@ -89,7 +94,7 @@ class DecodingConfig:
                 raise ValueError(f"{name} must be {allowed}; got {value!r}")
 
 
-def window_queries(todo_BL: torch.Tensor, window: int, fill_window: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def window_queries(todo_BL: torch.Tensor, cfg: DecodingConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Query positions [B, Q] in increasing order and their validity [B, Q], Q = min(W, L).
 
     The last canvas column is scratch (never to do); empty slots point at it, so writing a
@@ -98,11 +103,14 @@ def window_queries(todo_BL: torch.Tensor, window: int, fill_window: bool) -> tup
     scratch = todo_BL.shape[1] - 1
     pos_L = torch.arange(todo_BL.shape[1], device=todo_BL.device)
     offered = todo_BL
-    if not fill_window:
+    if not cfg.fill_window or cfg.block_size is not None:
         first_B = todo_BL.to(torch.uint8).argmax(1)  # the first maximum: the leftmost masked position
-        offered = todo_BL & (pos_L < first_B[:, None] + window)
+        end_B = first_B + cfg.window if not cfg.fill_window else torch.full_like(first_B, scratch)
+        if cfg.block_size is not None:
+            end_B = torch.minimum(end_B, (first_B // cfg.block_size + 1) * cfg.block_size)
+        offered = todo_BL & (pos_L < end_B[:, None])
     key_BL = torch.where(offered, pos_L, scratch)
-    pos_BQ = key_BL.topk(min(window, todo_BL.shape[1]), dim=1, largest=False, sorted=True).values
+    pos_BQ = key_BL.topk(min(cfg.window, todo_BL.shape[1]), dim=1, largest=False, sorted=True).values
     return pos_BQ, pos_BQ < scratch
 
 

@@ -189,7 +189,7 @@ class SetSampler:
             ragged = min(num_visible) < max(num_visible)
             self.model.step(canvas.gather(1, order), order, cache, max(num_visible),
                             (torch.arange(order.shape[1], device=device) < sink[:, None]) if ragged else None)
-        query_pos, query_valid = window_queries(todo, cfg.window, cfg.fill_window)
+        query_pos, query_valid = window_queries(todo, cfg)
         num_query = int(query_valid.sum(1).max())
         empty = torch.zeros(len(requests), 0, dtype=torch.long, device=device)
         return _Batch(
@@ -228,7 +228,7 @@ class SetSampler:
             new, tok = self._decide(b, logits, cfg, generator, stops)
             if trace:
                 run.record(b.query_pos, b.query_valid, new, tok)
-            b.query_pos, b.query_valid = window_queries(b.todo, cfg.window, cfg.fill_window)
+            b.query_pos, b.query_valid = window_queries(b.todo, cfg)
 
             # The one sync of the step: the next step's sizes, and who finished (no query left).
             # Maxima over all rows, retiring ones included, are safe bounds for the rest.

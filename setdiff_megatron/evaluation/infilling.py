@@ -1,14 +1,21 @@
 """`setdiff eval infill`: mask the middle of a text, let the model fill it, score the fill.
 
-Two tasks:
+Three tasks:
   rocstories  the paper's infilling benchmark: a five-sentence story (the cloze set's four
               sentences and its right ending) with its middle sentence (--targets 1) or middle
               three sentences (--targets 3) masked; ROUGE against the original.
   code        a function body of a held-out file of the built-in corpus (the stdlib files the
               tiny recipes never train on) masked between its signature and the code after it;
               exact match and ROUGE.
+  jsonl       your own examples: --data FILE with {"left", "middle", "right"} per line (other
+              keys, e.g. an "id", travel to the samples); e.g. the reasoning corpus's
+              tasks/infill-test.jsonl (data/reasoning.py).
 Spans get the oracle length (the original's token count) and both contexts are prefilled, as in
 the paper (ALGORITHM.md 2.6; its decoding there: --window 32 --repetition-penalty 1.2, greedy).
+`--context` gives a model only the context its training order lets it use: `left` drops the
+right context (an autoregressive model), `blocks` keeps the right context up to the end of the
+span's last block of --block-size positions (a block diffusion model, which sees later blocks
+only once it has decoded them).
 The job writes the prompts once (`prompts.jsonl`, a reference per line), decodes them through
 the sampling job (sharded, resumable: `samples.jsonl`) and scores the merged samples
 (`metrics.json`). Examples longer than the model's context are skipped and counted.
@@ -30,7 +37,8 @@ from setdiff_megatron.inference.sharding import Placement
 
 __all__ = ["InfillExample", "rocstories_examples", "code_examples", "InfillJob", "run_infill_job", "add_parser"]
 
-TASKS = ("rocstories", "code")
+TASKS = ("rocstories", "code", "jsonl")
+CONTEXTS = ("both", "left", "blocks")
 _ROC_COLUMNS = ("InputStoryid", "InputSentence1", "InputSentence2", "InputSentence3", "InputSentence4",
                 "RandomFifthSentenceQuiz1", "RandomFifthSentenceQuiz2", "AnswerRightEnding")
 
@@ -41,6 +49,8 @@ class InfillExample:
     left: str
     middle: str
     right: str
+    extra: dict = field(default_factory=dict)
+    """Other keys of a jsonl example, copied to its prompt and sample."""
 
 
 def rocstories_examples(path: str | Path, targets: int = 1, max_examples: int | None = None) -> list[InfillExample]:
@@ -107,6 +117,24 @@ def code_examples(max_examples: int | None = None, *, context_lines: int = 6) ->
     return examples
 
 
+def jsonl_examples(path: str | Path, max_examples: int | None = None) -> list[InfillExample]:
+    """{"left", "middle", "right"} records of a JSONL file, checked line by line."""
+    from setdiff_megatron.inference.jsonl import jsonl_records
+
+    examples = []
+    for _, where, record in jsonl_records(path, "infill file"):
+        if not isinstance(record, dict) or not all(isinstance(record.get(k), str) for k in ("left", "middle", "right")):
+            raise UserError(f'{where}: expected a JSON object with string "left", "middle" and "right"')
+        if not record["middle"]:
+            raise UserError(f'{where}: "middle" is empty: nothing to infill')
+        extra = {k: v for k, v in record.items() if k not in ("id", "left", "middle", "right")}
+        examples.append(InfillExample(id=str(record.get("id", len(examples))), left=record["left"],
+                                      middle=record["middle"], right=record["right"], extra=extra))
+        if max_examples is not None and len(examples) == max_examples:
+            break
+    return examples
+
+
 @dataclass
 class InfillJob:
     source: str
@@ -119,6 +147,14 @@ class InfillJob:
     max_examples: int | None = None
     placement: Placement = field(default_factory=Placement)
     add_bos: bool | None = None
+    context: str = "both"
+    """both | left | blocks (module docstring); blocks reads the block size from decoding.block_size."""
+
+    def check(self) -> None:
+        if self.context not in CONTEXTS:
+            raise UserError(f"--context must be one of {', '.join(CONTEXTS)}; got {self.context!r}")
+        if self.context == "blocks" and self.decoding.block_size is None:
+            raise UserError("--context blocks needs --block-size S (the block size the model was trained with)")
 
 
 def _examples(job: InfillJob) -> list[InfillExample]:
@@ -128,6 +164,10 @@ def _examples(job: InfillJob) -> list[InfillExample]:
         return rocstories_examples(job.data, job.targets, job.max_examples)
     if job.task == "code":
         return code_examples(job.max_examples)
+    if job.task == "jsonl":
+        if job.data is None:
+            raise UserError("--task jsonl needs --data PATH to a JSONL file of {left, middle, right} examples")
+        return jsonl_examples(job.data, job.max_examples)
     raise UserError(f"--task must be one of {', '.join(TASKS)}; got {job.task!r}")
 
 
@@ -148,6 +188,18 @@ def _fit_code_context(ex: InfillExample, tokenizer, budget: int) -> InfillExampl
     return ex
 
 
+def _visible_right(ex: InfillExample, tokenizer, context: str, block_size: int | None, bos: bool) -> str:
+    """The right context a model may see (module docstring): all, none, or up to its span's block end."""
+    if context == "both":
+        return ex.right
+    if context == "left":
+        return ""
+    span_end = int(bos) + len(tokenizer.encode(ex.left)) + len(tokenizer.encode(ex.middle))
+    keep = -span_end % block_size
+    # Exact for character-level tokenizers; for a BPE the kept text re-encodes to about `keep` tokens.
+    return tokenizer.decode(tokenizer.encode(ex.right)[:keep])
+
+
 def _write_prompts(job: InfillJob, path: Path) -> tuple[int, int]:
     """Write the prompts that fit the model's context; returns (written, skipped)."""
     from setdiff_megatron.training.checkpoint_reader import is_megatron_checkpoint, read_checkpoint
@@ -158,11 +210,13 @@ def _write_prompts(job: InfillJob, path: Path) -> tuple[int, int]:
     if is_megatron_checkpoint(job.source):
         ckpt = read_checkpoint(job.source, weights=False)
         tokenizer, max_len = ckpt.tokenizer, ckpt.config.max_seq_len
+        trained_bos = ckpt.recipe is not None and ckpt.recipe.method.keep_clean_bos
     else:
         from setdiff_megatron.hf.load import load_hf_export
 
         config, _, tokenizer = load_hf_export(job.source)
-        max_len = config.max_seq_len
+        max_len, trained_bos = config.max_seq_len, False
+    bos = trained_bos if job.add_bos is None else job.add_bos
     lines, skipped = [], 0
     for ex in examples:
         if job.task == "code":
@@ -171,7 +225,8 @@ def _write_prompts(job: InfillJob, path: Path) -> tuple[int, int]:
         if _num_tokens(ex, tokenizer) > max_len - 2:  # room for a BOS
             skipped += 1
             continue
-        lines.append(json.dumps({"id": ex.id, "segments": [ex.left, span, ex.right], "reference": ex.middle},
+        right = _visible_right(ex, tokenizer, job.context, job.decoding.block_size, bos)
+        lines.append(json.dumps({"id": ex.id, **ex.extra, "segments": [ex.left, span, right], "reference": ex.middle},
                                 ensure_ascii=False))
     if not lines:
         raise UserError(f"every {job.task} example is longer than the model's context ({max_len} tokens)")
@@ -200,6 +255,7 @@ def run_infill_job(job: InfillJob) -> dict | None:
     from setdiff_megatron.inference.job import SampleJob, run_sample_job
     from setdiff_megatron.inference.loading import init_ranks
 
+    job.check()
     out = Path(job.out)
     prompts = out / "prompts.jsonl"
     ranks = init_ranks(job.placement.tp)
@@ -217,7 +273,8 @@ def run_infill_job(job: InfillJob) -> dict | None:
     info = json.loads((out / "prompts.info.json").read_text())
     decoded = sum(r["num_decoded"] for r in records)
     metrics = {
-        "task": job.task, "targets": job.targets if job.task == "rocstories" else None, **score_samples(records),
+        "task": job.task, "targets": job.targets if job.task == "rocstories" else None, "context": job.context,
+        **score_samples(records),
         "examples": len(records), "skipped_too_long": info["skipped_too_long"],
         "tokens_per_step": decoded / max(sum(r["steps"] for r in records), 1),
         "mean_nfe": sum(r["nfe"] for r in records) / len(records),
@@ -239,7 +296,7 @@ def _run(args) -> int:
     run_infill_job(InfillJob(
         source=args.source, task=args.task, out=args.out, decoding=decoding_from_args(args), data=args.data,
         targets=args.targets, max_examples=args.max_examples, placement=placement_from_args(args),
-        add_bos=args.add_bos))
+        add_bos=args.add_bos, context=args.context))
     return 0
 
 
@@ -251,7 +308,10 @@ def add_parser(jobs) -> None:
     add_job_arguments(parser)
     parser.add_argument("--task", required=True, choices=TASKS)
     parser.add_argument("--out", required=True, help="directory for prompts.jsonl, samples.jsonl, metrics.json")
-    parser.add_argument("--data", default=None, help="the ROCStories cloze CSV (task rocstories)")
+    parser.add_argument("--data", default=None, help="the ROCStories cloze CSV (task rocstories), or the "
+                        "examples (task jsonl)")
+    parser.add_argument("--context", default="both", choices=CONTEXTS, help="context the model sees: both sides "
+                        "(default), left only (AR models), or up to the span's block end (blocks; needs --block-size)")
     parser.add_argument("--targets", type=int, default=1, help="middle sentences masked: 1 or 3 (rocstories)")
     parser.add_argument("--max-examples", type=int, default=None)
     add_decoding_arguments(parser, max_new_tokens=0)

@@ -25,7 +25,7 @@ json, dataset_kwargs.data_files) need no hub.
 
 Decoding speed (tokens/s, tokens per step, NFE of generate_until) is added to the results'
 "config" section. Model arguments: pretrained (required), window, threshold, tokens_per_step,
-fill_window, temperature, top_k, top_p, repetition_penalty, max_gen_toks, seed, dtype, add_bos,
+fill_window, block_size, temperature, top_k, top_p, repetition_penalty, max_gen_toks, seed, dtype, add_bos,
 context_len; batch size and device come from lm-eval's --batch_size and --device. One process
 holds the whole model (no TP).
 """
@@ -70,7 +70,7 @@ def _batch_size(value: Any) -> int:
 @register_model("setdiff")
 class SetDiffLM(LM):
     def __init__(self, pretrained: str, window: int = 16, threshold: float | None = None, tokens_per_step: int = 1,
-                 fill_window: bool = False, temperature: float = 0.0, top_k: int | None = None,
+                 fill_window: bool = False, block_size: int | None = None, temperature: float = 0.0, top_k: int | None = None,
                  top_p: float | None = None, repetition_penalty: float = 1.0, max_gen_toks: int = 256, seed: int = 0,
                  dtype: str | None = None, add_bos: bool | None = None, context_len: int | None = None,
                  batch_size: int | str = 16, max_batch_size: int | None = None, device: str | None = None,
@@ -94,6 +94,7 @@ class SetDiffLM(LM):
         self.max_gen_toks = max_gen_toks
         self.decoding = DecodingConfig(
             window=window, threshold=threshold, tokens_per_step=tokens_per_step, fill_window=fill_window,
+            block_size=block_size,
             temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
             max_new_tokens=max_gen_toks, seed=seed, eos_token_ids=(self.tokenizer.eos_id,))
         self.sampler = SetSampler(self.model, mask_token_id=self.tokenizer.mask_id, context_len=self.max_length)

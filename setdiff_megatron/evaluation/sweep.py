@@ -46,6 +46,8 @@ class Settings(BaseModel):
 
     window: PositiveInt | None = None
     fill_window: bool | None = None
+    block_size: PositiveInt | None = None
+    """Block diffusion decoding (block-order models): queries stay inside the current block."""
     tokens_per_step: PositiveInt | None = None
     threshold: float | None = None
     """null: off (only the k most confident queries are decoded)."""
@@ -121,7 +123,7 @@ def load_spec(path: str | Path) -> SweepSpec:
 
 
 def _auto_name(given: dict[str, Any]) -> str:
-    short = {"window": "w", "tokens_per_step": "k", "threshold": "t", "temperature": "temp", "top_k": "topk",
+    short = {"window": "w", "block_size": "b", "tokens_per_step": "k", "threshold": "t", "temperature": "temp", "top_k": "topk",
              "top_p": "topp", "repetition_penalty": "rep", "max_new_tokens": "n", "seed": "seed"}
     parts = []
     for key, value in given.items():

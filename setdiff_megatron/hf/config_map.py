@@ -45,6 +45,7 @@ GENERATION_KEYS: dict[str, str] = {
     "repetition_penalty": "repetition_penalty",
     "window": "window",
     "fill_window": "fill_window",
+    "block_size": "block_size",
     "tokens_per_step": "tokens_per_step",
     "threshold": "threshold",
     "stop_token_sequences": "stop_sequences",

@@ -39,6 +39,8 @@ def add_decoding_arguments(parser: argparse.ArgumentParser, *, max_new_tokens: i
     dec.add_argument("--window", type=int, default=16, help="W: queries per step come from the W positions "
                      "right of the leftmost masked one; 1 is autoregressive decoding")
     dec.add_argument("--fill-window", action="store_true", help="always offer W masked positions")
+    dec.add_argument("--block-size", type=int, default=None, help="block diffusion decoding: queries stay in the "
+                     "block of S positions holding the leftmost masked one (for block-order models)")
     dec.add_argument("--tokens-per-step", type=int, default=1, help="k: decode the k most confident queries")
     dec.add_argument("--threshold", type=float, default=None, help="tau in (0, 1]: also decode every query "
                      "at least this confident")
@@ -63,7 +65,8 @@ def placement_from_args(args: argparse.Namespace, **changes) -> Placement:
 def decoding_from_args(args: argparse.Namespace) -> DecodingConfig:
     try:
         return DecodingConfig(
-            window=args.window, fill_window=args.fill_window, tokens_per_step=args.tokens_per_step,
+            window=args.window, fill_window=args.fill_window, block_size=args.block_size,
+            tokens_per_step=args.tokens_per_step,
             threshold=args.threshold, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
             repetition_penalty=args.repetition_penalty, max_new_tokens=args.max_new_tokens, seed=args.seed)
     except ValueError as exc:

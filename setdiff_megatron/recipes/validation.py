@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+from setdiff_megatron.data.builtin import BUILTIN_CORPORA
 from setdiff_megatron.errors import require
 from setdiff_megatron.recipes.loading import RecipeError
 from setdiff_megatron.recipes.schema import Recipe
@@ -129,6 +130,19 @@ def _method_rules(r: Recipe) -> list[str]:
     return errors
 
 
+def _data_rules(r: Recipe) -> list[str]:
+    names = [ds.path for ds in r.data.datasets]
+    builtin = [n for n in names if n in BUILTIN_CORPORA]
+    if builtin and len(names) > 1:
+        return [f"data.datasets: the built-in corpus {builtin[0]!r} trains alone; blend preprocessed datasets "
+                "(setdiff preprocess) instead"]
+    if builtin and r.data.tokenizer is not None:
+        return [f"data.tokenizer: the built-in corpus {builtin[0]!r} brings its own tokenizer; remove data.tokenizer"]
+    if not builtin and r.data.tokenizer is None:
+        return ["data.tokenizer: preprocessed datasets need the tokenizer that made them (their tokenizer/ directory)"]
+    return []
+
+
 def _train_rules(r: Recipe, has_gpu: bool) -> list[str]:
     t = r.train
     errors = []
@@ -154,7 +168,7 @@ def _train_rules(r: Recipe, has_gpu: bool) -> list[str]:
 def _path_rules(r: Recipe) -> list[str]:
     errors = []
     for i, ds in enumerate(r.data.datasets):
-        if ds.path != "stdlib" and not Path(f"{ds.path}.idx").is_file():
+        if ds.path not in BUILTIN_CORPORA and not Path(f"{ds.path}.idx").is_file():
             errors.append(f"data.datasets.{i}.path: no indexed dataset at {ds.path}(.bin/.idx); "
                           "build it with `setdiff preprocess`")
     for key, value in (("data.tokenizer", r.data.tokenizer), ("model.init_from", r.model.init_from)):
@@ -181,7 +195,7 @@ def validate_recipe(recipe: Recipe, *, world_size: int | None = None, has_gpu: b
               + _method_rules(recipe) + _train_rules(recipe, has_gpu))
     if check_paths:
         errors += _path_rules(recipe)
-    return errors
+    return errors + _data_rules(recipe)
 
 
 def check_recipe(recipe: Recipe, source: str | Path, **kwargs) -> None:

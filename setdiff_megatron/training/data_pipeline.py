@@ -17,8 +17,7 @@ import torch
 
 from setdiff_megatron.core.orders import OrderPolicy, make_order_policy
 from setdiff_megatron.core.streams import TwoStreamBatch, sample_two_stream_batch
-from setdiff_megatron.data.corpus import DefaultCorpus
-from setdiff_megatron.data.preprocess import TOKENIZER_SUBDIR
+from setdiff_megatron.data.builtin import BUILTIN_CORPORA, builtin_corpus_dir, corpus_paths, prepare_builtin_corpus
 from setdiff_megatron.data.samples import PackedSamples, ResumableLoader, build_packed_datasets
 from setdiff_megatron.data.tokenizers import SetDiffTokenizer, load_tokenizer
 from setdiff_megatron.recipes.schema import MethodSection, Recipe
@@ -47,22 +46,20 @@ def data_dir(recipe: Recipe) -> Path:
 
 def prepare_data(recipe: Recipe, *, num_train_samples: int, num_valid_samples: int,
                  is_first_rank: bool, barrier=lambda: None) -> TrainingData:
-    """Tokenizer and packed train/valid samples. The first rank prepares the built-in corpus while
+    """Tokenizer and packed train/valid samples. The first rank prepares a built-in corpus while
     the others wait at `barrier`; megatron's builder orders the index caches the same way."""
     data, cache = recipe.data, data_dir(recipe)
-    builtin = [d.path for d in data.datasets] == ["stdlib"]
+    names = [d.path for d in data.datasets]
+    builtin = len(names) == 1 and names[0] in BUILTIN_CORPORA
     if builtin:
-        from setdiff_megatron.data.corpus import prepare_default_corpus
-
-        corpus_dir = cache / f"stdlib-bpe{data.vocab_size}"
+        corpus_dir = builtin_corpus_dir(names[0], cache, data.vocab_size)
         if is_first_rank:
-            corpus = prepare_default_corpus(corpus_dir, data.vocab_size, progress=True)
-        barrier()
-        if not is_first_rank:  # reads only: the first rank wrote every file before the barrier
-            corpus = DefaultCorpus(corpus_dir, corpus_dir / TOKENIZER_SUBDIR, corpus_dir / "train", corpus_dir / "valid")
-        tokenizer = load_tokenizer(corpus.tokenizer_dir)
-        train_sets = [(corpus.train_prefix, 1.0)]
-        splits = {"train": ("100,0,0", [corpus.train_prefix]), "valid": ("0,100,0", [corpus.valid_prefix])}
+            prepare_builtin_corpus(names[0], corpus_dir, data.vocab_size, progress=True)
+        barrier()  # the other ranks only read what the first one wrote before the barrier
+        tokenizer_dir, train_prefix, valid_prefix = corpus_paths(corpus_dir)
+        tokenizer = load_tokenizer(tokenizer_dir)
+        train_sets = [(train_prefix, 1.0)]
+        splits = {"train": ("100,0,0", [train_prefix]), "valid": ("0,100,0", [valid_prefix])}
     else:
         tokenizer = load_tokenizer(data.tokenizer)
         train_sets = [(Path(d.path), d.weight) for d in data.datasets]

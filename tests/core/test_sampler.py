@@ -1,5 +1,7 @@
 """The set sampler: exactness against the training forward, batch invariance, AR, parallel steps."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -78,6 +80,7 @@ EXACTNESS_CASES = {
     "span-tau": (DecodingConfig(window=5, threshold=0.025, max_new_tokens=9), [3, 7, 0, 5], ()),
     "fill-k2-tau": (DecodingConfig(window=4, fill_window=True, tokens_per_step=2, threshold=0.025,
                                    max_new_tokens=6), [6, 2, 9], ()),
+    "block-4": (DecodingConfig(window=8, block_size=4, threshold=0.025, max_new_tokens=9), [3, 6, 0], ()),
     "infill-2-spans": (DecodingConfig(window=4, threshold=0.025, max_new_tokens=3), [12, 10, 7],
                        ((2, 3), (7, 2))),
     "infill-only-fill": (DecodingConfig(window=3, fill_window=True, tokens_per_step=2, max_new_tokens=0),
@@ -144,6 +147,25 @@ def test_window_one_is_greedy_left_to_right(debug_model):
         seq.append(int(logits.argmax()))
     row = out.rows[0]
     assert row.tokens == seq and row.steps == 10 and row.nfe == 11
+
+
+@pytest.mark.parametrize("fill_window", [False, True])
+def test_block_decoding_finishes_each_block_before_the_next(copying_model, fill_window):
+    """BD3-style decoding: every query lies in the block (positions [4j, 4j + 4)) of the leftmost
+    masked position, however wide the window and however confident the model is further right."""
+    model, rows = copying_model
+    cfg = DecodingConfig(window=16, block_size=4, threshold=0.5, fill_window=fill_window, max_new_tokens=13)
+    free = SetSampler(model, mask_token_id=MASK, context_len=32).generate(rows[:4, :3].tolist(),
+                                                                         replace(cfg, block_size=None), trace=True)
+    assert max(len(s.queried) for r in free.rows for s in r.trace) > 4, "without blocks the window reaches further"
+    out = SetSampler(model, mask_token_id=MASK, context_len=32).generate(rows[:4, :3].tolist(), cfg, trace=True)
+    for row in out.rows:
+        todo = set(range(3, 16))
+        for step in row.trace:
+            block = min(todo) // 4
+            assert step.queried and all(p // 4 == block for p in step.queried)
+            todo -= {p for p, _ in step.decoded}
+        assert not todo and row.steps >= 4  # blocks [3, 4), [4, 8), [8, 12), [12, 16)
 
 
 def test_stop_sequence_cuts_completion(debug_model):
@@ -224,6 +246,7 @@ def test_logit_processing():
 @pytest.mark.parametrize("changes, match", [
     (dict(window=0), "window must be >= 1"),
     (dict(tokens_per_step=0), "tokens_per_step must be >= 1"),
+    (dict(block_size=0), "block_size must be >= 1"),
     (dict(threshold=0.0), r"threshold must be in \(0, 1\]"),
     (dict(threshold=1.5), r"threshold must be in \(0, 1\]"),
     (dict(top_p=0.0), "top_p"),

@@ -10,7 +10,9 @@ import pytest
 
 from setdiff_megatron.data.corpus import is_heldout, stdlib_documents
 from setdiff_megatron.errors import UserError
-from setdiff_megatron.evaluation.infilling import code_examples, rocstories_examples, score_samples
+from setdiff_megatron.data.reasoning import char_tokenizer
+from setdiff_megatron.evaluation.infilling import (InfillExample, _visible_right, code_examples, jsonl_examples,
+                                                   rocstories_examples, score_samples)
 from setdiff_megatron.evaluation.scoring import rouge
 
 STORIES = [
@@ -98,3 +100,48 @@ def test_code_infill_job(trained_run, tmp_path):
 def test_rocstories_needs_its_csv(trained_run, tmp_path):
     proc = infill(trained_run, tmp_path / "x", "--task", "rocstories")
     assert proc.returncode == 2 and "--task rocstories needs --data" in proc.stderr and proc.stderr.count("\n") == 1
+
+
+def test_jsonl_examples_keep_their_keys_and_reject_bad_lines(tmp_path):
+    path = tmp_path / "fill.jsonl"
+    path.write_text('{"id": "a", "left": "1+2=\\n", "middle": "1+2=3", "right": "\\n#### 3", "level": "x"}\n\n'
+                    '{"left": "L", "middle": "M", "right": ""}\n')
+    first, second = jsonl_examples(path)
+    assert (first.id, first.left, first.middle, first.right, first.extra) == ("a", "1+2=\n", "1+2=3", "\n#### 3",
+                                                                             {"level": "x"})
+    assert second.id == "1" and second.extra == {}
+    for line, match in [('{"left": "a", "middle": "b"}', 'string "left", "middle" and "right"'),
+                        ('{"left": "a", "middle": "", "right": "c"}', "nothing to infill"), ("[1]", "JSON object")]:
+        path.write_text(line + "\n")
+        with pytest.raises(UserError, match=match):
+            jsonl_examples(path)
+
+
+@pytest.mark.parametrize("context, bos, right", [
+    ("both", False, "\n#### 30"), ("left", False, ""),
+    # left 6 + span 5 = 11 characters: one more position completes the span's block of 4
+    ("blocks", False, "\n"),
+    # with a BOS the span ends at 12, on a block boundary: nothing to its right is visible
+    ("blocks", True, ""),
+])
+def test_visible_right_context_follows_the_order(context, bos, right):
+    tokenizer = char_tokenizer()
+    ex = InfillExample(id="x", left="5*6=\n3", middle="0+0=3", right="\n#### 30")
+    assert _visible_right(ex, tokenizer, context, 4, bos) == right
+
+
+def test_jsonl_infill_job_with_block_context(trained_run, tmp_path):
+    path = tmp_path / "fill.jsonl"
+    path.write_text(json.dumps({"id": "f", "left": "def f(x):\n", "middle": "    return x + 1\n",
+                                "right": "\n\ndef g(y):\n    return y * 2\n"}) + "\n")
+    proc = infill(trained_run, tmp_path / "blocks", "--task", "jsonl", "--data", str(path), "--context", "blocks",
+                  "--block-size", "4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (prompt,) = [json.loads(line) for line in (tmp_path / "blocks" / "prompts.jsonl").read_text().splitlines()]
+    assert prompt["id"] == "f" and prompt["reference"] == "    return x + 1\n"
+    metrics = json.loads((tmp_path / "blocks" / "metrics.json").read_text())
+    assert metrics["context"] == "blocks" and metrics["examples"] == 1
+    left, span, right = prompt["segments"]
+    assert right and "\n\ndef g(y):\n    return y * 2\n".startswith(right) and len(right) < 20
+    proc = infill(trained_run, tmp_path / "x", "--task", "jsonl", "--data", str(path), "--context", "blocks")
+    assert proc.returncode == 2 and "--context blocks needs --block-size" in proc.stderr and proc.stderr.count("\n") == 1

@@ -1,0 +1,86 @@
+"""`python -m benchmarks.study [--quick]`: train the study's models, evaluate them, report.
+
+See benchmarks/study/__init__.py for what is measured. The full run takes under 2 hours on 2
+CPU cores; --quick (AR and d = 4, one decoding point each) under 15 minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.machine import RESULTS_DIR, machine_info
+from benchmarks.study import plan, report, run
+from setdiff_megatron.recipes import load_recipe
+
+
+def _model_entry(out: Path, model: plan.Model, train_seconds: float | None, steps: int | None) -> dict:
+    record = out / "logs" / f"{model.name}.train.json"
+    if train_seconds is not None:
+        record.write_text(json.dumps({"seconds": train_seconds}) + "\n", encoding="utf-8")
+    seconds = json.loads(record.read_text())["seconds"] if record.is_file() else None
+    recipe = load_recipe(model.recipe, run.overrides(out, model, steps))
+    return {"label": model.label, "family": model.family, "recipe": str(model.recipe.relative_to(plan.RECIPES.parents[1])),
+            "steps": recipe.train.steps, "seed": recipe.train.seed,
+            "train_minutes": None if seconds is None else seconds / 60, "valid_curve": run.valid_curve(out, model)}
+
+
+def _points(rows: list[dict]) -> list[dict]:
+    return [{"point": r["point"], "window": r["decoding"]["window"], "threshold": r["decoding"]["threshold"],
+             "block_size": r["decoding"]["block_size"], "accuracy": r["score"], "tokens_per_step": r["tokens_per_step"],
+             "tokens_per_s": r["tokens_per_s"], "mean_nfe": r["mean_nfe"], "examples": r["num_examples"],
+             "levels": report.level_accuracy(Path(r["dir"]))} for r in rows]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="AR and d = 4 only, one decoding point each")
+    parser.add_argument("--out", type=Path, default=None, help="runs and evaluations (default runs/study[-quick])")
+    parser.add_argument("--results", type=Path, default=None,
+                        help="tables and plots (default benchmarks/results/study[-quick])")
+    parser.add_argument("--per-level", type=int, default=50, help="test problems per difficulty level (default 50)")
+    parser.add_argument("--code-examples", type=int, default=200, help="stdlib function bodies to infill")
+    parser.add_argument("--steps", type=int, default=None, help="train every model this many steps instead of "
+                        "its recipe's (a smoke run of the pipeline; the figures mean nothing then)")
+    args = parser.parse_args(argv)
+    suffix = "-quick" if args.quick else ""
+    out = (args.out or Path(f"runs/study{suffix}")).resolve()
+    results_dir = args.results or RESULTS_DIR / f"study{suffix}"
+    start, started = time.perf_counter(), time.strftime("%Y-%m-%d %H:%M %Z")
+    reasoning, code = plan.models(args.quick)
+
+    seconds = {m.name: run.train(out, m, args.steps) for m in [*reasoning, *code]}
+    corpus, tasks, docs = run.prepare_tasks(out, args.per_level)
+    models = {}
+    for m in reasoning:
+        entry = _model_entry(out, m, seconds[m.name], args.steps)
+        if not args.quick:
+            entry |= run.likelihood(out, m, docs)
+            entry["infill_jsonl"] = run.infill(out, m, "jsonl", corpus.infill_tasks, None)
+        entry["points"] = _points(run.sweep(out, m, tasks, args.quick))
+        models[m.name] = entry
+    code_models = {}
+    for m in code:
+        code_models[m.name] = _model_entry(out, m, seconds[m.name], args.steps) | {
+            "infill_code": run.infill(out, m, "code", None, args.code_examples), "points": []}
+
+    results = {
+        "mode": "quick" if args.quick else "full", "started": started, "machine": machine_info(),
+        "wall_minutes": (time.perf_counter() - start) / 60,
+        "command": "python -m benchmarks.study" + "".join(f" {shlex.quote(a)}" for a in (argv or sys.argv[1:])),
+        "seeds": {"corpus": 0, "training": "recipe train.seed (1234)", "decoding": "greedy"},
+        "test_problems": sum(1 for _ in tasks.open()), "per_level": args.per_level,
+        "models": models, "code_models": code_models,
+    }
+    report.write(results, results_dir)
+    print(report.markdown(results))
+    print(f"study: results in {results_dir}", flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""What the study trains and how it decodes: the models, the decoding grid, the infill settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes" / "study"
+
+WINDOWS = (4, 8, 16)
+THRESHOLDS = (0.5, 0.7, 0.9, 0.99)
+QUICK_POINT = {"window": 4, "threshold": 0.9}
+"""The one set-diffusion point of --quick, and the point its test thresholds are read at."""
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    family: str
+    """ar | sd | mdlm | bd3: the order policy it was trained with."""
+    label: str
+    block_size: int | None = None
+
+    @property
+    def recipe(self) -> Path:
+        return RECIPES / f"{self.name}.yaml"
+
+    def decoding_defaults(self) -> dict:
+        """Sweep settings every point of this model shares: BD3 decodes block by block."""
+        return {"block_size": self.block_size} if self.family == "bd3" else {}
+
+    def grid(self, quick: bool) -> tuple[list[dict], dict[str, list]]:
+        """(explicit points, grid) of this model's sweep; AR has the one point W = 1."""
+        if self.family == "ar":
+            return [{"name": "ar", "window": 1}], {}
+        if quick:
+            return [dict(QUICK_POINT)], {}
+        return [], {"window": list(WINDOWS), "threshold": list(THRESHOLDS)}
+
+    def infill(self) -> dict:
+        """The infill job's context and decoding: one token per step, the context the order can use
+        (AR: the left side; BD3: up to the end of the span's block; the others: both sides)."""
+        if self.family == "ar":
+            return {"context": "left", "window": 1}
+        if self.family == "bd3":
+            return {"context": "blocks", "window": self.block_size, "block_size": self.block_size}
+        return {"context": "both", "window": 16}
+
+
+REASONING_MODELS = (
+    Model("ar", "ar", "AR (d=1)"),
+    Model("sd-d2", "sd", "set diffusion d=2"),
+    Model("sd-d4", "sd", "set diffusion d=4"),
+    Model("sd-d8", "sd", "set diffusion d=8"),
+    Model("mdlm", "mdlm", "MDLM (uniform order)"),
+    Model("bd3-b4", "bd3", "BD3 block 4", block_size=4),
+    Model("bd3-b8", "bd3", "BD3 block 8", block_size=8),
+)
+CODE_MODELS = (
+    Model("code-ar", "ar", "AR (d=1)"),
+    Model("code-sd-d4", "sd", "set diffusion d=4"),
+    Model("code-mdlm", "mdlm", "MDLM (uniform order)"),
+    Model("code-bd3-b4", "bd3", "BD3 block 4", block_size=4),
+)
+"""Trained on the built-in stdlib corpus for the code infill task (recipes/study/code-*.yaml)."""
+QUICK_MODELS = ("ar", "sd-d4")
+
+
+def models(quick: bool) -> tuple[list[Model], list[Model]]:
+    """(reasoning models, code models) of a run."""
+    if quick:
+        return [m for m in REASONING_MODELS if m.name in QUICK_MODELS], []
+    return list(REASONING_MODELS), list(CODE_MODELS)

@@ -1,0 +1,149 @@
+"""The study's results: one JSON, a markdown table, and the plots (Pareto, infill, loss curves)."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from setdiff_megatron.evaluation.sweep import pareto_front
+
+
+def level_accuracy(point_dir: Path) -> dict[str, float]:
+    """Accuracy per difficulty level of one sweep point (its scored.jsonl carries each task's level)."""
+    hits: dict[str, list[float]] = defaultdict(list)
+    for line in (point_dir / "scored.jsonl").read_text(encoding="utf-8").splitlines():
+        record = json.loads(line)
+        hits[record["level"]].append(record["accuracy"])
+    return {level: sum(v) / len(v) for level, v in sorted(hits.items())}
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def markdown(results: dict) -> str:
+    """The tables of results.md: likelihood, every decoding point, per-level accuracy, infilling."""
+    models = results["models"]
+    out = [f"# Study results ({results['mode']} run)", "",
+           f"Machine: {results['machine']}. Started {results['started']}, {results['wall_minutes']:.1f} minutes in all. "
+           f"Command: `{results['command']}`. Seeds: {results['seeds']}.", "",
+           "## Held-out likelihood (nats per token, test problems)", "",
+           "| model | trained steps | train minutes | exact left-to-right NLL | NELBO, own policy (95 % CI) | final valid loss |",
+           "|---|---|---|---|---|---|"]
+    for name, m in models.items():
+        nll, nelbo = m.get("nll_left_to_right"), m.get("nelbo_own_policy")
+        ci = nelbo and nelbo.get("ci95_half_width")
+        out.append(f"| {m['label']} | {m['steps']} | {_fmt(m.get('train_minutes'), '.1f')} | "
+                   f"{_fmt(nll and nll['nll_per_token'], '.4f')} | "
+                   f"{_fmt(nelbo and nelbo['nll_per_token'], '.4f')}{f' ± {ci:.4f}' if ci else ''} | "
+                   f"{_fmt(m['valid_curve'][-1][1] if m['valid_curve'] else None, '.4f')} |")
+    out += ["", "## Accuracy against decoding speed (batch 16)", "",
+            "| model | point | W | tau | accuracy | tokens/step | tokens/s | mean NFE |", "|---|---|---|---|---|---|---|---|"]
+    for name, m in models.items():
+        for p in m["points"]:
+            out.append(f"| {m['label']} | {p['point']} | {p['window']} | {_fmt(p['threshold'], 'g')} | "
+                       f"{p['accuracy']:.3f} | {p['tokens_per_step']:.2f} | {_fmt(p['tokens_per_s'], '.0f')} | "
+                       f"{p['mean_nfe']:.1f} |")
+    levels = sorted({lv for m in models.values() for p in m["points"] for lv in p["levels"]})
+    out += ["", "## Accuracy by difficulty level (each model's most accurate point)", "",
+            "| model | point | " + " | ".join(levels) + " |", "|---|---|" + "---|" * len(levels)]
+    for name, m in models.items():
+        if m["points"]:
+            best = max(m["points"], key=lambda p: p["accuracy"])
+            out.append(f"| {m['label']} | {best['point']} | "
+                       + " | ".join(_fmt(best["levels"].get(lv), ".3f") for lv in levels) + " |")
+    infill_rows = [(task, m) for task in ("jsonl", "code") for m in [*models.values(), *results.get("code_models", {}).values()]
+                   if m.get(f"infill_{task}")]
+    if infill_rows:
+        out += ["", "## Infilling (span at its true length; one token per step)", "",
+                "| task | model | context | exact match | ROUGE-1 | ROUGE-2 | ROUGE-L | examples |", "|---|---|---|---|---|---|---|---|"]
+        for task, m in infill_rows:
+            r = m[f"infill_{task}"]
+            label = "solution lines" if task == "jsonl" else "stdlib bodies"
+            out.append(f"| {label} | {m['label']} | {r['context']} | {r['exact_match']:.3f} | {r['rouge1']:.3f} | "
+                       f"{r['rouge2']:.3f} | {r['rougeL']:.3f} | {r['examples']} |")
+    return "\n".join(out) + "\n"
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    _plt().close(fig)
+
+
+def plot_pareto(results: dict, path: Path) -> None:
+    """Accuracy against tokens per step and against tokens/s; each model's own frontier joined."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), constrained_layout=True)
+    for ax, key, label in ((axes[0], "tokens_per_step", "tokens per step (parallelism)"),
+                           (axes[1], "tokens_per_s", "tokens/s at batch 16 (2 CPU cores)")):
+        for n, m in enumerate(results["models"].values()):
+            pts = [p for p in m["points"] if p[key] is not None]
+            if not pts:
+                continue
+            xs, ys = [p[key] for p in pts], [p["accuracy"] for p in pts]
+            line = ax.scatter(xs, ys, marker="os^Dv<>"[n % 7], s=22, alpha=0.6)
+            front = pareto_front(xs, ys)
+            ax.plot([xs[i] for i in front], [ys[i] for i in front], "-", color=line.get_facecolor()[0],
+                    marker="os^Dv<>"[n % 7], label=m["label"])
+        ax.set_xlabel(label)
+        ax.set_ylabel("test accuracy (#### answer)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("Reasoning corpus: accuracy against decoding speed (W x tau grid, k = 1; lines: each model's frontier)")
+    _save(fig, path)
+
+
+def plot_infill(results: dict, path: Path) -> None:
+    plt = _plt()
+    groups = [("jsonl", "solution lines", results["models"]), ("code", "stdlib function bodies",
+                                                                results.get("code_models", {}))]
+    groups = [g for g in groups if any(m.get(f"infill_{g[0]}") for m in g[2].values())]
+    if not groups:
+        return
+    fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4.2), constrained_layout=True, squeeze=False)
+    for ax, (task, title, models) in zip(axes[0], groups):
+        rows = [m for m in models.values() if m.get(f"infill_{task}")]
+        x = range(len(rows))
+        ax.bar([i - 0.2 for i in x], [m[f"infill_{task}"]["exact_match"] for m in rows], 0.4, label="exact match")
+        ax.bar([i + 0.2 for i in x], [m[f"infill_{task}"]["rougeL"] for m in rows], 0.4, label="ROUGE-L")
+        ax.set_xticks(list(x), [f"{m['label']}\n({m[f'infill_{task}']['context']})" for m in rows], fontsize=7)
+        ax.set_title(f"infilling: {title}")
+        ax.set_ylim(0, 1)
+        ax.legend(fontsize=8)
+    _save(fig, path)
+
+
+def plot_curves(results: dict, path: Path) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.5), constrained_layout=True)
+    for m in results["models"].values():
+        if m["valid_curve"]:
+            steps, losses = zip(*m["valid_curve"])
+            ax.plot(steps, losses, marker=".", label=m["label"])
+    ax.set_xlabel("step")
+    ax.set_ylabel("validation loss (nats/token, own policy)")
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("Validation loss against step (reasoning corpus)")
+    _save(fig, path)
+
+
+def write(results: dict, directory: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "results.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+    (directory / "results.md").write_text(markdown(results), encoding="utf-8")
+    plot_pareto(results, directory / "pareto.png")
+    plot_infill(results, directory / "infill.png")
+    plot_curves(results, directory / "loss_curves.png")

@@ -1,0 +1,129 @@
+"""Training and evaluation of the study's models, through the project's own command and jobs.
+
+Each model trains with `setdiff train recipes/study/<name>.yaml` in its own process (a run
+directory under OUT/runs, the corpus and index cache shared under OUT/data); a run whose final
+checkpoint is in place is not trained again. The evaluations are the `setdiff eval` jobs called
+in this process, each resuming and skipping what it already wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from benchmarks.study.plan import Model
+from setdiff_megatron.core.decoding import DecodingConfig
+from setdiff_megatron.data.reasoning import TRAIN_LEVELS, ReasoningCorpus, prepare_reasoning_corpus
+from setdiff_megatron.evaluation.infilling import InfillJob, run_infill_job
+from setdiff_megatron.evaluation.likelihood import LikelihoodJob, run_likelihood_job
+from setdiff_megatron.evaluation.sweep import run_sweep
+from setdiff_megatron.inference.sharding import Placement
+from setdiff_megatron.recipes import load_recipe
+from setdiff_megatron.training.checkpointing import find_checkpoints, verify
+
+BATCH_SIZE = 16
+MAX_NEW_TOKENS = 52
+"""Room for the longest solution of the training levels (42 characters) and its EOS, within the
+models' 64 positions."""
+PLACEMENT = Placement(batch_size=BATCH_SIZE, device="cpu", progress=False)
+
+
+def run_dir(out: Path, model: Model) -> Path:
+    return out / "runs" / model.name
+
+
+def overrides(out: Path, model: Model, steps: int | None) -> list[str]:
+    """Recipe overrides of a study run: where it goes, the shared data cache, a smoke run's steps."""
+    return [f"checkpoint.dir={run_dir(out, model)}", f"data.cache_dir={out / 'data'}",
+            *([f"train.steps={steps}", f"checkpoint.interval={steps}"] if steps else [])]
+
+
+def trained(out: Path, model: Model, steps: int | None) -> bool:
+    """The run's final checkpoint exists and verifies."""
+    steps = load_recipe(model.recipe, overrides(out, model, steps)).train.steps
+    final = [c for c in find_checkpoints(run_dir(out, model) / "checkpoints") if c.name == f"step_{steps:08d}"]
+    return bool(final) and verify(final[0], collective=False) is None
+
+
+def train(out: Path, model: Model, steps: int | None) -> float | None:
+    """Train `model` unless done; returns the wall seconds it took (None if it was done)."""
+    if trained(out, model, steps):
+        print(f"study: {model.name} is trained", flush=True)
+        return None
+    log = out / "logs" / f"{model.name}.train.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "setdiff_megatron.cli", "train", str(model.recipe), *overrides(out, model, steps)]
+    print(f"study: training {model.name}: {' '.join(cmd[2:])} (log {log})", flush=True)
+    start = time.perf_counter()
+    with open(log, "ab") as stream:
+        code = subprocess.call(cmd, stdout=stream, stderr=subprocess.STDOUT)
+    if code != 0:
+        raise SystemExit(f"study: training {model.name} failed with exit code {code}; see {log}")
+    return time.perf_counter() - start
+
+
+def prepare_tasks(out: Path, per_level: int) -> tuple[ReasoningCorpus, Path, Path]:
+    """(corpus, the test task file with `per_level` problems of each training level in turn,
+    the same problems as {"text"} documents for the likelihood jobs)."""
+    corpus = prepare_reasoning_corpus(out / "data" / "reasoning", progress=False)
+    by_level = [corpus.test_tasks(level).read_text(encoding="utf-8").splitlines()[:per_level] for level in TRAIN_LEVELS]
+    lines = [line for group in zip(*by_level) for line in group]
+    tasks, docs = out / "tasks" / "test.jsonl", out / "tasks" / "test-docs.jsonl"
+    tasks.parent.mkdir(parents=True, exist_ok=True)
+    tasks.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    records = [json.loads(line) for line in lines]
+    docs.write_text("".join(json.dumps({"text": r["prompt"] + r["reference"]}) + "\n" for r in records),
+                    encoding="utf-8")
+    return corpus, tasks, docs
+
+
+def likelihood(out: Path, model: Model, docs: Path) -> dict:
+    """Exact left-to-right NLL and the NELBO under the model's own order policy (4 orders)."""
+    results = {}
+    for key, order, num_orders in (("nll_left_to_right", "left_to_right", 1), ("nelbo_own_policy", "training", 4)):
+        summary = run_likelihood_job(LikelihoodJob(
+            source=str(run_dir(out, model)), data=str(docs), out=str(out / "eval" / model.name / key),
+            order=order, num_orders=num_orders, placement=PLACEMENT))
+        results[key] = summary
+    return results
+
+
+def sweep(out: Path, model: Model, tasks: Path, quick: bool) -> list[dict]:
+    """The model's decoding points on the test task (a `setdiff eval sweep` spec)."""
+    import yaml
+
+    points, grid = model.grid(quick)
+    spec = {
+        "task": str(tasks), "metric": "gsm8k", "checkpoints": {model.name: str(run_dir(out, model))},
+        "out": str(out / "eval" / model.name / "sweep"), "batch_size": BATCH_SIZE,
+        "decoding": {"max_new_tokens": MAX_NEW_TOKENS, **model.decoding_defaults()}, "points": points, "grid": grid,
+    }
+    path = out / "specs" / f"{model.name}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(spec, sort_keys=False), encoding="utf-8")
+    return run_sweep(path, placement=PLACEMENT)
+
+
+def infill(out: Path, model: Model, task: str, data: Path | None, max_examples: int | None) -> dict:
+    """Infilling with the context the model's order can use, one token per step (plan.Model.infill)."""
+    settings = model.infill()
+    decoding = DecodingConfig(window=settings["window"], block_size=settings.get("block_size"), max_new_tokens=0)
+    return run_infill_job(InfillJob(
+        source=str(run_dir(out, model)), task=task, data=None if data is None else str(data),
+        out=str(out / "eval" / model.name / f"infill-{task}"), decoding=decoding, max_examples=max_examples,
+        placement=replace(PLACEMENT, batch_size=BATCH_SIZE), context=settings["context"]))
+
+
+def valid_curve(out: Path, model: Model) -> list[tuple[int, float]]:
+    """(step, validation loss) from the run's metrics.jsonl."""
+    path = run_dir(out, model) / "logs" / "metrics.jsonl"
+    curve = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        record = json.loads(line)
+        if "valid/loss" in record:
+            curve[record["step"]] = record["valid/loss"]  # a resumed run logs its steps again: keep the last
+    return sorted(curve.items())
