@@ -24,7 +24,7 @@ EXTRAS = {
     "eval": ["rouge-score>=0.1.2", "matplotlib>=3.8"],
     # lm-evaluation-harness adapter (evaluation/lm_eval_adapter.py). Not in `dev`: about 30 more
     # packages (scikit-learn, sacrebleu, evaluate, ...) and minutes to install; its tests skip without it.
-    "lm_eval": ["lm-eval>=0.4.13,<0.5"],
+    "lm-eval": ["lm-eval>=0.4.13,<0.5"],
     "wandb": ["wandb>=0.17"],
     "tensorboard": ["tensorboard>=2.14"],
     # GPU only: Transformer Engine needs CUDA torch, cuDNN and nvcc. Install it yourself on a GPU

@@ -75,22 +75,15 @@ def _rank(rank: int, world: int, port: int, parallel: dict, hidden_size: int, re
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    from setdiff_megatron.training.megatron_cpu import (
-        auto_cpu_mode,
-        quiet_known_warnings,
-    )
+    from setdiff_megatron.distributed.megatron_cpu import quiet_known_warnings
 
     quiet_known_warnings()  # before megatron's imports, which warn (a spawned process starts unfiltered)
-    auto_cpu_mode()
     import torch.distributed as dist
-    from megatron.core import parallel_state
 
     from benchmarks.megatron_step import megatron_step
-    from setdiff_megatron.recipes import Recipe
-    from setdiff_megatron.training.megatron_engine import _init_distributed
+    from setdiff_megatron.distributed.runtime import shutdown
 
     recipe = recipe_dict(parallel, hidden_size)
-    _init_distributed(Recipe.model_validate(recipe))
     step, _ = megatron_step(recipe, vocab_size=VOCAB_SIZE, mask_token_id=MASK_TOKEN_ID, batches=global_batch())
 
     def synced_step() -> None:
@@ -103,8 +96,7 @@ def _rank(rank: int, world: int, port: int, parallel: dict, hidden_size: int, re
     seconds = best_time(synced_step, repeats=repeats)
     if rank == 0:
         out.put(seconds)
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+    shutdown()
 
 
 def layout_seconds(world: int, parallel: dict, hidden_size: int, repeats: int) -> float:

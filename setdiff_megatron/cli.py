@@ -23,11 +23,8 @@ def _train(args: argparse.Namespace) -> int:
     if "RANK" not in os.environ and recipe.launch.world_size > 1:
         # Not started by a launcher: start this recipe's processes, each running this command.
         return _launch(args)
-    if recipe.engine == "megatron":
-        from setdiff_megatron.training.megatron_engine import train
-    else:
-        from setdiff_megatron.training.deepspeed_engine import train
-    from setdiff_megatron.training.signals import Preempted
+    from setdiff_megatron.distributed.signals import Preempted
+    from setdiff_megatron.training.trainer import train
 
     try:
         train(recipe, args.recipe)
@@ -72,19 +69,20 @@ def _launch(args: argparse.Namespace) -> int:
         from setdiff_megatron.launch.slurm import launch_slurm
 
         return launch_slurm(args.recipe, args.overrides, dry_run=args.dry_run)
-    from setdiff_megatron.training.launch import launch_local
+    from setdiff_megatron.launch.local import launch_local
 
     recipe = _load_checked(args)
     if getattr(args, "dry_run", False):
         return launch_local(recipe, args.recipe, args.overrides, dry_run=True)
-    from setdiff_megatron.training import checkpointing, signals
+    from setdiff_megatron.distributed.signals import supervise_launch
+    from setdiff_megatron.training.trainer import preflight
 
-    checkpointing.preflight(recipe)
-    return signals.supervise_launch(recipe.checkpoint.dir, lambda: launch_local(recipe, args.recipe, args.overrides))
+    preflight(recipe)
+    return supervise_launch(recipe.checkpoint.dir, lambda: launch_local(recipe, args.recipe, args.overrides))
 
 
 def _checkpoint_inspect(args: argparse.Namespace) -> int:
-    from setdiff_megatron.training.checkpointing import describe
+    from setdiff_megatron.checkpoint.resolve import describe
 
     print("\n".join(describe(args.run_dir)))
     return 0
@@ -241,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["preprocess"]:
-        from setdiff_megatron.data.preprocess import preprocess_main
+        from setdiff_megatron.data.preprocess_cli import preprocess_main
 
         return preprocess_main(argv[1:])
     parser = build_parser()

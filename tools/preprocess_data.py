@@ -12,7 +12,7 @@ from pathlib import Path
 # Runs from a checkout without installing the package, as Megatron-LM's tools do.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from setdiff_megatron.data.preprocess import preprocess_main  # noqa: E402
+from setdiff_megatron.data.preprocess_cli import preprocess_main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(preprocess_main())

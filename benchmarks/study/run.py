@@ -23,7 +23,8 @@ from setdiff_megatron.evaluation.likelihood import LikelihoodJob, run_likelihood
 from setdiff_megatron.evaluation.sweep import run_sweep
 from setdiff_megatron.inference.sharding import Placement
 from setdiff_megatron.recipes import load_recipe
-from setdiff_megatron.training.checkpointing import find_checkpoints, verify
+from setdiff_megatron.checkpoint.manifest import verify
+from setdiff_megatron.checkpoint.names import CHECKPOINTS, find_checkpoints
 
 BATCH_SIZE = 16
 MAX_NEW_TOKENS = 52
@@ -45,8 +46,8 @@ def overrides(out: Path, model: Model, steps: int | None) -> list[str]:
 def trained(out: Path, model: Model, steps: int | None) -> bool:
     """The run's final checkpoint exists and verifies."""
     steps = load_recipe(model.recipe, overrides(out, model, steps)).train.steps
-    final = [c for c in find_checkpoints(run_dir(out, model) / "checkpoints") if c.name == f"step_{steps:08d}"]
-    return bool(final) and verify(final[0], collective=False) is None
+    final = [c for c in find_checkpoints(run_dir(out, model) / CHECKPOINTS) if c.name == f"step_{steps:08d}"]
+    return bool(final) and verify(final[0]) is None
 
 
 def train(out: Path, model: Model, steps: int | None) -> float | None:

@@ -12,9 +12,7 @@ from pathlib import Path
 
 from setdiff_megatron.data.preprocess import TOKENIZER_SUBDIR
 
-__all__ = ["BUILTIN_CORPORA", "builtin_corpus_dir", "prepare_builtin_corpus", "corpus_paths"]
-
-BUILTIN_CORPORA = ("stdlib", "reasoning")
+__all__ = ["builtin_corpus_dir", "prepare_builtin_corpus", "corpus_paths"]
 
 
 def builtin_corpus_dir(name: str, cache: Path, vocab_size: int) -> Path:
@@ -23,7 +21,7 @@ def builtin_corpus_dir(name: str, cache: Path, vocab_size: int) -> Path:
 
 
 def prepare_builtin_corpus(name: str, directory: Path, vocab_size: int, *, progress: bool = True) -> None:
-    """Build corpus `name` in `directory`; cheap when it is already there."""
+    """Build corpus `name` (recipes.schema.BUILTIN_CORPORA) in `directory`; cheap when it is there."""
     if name == "stdlib":
         from setdiff_megatron.data.corpus import prepare_default_corpus
 

@@ -202,21 +202,14 @@ def _visible_right(ex: InfillExample, tokenizer, context: str, block_size: int |
 
 def _write_prompts(job: InfillJob, path: Path) -> tuple[int, int]:
     """Write the prompts that fit the model's context; returns (written, skipped)."""
-    from setdiff_megatron.training.checkpoint_reader import is_megatron_checkpoint, read_checkpoint
+    from setdiff_megatron.checkpoint.source import read_source
 
     examples = _examples(job)
     if not examples:
         raise UserError(f"task {job.task} produced no examples")
-    if is_megatron_checkpoint(job.source):
-        ckpt = read_checkpoint(job.source, weights=False)
-        tokenizer, max_len = ckpt.tokenizer, ckpt.config.max_seq_len
-        trained_bos = ckpt.recipe is not None and ckpt.recipe.method.keep_clean_bos
-    else:
-        from setdiff_megatron.hf.load import load_hf_export
-
-        config, _, tokenizer = load_hf_export(job.source)
-        max_len, trained_bos = config.max_seq_len, False
-    bos = trained_bos if job.add_bos is None else job.add_bos
+    source = read_source(job.source, weights=False)
+    tokenizer, max_len = source.tokenizer, source.config.max_seq_len
+    bos = source.add_bos if job.add_bos is None else job.add_bos
     lines, skipped = [], 0
     for ex in examples:
         if job.task == "code":
@@ -252,13 +245,13 @@ def score_samples(samples: list[dict]) -> dict:
 
 def run_infill_job(job: InfillJob) -> dict | None:
     """Returns the metrics on the process that merged the samples, else None."""
+    from setdiff_megatron.distributed.runtime import join
     from setdiff_megatron.inference.job import SampleJob, run_sample_job
-    from setdiff_megatron.inference.loading import init_ranks
 
     job.check()
     out = Path(job.out)
     prompts = out / "prompts.jsonl"
-    ranks = init_ranks(job.placement.tp)
+    ranks = join(job.placement.tp)
     if ranks.rank == 0:
         written, skipped = _write_prompts(job, prompts)
         (out / "prompts.info.json").write_text(json.dumps({"examples": written, "skipped_too_long": skipped}))

@@ -28,7 +28,8 @@ from setdiff_megatron.core.loss import set_diffusion_loss
 from setdiff_megatron.core.orders import make_order_policy
 from setdiff_megatron.core.streams import sample_two_stream_batch
 from setdiff_megatron.errors import UserError
-from setdiff_megatron.inference.loading import SamplingModel, init_ranks, load_sampling_model
+from setdiff_megatron.distributed.runtime import join
+from setdiff_megatron.inference.loading import SamplingModel, load_sampling_model
 from setdiff_megatron.inference.results import ShardedResults
 from setdiff_megatron.inference.sharding import Placement, Shard
 
@@ -179,7 +180,7 @@ def run_likelihood_job(job: LikelihoodJob) -> dict | None:
     place.check()
     if job.num_orders < 1:
         raise UserError(f"--num-orders must be >= 1; got {job.num_orders}")
-    ranks = init_ranks(place.tp)
+    ranks = join(place.tp)
     docs = read_documents(job.data, job.max_docs)
     sm = load_sampling_model(job.source, ranks, device=place.device, dtype=place.dtype)
     seq_len = job.seq_len or sm.config.max_seq_len
@@ -203,9 +204,9 @@ def run_likelihood_job(job: LikelihoodJob) -> dict | None:
     batches = shard.batches(len(windows), place.batch_size, results.done())
     device = next(sm.model.parameters()).device
 
-    from tqdm import tqdm
+    from setdiff_megatron.progress import progress_bar
 
-    for _, todo in tqdm(batches, desc="likelihood", unit="batch", file=sys.stderr,
+    for _, todo in progress_bar(batches, desc="likelihood", unit="batch", file=sys.stderr,
                         disable=not (place.progress and ranks.rank == 0)):
         chunk = [windows[i] for i in todo]
         nll = window_nll(sm.model, chunk, policy, mask_token_id=sm.tokenizer.mask_id, keep_clean_bos=sm.add_bos,

@@ -43,7 +43,7 @@ import torch
 
 from setdiff_megatron.errors import require
 
-require("lm_eval", "lm_eval", "the lm-evaluation-harness adapter")
+require("lm_eval", "lm-eval", "the lm-evaluation-harness adapter")
 
 from lm_eval.api.model import LM  # noqa: E402
 from lm_eval.api.registry import register_model  # noqa: E402
@@ -52,7 +52,8 @@ from setdiff_megatron.core.decoding import DecodingConfig  # noqa: E402
 from setdiff_megatron.core.orders import make_order_policy, sample_order  # noqa: E402
 from setdiff_megatron.core.sampler import SetSampler  # noqa: E402
 from setdiff_megatron.core.streams import build_two_stream_batch  # noqa: E402
-from setdiff_megatron.inference.loading import init_ranks, load_sampling_model  # noqa: E402
+from setdiff_megatron.distributed.runtime import join  # noqa: E402
+from setdiff_megatron.inference.loading import load_sampling_model  # noqa: E402
 
 __all__ = ["SetDiffLM", "main"]
 
@@ -78,7 +79,7 @@ class SetDiffLM(LM):
         super().__init__()
         if unused:
             log.warning("setdiff: ignoring model arguments %s", sorted(unused))
-        ranks = init_ranks(1)
+        ranks = join(1)
         self._rank, self._world_size = ranks.rank, ranks.world_size
         where = "auto" if device in (None, "auto") else "cuda" if str(device).startswith("cuda") else str(device)
         if where == "cuda" and not torch.cuda.is_available():
@@ -153,12 +154,12 @@ class SetDiffLM(LM):
 
     def _score(self, pairs: list[tuple[list[int], list[int]]], desc: str,
                disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        from tqdm import tqdm
+        from setdiff_megatron.progress import progress_bar
 
         # Longest first: batches of similar lengths pad little, and a too-large batch fails first.
         order = sorted(range(len(pairs)), key=lambda i: -len(pairs[i][0]) - len(pairs[i][1]))
         out: list[tuple[float, bool] | None] = [None] * len(pairs)
-        for first in tqdm(range(0, len(order), self.batch_size), desc=desc, unit="batch", file=sys.stderr,
+        for first in progress_bar(range(0, len(order), self.batch_size), desc=desc, unit="batch", file=sys.stderr,
                           disable=self.rank != 0 or disable_tqdm):
             chunk = order[first:first + self.batch_size]
             for i, result in zip(chunk, self._score_batch([pairs[i] for i in chunk])):
@@ -208,7 +209,7 @@ class SetDiffLM(LM):
         return ids[-room:] if len(ids) > room else ids
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        from tqdm import tqdm
+        from setdiff_megatron.progress import progress_bar
 
         from setdiff_megatron.evaluation.tasks import cut_at_stop
 
@@ -216,7 +217,7 @@ class SetDiffLM(LM):
         for n, req in enumerate(requests):
             groups.setdefault(json.dumps(req.args[1], sort_keys=True, default=str), []).append(n)
         out: list[str | None] = [None] * len(requests)
-        bar = tqdm(total=len(requests), desc="generate_until", unit="request", file=sys.stderr,
+        bar = progress_bar(total=len(requests), desc="generate_until", unit="request", file=sys.stderr,
                    disable=self.rank != 0 or disable_tqdm)
         for members in groups.values():
             cfg, until = self._decoding(requests[members[0]].args[1])

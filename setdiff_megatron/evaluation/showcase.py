@@ -15,7 +15,8 @@ from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.core.sampler import SetSampler
 from setdiff_megatron.data.builtin import builtin_corpus_dir
 from setdiff_megatron.evaluation.tasks import score_completion
-from setdiff_megatron.inference.loading import Ranks, load_sampling_model
+from setdiff_megatron.distributed.runtime import Ranks
+from setdiff_megatron.inference.loading import load_sampling_model
 from setdiff_megatron.inference.prompts import PromptRecord, encode_prompt
 from setdiff_megatron.recipes import Recipe
 

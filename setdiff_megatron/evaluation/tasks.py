@@ -173,13 +173,13 @@ def _check(job: GenerateJob) -> None:
 
 def score_job(job: GenerateJob, settings: dict[str, Any]) -> dict[str, Any]:
     """Score merged generations into scored.jsonl and metrics.json (one process)."""
-    from tqdm import tqdm
+    from setdiff_megatron.progress import progress_bar
 
     out = Path(job.out)
     generations = [json.loads(line) for line in (out / GENERATIONS).read_text(encoding="utf-8").splitlines()]
     examples = read_tasks(job.tasks)
     scored = []
-    for record in tqdm(generations, desc="scoring", unit="example", file=sys.stderr,
+    for record in progress_bar(generations, desc="scoring", unit="example", file=sys.stderr,
                        disable=not job.placement.progress or len(generations) < 256):
         scores = score_completion(job.metric, record["completion"], examples[record["index"]].references, job.stop)
         scored.append({**record, "references": list(examples[record["index"]].references), **scores})

@@ -22,8 +22,9 @@ from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.errors import UserError, require
 from setdiff_megatron.hf import verify
 from setdiff_megatron.hf.bundle import modeling_source
-from setdiff_megatron.hf.config_map import generation_config_from_decoding, hf_config_from_model_config
-from setdiff_megatron.hf.sources import AR_KINDS, Source, read_source
+from setdiff_megatron.checkpoint.hf_config import generation_config_from_decoding, hf_config_from_model_config
+from setdiff_megatron.checkpoint.hf_files import safetensors_dtype
+from setdiff_megatron.checkpoint.source import AR_KINDS, Source, read_source
 from setdiff_megatron.hf.weights_io import parse_size, save_sharded, staged_directory
 from setdiff_megatron.models.weight_maps import torch_to_hf
 from setdiff_megatron.version import __version__
@@ -50,8 +51,7 @@ class ConversionReport:
 
 def _target_dtype(source: Source, dtype: str) -> torch.dtype:
     if dtype == "auto":
-        floats = {t.dtype for t in source.state_dict.values() if t.is_floating_point()}
-        return floats.pop() if len(floats) == 1 else torch.float32
+        return safetensors_dtype(source.state_dict)
     if dtype not in DTYPES:
         raise UserError(f"--dtype must be auto, {' or '.join(DTYPES)}; got {dtype!r}")
     return DTYPES[dtype]

@@ -31,7 +31,7 @@ from transformers.utils import ModelOutput
 
 from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.core.sampler import SampleOutput, SetSampler
-from setdiff_megatron.hf.config_map import decoding_config_from_generation, model_config_from_hf_config
+from setdiff_megatron.checkpoint.hf_config import decoding_config_from_generation, model_config_from_hf_config
 from setdiff_megatron.hf.configuration_setdiff import SetDiffConfig
 from setdiff_megatron.models.torch_model import Rotary, SetDiffusionTransformer
 

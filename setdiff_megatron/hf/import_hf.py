@@ -3,7 +3,7 @@ or a set diffusion export, as a checkpoint of the megatron engine at TP x PP.
 
 The result is a run directory (`model.init_from: OUT`, `checkpoint.resume: OUT/checkpoints/...`,
 `setdiff convert to-hf OUT`) written by hf/megatron_writer.py into a staging directory, read back
-with training/checkpoint_reader.py and compared with the source before it is renamed into place:
+with checkpoint.read_source and compared with the source before it is renamed into place:
 
   AR source       its own logits (transformers' AutoModelForCausalLM, float32) against the clean
                   stream of the converted model under the left-to-right order
@@ -22,8 +22,9 @@ from setdiff_megatron.errors import UserError, require
 from setdiff_megatron.hf import verify
 from setdiff_megatron.hf.export import DTYPES, ConversionReport
 from setdiff_megatron.hf.megatron_writer import VERIFY_FILE, write_megatron_checkpoint
-from setdiff_megatron.hf.sources import AR_KINDS, Source, read_hf_dir
-from setdiff_megatron.hf.weights_io import safetensors_dtype, staged_directory
+from setdiff_megatron.checkpoint.hf_files import safetensors_dtype
+from setdiff_megatron.checkpoint.source import AR_KINDS, Source, read_hf_dir, read_source
+from setdiff_megatron.hf.weights_io import staged_directory
 from setdiff_megatron.models.weight_maps import check_tp_split, stage_layers
 
 __all__ = ["import_from_hf"]
@@ -74,9 +75,7 @@ def import_from_hf(hf_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int 
 
 def _verify_import(source: Source, stage: Path, dtype: torch.dtype, scratch: Path,
                    tolerance: float) -> list[verify.Comparison]:
-    from setdiff_megatron.training.checkpoint_reader import read_checkpoint
-
-    written = read_checkpoint(stage)
+    written = read_source(stage)
     if written.config != source.config:
         raise RuntimeError(f"the written checkpoint records {written.config}, the source is {source.config}")
     converted = verify.torch_model(written.config, written.state_dict)

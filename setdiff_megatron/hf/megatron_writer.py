@@ -1,6 +1,6 @@
 """Write converted weights as a checkpoint of the megatron engine, at a chosen TP x PP layout.
 
-Layout, as training/checkpointing.py publishes it: <run>/checkpoints/step_00000000/ with
+Layout, as the training engines publish it (checkpoint/): <run>/checkpoints/step_00000000/ with
 megatron dist_checkpointing shards, train_state.json (step 0, the parallel layout, the model
 config, the tokenizer's vocabulary and MASK id), recipe.yaml, tokenizer/ and a sha256
 manifest, and <run>/checkpoints/latest. It holds weights only: no optimizer state, so the layout
@@ -25,15 +25,18 @@ import sys
 import warnings
 from dataclasses import asdict
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
+from setdiff_megatron.checkpoint.identity import model_identity
+from setdiff_megatron.checkpoint.manifest import write_manifest
+from setdiff_megatron.checkpoint.names import CHECKPOINTS, LATEST, TOKENIZER_DIR, step_name
+from setdiff_megatron.checkpoint.state import Progress, TrainState, write_train_state
 from setdiff_megatron.errors import UserError
 
 __all__ = ["write_megatron_checkpoint", "STEP_DIR", "VERIFY_FILE"]
 
-STEP_DIR = "step_00000000"
+STEP_DIR = step_name(0)
 VERIFY_FILE = "megatron_query_logits.safetensors"
 _PRECISION = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -86,18 +89,16 @@ def write_megatron_checkpoint(source_path: Path, stage: Path, final: Path, *, tp
         if user:
             raise UserError(user[-1].removeprefix("setdiff: error: "))
         raise RuntimeError(f"megatron writer rank {rank} failed:\n" + "\n".join(lines[-30:]))
-    from setdiff_megatron.training import checkpointing
-
-    step_dir = stage / checkpointing.CHECKPOINTS / STEP_DIR
-    checkpointing._write_manifest(step_dir)  # noqa: SLF001 - the engine's manifest format, one process
-    (stage / checkpointing.CHECKPOINTS / checkpointing.LATEST).write_text(STEP_DIR + "\n")
+    step_dir = stage / CHECKPOINTS / STEP_DIR
+    write_manifest(step_dir, collective=False)
+    (stage / CHECKPOINTS / LATEST).write_text(STEP_DIR + "\n")
     return step_dir
 
 
 # ---- the writer process ---------------------------------------------------------------------
 
-def _train_state(recipe, tokenizer, *, tp: int, pp: int, source) -> dict:
-    from setdiff_megatron.training.checkpointing import NOT_MODEL_IDENTITY
+def _train_state(recipe, tokenizer, *, tp: int, pp: int, source) -> TrainState:
+    from setdiff_megatron.distributed.layout import Layout
 
     cfg = recipe.model.to_model_config(vocab_size=tokenizer.vocab_size, mask_token_id=tokenizer.mask_id)
     t = recipe.train
@@ -105,62 +106,53 @@ def _train_state(recipe, tokenizer, *, tp: int, pp: int, source) -> dict:
     scheduler = {"max_lr": t.lr, "min_lr": t.min_lr, "lr_warmup_steps": t.warmup_steps, "num_steps": 0,
                  "lr_decay_style": t.schedule, "lr_decay_steps": t.steps or 1, "start_wd": t.weight_decay,
                  "end_wd": t.weight_decay, "wd_incr_style": "constant", "wd_incr_steps": t.steps or 1}
-    return {
-        "step": 0, "consumed_samples": 0, "skipped_steps": 0, "scheduler": scheduler,
-        "layout": {"tp": tp, "pp": pp, "vpp": None, "dp": 1, "world_size": tp * pp, "distributed_optimizer": None},
-        "model": {k: v for k, v in asdict(cfg).items() if k not in NOT_MODEL_IDENTITY},
-        "tokenizer": {"vocab_size": tokenizer.vocab_size, "mask_id": tokenizer.mask_id},
-        "weights_only": True, "source": {"format": source.kind, "path": str(source.path)},
-    }
+    return TrainState(
+        progress=Progress(), scheduler=scheduler,
+        layout={**Layout(tp=tp, pp=pp).as_record(), "distributed_optimizer": None},
+        model=model_identity(cfg), tokenizer={"vocab_size": tokenizer.vocab_size, "mask_id": tokenizer.mask_id},
+        weights_only=True, source={"format": source.kind, "path": str(source.path)})
 
 
 def main(spec_file: str) -> int:
     warnings.filterwarnings("ignore")
     spec = json.loads(Path(spec_file).read_text())
     import torch.distributed as dist
-    from megatron.core import dist_checkpointing, parallel_state
 
+    from setdiff_megatron.checkpoint.megatron import model_sharded_state, save_shards
+    from setdiff_megatron.checkpoint.source import read_source
+    from setdiff_megatron.distributed.layout import Layout
+    from setdiff_megatron.distributed.runtime import init_model_parallel, model_parallel_ranks, shutdown
     from setdiff_megatron.hf import verify
-    from setdiff_megatron.hf.sources import read_source
     from setdiff_megatron.models.megatron_model import build_model_chunks, transformer_config_from
     from setdiff_megatron.models.weight_maps import torch_to_megatron
     from setdiff_megatron.recipes import save_resolved_recipe
-    from setdiff_megatron.training import checkpointing
-    from setdiff_megatron.training.megatron_cpu import auto_cpu_mode, model_parallel_seed
 
     tp, pp = spec["tp"], spec["pp"]
     dtype = {v: k for k, v in _PRECISION.items()}[spec["dtype"]]
-    auto_cpu_mode()
-    dist.init_process_group("gloo")
+    init_model_parallel(Layout(tp=tp, pp=pp), seed=0)
     try:
         rank = dist.get_rank()
-        parallel_state.initialize_model_parallel(tp, pp)
-        model_parallel_seed(0)
         source = read_source(spec["source"])
         cfg = source.config
         recipe = import_recipe(source, Path(spec["final"]), tp=tp, pp=pp, dtype=dtype)
         config = transformer_config_from(cfg, tp=tp, pp=pp, params_dtype=dtype)
         (chunk,) = build_model_chunks(cfg, config, backend="local")
-        tp_rank, pp_rank = (parallel_state.get_tensor_model_parallel_rank(),
-                            parallel_state.get_pipeline_model_parallel_rank())
+        tp_rank, pp_rank = model_parallel_ranks()
         state = torch_to_megatron({k: v.to(dtype) for k, v in source.state_dict.items()}, cfg,
                                   tp_rank=tp_rank, tp_size=tp, pp_rank=pp_rank, pp_size=pp)
         missing, unexpected = chunk.load_state_dict(state, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
             raise RuntimeError(f"megatron chunk weights: missing {missing}, unexpected {unexpected}")
-        step_dir = Path(spec["stage"]) / checkpointing.CHECKPOINTS / STEP_DIR
+        step_dir = Path(spec["stage"]) / CHECKPOINTS / STEP_DIR
         if rank == 0:
             step_dir.mkdir(parents=True)
         dist.barrier()
-        holder = SimpleNamespace(module=chunk)  # what the engine's DDP wrapper exposes
-        dist_checkpointing.save(checkpointing._sharded_state([holder], None, is_loading=False),  # noqa: SLF001
-                                str(step_dir))
+        save_shards(model_sharded_state([chunk]), step_dir)
         if rank == 0:
-            train_state = _train_state(recipe, source.tokenizer, tp=tp, pp=pp, source=source)
-            (step_dir / checkpointing.TRAIN_STATE).write_text(json.dumps(train_state, indent=1))
+            write_train_state(step_dir, _train_state(recipe, source.tokenizer, tp=tp, pp=pp, source=source))
             save_resolved_recipe(recipe, step_dir)
-            source.tokenizer.save(step_dir / "tokenizer")
+            source.tokenizer.save(step_dir / TOKENIZER_DIR)
         if spec["verify_dir"]:
             batch = verify.fixed_batch(cfg)
             with torch.no_grad():
@@ -175,8 +167,7 @@ def main(spec_file: str) -> int:
         print(f"setdiff: error: {exc}", flush=True)
         return 2
     finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
+        shutdown()
     return 0
 
 

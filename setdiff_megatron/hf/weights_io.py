@@ -1,9 +1,6 @@
-"""Hugging Face weight files and output directories: sharded safetensors with an index, read and
-written without pickle, and a staging directory renamed into place only when complete.
-
-Reading takes `model.safetensors`, or `model.safetensors.index.json` and the shards it names;
-a directory holding only pickled weights (pytorch_model.bin, *.pt) is refused, never loaded.
-"""
+"""Writing Hugging Face weight files and output directories: sharded safetensors with an index
+(no pickle), and a staging directory renamed into place only when complete. Reading them is
+checkpoint/hf_files.py's."""
 
 from __future__ import annotations
 
@@ -16,14 +13,11 @@ from typing import Iterator, Mapping
 
 import torch
 
-from setdiff_megatron.errors import UserError, require
+from setdiff_megatron.checkpoint.hf_files import INDEX, safetensors
+from setdiff_megatron.errors import UserError
 
-__all__ = ["SINGLE", "INDEX", "parse_size", "save_sharded", "load_safetensors_dir", "safetensors_dtype",
-           "staged_directory"]
+__all__ = ["parse_size", "save_sharded", "staged_directory"]
 
-SINGLE = "model.safetensors"
-INDEX = "model.safetensors.index.json"
-_PICKLED = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "consolidated.00.pth")
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -38,14 +32,10 @@ def parse_size(text: str) -> int:
     return size
 
 
-def _safetensors():
-    return require("safetensors.torch", "hf", "Reading and writing Hugging Face weights")
-
-
 def save_sharded(state_dict: Mapping[str, torch.Tensor], directory: Path, max_shard_bytes: int) -> list[str]:
     """Shards of at most max_shard_bytes (a larger tensor gets a shard of its own), in name order,
     plus model.safetensors.index.json; returns the shard file names."""
-    st = _safetensors()
+    st = safetensors()
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name in sorted(state_dict):
@@ -65,50 +55,6 @@ def save_sharded(state_dict: Mapping[str, torch.Tensor], directory: Path, max_sh
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (directory / INDEX).write_text(json.dumps(index, indent=2) + "\n")
     return files
-
-
-def _weight_files(directory: Path) -> list[Path]:
-    if (directory / INDEX).is_file():
-        try:
-            weight_map = json.loads((directory / INDEX).read_text())["weight_map"]
-        except (ValueError, KeyError) as exc:
-            raise UserError(f"{directory / INDEX} is not a safetensors index ({exc})") from None
-        files = [directory / f for f in sorted(set(weight_map.values()))]
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise UserError(f"{directory} lacks the weight shards {missing} named by {INDEX}")
-        return files
-    if (directory / SINGLE).is_file():
-        return [directory / SINGLE]
-    pickled = [n for n in _PICKLED if (directory / n).is_file()]
-    if pickled:
-        raise UserError(f"{directory} holds only pickled weights ({', '.join(pickled)}); only safetensors are "
-                        "read (no pickle). Convert them once with transformers: "
-                        "AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)")
-    raise UserError(f"{directory} has no {SINGLE} or {INDEX}")
-
-
-def load_safetensors_dir(directory: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a Hugging Face directory's safetensors weights (the index's shards or the
-    single file); a name stored twice is an error."""
-    st = _safetensors()
-    out: dict[str, torch.Tensor] = {}
-    for file in _weight_files(Path(directory)):
-        try:
-            part = st.load_file(str(file))
-        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
-            raise UserError(f"cannot read {file}: {exc}") from None
-        twice = sorted(set(part) & set(out))
-        if twice:
-            raise UserError(f"{file} repeats tensors of another shard: {twice[:5]}")
-        out |= part
-    return out
-
-
-def safetensors_dtype(state_dict: Mapping[str, torch.Tensor]) -> torch.dtype:
-    """The floating dtype of the weights (float32 if they mix several)."""
-    dtypes = {t.dtype for t in state_dict.values() if t.is_floating_point()}
-    return dtypes.pop() if len(dtypes) == 1 else torch.float32
 
 
 @contextlib.contextmanager

@@ -89,9 +89,11 @@ def _without_option(argv: list[str], name: str) -> list[str]:
 def relaunch(args: argparse.Namespace) -> int | None:
     """With --nproc > 1 and no launcher around, run this same command as --nproc torchrun
     processes and return their exit code; otherwise None (this process does the work)."""
-    if args.nproc <= 1 or "RANK" in os.environ:
+    if args.nproc < 1:
+        raise UserError(f"--nproc must be >= 1 (the local processes to start); got {args.nproc}")
+    if args.nproc == 1 or "RANK" in os.environ:
         return None
-    from setdiff_megatron.training.launch import torchrun_argv
+    from setdiff_megatron.distributed.runtime import torchrun_argv
 
     # Each process runs the command without --nproc (torchrun would also take it for its own option).
     return subprocess.call(torchrun_argv(args.nproc, _without_option(args.argv, "--nproc")))

@@ -20,7 +20,8 @@ from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.core.sample_output import RowResult
 from setdiff_megatron.core.sampler import SetSampler
 from setdiff_megatron.errors import UserError
-from setdiff_megatron.inference.loading import SamplingModel, init_ranks, load_sampling_model
+from setdiff_megatron.distributed.runtime import join
+from setdiff_megatron.inference.loading import SamplingModel, load_sampling_model
 from setdiff_megatron.inference.prompts import PromptRecord, encode_prompt, read_prompts
 from setdiff_megatron.inference.results import ShardedResults
 from setdiff_megatron.inference.sharding import Placement, Shard
@@ -79,7 +80,7 @@ def _record(record: PromptRecord, row: RowResult, prompt_ids: list[int], sm: Sam
 def run_sample_job(job: SampleJob) -> int:
     place = job.placement
     place.check()
-    ranks = init_ranks(place.tp)
+    ranks = join(place.tp)
     records = read_prompts(job.prompts)
     sm = load_sampling_model(job.source, ranks, device=place.device, dtype=place.dtype)
     decoding = job.decoding
@@ -124,10 +125,10 @@ def run_sample_job(job: SampleJob) -> int:
 def _sample(sampler: SetSampler, decoding: DecodingConfig, batches: list[tuple[int, list[int]]],
             records: list[PromptRecord], encoded: list[list[int]], sm: SamplingModel, writer,
             *, progress: bool) -> tuple[int, float]:
-    from tqdm import tqdm
+    from setdiff_megatron.progress import progress_bar
 
     total_tokens, start = 0, time.perf_counter()
-    with tqdm(total=sum(len(todo) for _, todo in batches), unit="prompt", disable=not progress,
+    with progress_bar(total=sum(len(todo) for _, todo in batches), unit="prompt", disable=not progress,
               file=sys.stderr, dynamic_ncols=True) as bar:
         for first, todo in batches:
             # The batch's seed follows its first prompt, wherever the batch runs.

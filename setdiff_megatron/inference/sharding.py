@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from setdiff_megatron.errors import UserError
-from setdiff_megatron.inference.loading import Ranks
+from setdiff_megatron.distributed.runtime import Ranks
 
 __all__ = ["Placement", "Shard"]
 

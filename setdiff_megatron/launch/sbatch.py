@@ -5,7 +5,7 @@ Pure functions from resolved settings to a script; nothing here reads a recipe o
 the environment, one `srun`. They hold no training logic (STYLE.md G14), only what the batch
 shell alone can do: find the rendezvous host and port, forward the scheduler's early-warning
 signal to the training processes, and requeue the job when training exits with code 75 after
-its checkpoint (training/signals.py).
+its checkpoint (distributed/signals.py).
 
 The templates in slurm/ are this module's output for generic settings (`templates()`); a test
 keeps them equal, and `python -m setdiff_megatron.launch.sbatch slurm/` rewrites them.
@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from setdiff_megatron.training.signals import EXIT_REQUEUE, PREEMPTED_FILE
+from setdiff_megatron.distributed.signals import EXIT_REQUEUE, PREEMPTED_FILE
 
 __all__ = ["Resources", "recipe_lines", "render_train", "render_array", "render_command", "templates", "SHARD", "NUM_SHARDS"]
 

@@ -149,9 +149,9 @@ def launch_slurm(recipe_path: str, overrides: list[str], *, dry_run: bool = Fals
         print(planned.text, end="")
         return 0
     sbatch_executable()
-    from setdiff_megatron.training import checkpointing
+    from setdiff_megatron.training.trainer import preflight
 
-    checkpointing.preflight(recipe)
+    preflight(recipe)
     _write(planned)
     job_id = submit(planned.path)
     log = _log_path(planned.output, recipe.name, job_id)

@@ -394,7 +394,7 @@ def build_model_chunks(model_cfg: ModelConfig, config: TransformerConfig, *, bac
                        pg_collection: ProcessGroupCollection | None = None) -> list[SetDiffusionGPT]:
     """This rank's model chunks (one per virtual pipeline stage), with megatron's first/last
     stage roles. parallel_state must be initialised, and on a machine without a GPU
-    training.megatron_cpu.auto_cpu_mode() must have run (the engine calls it first)."""
+    distributed.megatron_cpu.auto_cpu_mode() must have run (distributed.runtime does it first)."""
     pp_size, pp_rank = (parallel_state.get_pipeline_model_parallel_world_size(),
                         parallel_state.get_pipeline_model_parallel_rank())
     vpp = config.virtual_pipeline_model_parallel_size

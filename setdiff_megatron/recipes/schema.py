@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, N
 from setdiff_megatron.models.config import ModelConfig
 
 __all__ = [
-    "Recipe", "ModelSection", "MethodSection", "DatasetSpec", "DataSection", "ParallelSection",
+    "BUILTIN_CORPORA", "Recipe", "ModelSection", "MethodSection", "DatasetSpec", "DataSection", "ParallelSection",
     "TrainSection", "CheckpointSection", "EvalSection", "WandbSection", "LogSection",
     "SlurmSection", "LaunchSection",
 ]
@@ -61,9 +61,14 @@ class MethodSection(Section):
     """Pin a BOS at position 0 first in every order and leave it out of the loss."""
 
 
+BUILTIN_CORPORA = ("stdlib", "reasoning")
+"""Dataset paths that name a corpus every machine builds itself (data/builtin.py)."""
+
+
 class DatasetSpec(Section):
     path: str
-    """Prefix of a megatron indexed dataset (without .bin/.idx), or 'stdlib' for the built-in corpus."""
+    """Prefix of a megatron indexed dataset (without .bin/.idx), or a built-in corpus: 'stdlib'
+    (the Python standard library's sources) or 'reasoning' (generated multi-step arithmetic)."""
     weight: PositiveFloat = 1.0
 
 

@@ -11,10 +11,9 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from setdiff_megatron.data.builtin import BUILTIN_CORPORA
 from setdiff_megatron.errors import require
 from setdiff_megatron.recipes.loading import RecipeError
-from setdiff_megatron.recipes.schema import Recipe
+from setdiff_megatron.recipes.schema import BUILTIN_CORPORA, Recipe
 
 __all__ = ["validate_recipe", "check_recipe", "check_engine_installed", "data_parallel_size", "ENGINE_EXTRAS",
            "offload_host_bytes"]

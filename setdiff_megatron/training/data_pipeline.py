@@ -17,10 +17,10 @@ import torch
 
 from setdiff_megatron.core.orders import OrderPolicy, make_order_policy
 from setdiff_megatron.core.streams import TwoStreamBatch, sample_two_stream_batch
-from setdiff_megatron.data.builtin import BUILTIN_CORPORA, builtin_corpus_dir, corpus_paths, prepare_builtin_corpus
+from setdiff_megatron.data.builtin import builtin_corpus_dir, corpus_paths, prepare_builtin_corpus
 from setdiff_megatron.data.samples import PackedSamples, ResumableLoader, build_packed_datasets
 from setdiff_megatron.data.tokenizers import SetDiffTokenizer, load_tokenizer
-from setdiff_megatron.recipes.schema import MethodSection, Recipe
+from setdiff_megatron.recipes.schema import BUILTIN_CORPORA, MethodSection, Recipe
 
 __all__ = ["TrainingData", "order_policy_from", "prepare_data", "DataLoaders"]
 

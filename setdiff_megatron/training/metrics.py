@@ -1,8 +1,10 @@
-"""Where training metrics go: the console (a progress bar), TensorBoard and Weights & Biases.
+"""Where training metrics go: metrics.jsonl, the console, TensorBoard and Weights & Biases.
 
-Only the last rank logs (it holds the loss in pipeline parallelism); every other rank gets a
-logger that drops everything, so the loop never branches on the rank. Also the arithmetic of
-throughput: tokens/s and a model-FLOPs-utilisation estimate.
+The console shows a progress bar on a terminal; anywhere else (a SLURM log, CI, a pipe) it
+prints one plain line every `log.interval` steps: step/total, loss, LR, grad norm, tokens/s,
+elapsed time and ETA (progress.py). Rank 0 logs (the engines all-reduce the loss, so it holds
+it); every other rank gets a logger that drops everything, so the loop never branches on the
+rank. Also the arithmetic of throughput: tokens/s and a model-FLOPs-utilisation estimate.
 """
 
 from __future__ import annotations
@@ -12,10 +14,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 from setdiff_megatron.errors import require
 from setdiff_megatron.models.config import ModelConfig
+from setdiff_megatron.progress import clock, interactive
 from setdiff_megatron.recipes.schema import LogSection
 
 __all__ = ["MetricsLogger", "training_flops_per_token", "peak_flops", "memory_gb", "step_metrics"]
@@ -54,12 +55,17 @@ class MetricsLogger:
         self.interval = section.interval
         self._bar = self._tb = self._wandb = None
         self._jsonl = None
+        self._lines = False
+        self.total_steps, self.start_step, self.start = total_steps, start_step, time.monotonic()
         if not enabled:
             return
         out_dir.mkdir(parents=True, exist_ok=True)
         self._jsonl = (out_dir / "metrics.jsonl").open("a")
-        if section.console:
+        if section.console and interactive():
+            from tqdm import tqdm
+
             self._bar = tqdm(total=total_steps, initial=start_step, desc=run_name, unit="step", dynamic_ncols=True)
+        self._lines = section.console and self._bar is None
         if section.tensorboard:
             tensorboard = require("torch.utils.tensorboard", "tensorboard", "TensorBoard logging (log.tensorboard)")
             self._tb = tensorboard.SummaryWriter(log_dir=str(out_dir / "tensorboard"))
@@ -81,14 +87,32 @@ class MetricsLogger:
         if self._bar is not None:
             shown = {k.split("/")[-1]: f"{v:.4g}" for k, v in metrics.items() if k in _BAR_KEYS}
             self._bar.set_postfix(shown, refresh=False)
+        elif self._lines:
+            print(self.line(step, metrics), flush=True)
+
+    def line(self, step: int, metrics: dict[str, float]) -> str:
+        """The plain console line of a step's metrics."""
+        parts = [f"step {step}/{self.total_steps}"]
+        for key, label, spec in (("train/loss", "loss", ".4f"), ("valid/loss", "valid loss", ".4f"),
+                                 ("train/lr", "lr", ".3e"), ("train/grad_norm", "grad norm", ".3g"),
+                                 ("perf/tokens_per_s", "tokens/s", ",.0f")):
+            if key in metrics:
+                parts.append(f"{label} {metrics[key]:{spec}}")
+        elapsed, done = time.monotonic() - self.start, step - self.start_step
+        parts.append(f"elapsed {clock(elapsed)}")
+        if done > 0 and step < self.total_steps:
+            parts.append(f"ETA {clock(elapsed / done * (self.total_steps - step))}")
+        return " | ".join(parts)
 
     def advance(self, steps: int = 1) -> None:
         if self._bar is not None:
             self._bar.update(steps)
 
     def message(self, text: str) -> None:
-        if self.enabled:
-            (self._bar.write if self._bar is not None else print)(text)
+        if self.enabled and self._bar is not None:
+            self._bar.write(text)
+        elif self.enabled:
+            print(text, flush=True)
 
     def close(self) -> None:
         if self._bar is not None:

@@ -22,7 +22,7 @@ from setdiff_megatron.models.megatron_model import (
 )
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 from setdiff_megatron.models.weight_maps import torch_to_megatron
-from setdiff_megatron.training import megatron_cpu
+from setdiff_megatron.distributed import megatron_cpu
 from tests.core.test_kv_cache_kernels import KERNELS, emulated_step
 from tests.megatron.cases import compare_sampling, parallel_config, reference_weights
 

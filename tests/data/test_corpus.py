@@ -7,7 +7,7 @@ import pytest
 
 from setdiff_megatron.data.corpus import prepare_default_corpus, stdlib_documents, write_stdlib_corpus
 from setdiff_megatron.data.indexed import open_indexed, read_manifest
-from setdiff_megatron.data.preprocess import preprocess_main
+from setdiff_megatron.data.preprocess_cli import preprocess_main
 from setdiff_megatron.data.tokenizers import load_tokenizer
 
 

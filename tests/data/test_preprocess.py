@@ -7,7 +7,8 @@ import os
 import pytest
 
 from setdiff_megatron.data.indexed import MANIFEST_SUFFIX, open_indexed, read_manifest
-from setdiff_megatron.data.preprocess import PreprocessOptions, preprocess, preprocess_main
+from setdiff_megatron.data.preprocess import PreprocessOptions, preprocess
+from setdiff_megatron.data.preprocess_cli import preprocess_main
 from setdiff_megatron.data.tokenizers import load_tokenizer
 from setdiff_megatron.errors import UserError
 from tests.data.corpora import DOCUMENTS, write_jsonl

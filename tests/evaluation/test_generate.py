@@ -17,7 +17,7 @@ from setdiff_megatron.evaluation import scoring
 from setdiff_megatron.evaluation.tasks import GenerateJob, run_generate_job
 from setdiff_megatron.inference.sharding import Placement
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
-from setdiff_megatron.training.checkpoint_reader import read_checkpoint
+from setdiff_megatron.checkpoint.source import read_source
 
 PROMPTS = ["x = 1\ny = 2\nz = ", "for i in range(", "def main(", "import os\n", "a = [1, 2, 3]\nb = "]
 STOP = "\n\n"
@@ -31,7 +31,7 @@ TIMING = ("tokens_per_s", "decode_seconds")
 @pytest.fixture(scope="module")
 def direct(trained_run):
     """The sampler's outputs, decoded and cut at the stop string, computed without the job."""
-    ckpt = read_checkpoint(trained_run)
+    ckpt = read_source(trained_run)
     model = SetDiffusionTransformer(ckpt.config)
     model.load_state_dict(ckpt.state_dict)
     tok = ckpt.tokenizer

@@ -10,6 +10,7 @@ import pytest
 
 from setdiff_megatron.data.corpus import is_heldout, stdlib_documents
 from setdiff_megatron.errors import UserError
+from setdiff_megatron.checkpoint.source import read_source
 from setdiff_megatron.data.reasoning import char_tokenizer
 from setdiff_megatron.evaluation.infilling import (InfillExample, _visible_right, code_examples, jsonl_examples,
                                                    rocstories_examples, score_samples)
@@ -142,6 +143,9 @@ def test_jsonl_infill_job_with_block_context(trained_run, tmp_path):
     metrics = json.loads((tmp_path / "blocks" / "metrics.json").read_text())
     assert metrics["context"] == "blocks" and metrics["examples"] == 1
     left, span, right = prompt["segments"]
-    assert right and "\n\ndef g(y):\n    return y * 2\n".startswith(right) and len(right) < 20
+    tokenizer = read_source(trained_run, weights=False).tokenizer
+    span_end = len(tokenizer.encode(left)) + span  # the tiny recipe keeps no BOS
+    whole_right = tokenizer.encode("\n\ndef g(y):\n    return y * 2\n")
+    assert right == tokenizer.decode(whole_right[:-span_end % 4])  # up to the end of the span's block
     proc = infill(trained_run, tmp_path / "x", "--task", "jsonl", "--data", str(path), "--context", "blocks")
     assert proc.returncode == 2 and "--context blocks needs --block-size" in proc.stderr and proc.stderr.count("\n") == 1

@@ -12,7 +12,7 @@ import torch
 from setdiff_megatron.core.orders import make_order_policy
 from setdiff_megatron.evaluation.likelihood import Window, summarize, window_nll
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
-from setdiff_megatron.training.checkpoint_reader import read_checkpoint
+from setdiff_megatron.checkpoint.source import read_source
 from tests.conftest import debug_config
 
 DOCS = ["import os\nimport sys\n\ndef main():\n    print(os.getcwd())\n", "class A:\n    pass\n",
@@ -86,7 +86,7 @@ def test_trained_model_left_to_right_equals_direct_ar_nll(trained_run, data, tmp
     proc = likelihood(trained_run, data, tmp_path / "l2r", "--order", "left_to_right", "--num-orders", "1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "l2r" / "likelihood.json").read_text())
-    ckpt = read_checkpoint(trained_run)
+    ckpt = read_source(trained_run)
     model = SetDiffusionTransformer(ckpt.config)
     model.load_state_dict(ckpt.state_dict)
     model.eval()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 pytest.importorskip("lm_eval", reason="lm-eval is not installed (an optional extra: "
-                    "pip install 'setdiff-megatron[lm_eval]')")
+                    "pip install 'setdiff-megatron[lm-eval]')")
 
 from setdiff_megatron.cli import main  # noqa: E402
 from setdiff_megatron.core.decoding import DecodingConfig  # noqa: E402

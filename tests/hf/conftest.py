@@ -12,7 +12,7 @@ import torch
 
 from setdiff_megatron.data.tokenizers import load_tokenizer
 from setdiff_megatron.hf.export import write_export
-from setdiff_megatron.hf.sources import Source
+from setdiff_megatron.checkpoint.source import Source
 from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 from tests.hf.clean_env import make_clean_site

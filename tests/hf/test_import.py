@@ -16,8 +16,8 @@ from setdiff_megatron.cli import main
 from setdiff_megatron.core.orders import Staggered
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.hf import verify
-from setdiff_megatron.hf.sources import read_hf_dir
-from setdiff_megatron.training.checkpoint_reader import read_checkpoint
+from setdiff_megatron.checkpoint.source import read_hf_dir
+from setdiff_megatron.checkpoint.source import read_source
 
 KINDS = ("llama", "qwen2", "qwen3")
 
@@ -105,7 +105,7 @@ def test_convert_from_hf_writes_a_megatron_checkpoint(ar_dirs, tmp_path, capsys)
     assert {"manifest.json", "train_state.json", "recipe.yaml", "tokenizer", "metadata.json"} <= {p.name for p in step.iterdir()}
     state = json.loads((step / "train_state.json").read_text())
     assert state["weights_only"] and state["layout"]["tp"] == 1 and state["model"]["qk_norm"]
-    ckpt = read_checkpoint(out)
+    ckpt = read_source(out)
     source = read_hf_dir(ar_dirs["qwen3"])
     assert ckpt.config == source.config and ckpt.tokenizer.sha256 == source.tokenizer.sha256
     assert all(torch.equal(ckpt.state_dict[k], source.state_dict[k]) for k in source.state_dict)
@@ -140,7 +140,7 @@ def test_short_adaptation_lowers_the_set_diffusion_loss(ar_dirs):
 
 def test_reading_never_unpickles(ar_dirs, export_dir, monkeypatch):
     """Hugging Face directories are read from safetensors only: torch.load is never called."""
-    from setdiff_megatron.hf.load import load_hf_export
+    from setdiff_megatron.checkpoint.hf_export import load_hf_export
 
     def refuse(*args, **kwargs):
         raise AssertionError("torch.load called")

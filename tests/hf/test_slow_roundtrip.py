@@ -22,8 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from setdiff_megatron.cli import main
 from setdiff_megatron.hf import verify
-from setdiff_megatron.hf.sources import read_source
-from setdiff_megatron.training.checkpoint_reader import read_checkpoint
+from setdiff_megatron.checkpoint.source import read_source
 from tests.hf.clean_env import run_clean
 from tests.hf.conftest import ROOT, TINY_RECIPE
 from tests.hf.test_export import CLEAN_SCRIPT
@@ -72,7 +71,7 @@ def test_tp2_checkpoint_to_hf_and_back(trained_tp2, clean_site, tmp_path):
     # back to megatron at another layout: every tensor exactly
     back = tmp_path / "megatron_tp1"
     assert main(["convert", "from-hf", str(export), str(back), "--tp", "1", "--check"]) == 0
-    again = read_checkpoint(back)
+    again = read_source(back)
     assert again.layout["tp"] == 1 and again.config == source.config
     assert again.state_dict.keys() == source.state_dict.keys()
     assert all(torch.equal(again.state_dict[k], source.state_dict[k]) for k in source.state_dict)
@@ -120,11 +119,10 @@ def test_qwen2_biases_through_megatron_at_tp2(ar_dirs, tmp_path, capsys):
     assert main(["convert", "from-hf", str(ar_dirs["qwen2"]), str(tmp_path / "q2"), "--tp", "2", "--check"]) == 0
     printed = capsys.readouterr().out
     assert "megatron model vs converted torch model (query logits)" in printed and "MISMATCH" not in printed
-    assert read_checkpoint(tmp_path / "q2").config.qkv_bias
+    assert read_source(tmp_path / "q2").config.qkv_bias
 
 
 def test_deepspeed_checkpoint_to_hf(tmp_path):
-    pytest.importorskip("setdiff_megatron.training.deepspeed_checkpointing")
     pytest.importorskip("deepspeed")
     run = tmp_path / "ds"
     cmd = [sys.executable, "-m", "setdiff_megatron.cli", "train", str(TINY_RECIPE), "engine=deepspeed",

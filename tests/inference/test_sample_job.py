@@ -13,7 +13,7 @@ import pytest
 from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.core.sampler import SetSampler
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
-from setdiff_megatron.training.checkpoint_reader import read_checkpoint
+from setdiff_megatron.checkpoint.source import read_source
 
 PROMPTS = [
     {"prompt": "def main(", "id": "a"},
@@ -38,10 +38,10 @@ def prompts(tmp_path) -> Path:
     return path
 
 
-def sample(source, prompts, out, *args, nproc=1) -> subprocess.CompletedProcess:
+def sample(source, prompts, out, *args, nproc=1, progress=False) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "setdiff_megatron.cli", "sample", str(source), "--prompts",
-                           str(prompts), "--out", str(out), "--no-progress", *DECODING, "--nproc", str(nproc), *args],
-                          capture_output=True, text=True, timeout=600)
+                           str(prompts), "--out", str(out), *([] if progress else ["--no-progress"]), *DECODING,
+                           "--nproc", str(nproc), *args], capture_output=True, text=True, timeout=600)
 
 
 def outputs(path: Path) -> list[dict]:
@@ -53,14 +53,16 @@ def outputs(path: Path) -> list[dict]:
 def one_process(run_dir, tmp_path_factory) -> list[dict]:
     tmp = tmp_path_factory.mktemp("one")
     (tmp / "p.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
-    proc = sample(run_dir, tmp / "p.jsonl", tmp / "o.jsonl")
+    proc = sample(run_dir, tmp / "p.jsonl", tmp / "o.jsonl", progress=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "wrote 5 results" in proc.stderr
+    # stderr is a pipe: the progress is whole lines (prompts done, rate, elapsed), no carriage return
+    assert "\r" not in proc.stderr and any(line.startswith("5/5 prompt, ") for line in proc.stderr.splitlines())
     return outputs(tmp / "o.jsonl")
 
 
 def test_outputs_are_the_samplers_in_prompt_order(run_dir, one_process):
-    ckpt = read_checkpoint(run_dir)
+    ckpt = read_source(run_dir)
     assert ckpt.layout["tp"] == 2
     model = SetDiffusionTransformer(ckpt.config)
     model.load_state_dict(ckpt.state_dict)
@@ -113,6 +115,7 @@ def test_a_rerun_skips_what_was_written(run_dir, prompts, tmp_path, one_process)
     (["--tokens-per-step", "0"], "tokens_per_step must be >= 1"),
     (["--threshold", "1.5"], "threshold must be in (0, 1]"),
     (["--tp", "2"], "--tp 2 needs a multiple of 2 processes; this job has 1"),
+    (["--nproc", "0"], "--nproc must be >= 1"),
 ])
 def test_bad_options_fail_with_one_line_and_keep_outputs(run_dir, prompts, tmp_path, args, fragment):
     out = tmp_path / "o.jsonl"

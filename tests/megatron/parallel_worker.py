@@ -27,7 +27,7 @@ from setdiff_megatron.models.megatron_model import (
     transformer_config_from,
 )
 from setdiff_megatron.models.weight_maps import megatron_to_torch, torch_to_megatron
-from setdiff_megatron.training.megatron_cpu import auto_cpu_mode, dist_backend, model_parallel_seed
+from setdiff_megatron.distributed.megatron_cpu import auto_cpu_mode, dist_backend, model_parallel_seed
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 from tests.megatron.cases import (
     LENGTH,

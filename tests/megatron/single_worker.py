@@ -21,7 +21,7 @@ from setdiff_megatron.core.loss import set_diffusion_loss
 from setdiff_megatron.models.megatron_model import build_model_chunks, loss_func, transformer_config_from
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 from setdiff_megatron.models.weight_maps import megatron_to_torch, torch_to_megatron
-from setdiff_megatron.training import megatron_cpu
+from setdiff_megatron.distributed import megatron_cpu
 from tests.conftest import debug_config
 from tests.megatron.cases import batches, compare_sampling, parallel_config, reference_weights
 

@@ -7,7 +7,7 @@ worker (single_worker.py); only the refusal on GPU machines is checked here, wit
 import pytest
 import torch
 
-from setdiff_megatron.training import megatron_cpu
+from setdiff_megatron.distributed import megatron_cpu
 
 
 def test_cuda_device_arguments_land_on_the_cpu(single_results):

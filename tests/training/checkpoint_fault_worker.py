@@ -1,10 +1,11 @@
 """One rank of the kill -9 fault test (test_checkpoint_faults.py): resume, check, save in a loop.
 
 Started as WORLD_SIZE processes (RANK, MASTER_ADDR, ... in the environment), it resumes through
-the real `maybe_resume` with `resume: auto`, checks the loaded model and Adam state against the
-fingerprint it wrote just before saving that step, prints `RESUMED <step>`, then takes a
-synthetic optimizer step (gradients drawn from a generator seeded by the step, the same on every
-rank) and saves, printing `SAVING <step>` and `SAVED <step>`, until it is killed.
+the real `resume_target` and MegatronEngine.load with `resume: auto`, checks the loaded model
+and Adam state against the fingerprint it wrote just before saving that step, prints
+`RESUMED <step>`, then takes a synthetic optimizer step (gradients drawn from a generator seeded
+by the step, the same on every rank) and saves as the trainer does, printing `SAVING <step>` and
+`SAVED <step>`, until it is killed.
 
     python tests/training/checkpoint_fault_worker.py RUN_DIR
 """
@@ -34,48 +35,49 @@ def main(run_dir: Path) -> int:
     import torch
     import torch.distributed as dist
 
+    from setdiff_megatron.checkpoint.identity import model_identity
+    from setdiff_megatron.checkpoint.resolve import resume_target
+    from setdiff_megatron.checkpoint.state import Progress
     from setdiff_megatron.data.tokenizers import train_byte_level_bpe
     from setdiff_megatron.recipes import load_recipe
-    from setdiff_megatron.training import checkpointing
-    from setdiff_megatron.training.megatron_cpu import auto_cpu_mode
-    from setdiff_megatron.training.megatron_engine import _init_distributed, build_model, build_optimizer, \
-        quiet_known_warnings
+    from setdiff_megatron.training.engines.megatron import MegatronEngine
+    from setdiff_megatron.training.trainer import save_checkpoint
 
     world = int(os.environ["WORLD_SIZE"])
     recipe = load_recipe(TINY, [f"checkpoint.dir={run_dir}", f"launch.nproc_per_node={world}",
                                 "checkpoint.keep_last_n=2", f"train.steps={TOTAL_STEPS}"])
-    quiet_known_warnings()
-    auto_cpu_mode()
-    _init_distributed(recipe)
+    engine = MegatronEngine(recipe)
     tokenizer = train_byte_level_bpe(["set diffusion language models decode several tokens at once"] * 8, 300)
     model_cfg = recipe.model.to_model_config(vocab_size=tokenizer.vocab_size, mask_token_id=tokenizer.mask_id)
-    _, chunks = build_model(recipe, model_cfg)
-    optimizer, scheduler = build_optimizer(recipe, chunks, TOTAL_STEPS)
-    state = checkpointing.TrainState()
+    engine.build(model_cfg, TOTAL_STEPS)
+    chunks, optimizer = engine.chunks, engine.optimizer
     rank, prints = dist.get_rank(), run_dir / "fingerprints"
     prints.mkdir(parents=True, exist_ok=True)
-    resumed = checkpointing.maybe_resume(recipe, chunks, optimizer, scheduler, state, tokenizer)
+    identity, progress, run_id = model_identity(model_cfg), Progress(), "fault-worker"
+    resumed = resume_target(run_dir, "auto", identity)
     if resumed is not None:
-        expected = json.loads((prints / f"{resumed.name}.rank{rank}.json").read_text())
+        engine.load(resumed)
+        progress = resumed.state.progress
+        expected = json.loads((prints / f"{resumed.path.name}.rank{rank}.json").read_text())
         if fingerprint(chunks, optimizer) != expected:
-            print(f"MISMATCH {state.step}", flush=True)
+            print(f"MISMATCH {progress.step}", flush=True)
             return 3
-    print(f"RESUMED {state.step}", flush=True)
+    print(f"RESUMED {progress.step}", flush=True)
     while True:
-        generator = torch.Generator().manual_seed(state.step)
+        generator = torch.Generator().manual_seed(progress.step)
         for c in chunks:
             c.zero_grad_buffer()
             for p in c.parameters():
                 p.main_grad.copy_(torch.randn(p.main_grad.shape, generator=generator))
         optimizer.step()
-        scheduler.step(increment=1)
-        state.step += 1
-        record = prints / f"step_{state.step:08d}.rank{rank}.json"
+        engine.scheduler.step(increment=1)
+        progress.step += 1
+        record = prints / f"step_{progress.step:08d}.rank{rank}.json"
         record.with_suffix(".tmp").write_text(json.dumps(fingerprint(chunks, optimizer)))
         record.with_suffix(".tmp").replace(record)
-        print(f"SAVING {state.step}", flush=True)
-        checkpointing.save(recipe, chunks, optimizer, scheduler, state, tokenizer)
-        print(f"SAVED {state.step}", flush=True)
+        print(f"SAVING {progress.step}", flush=True)
+        save_checkpoint(recipe, engine, progress, identity, tokenizer, run_id)
+        print(f"SAVED {progress.step}", flush=True)
 
 
 if __name__ == "__main__":

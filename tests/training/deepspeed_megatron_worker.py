@@ -1,12 +1,12 @@
 """Two-rank worker (torchrun, gloo): the megatron engine's training step from the DeepSpeed
 engine's initial weights, for the engine-parity test.
 
-It builds the megatron engine's own parts (process groups, DDP chunks with the distributed
-optimizer, its optimizer and LR scheduler, TrainStep, the data pipeline at DP=2), loads the
-weights that the DeepSpeed engine starts from (its build_model, mapped by weight_maps) and logs
-the loss of each step. It also records the LR of every step of megatron's scheduler for each
-schedule, for the LR-equality test. Arguments: OUT.json, then recipe overrides. megatron-core is
-imported in `main`, so that the tests can import this module's constants cheaply.
+It builds the megatron engine (process groups, DDP chunks with the distributed optimizer, its
+optimizer and LR scheduler, the data pipeline at DP=2), loads the weights that the DeepSpeed
+engine starts from (the torch model of train.seed, through init_from and the weight map) and
+logs the loss of each step. It also records the LR of every step of megatron's scheduler for
+each schedule, for the LR-equality test. Arguments: OUT.json, then recipe overrides. megatron-core
+is imported in `main`, so that the tests can import this module's constants cheaply.
 """
 
 from __future__ import annotations
@@ -16,13 +16,14 @@ import sys
 import warnings
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
-from setdiff_megatron.models.weight_maps import torch_to_megatron
+from setdiff_megatron.distributed.runtime import shutdown
+from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 from setdiff_megatron.recipes import load_recipe
-from setdiff_megatron.training import deepspeed_engine, lr_schedule, megatron_engine
+from setdiff_megatron.training import lr_schedule
 from setdiff_megatron.training.data_pipeline import DataLoaders, prepare_data
-from setdiff_megatron.training.megatron_cpu import auto_cpu_mode
 from tests.megatron.cases import ROOT
 
 RECIPE = ROOT / "recipes" / "tiny-cpu-deepspeed.yaml"
@@ -34,11 +35,13 @@ SCHEDULE_STEPS = 50
 
 def schedule_lrs(overrides: list[str], chunks) -> dict[str, list[float]]:
     """The megatron engine's LR at every step of a 50-step run, per schedule."""
+    from setdiff_megatron.training.engines.megatron import build_optimizer
+
     out = {}
     for schedule in SCHEDULES:
         recipe = load_recipe(RECIPE, [*overrides, *AS_MEGATRON, f"train.schedule={schedule}", "train.warmup_steps=10",
                                       "train.min_lr=1e-4", "train.decay_fraction=0.3"])
-        optimizer, scheduler = megatron_engine.build_optimizer(recipe, chunks, SCHEDULE_STEPS)
+        optimizer, scheduler = build_optimizer(recipe, chunks, SCHEDULE_STEPS)
         lrs = []
         for _ in range(SCHEDULE_STEPS):
             lrs.append(scheduler.get_lr(optimizer.param_groups[0]))
@@ -48,37 +51,29 @@ def schedule_lrs(overrides: list[str], chunks) -> dict[str, list[float]]:
 
 
 def main(out: Path, overrides: list[str]) -> None:
-    from megatron.core import parallel_state
+    from setdiff_megatron.training.engines.megatron import MegatronEngine
 
     warnings.filterwarnings("ignore")
     recipe = load_recipe(RECIPE, [*overrides, *AS_MEGATRON])
-    auto_cpu_mode()
-    megatron_engine._init_distributed(recipe)
-    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), dist.get_world_size()
+    engine = MegatronEngine(recipe)
     steps = lr_schedule.total_steps(recipe)
     gbs, mbs = recipe.parallel.global_batch_size, recipe.parallel.micro_batch_size
-    data = prepare_data(recipe, num_train_samples=steps * gbs, num_valid_samples=recipe.eval.batches * mbs * dp_size,
+    data = prepare_data(recipe, num_train_samples=steps * gbs, num_valid_samples=recipe.eval.batches * mbs * engine.dp_size,
                         is_first_rank=dist.get_rank() == 0, barrier=dist.barrier)
     cfg = recipe.model.to_model_config(vocab_size=data.tokenizer.vocab_size, mask_token_id=data.tokenizer.mask_id)
-    _, chunks = megatron_engine.build_model(recipe, cfg)
-    start = deepspeed_engine.build_model(recipe, cfg).state_dict()
-    chunks[0].module.load_state_dict(torch_to_megatron(start, cfg))
-    optimizer, scheduler = megatron_engine.build_optimizer(recipe, chunks, steps)
-    loaders = DataLoaders(recipe, data, dp_rank=dp_rank, dp_size=dp_size)
-    step_fn = megatron_engine.TrainStep(recipe, chunks)
+    engine.build(cfg, steps)
+    torch.manual_seed(recipe.train.seed)  # the DeepSpeed engine's initial weights
+    engine.init_from(SetDiffusionTransformer(cfg).state_dict(), cfg)
+    loaders = DataLoaders(recipe, data, dp_rank=engine.dp_rank, dp_size=engine.dp_size)
     losses = []
     for _ in range(steps):
-        chunks[0].zero_grad_buffer()
-        optimizer.zero_grad()
-        nll, count = megatron_engine._global_loss(step_fn(loaders.next_step(), forward_only=False)).tolist()
-        optimizer.step()
-        scheduler.step(increment=1)
+        nll, count = engine.forward_backward(loaders.next_step())
+        engine.optimizer_step()
         losses.append(nll / count)
-    results = {"losses": losses, "schedules": schedule_lrs(overrides, chunks)}
+    results = {"losses": losses, "schedules": schedule_lrs(overrides, engine.chunks)}
     if dist.get_rank() == 0:
         out.write_text(json.dumps(results, indent=1))
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+    shutdown()
 
 
 if __name__ == "__main__":

@@ -1,11 +1,11 @@
 """Two-rank worker (torchrun, gloo): the DeepSpeed engine's step at ZeRO stages 0-3 against
 single-process training, and its checkpoints against the live weights.
 
-Every rank builds the same weights (the engine's own build_model) and the same micro-batches
+Every rank builds the same weights (the engine's own build) and the same micro-batches
 (tests/megatron/cases.py). Rank 0 first trains a plain torch copy on whole global batches; then
-each stage trains through build_engine/TrainStep on this rank's half, saves a checkpoint through
-deepspeed_checkpointing and compares consolidated_state_dict with the live fp32 weights; two of
-them go on training, and again from their checkpoint in a new engine. The JSON it writes holds
+each stage trains through the DeepSpeedEngine on this rank's half, publishes a checkpoint as the
+trainer does and compares checkpoint.deepspeed's consolidated_state_dict with the live fp32
+weights; two of them go on training, and again from their checkpoint in a new engine. The JSON it writes holds
 observations; test_deepspeed_engine.py holds the expectations.
 """
 
@@ -18,14 +18,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from setdiff_megatron.checkpoint.deepspeed import consolidated_state_dict
+from setdiff_megatron.checkpoint.names import CHECKPOINTS, TOKENIZER_DIR
+from setdiff_megatron.checkpoint.publish import publish
+from setdiff_megatron.checkpoint.resolve import Resumed
+from setdiff_megatron.checkpoint.state import Progress, TrainState, read_train_state, write_train_state
 from setdiff_megatron.core.loss import set_diffusion_loss
+from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 from setdiff_megatron.recipes import load_recipe
-from setdiff_megatron.training.checkpointing import TrainState
-from setdiff_megatron.training.deepspeed_checkpointing import consolidated_state_dict, load, save
-from setdiff_megatron.training.deepspeed_config import build_optimizer
+from setdiff_megatron.training.engines.deepspeed import DeepSpeedEngine
+from setdiff_megatron.training.engines.deepspeed_config import build_optimizer
 from setdiff_megatron.training.lr_schedule import build_lr_scheduler
-from setdiff_megatron.training.deepspeed_engine import TrainStep, build_engine, build_model
-from setdiff_megatron.training.deepspeed_runtime import import_deepspeed, init_distributed
 from tests.conftest import debug_config
 from tests.megatron.cases import NUM_MICROBATCHES, ROOT, batches, write_worker_results
 
@@ -53,6 +56,19 @@ class StubTokenizer:
         (directory / "tokenizer.json").write_text("{}")
 
 
+def save(recipe, engine: DeepSpeedEngine, step: int) -> Path:
+    """Collective: publish a checkpoint the way the trainer does (engine files, then rank 0's)."""
+    def write(tmp: Path) -> None:
+        engine.save(tmp)
+        if dist.get_rank() == 0:
+            write_train_state(tmp, TrainState(progress=Progress(step=step), scheduler=engine.scheduler_state(),
+                                              layout=engine.layout_record(), model={}, run_id="worker",
+                                              tokenizer={"vocab_size": 64, "mask_id": 63}))
+            StubTokenizer().save(tmp / TOKENIZER_DIR)
+
+    return publish(Path(recipe.checkpoint.dir) / CHECKPOINTS, step, write, run_id="worker")
+
+
 def recipe_for(run_dir: Path, overrides: list[str]):
     cfg = debug_config()
     return load_recipe(ROOT / "recipes" / "tiny-cpu-deepspeed.yaml", [
@@ -65,7 +81,8 @@ def recipe_for(run_dir: Path, overrides: list[str]):
 
 def reference_losses(recipe, cfg, data) -> list[float]:
     """One process, whole global batches: per-token loss over the batch, clip, step."""
-    model = build_model(recipe, cfg)
+    torch.manual_seed(recipe.train.seed)  # the engine's initial weights
+    model = SetDiffusionTransformer(cfg)
     optimizer = build_optimizer(recipe, model)
     scheduler = build_lr_scheduler(recipe, optimizer, STEPS)
     losses = []
@@ -86,39 +103,39 @@ def reference_losses(recipe, cfg, data) -> list[float]:
     return losses
 
 
-def full_fp32(deepspeed, engine) -> dict[str, torch.Tensor]:
+def full_fp32(engine: DeepSpeedEngine) -> dict[str, torch.Tensor]:
     """Collective: the live fp32 weights (ZeRO's master copies, gathered), by parameter name."""
-    if not engine.zero_optimization():
-        return {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
-    return {n: deepspeed.utils.safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()}
+    ds = engine.engine
+    if not ds.zero_optimization():
+        return {n: p.detach().float().clone() for n, p in ds.module.named_parameters()}
+    return {n: engine.deepspeed.utils.safe_get_full_fp32_param(p).clone() for n, p in ds.module.named_parameters()}
 
 
-def train(engine, scheduler, step_fn: TrainStep, data, steps: range) -> list[float]:
+def train(engine: DeepSpeedEngine, data, steps: range) -> list[float]:
     """This rank's half of the global batch of each step in `steps`; the per-token losses."""
     half = NUM_MICROBATCHES // 2
     losses = []
     for step in steps:
         first = step * NUM_MICROBATCHES + dist.get_rank() * half
-        nll, count = step_fn.forward_backward(data[first:first + half]).tolist()
-        engine.step()
-        scheduler.step(increment=1)
+        nll, count = engine.forward_backward(data[first:first + half])
+        assert engine.optimizer_step().applied
         losses.append(nll / count)
     return losses
 
 
-def start(deepspeed, recipe, cfg) -> tuple:
-    engine = build_engine(deepspeed, recipe, build_model(recipe, cfg), dp_size=2)
-    return engine, build_lr_scheduler(recipe, engine.optimizer, STEPS), TrainStep(engine, 2, cfg.mask_token_id)
+def start(recipe, cfg) -> DeepSpeedEngine:
+    engine = DeepSpeedEngine(recipe)
+    engine.build(cfg, STEPS)
+    return engine
 
 
-def run(deepspeed, name: str, overrides: list[str], cfg, data, out_dir: Path) -> dict:
+def run(name: str, overrides: list[str], cfg, data, out_dir: Path) -> dict:
     start_time = time.perf_counter()
     recipe = recipe_for(out_dir / name, overrides)
-    engine, scheduler, step_fn = start(deepspeed, recipe, cfg)
-    result = {"losses": train(engine, scheduler, step_fn, data, range(STEPS)),
-              "optimizer": type(engine.optimizer).__name__}
-    checkpoint = save(recipe, engine, scheduler, TrainState(step=STEPS), StubTokenizer())
-    live = full_fp32(deepspeed, engine)
+    engine = start(recipe, cfg)
+    result = {"losses": train(engine, data, range(STEPS)), "optimizer": type(engine.engine.optimizer).__name__}
+    checkpoint = save(recipe, engine, STEPS)
+    live = full_fp32(engine)
     if dist.get_rank() == 0:
         saved = consolidated_state_dict(checkpoint)
         result["keys_match"] = sorted(saved) == sorted(live)
@@ -126,23 +143,22 @@ def run(deepspeed, name: str, overrides: list[str], cfg, data, out_dir: Path) ->
         result["dtypes"] = sorted({str(v.dtype) for v in saved.values()})
     if name in RESUMED:
         more = range(STEPS, STEPS + MORE_STEPS)
-        result["continued"] = train(engine, scheduler, step_fn, data, more)
-        engine, scheduler, step_fn = start(deepspeed, recipe, cfg)  # train.seed's weights again
-        load(checkpoint, recipe, engine, scheduler, TrainState())
-        result["resumed"] = train(engine, scheduler, step_fn, data, more)
+        result["continued"] = train(engine, data, more)
+        engine = start(recipe, cfg)  # train.seed's weights again
+        engine.load(Resumed(checkpoint, read_train_state(checkpoint)))
+        result["resumed"] = train(engine, data, more)
     result["seconds"] = time.perf_counter() - start_time
     return result
 
 
 def main(out: Path) -> None:
     recipe = recipe_for(out.parent, [])
-    deepspeed = import_deepspeed(recipe)
-    init_distributed(deepspeed)
+    DeepSpeedEngine(recipe)  # joins the process group; every run's engine reuses it
     cfg = recipe.model.to_model_config(vocab_size=StubTokenizer.vocab_size, mask_token_id=StubTokenizer.mask_id)
     data = batches(cfg, count=(STEPS + MORE_STEPS) * NUM_MICROBATCHES)
     results = {"reference": reference_losses(recipe, cfg, data) if dist.get_rank() == 0 else None}
     for name, overrides in RUNS:
-        results[name] = run(deepspeed, name, overrides, cfg, data, out.parent)
+        results[name] = run(name, overrides, cfg, data, out.parent)
     write_worker_results(out, results)
 
 

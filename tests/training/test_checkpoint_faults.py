@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from setdiff_megatron.training.checkpointing import find_checkpoints, verify
+from setdiff_megatron.checkpoint.manifest import verify
+from setdiff_megatron.checkpoint.names import find_checkpoints
 
 WORKER = str(Path(__file__).with_name("checkpoint_fault_worker.py"))
 TRIALS = int(os.environ.get("SETDIFF_FAULT_TRIALS", "20"))

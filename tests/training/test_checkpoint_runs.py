@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from setdiff_megatron.training.checkpointing import verify
-from setdiff_megatron.training.signals import EXIT_REQUEUE
-from tests.training.test_checkpoint_files import flip_a_byte, truncate
+from setdiff_megatron.checkpoint.manifest import verify
+from setdiff_megatron.distributed.signals import EXIT_REQUEUE
+from tests.checkpoint.test_run_directory import flip_a_byte, truncate
 
 TINY = str(Path(__file__).parents[2] / "recipes" / "tiny-cpu.yaml")
 # Small global batches, a loss logged at every step, no validation.

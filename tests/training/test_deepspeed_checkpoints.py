@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from setdiff_megatron.errors import UserError
-from setdiff_megatron.training.deepspeed_checkpointing import _refusal, consolidated_state_dict
+from setdiff_megatron.checkpoint.deepspeed import consolidated_state_dict
+from setdiff_megatron.training.engines.deepspeed import layout_refusal
 
 HERE = {"engine": "deepspeed", "zero_stage": 2, "dp": 2, "optimizer": "DeepSpeedZeroOptimizer"}
 
@@ -19,11 +20,11 @@ HERE = {"engine": "deepspeed", "zero_stage": 2, "dp": 2, "optimizer": "DeepSpeed
     ({**HERE, "dp": 4}, "dp 4 there, 2 here"),
 ])
 def test_resume_on_another_layout_is_refused(saved, fragment):
-    assert fragment in _refusal(Path("ckpt"), saved, HERE)
+    assert fragment in layout_refusal(Path("ckpt"), saved, HERE)
 
 
 def test_resume_on_the_same_layout_is_allowed():
-    assert _refusal(Path("ckpt"), {**HERE, "offload_optimizer": True}, {**HERE, "offload_optimizer": False}) is None
+    assert layout_refusal(Path("ckpt"), {**HERE, "offload_optimizer": True}, {**HERE, "offload_optimizer": False}) is None
 
 
 def test_consolidation_refuses_what_it_cannot_read(tmp_path):

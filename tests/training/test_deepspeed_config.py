@@ -11,7 +11,7 @@ from setdiff_megatron.cli import main
 from setdiff_megatron.errors import MissingExtraError
 from setdiff_megatron.recipes import load_recipe, validate_recipe
 from setdiff_megatron.recipes.validation import offload_host_bytes
-from setdiff_megatron.training.deepspeed_config import deepspeed_config, param_groups
+from setdiff_megatron.training.engines.deepspeed_config import deepspeed_config, param_groups
 from tests.conftest import debug_config
 
 RECIPE = Path(__file__).parents[2] / "recipes" / "tiny-cpu-deepspeed.yaml"
@@ -84,7 +84,7 @@ def test_train_refuses_with_one_line(tmp_path, capsys, overrides, fragment):
 
 
 def test_missing_deepspeed_names_the_extra(monkeypatch):
-    from setdiff_megatron.training.deepspeed_runtime import import_deepspeed
+    from setdiff_megatron.training.engines.deepspeed import import_deepspeed
 
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # `import deepspeed` now raises ImportError
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # restored afterwards

@@ -1,33 +1,35 @@
-"""Read a set diffusion Hugging Face export back as (ModelConfig, torch state dict, tokenizer),
-without transformers: the sampler, evaluation and `convert from-hf` use it. Safetensors only."""
+"""Read a Hugging Face directory's config, and a set diffusion export back as (ModelConfig,
+torch state dict, tokenizer), without transformers. Safetensors only."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
+from setdiff_megatron.checkpoint.hf_config import model_config_from_hf_config
+from setdiff_megatron.checkpoint.hf_files import load_safetensors_dir
 from setdiff_megatron.data.tokenizers import SetDiffTokenizer, load_tokenizer
 from setdiff_megatron.errors import UserError
-from setdiff_megatron.hf.config_map import model_config_from_hf_config
-from setdiff_megatron.hf.weights_io import load_safetensors_dir
 from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.weight_maps import hf_to_torch
 
-__all__ = ["load_hf_export", "is_hf_export"]
+__all__ = ["read_hf_config", "load_hf_export"]
 
 
-def is_hf_export(directory: str | Path) -> bool:
-    from setdiff_megatron.hf.sources import read_hf_config
-
-    directory = Path(directory)
-    return (directory / "config.json").is_file() and read_hf_config(directory).get("model_type") == "setdiff"
+def read_hf_config(directory: Path) -> dict:
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise UserError(f"{directory} has no config.json: not a Hugging Face model directory")
+    try:
+        return json.loads(path.read_text())
+    except ValueError as exc:
+        raise UserError(f"cannot read {path}: {exc}") from None
 
 
 def load_hf_export(directory: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], SetDiffTokenizer]:
     """The model config, the torch model's weights (in their saved dtype) and the tokenizer."""
-    from setdiff_megatron.hf.sources import read_hf_config
-
     directory = Path(directory)
     config = read_hf_config(directory)
     if config.get("model_type") != "setdiff":

@@ -23,7 +23,7 @@ import torch
 
 from setdiff_megatron.data.tokenizers import SetDiffTokenizer
 from setdiff_megatron.errors import UserError
-from setdiff_megatron.hf.config_map import rope_theta_of
+from setdiff_megatron.checkpoint.hf_config import rope_theta_of
 from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.weight_maps import hf_to_torch
 

@@ -9,16 +9,10 @@ from __future__ import annotations
 import os
 import shlex
 import subprocess
-import sys
 
-from setdiff_megatron.recipes import Recipe
+from setdiff_megatron.distributed.runtime import torchrun_argv
 from setdiff_megatron.errors import UserError
-
-
-def torchrun_argv(nproc: int, cli_args: list[str]) -> list[str]:
-    """`setdiff CLI_ARGS` as `nproc` local processes under torchrun."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "-m", "setdiff_megatron.cli", *cli_args]
+from setdiff_megatron.recipes import Recipe
 
 
 def torchrun_command(recipe: Recipe, recipe_path: str, overrides: list[str]) -> list[str]:

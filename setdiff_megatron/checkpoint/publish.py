@@ -1,0 +1,128 @@
+"""Publishing a checkpoint: written aside, hashed, renamed into place, then `latest`; and retention.
+
+Every engine writes its files through `publish` (collective: every rank calls it):
+  1. preemption signals are blocked, so a save is never cut half-way by SIGTERM/SIGUSR1;
+  2. rank 0 clears interrupted saves (`step_*.tmp`: never published, never valid) and makes
+     `step_N.tmp`; every rank writes its files there (`write(tmp)`);
+  3. the ranks hash the files (a share each) into the manifest;
+  4. rank 0 renames it to `step_N` (atomic on one filesystem) and only then moves `latest`.
+A crash at any point leaves every published checkpoint as it was.
+
+What is already saved is never lost: a published directory of the same step (a resumed run
+reaching a step saved before, or another run's checkpoint) is moved aside (`names.aside_name`),
+never deleted or overwritten, and reported. Retention (`keep_last_n`, `keep_every_n_steps`)
+removes only this run's own checkpoints (train_state.json `run_id`), only valid ones, and only
+those older than the newest valid one.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+from pathlib import Path
+from typing import Callable
+
+from setdiff_megatron.checkpoint.manifest import verify, write_manifest
+from setdiff_megatron.checkpoint.names import LATEST, aside_name, find_checkpoints, step_name, step_of
+from setdiff_megatron.checkpoint.state import read_train_state
+from setdiff_megatron.distributed.runtime import barrier, rank
+from setdiff_megatron.distributed.signals import blocked
+from setdiff_megatron.errors import UserError
+
+__all__ = ["Retention", "publish", "apply_retention", "run_id_of", "check_writable", "move_aside"]
+
+
+class Retention:
+    """Which of a run's checkpoints to keep: the newest `keep_last_n` (None: all) and every one
+    whose step is a multiple of `keep_every_n_steps`."""
+
+    def __init__(self, keep_last_n: int | None = None, keep_every_n_steps: int | None = None):
+        self.keep_last_n, self.keep_every_n_steps = keep_last_n, keep_every_n_steps
+
+    def keeps(self, index: int, step: int) -> bool:
+        every = self.keep_every_n_steps
+        return self.keep_last_n is None or index < self.keep_last_n or bool(every and step % every == 0)
+
+
+def _say(text: str) -> None:
+    print(f"setdiff: {text}", flush=True)
+
+
+def run_id_of(directory: Path) -> str | None:
+    """The run that wrote a checkpoint, or None (unreadable state, or written before run ids)."""
+    try:
+        return read_train_state(directory).run_id
+    except UserError:
+        return None
+
+
+def move_aside(path: Path, why: str) -> Path:
+    """Rename `path` to a free `<name>.<why>-<time>` beside it and say so; returns the new path."""
+    aside = aside_name(path, why)
+    path.rename(aside)
+    _say(f"moved {path} aside to {aside.name} (nothing deleted)")
+    return aside
+
+
+def apply_retention(root: Path, run_id: str, retention: Retention) -> list[Path]:
+    """Remove what `retention` lets go of among this run's valid checkpoints older than the
+    newest valid one; return what was removed."""
+    valid = [c for c in find_checkpoints(root) if verify(c, checksums=False) is None]
+    if not valid:
+        return []
+    newest = step_of(valid[0])
+    ours = [c for c in valid if run_id_of(c) == run_id]
+    removed = []
+    for index, path in enumerate(ours):
+        if step_of(path) < newest and not retention.keeps(index, step_of(path)):
+            shutil.rmtree(path)
+            removed.append(path)
+    return removed
+
+
+def publish(root: Path, step: int, write: Callable[[Path], None], *, run_id: str,
+            retention: Retention = Retention()) -> Path:
+    """Collective: publish the checkpoint of `step` that `write(tmp)` writes on every rank (see
+    the module docstring). Returns the published directory."""
+    final = root / step_name(step)
+    tmp = final.with_name(f"{final.name}.tmp")
+    first = rank() == 0
+    with blocked():
+        if first:
+            for stale in root.glob("step_*.tmp"):
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        barrier()
+        write(tmp)
+        barrier()
+        write_manifest(tmp)
+        if first:
+            problem = verify(tmp, checksums=False)  # the files other ranks wrote, as seen here
+            if problem:
+                raise RuntimeError(f"checkpoint {tmp} failed verification: {problem}")
+            if final.exists():
+                move_aside(final, "replaced")
+            tmp.rename(final)
+            pointer = root / f"{LATEST}.tmp"
+            pointer.write_text(final.name + "\n")
+            pointer.replace(root / LATEST)
+            apply_retention(root, run_id, retention)
+        barrier()
+    return final
+
+
+def check_writable(directory: Path, need_bytes: int) -> None:
+    """Fail in seconds, not after hours: `directory` must take a file, and its disk must have
+    room for one more checkpoint of `need_bytes` (an estimate)."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".write-test-{socket.gethostname()}-{os.getpid()}"
+        probe.write_bytes(b"\0" * 4096)
+        probe.unlink()
+    except OSError as exc:
+        raise UserError(f"checkpoint.dir {directory} is not writable: {exc.strerror or exc}") from None
+    free = shutil.disk_usage(directory).free
+    if free < need_bytes:
+        raise UserError(f"checkpoint.dir {directory} has {free / 2**30:.2f} GiB free; a checkpoint of this "
+                        f"model needs about {need_bytes / 2**30:.2f} GiB")

@@ -1,0 +1,167 @@
+"""`read_source(path)`: weights, config and tokenizer from anything a model can be read from.
+
+  megatron   a run directory or step directory of the megatron engine, any TP/PP layout
+  deepspeed  a run directory or step directory of the DeepSpeed engine, any ZeRO stage
+  setdiff    a Hugging Face export of ours (model_type setdiff)
+  llama, qwen2, qwen3   a Hugging Face causal LM to adapt (ar_import.py)
+
+Sampling, the evaluation jobs (infilling included), `setdiff convert`, `model.init_from` and the
+lm-eval adapter all read through it, so a new source format is one reader here. A run directory
+takes its newest valid checkpoint (`latest` first). `fit_source` is the rule for starting a model
+from a source's weights (`model.init_from`): the same tokenizer, the same architecture.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from setdiff_megatron.checkpoint.ar_import import SUPPORTED, ar_model_config, ar_state_dict, supported_text
+from setdiff_megatron.checkpoint.deepspeed import consolidated_state_dict, is_deepspeed_checkpoint
+from setdiff_megatron.checkpoint.hf_export import load_hf_export, read_hf_config
+from setdiff_megatron.checkpoint.hf_files import load_safetensors_dir
+from setdiff_megatron.checkpoint.identity import config_from_identity
+from setdiff_megatron.checkpoint.megatron import torch_weights
+from setdiff_megatron.checkpoint.names import TOKENIZER_DIR, is_checkpoint_path
+from setdiff_megatron.checkpoint.resolve import resolve_step_dir
+from setdiff_megatron.checkpoint.state import read_train_state
+from setdiff_megatron.data.tokenizers import SetDiffTokenizer, load_tokenizer
+from setdiff_megatron.errors import UserError
+from setdiff_megatron.models.config import ModelConfig
+from setdiff_megatron.models.weight_maps import torch_shapes
+from setdiff_megatron.recipes import Recipe, load_recipe
+from setdiff_megatron.recipes.loading import RESOLVED_NAME
+
+__all__ = ["Source", "read_source", "read_hf_dir", "fit_source", "AR_KINDS", "RUN_KINDS"]
+
+AR_KINDS = tuple(SUPPORTED)
+RUN_KINDS = ("megatron", "deepspeed")
+
+
+@dataclass
+class Source:
+    kind: str
+    """'megatron', 'deepspeed', 'setdiff' or an AR model type ('llama', 'qwen2', 'qwen3')."""
+    path: Path
+    """The step directory read (runs), or the Hugging Face directory."""
+    config: ModelConfig
+    state_dict: dict[str, torch.Tensor] | None
+    """Torch model names (models/torch_model.py), in the saved dtype; None when read without weights."""
+    tokenizer: SetDiffTokenizer
+    recipe: Recipe | None = None
+    """The training recipe (runs), else None."""
+    step: int | None = None
+    layout: dict[str, Any] | None = None
+
+    @property
+    def add_bos(self) -> bool:
+        """The training data started each sample with a clean BOS (recipe method.keep_clean_bos)."""
+        return self.recipe is not None and self.recipe.method.keep_clean_bos
+
+    def describe(self) -> str:
+        what = {"megatron": "megatron checkpoint", "deepspeed": "DeepSpeed checkpoint",
+                "setdiff": "set diffusion Hugging Face export"}.get(self.kind, f"{self.kind} causal LM")
+        extra = f", step {self.step}" if self.step is not None else ""
+        if self.layout and self.kind == "megatron":
+            extra += f", saved at tp {self.layout.get('tp')} pp {self.layout.get('pp')}"
+        return f"{what} {self.path}{extra}"
+
+
+def _read_run(path: Path, weights: bool) -> Source:
+    step_dir = resolve_step_dir(path)
+    state = read_train_state(step_dir)
+    recipe = load_recipe(step_dir / RESOLVED_NAME)
+    if not (step_dir / TOKENIZER_DIR).is_dir():
+        raise UserError(f"checkpoint {step_dir} has no {TOKENIZER_DIR}/ directory; it cannot encode prompts or be "
+                        "exported")
+    tokenizer = load_tokenizer(step_dir / TOKENIZER_DIR, add_missing_tokens=False)
+    config = config_from_identity(state.model, attention_impl=recipe.model.attention_impl,
+                                  init_std=recipe.model.init_std)
+    kind = "deepspeed" if is_deepspeed_checkpoint(step_dir) else "megatron"
+    state_dict = None
+    if weights and kind == "megatron":
+        state_dict = torch_weights(step_dir, config)
+    elif weights:
+        state_dict = consolidated_state_dict(step_dir)
+        shapes = torch_shapes(config)
+        bad = sorted(set(shapes) ^ set(state_dict)) + [k for k in shapes if k in state_dict
+                                                        and tuple(state_dict[k].shape) != shapes[k]]
+        if bad:
+            raise UserError(f"checkpoint {step_dir} does not match its recorded model config: {bad[:5]}")
+    return Source(kind, step_dir, config, state_dict, tokenizer, recipe, state.progress.step, state.layout)
+
+
+def _hf_tokenizer(directory: Path) -> SetDiffTokenizer:
+    if not any((directory / f).is_file() for f in ("tokenizer.json", "vocab.json", "tokenizer.model")):
+        raise UserError(f"{directory} has no tokenizer (tokenizer.json); the conversion needs it to fix the "
+                        "MASK token and to ship the tokenizer with the weights")
+    return load_tokenizer(directory, add_missing_tokens=True)
+
+
+def read_hf_dir(directory: str | Path, *, weights: bool = True) -> Source:
+    """A Hugging Face directory: our export, or a Llama/Qwen2/Qwen3 causal LM."""
+    directory = Path(directory)
+    config = read_hf_config(directory)
+    if config.get("model_type") == "setdiff":
+        cfg, state, tokenizer = load_hf_export(directory)
+        return Source("setdiff", directory, cfg, state if weights else None, tokenizer)
+    if config.get("model_type") not in SUPPORTED:
+        arch = (config.get("architectures") or [config.get("model_type")])[0]
+        raise UserError(f"{directory}: architecture {arch!r} is not supported; supported: {supported_text()}")
+    tokenizer = _hf_tokenizer(directory)
+    rows = int(config.get("vocab_size") or 0)
+    cfg = ar_model_config(config, directory, vocab_size=max(rows, tokenizer.vocab_size), mask_token_id=tokenizer.mask_id)
+    cfg, state = ar_state_dict(load_safetensors_dir(directory), cfg, tokenizer, directory)
+    return Source(config["model_type"], directory, cfg, state if weights else None, tokenizer)
+
+
+def read_source(path: str | Path, *, weights: bool = True) -> Source:
+    """Weights (unless not `weights`), config and tokenizer from any source in the module docstring."""
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"model source {path} does not exist")
+    if is_checkpoint_path(path):
+        return _read_run(path, weights)
+    if (path / "config.json").is_file():
+        return read_hf_dir(path, weights=weights)
+    raise UserError(f"{path} is neither a setdiff checkpoint (a run directory with checkpoints/latest, or a step_* "
+                    "directory with train_state.json) nor a Hugging Face directory (config.json)")
+
+
+_FREE = ("vocab_size", "max_seq_len", "attention_impl", "init_std")
+
+
+def fit_source(source: Source, model_cfg: ModelConfig, tokenizer: SetDiffTokenizer,
+               where: str = "model.init_from") -> dict[str, torch.Tensor]:
+    """The source's torch weights fitted to `model_cfg`, or a UserError naming what differs.
+
+    The tokenizer must be the one the weights were trained with (compared by sha256).
+    Architecture fields must match; max_seq_len may differ (rotary positions carry no weights),
+    and so may vocab_size where only rows beyond the tokenizer's vocabulary differ: those are
+    dropped, or added with the mean embedding."""
+    if source.tokenizer.sha256 != tokenizer.sha256:
+        theirs, ours = source.tokenizer, tokenizer
+        hint = f"{source.path}/{TOKENIZER_DIR}" if source.kind in RUN_KINDS else str(source.path)
+        raise UserError(
+            f"{where} {source.path}: its tokenizer differs from data.tokenizer's (vocabulary {theirs.vocab_size} vs "
+            f"{ours.vocab_size}, MASK id {theirs.mask_id} vs {ours.mask_id}); set data.tokenizer to the tokenizer "
+            f"saved with it ({hint})")
+    ours, theirs = asdict(model_cfg), asdict(source.config)
+    diffs = [f"model.{k} is {ours[k]} in the recipe, {theirs[k]} there" for k in ours
+             if k not in _FREE and ours[k] != theirs[k]]
+    if diffs:
+        raise UserError(f"{where} {source.path} is another model: {'; '.join(diffs)}")
+    state = dict(source.state_dict)
+    rows, want = source.config.vocab_size, model_cfg.vocab_size
+    if rows != want:
+        if min(rows, want) < tokenizer.vocab_size:
+            raise UserError(f"{where} {source.path} has {rows} vocabulary rows and the recipe {want}; both must cover "
+                            f"the tokenizer's {tokenizer.vocab_size} tokens")
+        for name in ("embed_tokens.weight",) + (() if model_cfg.tie_embeddings else ("lm_head.weight",)):
+            w = state[name]
+            mean = w[: tokenizer.vocab_size].float().mean(0, keepdim=True).to(w.dtype)
+            state[name] = w[:want] if rows > want else torch.cat([w, mean.expand(want - rows, -1)])
+    return state

@@ -1,0 +1,70 @@
+"""What the training loop needs from an engine, and nothing more.
+
+The loop (trainer.py) owns everything a recipe means the same under both engines: data and
+orders, the NaN policy, logging, validation and checkpoint intervals, preemption, `init_from`
+and resume selection. An engine owns the model, optimizer and LR scheduler it builds, and how
+they run and how their files are written and read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from setdiff_megatron.checkpoint.resolve import Resumed
+from setdiff_megatron.core.streams import TwoStreamBatch
+from setdiff_megatron.models.config import ModelConfig
+
+__all__ = ["Engine", "StepOutcome"]
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    applied: bool
+    """Whether the parameters were updated (and the LR scheduler stepped)."""
+    grad_norm: float | None
+    problem: str | None = None
+    """Why the update was refused ('the gradients are not finite'), for the NaN policy; None when it
+    was applied, or skipped by fp16 loss scaling, which is not a problem."""
+
+
+class Engine(Protocol):
+    name: str
+    dp_rank: int
+    dp_size: int
+    device: torch.device
+
+    def build(self, model_cfg: ModelConfig, total_steps: int) -> None:
+        """Build this rank's model, optimizer and LR scheduler (weights from the recipe's seed)."""
+
+    def init_from(self, state_dict: dict[str, torch.Tensor], model_cfg: ModelConfig) -> None:
+        """Replace the initial weights with a source's torch weights (model.init_from)."""
+
+    def forward_backward(self, batches: list[TwoStreamBatch]) -> tuple[float, float]:
+        """Gradients of this rank's micro-batches of one global batch; returns the global batch's
+        [NLL sum, target tokens] (the loss is their ratio, megatron's per-token normalisation)."""
+
+    def optimizer_step(self) -> StepOutcome:
+        """Update from the accumulated gradients, unless they are not finite."""
+
+    def discard(self) -> bool:
+        """Drop this step's gradients without an update; False if the engine updated anyway."""
+
+    def evaluate(self, batches: list[TwoStreamBatch]) -> tuple[float, float]:
+        """[NLL sum, target tokens] of these micro-batches over all ranks, without gradients."""
+
+    def lr(self) -> float: ...
+
+    def layout_record(self) -> dict:
+        """The parallel layout as a checkpoint records it."""
+
+    def scheduler_state(self) -> dict: ...
+
+    def save(self, directory: Path) -> None:
+        """Collective: write this rank's engine files (weights, optimizer, RNG) into `directory`."""
+
+    def load(self, resumed: Resumed) -> None:
+        """Collective: restore weights, optimizer, scheduler and RNG, or refuse with the reason."""

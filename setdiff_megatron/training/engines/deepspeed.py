@@ -1,0 +1,265 @@
+"""The DeepSpeed engine: the torch model under ZeRO stage 0-3, trained from the same recipes.
+
+What it builds, in order:
+  group       distributed.runtime's process group, adopted by DeepSpeed (gloo on CPUs with
+              DS_ACCELERATOR=cpu, NCCL on GPUs), one data-parallel rank per process
+  model       models/torch_model with train.seed's weights, activation checkpointing per
+              train.recompute, optionally torch.compile'd, wrapped by deepspeed.initialize with
+              deepspeed_config.py's config (ZeRO stage, optimizer offload, precision,
+              accumulation, clipping)
+  step        the micro-batches of one global batch with the loss per target token of the whole
+              global batch (as megatron), one optimizer step, megatron-core's LR scheduler
+Checkpoints: DeepSpeed's own format under `deepspeed/` (checkpoint/deepspeed.py reads it whole)
+plus each rank's RNG states. DeepSpeed loads partitioned optimizer state only on the ZeRO stage
+and data-parallel size it was saved with, so a resume on another layout is refused; its
+consolidated weights start a new run (`model.init_from`).
+
+Not here: tensor and pipeline parallelism (the megatron engine's), and building a model too big
+for one device under deepspeed.zero.Init: every rank builds the full model, which ZeRO-3 then
+partitions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import math
+import os
+import warnings
+from functools import partial
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
+
+from setdiff_megatron.checkpoint.deepspeed import TAG
+from setdiff_megatron.checkpoint.names import RNG_FILE
+from setdiff_megatron.checkpoint.resolve import Resumed
+from setdiff_megatron.core.loss import set_diffusion_loss
+from setdiff_megatron.core.streams import TwoStreamBatch
+from setdiff_megatron.distributed import runtime
+from setdiff_megatron.distributed.layout import Layout
+from setdiff_megatron.errors import UserError, require
+from setdiff_megatron.models.config import ModelConfig
+from setdiff_megatron.models.torch_model import SetDiffusionTransformer
+from setdiff_megatron.recipes import Recipe
+from setdiff_megatron.training import lr_schedule
+from setdiff_megatron.training.engines.base import StepOutcome
+from setdiff_megatron.training.engines.deepspeed_config import build_optimizer, deepspeed_config
+from setdiff_megatron.training.engines.rng import host_rng_state, set_host_rng_state
+
+__all__ = ["DeepSpeedEngine", "import_deepspeed", "apply_recompute", "layout_refusal", "LOADABLE_ON"]
+
+LOADABLE_ON = ("zero_stage", "dp", "optimizer")
+"""Keys of the layout that DeepSpeed's own format must find unchanged to load."""
+
+
+def import_deepspeed(recipe: Recipe):
+    """DeepSpeed, with its CPU accelerator where the run has no GPU (picked before the import,
+    which fixes the accelerator) and its INFO logging off (metrics.py reports progress)."""
+    if recipe.launch.device == "cpu" or not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    deepspeed = require("deepspeed", "deepspeed", "engine: deepspeed")
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    # ZeRO calls a collective that torch deprecates; nothing a user of this engine can act on.
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated")
+    return deepspeed
+
+
+@contextlib.contextmanager
+def _no_shared_memory_op(accelerator) -> Iterator[None]:
+    """DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce when it starts (C++; over
+    four minutes on a fresh 2-core machine, and it needs a compiler). Only its inference
+    all-reduce uses it, so training starts without building it."""
+    ds_comm = importlib.import_module("deepspeed.comm.torch")  # `deepspeed.comm.torch` is also torch itself
+    build = ds_comm.build_shm_op
+    if accelerator.device_name() == "cpu":
+        ds_comm.build_shm_op = lambda: None
+    try:
+        yield
+    finally:
+        ds_comm.build_shm_op = build
+
+
+def apply_recompute(model: SetDiffusionTransformer, mode: str) -> None:
+    """train.recompute from outside the model: 'full' recomputes each transformer block in the
+    backward pass, 'selective' each attention sub-layer (megatron recomputes only the core
+    attention; the torch model has no smaller seam). Parameter names do not change."""
+    if mode == "none":
+        return
+    for block in model.layers:
+        module = block if mode == "full" else block.self_attn
+        module.forward = partial(checkpoint, module.forward, use_reentrant=False)
+
+
+def layout_refusal(path: Path, saved: dict, here: dict) -> str | None:
+    """Why a checkpoint saved at layout `saved` cannot be resumed at `here`, or None."""
+    if saved.get("engine") != "deepspeed":
+        return (f"{path} was written by the megatron engine; the deepspeed engine resumes only its own "
+                "checkpoints: use engine: megatron or a new checkpoint.dir")
+    changed = [f"{k} {saved[k]} there, {here[k]} here" for k in LOADABLE_ON if saved[k] != here[k]]
+    if changed:
+        return (f"{path} has another DeepSpeed layout ({'; '.join(changed)}); DeepSpeed loads its partitioned "
+                "optimizer state only on the layout it was saved with: restore parallel.zero_stage, the process "
+                "count and train.precision, or start a new run from its consolidated weights (model.init_from)")
+    return None
+
+
+def _all_sum(local: torch.Tensor) -> torch.Tensor:
+    total = local.clone()
+    dist.all_reduce(total)
+    return total
+
+
+class DeepSpeedEngine:
+    name = "deepspeed"
+
+    def __init__(self, recipe: Recipe):
+        from deepspeed.accelerator import get_accelerator
+
+        self.recipe = recipe
+        self.deepspeed = import_deepspeed(recipe)
+        accelerator = get_accelerator()
+        runtime.init_process_group()
+        with _no_shared_memory_op(accelerator):
+            self.deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name())
+        self.layout = Layout.of(runtime.world_size())
+        self.dp_rank, self.dp_size = dist.get_rank(), self.layout.dp
+        self.device = torch.device(accelerator.device_name(int(os.environ.get("LOCAL_RANK", "0"))))
+
+    # ---- building --------------------------------------------------------------------------
+
+    def build(self, model_cfg: ModelConfig, total_steps: int) -> None:
+        """The torch model with the weights of train.seed (every rank builds the same ones); the
+        DeepSpeed engine around it is made on the first use, after `init_from` could load weights."""
+        r = self.recipe
+        torch.manual_seed(r.train.seed)
+        model = SetDiffusionTransformer(model_cfg)
+        apply_recompute(model, r.train.recompute)
+        if r.train.compile:
+            model.compile()  # in place: the module, and so its parameter names, stay as they are
+        self.model, self.mask_token_id, self.total_steps = model, model_cfg.mask_token_id, total_steps
+        self._engine = None
+
+    def init_from(self, state_dict: dict[str, torch.Tensor], model_cfg: ModelConfig) -> None:
+        self.model.load_state_dict(state_dict)  # before DeepSpeed copies and partitions the weights
+
+    @property
+    def engine(self):
+        if self._engine is None:
+            r, model = self.recipe, self.model
+            if r.parallel.zero_stage == 3 and model.lm_head is None:
+                # The tied output layer reads embed_tokens.weight outside embed_tokens' forward: ZeRO-3
+                # must gather it for the whole model's forward, not just the embedding's.
+                self.deepspeed.zero.register_external_parameter(model, model.embed_tokens.weight)
+            self._engine, *_ = self.deepspeed.initialize(model=model, optimizer=build_optimizer(r, model),
+                                                         config=deepspeed_config(r, self.dp_size))
+            self.scheduler = lr_schedule.build_lr_scheduler(r, self._engine.optimizer, self.total_steps)
+        return self._engine
+
+    # ---- steps -----------------------------------------------------------------------------
+
+    def _nll(self, batch: TwoStreamBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.engine(batch.clean_tokens, batch.query_tokens, batch.position_ids, batch.valid_len)
+        out = set_diffusion_loss(logits, batch.targets, batch.loss_mask, mask_token_id=self.mask_token_id)
+        return out.nll_sum.sum(), out.num_tokens.sum()
+
+    def forward_backward(self, batches: list[TwoStreamBatch]) -> tuple[float, float]:
+        """megatron averages the loss over the target tokens of the whole global batch; DeepSpeed
+        divides each micro-batch's loss by the accumulation steps and averages gradients over the
+        data-parallel ranks. So a micro-batch contributes its NLL sum x (micro-batches x dp) / the
+        global batch's target tokens, and the gradient is megatron's."""
+        engine = self.engine
+        tokens = _all_sum(sum(b.loss_mask.sum() for b in batches).double().reshape(1).to(engine.device))
+        scale = len(batches) * self.dp_size / max(tokens.item(), 1.0)
+        local = torch.zeros(2, dtype=torch.float64, device=engine.device)
+        for i, batch in enumerate(batches):
+            # One accumulation boundary per global batch, whatever DeepSpeed's micro-step count.
+            engine.set_gradient_accumulation_boundary(i == len(batches) - 1)
+            nll, count = self._nll(batch)
+            engine.backward(nll * scale)
+            local += torch.stack([nll.detach().double(), count.double()])
+        nll, count = _all_sum(local).cpu().tolist()
+        return nll, count
+
+    def _stage0_grad_norm(self) -> float:
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))) \
+            if grads else 0.0
+
+    def optimizer_step(self) -> StepOutcome:
+        """ZeRO optimizers skip an update whose gradient norm is not finite (and fp16 loss scaling
+        one that overflowed); at stage 0 a plain optimizer would apply it, so the norm of the
+        (already averaged) gradients is checked first."""
+        engine = self.engine
+        if not engine.zero_optimization():
+            norm = self._stage0_grad_norm()
+            if not math.isfinite(norm):
+                engine.zero_grad()
+                return StepOutcome(applied=False, grad_norm=norm, problem="the gradients are not finite")
+        engine.step()
+        norm = engine.get_global_grad_norm()  # stage 0 in fp32 does not report it
+        norm = None if norm is None else float(norm)
+        if engine.was_step_applied():
+            self.scheduler.step(increment=1)
+            return StepOutcome(applied=True, grad_norm=norm)
+        problem = None if self.recipe.train.precision == "fp16" else "the gradients are not finite"
+        return StepOutcome(applied=False, grad_norm=norm, problem=problem)
+
+    def discard(self) -> bool:
+        """A ZeRO optimizer keeps the gradients in its own partitions, so it is stepped and skips
+        non-finite ones; at stage 0 they are plain .grad tensors."""
+        engine = self.engine
+        if not engine.zero_optimization():
+            engine.zero_grad()
+            return True
+        engine.step()
+        return not engine.was_step_applied()
+
+    def evaluate(self, batches: list[TwoStreamBatch]) -> tuple[float, float]:
+        engine = self.engine
+        local = torch.zeros(2, dtype=torch.float64, device=engine.device)
+        engine.eval()
+        with torch.no_grad():
+            for batch in batches:
+                nll, count = self._nll(batch)
+                local += torch.stack([nll.double(), count.double()])
+        engine.train()
+        nll, count = _all_sum(local).cpu().tolist()
+        return nll, count
+
+    def lr(self) -> float:
+        return self.scheduler.get_lr(self.engine.optimizer.param_groups[0])
+
+    # ---- checkpoints -----------------------------------------------------------------------
+
+    def layout_record(self) -> dict:
+        """The megatron layout's keys (ZeRO >= 1 counts as a distributed optimizer), plus what
+        DeepSpeed's format depends on."""
+        stage = self.recipe.parallel.zero_stage
+        return {**self.layout.as_record(), "distributed_optimizer": stage >= 1, "engine": "deepspeed",
+                "zero_stage": stage, "offload_optimizer": self.recipe.parallel.offload_optimizer,
+                "optimizer": type(self.engine.optimizer).__name__}
+
+    def scheduler_state(self) -> dict:
+        return self.scheduler.state_dict()
+
+    def save(self, directory: Path) -> None:
+        self.engine.save_checkpoint(str(directory), tag=TAG, save_latest=False)
+        torch.save(host_rng_state(), directory / RNG_FILE.format(rank=dist.get_rank()))
+
+    def load(self, resumed: Resumed) -> None:
+        path = resumed.path
+        problem = layout_refusal(path, resumed.state.layout, self.layout_record())
+        if problem:
+            raise UserError(f"checkpoint.resume: cannot load {problem}")
+        # The LR schedule is the recipe's (its scheduler takes only the step count from the checkpoint).
+        loaded, _ = self.engine.load_checkpoint(str(path), tag=TAG, load_optimizer_states=True,
+                                                load_lr_scheduler_states=False)
+        if loaded is None:
+            raise UserError(f"checkpoint.resume: DeepSpeed found no checkpoint in {path / TAG}")
+        self.scheduler.load_state_dict(resumed.state.scheduler)
+        set_host_rng_state(torch.load(path / RNG_FILE.format(rank=dist.get_rank()), weights_only=True))

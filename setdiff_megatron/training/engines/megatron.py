@@ -1,0 +1,289 @@
+"""The megatron-core engine: the set-causal model as megatron ModuleSpecs under TP, PP and DP.
+
+What it builds, in order:
+  groups      distributed.runtime from the recipe's layout (tp, pp, vpp); gloo on a CPU through
+              the compatibility layer, NCCL on GPUs
+  model       models/megatron_model: this rank's chunks, wrapped in megatron DDP
+  optimizer   get_megatron_optimizer (distributed optimizer when asked) + megatron-core's LR
+              scheduler (lr_schedule.py)
+  step        get_forward_backward_func() (1F1B / interleaved) over the micro-batches of one
+              global batch; the update through megatron's own pieces (prepare_grads,
+              get_grad_norm, clipping, step_with_ready_grads) with a finiteness check of the
+              gradient norm before anything is applied, so the NaN policy means what it means
+              under the DeepSpeed engine
+Checkpoints: dist_checkpointing shards of model and optimizer (checkpoint/megatron.py; the
+distributed optimizer in megatron's `fully_reshardable` format, so both reshard over TP, PP and
+DP; only switching `parallel.distributed_optimizer` itself restarts the Adam moments, with a
+warning) plus each rank's RNG states, restored on an unchanged layout only.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from setdiff_megatron.checkpoint.megatron import load_shards, model_sharded_state, save_shards
+from setdiff_megatron.checkpoint.names import RNG_FILE
+from setdiff_megatron.checkpoint.resolve import Resumed
+from setdiff_megatron.distributed import runtime
+from setdiff_megatron.distributed.layout import Layout
+from setdiff_megatron.models.config import ModelConfig
+from setdiff_megatron.recipes import Recipe
+from setdiff_megatron.training import lr_schedule
+from setdiff_megatron.training.engines.base import StepOutcome
+from setdiff_megatron.training.engines.rng import host_rng_state, set_host_rng_state
+
+__all__ = ["MegatronEngine", "build_optimizer", "PRECISION"]
+
+PRECISION = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _say(text: str) -> None:
+    if dist.get_rank() == 0:
+        print(f"setdiff: {text}", flush=True)
+
+
+def _same_layout(saved: dict, here: dict) -> bool:
+    """Layouts equal, counting keys an older checkpoint lacks (cp, ep) at their default of 1."""
+    return all(saved.get(k, 1 if k in ("cp", "ep") else None) == v for k, v in here.items())
+
+
+def _layout_text(lay: dict) -> str:
+    optim = {True: "distributed optimizer", False: "optimizer per rank", None: "weights only"}
+    return f"tp {lay['tp']} pp {lay['pp']} vpp {lay.get('vpp') or 1} dp {lay['dp']}, {optim[lay['distributed_optimizer']]}"
+
+
+class MegatronEngine:
+    name = "megatron"
+
+    def __init__(self, recipe: Recipe):
+        from megatron.core import parallel_state
+
+        p = recipe.parallel
+        self.recipe = recipe
+        self.layout = Layout.of(runtime.world_size(), tp=p.tp, pp=p.pp, vpp=p.vpp)
+        runtime.init_model_parallel(self.layout, recipe.train.seed)
+        self.dp_rank, self.dp_size = parallel_state.get_data_parallel_rank(), self.layout.dp
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    # ---- building --------------------------------------------------------------------------
+
+    def build(self, model_cfg: ModelConfig, total_steps: int) -> None:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from setdiff_megatron.models.megatron_model import (build_model_chunks, forward_step, pipeline_seq_length,
+                                                             transformer_config_from)
+
+        r, t = self.recipe, self.recipe.train
+        overrides = dict(fp8=t.fp8, fp8_recipe=t.fp8_recipe) if t.fp8 is not None else {}
+        config = transformer_config_from(
+            model_cfg, tp=r.parallel.tp, pp=r.parallel.pp, vpp=r.parallel.vpp,
+            sequence_parallel=r.parallel.sequence_parallel, recompute=t.recompute,
+            params_dtype=PRECISION[t.precision], **overrides)
+        config.finalize_model_grads_func = finalize_model_grads
+        chunks = build_model_chunks(model_cfg, config, backend=r.model.backend)
+        if torch.cuda.is_available():
+            chunks = [c.cuda() for c in chunks]
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                   use_distributed_optimizer=r.parallel.distributed_optimizer)
+        self.model_cfg = model_cfg
+        self.chunks = [DistributedDataParallel(config, ddp_config, c) for c in chunks]
+        self.optimizer, self.scheduler = build_optimizer(r, self.chunks, total_steps)
+        self._schedule, self._forward_step = get_forward_backward_func(), forward_step
+        self._seq_length = pipeline_seq_length(r.data.seq_len)
+
+    def init_from(self, state_dict: dict[str, torch.Tensor], model_cfg: ModelConfig) -> None:
+        """Each rank loads its own chunks, mapped for its (tp, pp, vpp) position, then the
+        optimizer's main (fp32) params copy the loaded weights."""
+        from megatron.core import parallel_state
+
+        from setdiff_megatron.models.weight_maps import torch_to_megatron
+
+        p = self.recipe.parallel
+        for chunk in self.chunks:
+            module = chunk.module
+            mapped = torch_to_megatron(state_dict, model_cfg, tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+                                       tp_size=p.tp, pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+                                       pp_size=p.pp, vp_size=p.vpp, vp_stage=module.vp_stage,
+                                       backend=self.recipe.model.backend)
+            with torch.no_grad():
+                missing, unexpected = module.load_state_dict(mapped, strict=False)
+            missing = [k for k in missing if not k.endswith("_extra_state")]
+            if missing or unexpected:
+                raise RuntimeError(f"model.init_from: megatron chunk weights missing {missing}, unexpected {unexpected}")
+        self.optimizer.reload_model_params()
+
+    # ---- steps -----------------------------------------------------------------------------
+
+    def _run(self, batches, *, forward_only: bool) -> tuple[float, float]:
+        """[NLL sum, tokens] of the global batch: only last-stage ranks report, one per DP replica
+        per TP rank, so the all-reduced sum is divided by TP."""
+        from megatron.core import parallel_state
+
+        reports = self._schedule(
+            forward_step_func=self._forward_step, data_iterator=[iter(batches) for _ in self.chunks],
+            model=self.chunks, num_microbatches=len(batches), seq_length=self._seq_length,
+            micro_batch_size=self.recipe.parallel.micro_batch_size, forward_only=forward_only)
+        total = torch.zeros(2, dtype=torch.float64)
+        for report in reports or []:
+            total += report["lm loss"].detach().double().cpu()
+        dist.all_reduce(total)
+        nll, count = (total / parallel_state.get_tensor_model_parallel_world_size()).tolist()
+        return nll, count
+
+    def forward_backward(self, batches) -> tuple[float, float]:
+        for c in self.chunks:
+            c.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        return self._run(batches, forward_only=False)
+
+    def optimizer_step(self) -> StepOutcome:
+        """megatron's ChainedOptimizer.step, with the gradient norm checked before the update."""
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        opt = self.optimizer
+        with torch.no_grad():
+            if opt.prepare_grads():  # fp16: the loss scaler found inf/nan and lowered its scale
+                return StepOutcome(applied=False, grad_norm=None)
+            grad_norm = float(opt.get_grad_norm())
+            if not math.isfinite(grad_norm):
+                return StepOutcome(applied=False, grad_norm=grad_norm, problem="the gradients are not finite")
+            for inner in opt.chained_optimizers:
+                params = inner.get_parameters()
+                if params and inner.config.clip_grad > 0.0:
+                    clip_grad_by_total_norm_fp32(params, max_norm=inner.config.clip_grad, total_norm=grad_norm,
+                                                 use_decoupled_grad=inner.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+            applied = opt.step_with_ready_grads()
+        self.scheduler.step(increment=1)
+        return StepOutcome(applied=applied, grad_norm=grad_norm)
+
+    def discard(self) -> bool:
+        return True  # nothing was applied; the next step zeroes the gradient buffers
+
+    def evaluate(self, batches) -> tuple[float, float]:
+        for c in self.chunks:
+            c.eval()
+        with torch.no_grad():
+            out = self._run(batches, forward_only=True)
+        for c in self.chunks:
+            c.train()
+        return out
+
+    def lr(self) -> float:
+        return self.scheduler.get_lr(self.optimizer.param_groups[0])
+
+    # ---- checkpoints -----------------------------------------------------------------------
+
+    def layout_record(self) -> dict:
+        return {**self.layout.as_record(), "distributed_optimizer": self.recipe.parallel.distributed_optimizer}
+
+    def scheduler_state(self) -> dict:
+        return self.scheduler.state_dict()
+
+    def _modules(self) -> list:
+        return [c.module for c in self.chunks]
+
+    def save(self, directory: Path) -> None:
+        from megatron.core import tensor_parallel
+
+        save_shards(model_sharded_state(self._modules(), self.optimizer), directory)
+        rng = {**host_rng_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+        torch.save(rng, directory / RNG_FILE.format(rank=dist.get_rank()))
+
+    def load(self, resumed: Resumed) -> None:
+        from megatron.core import tensor_parallel
+
+        saved, here = resumed.state.layout, self.layout_record()
+        with_optimizer = saved.get("distributed_optimizer") == here["distributed_optimizer"]
+        if not _same_layout(saved, here):
+            _say(f"loading {resumed.path}, saved at {_layout_text(saved)}, into {_layout_text(here)}")
+        if not with_optimizer:
+            _say("warning: parallel.distributed_optimizer changed since the checkpoint (or it holds weights only): "
+                 "Adam moments start from zero; weights, step, LR schedule and data position are restored")
+        else:
+            _fill_optimizer_state(self.optimizer)
+        with torch.no_grad():
+            loaded = load_shards(model_sharded_state(self._modules(), self.optimizer if with_optimizer else None,
+                                                     is_loading=True), resumed.path)
+            for i, c in enumerate(self.chunks):
+                c.module.load_state_dict(loaded[f"model{i}"])
+            if with_optimizer:
+                _load_optimizer(self.optimizer, loaded["optimizer"])
+        self.scheduler.load_state_dict(resumed.state.scheduler)
+        if _same_layout(saved, here):  # other layouts draw fresh streams from the recipe's seed
+            state = torch.load(resumed.path / RNG_FILE.format(rank=dist.get_rank()), weights_only=True)
+            set_host_rng_state(state)
+            tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def build_optimizer(recipe: Recipe, chunks, total_steps: int):
+    """megatron-core's optimizer over the DDP chunks (distributed when asked) and its LR scheduler."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    t = recipe.train
+    opt_config = OptimizerConfig(
+        optimizer="adam" if t.optimizer == "adamw" else "sgd", lr=t.lr, min_lr=t.min_lr,
+        weight_decay=t.weight_decay, adam_beta1=t.betas[0], adam_beta2=t.betas[1], adam_eps=t.eps,
+        clip_grad=t.clip_grad, bf16=t.precision == "bf16", fp16=t.precision == "fp16",
+        params_dtype=PRECISION[t.precision], use_distributed_optimizer=recipe.parallel.distributed_optimizer)
+    optimizer = get_megatron_optimizer(opt_config, chunks)
+    return optimizer, lr_schedule.build_lr_scheduler(recipe, optimizer, total_steps)
+
+
+def _adam_optimizers(optimizer) -> list:
+    return [o for o in getattr(optimizer, "chained_optimizers", [optimizer])
+            if isinstance(o.optimizer, torch.optim.Adam | torch.optim.AdamW)]
+
+
+def _fill_optimizer_state(optimizer) -> None:
+    """Give every parameter an Adam state (step, moments) before a sharded load: the load fills
+    existing tensors in place, and megatron's own init leaves `step` out (MEGATRON_CPU.md)."""
+    for opt in _adam_optimizers(optimizer):
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                st = inner.state[p]
+                if "exp_avg" not in st:
+                    st["step"] = torch.zeros((), dtype=torch.float32)
+                    st["exp_avg"] = torch.zeros_like(p.data)
+                    st["exp_avg_sq"] = torch.zeros_like(p.data)
+
+
+def _restore_adam_steps(optimizer) -> None:
+    """Set each parameter's Adam `step` from its loaded param group. Without Apex/TE, megatron's
+    distributed optimizer keeps the step in the param groups but leaves the per-parameter state
+    at its pre-load value, and torch's Adam reads (and increments in place) the per-parameter one;
+    each parameter gets its own tensor so one increment is one step (MEGATRON_CPU.md)."""
+    for opt in _adam_optimizers(optimizer):
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            if "step" not in group:
+                continue
+            for p in group["params"]:
+                if "exp_avg" in inner.state[p]:
+                    inner.state[p]["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
+
+
+def _load_optimizer(optimizer, loaded: dict) -> None:
+    """Load optimizer state. A distributed optimizer's per-parameter part is loaded apart:
+    megatron's fully-reshardable loader copies every key of the live per-parameter state, `step`
+    included, which the checkpoint keeps in the param groups instead (KeyError 'step')."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    optimizers = getattr(optimizer, "chained_optimizers", [optimizer])
+    parts = [loaded] if len(optimizers) == 1 else [loaded[k] for k in sorted(loaded)]
+    param_states = []
+    for opt, part in zip(optimizers, parts):
+        if isinstance(opt, DistributedOptimizer):
+            param_states.append((opt, part.pop("param_state")))
+            part.pop("param_state_sharding_type")
+    optimizer.load_state_dict(loaded)  # param groups (with the step), grad scaler, plain states
+    for opt, param_state in param_states:
+        for st in opt.optimizer.state.values():
+            st.pop("step", None)
+        opt.load_parameter_state_from_fully_reshardable(param_state)
+    _restore_adam_steps(optimizer)

@@ -1,0 +1,232 @@
+"""The training loop: one for both engines, so every recipe field means the same under each.
+
+    recipe -> checks, preflight -> engine (process groups) -> data -> model -> resume or init_from
+           -> [forward/backward, NaN policy, optimizer step, metrics, validation, checkpoint,
+               preemption] x steps -> the last checkpoint
+
+What the loop decides, whatever the engine:
+  NaN policy    a non-finite loss, or gradients the engine finds non-finite before applying them:
+                `stop` raises (the last checkpoint is intact), `skip` drops the step and counts it
+  logging       metrics.jsonl, TensorBoard, wandb and the console (metrics.py) on rank 0
+  validation    the same held-out micro-batches and orders at every `eval.interval`
+  checkpoints   every `checkpoint.interval`, at the end, and at a preemption signal's step
+                boundary (exit code 75), published through checkpoint/publish.py
+  resume        `checkpoint.resume` through checkpoint/resolve.py; a resumed run keeps its run id
+  init_from     any source checkpoint/source.py reads, fitted to the recipe's model
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from setdiff_megatron.checkpoint.identity import model_identity
+from setdiff_megatron.checkpoint.names import CHECKPOINTS, TOKENIZER_DIR
+from setdiff_megatron.checkpoint.publish import Retention, check_writable, publish
+from setdiff_megatron.checkpoint.resolve import resume_target
+from setdiff_megatron.checkpoint.source import fit_source, read_source
+from setdiff_megatron.checkpoint.state import Progress, TrainState, write_train_state
+from setdiff_megatron.distributed import runtime
+from setdiff_megatron.distributed.signals import PreemptionHandler
+from setdiff_megatron.errors import UserError
+from setdiff_megatron.recipes import Recipe, save_resolved_recipe
+from setdiff_megatron.recipes.validation import check_recipe
+from setdiff_megatron.training import lr_schedule
+from setdiff_megatron.training.data_pipeline import DataLoaders, TrainingData, prepare_data
+from setdiff_megatron.training.engines import Engine, start_engine
+from setdiff_megatron.training.metrics import MetricsLogger, peak_flops, step_metrics, training_flops_per_token
+
+__all__ = ["train", "TrainResult", "preflight", "save_checkpoint"]
+
+CHECKPOINT_BYTES_PER_PARAM = 16
+"""Saved bytes per parameter, with margin: weights, fp32 main copy, two Adam moments."""
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    final_train_loss: float | None
+    valid_losses: list[tuple[int, float]]
+    checkpoint: Path | None
+    tokens_per_s: float
+
+
+def preflight(recipe: Recipe) -> None:
+    """The checkpoint directory takes a file and has room for one more checkpoint of this model."""
+    vocab = recipe.data.vocab_size
+    if recipe.data.tokenizer is not None:
+        from setdiff_megatron.data.tokenizers import load_tokenizer
+
+        vocab = load_tokenizer(recipe.data.tokenizer).vocab_size
+    params = recipe.model.to_model_config(vocab_size=vocab, mask_token_id=0).num_params()
+    check_writable(Path(recipe.checkpoint.dir), params * CHECKPOINT_BYTES_PER_PARAM)
+
+
+def save_checkpoint(recipe: Recipe, engine: Engine, progress: Progress, identity: dict, tokenizer,
+                    run_id: str) -> Path:
+    """Collective: publish the engine's files plus, from rank 0, train_state.json, the recipe and
+    the tokenizer, under the recipe's retention; returns the checkpoint directory."""
+    def write(tmp: Path) -> None:
+        engine.save(tmp)
+        if runtime.rank() == 0:
+            write_train_state(tmp, TrainState(
+                progress=progress, scheduler=engine.scheduler_state(), layout=engine.layout_record(), model=identity,
+                tokenizer={"vocab_size": tokenizer.vocab_size, "mask_id": tokenizer.mask_id}, run_id=run_id))
+            save_resolved_recipe(recipe, tmp)
+            tokenizer.save(tmp / TOKENIZER_DIR)
+
+    c = recipe.checkpoint
+    return publish(Path(c.dir) / CHECKPOINTS, progress.step, write, run_id=run_id,
+                   retention=Retention(c.keep_last_n, c.keep_every_n_steps))
+
+
+def train(recipe: Recipe, recipe_path: str | Path = "<recipe>") -> TrainResult:
+    check_recipe(recipe, recipe_path, world_size=runtime.world_size())
+    preflight(recipe)
+    with PreemptionHandler(recipe.checkpoint.dir) as preemption:
+        try:
+            return _Run(recipe, start_engine(recipe), preemption).loop()
+        finally:
+            runtime.shutdown()
+
+
+class _Run:
+    def __init__(self, recipe: Recipe, engine: Engine, preemption: PreemptionHandler):
+        self.recipe, self.engine, self.preemption = recipe, engine, preemption
+        self.run_dir = Path(recipe.checkpoint.dir)
+        self.first = runtime.rank() == 0
+        self.total_steps = lr_schedule.total_steps(recipe)
+
+    # ---- set-up ----------------------------------------------------------------------------
+
+    def _data(self) -> TrainingData:
+        r = self.recipe
+        return prepare_data(r, num_train_samples=self.total_steps * r.parallel.global_batch_size,
+                            num_valid_samples=r.eval.batches * r.parallel.micro_batch_size * self.engine.dp_size,
+                            is_first_rank=self.first, barrier=runtime.barrier)
+
+    def _start(self) -> None:
+        r, engine = self.recipe, self.engine
+        self.data = self._data()
+        tok = self.data.tokenizer
+        self.model_cfg = r.model.to_model_config(vocab_size=tok.vocab_size, mask_token_id=tok.mask_id)
+        self.identity = model_identity(self.model_cfg)
+        resumed = resume_target(self.run_dir, r.checkpoint.resume,
+                                None if r.checkpoint.allow_model_change else self.identity)
+        if self.first:  # only once the run directory is known to be this run's to write in
+            save_resolved_recipe(r, self.run_dir)
+        engine.build(self.model_cfg, self.total_steps)
+        self.progress, self.resumed = Progress(), resumed
+        if resumed is not None:
+            engine.load(resumed)
+            self.progress = Progress(**vars(resumed.state.progress))
+            self.run_id = resumed.state.run_id or runtime.broadcast_object(uuid.uuid4().hex)
+        else:
+            self.run_id = runtime.broadcast_object(uuid.uuid4().hex)
+            if r.model.init_from:
+                source = read_source(r.model.init_from)
+                engine.init_from(fit_source(source, self.model_cfg, tok), self.model_cfg)
+                self._say(f"initialised from {source.describe()}")
+
+    def _say(self, text: str) -> None:
+        if self.first:
+            print(f"setdiff: {text}", flush=True)
+
+    def save(self) -> Path:
+        return save_checkpoint(self.recipe, self.engine, self.progress, self.identity, self.data.tokenizer,
+                               self.run_id)
+
+    # ---- the loop --------------------------------------------------------------------------
+
+    def _evaluate(self, batches) -> float | None:
+        if not batches:
+            return None
+        nll, count = self.engine.evaluate(batches)
+        return nll / max(count, 1)
+
+    def _step(self, logger: MetricsLogger) -> tuple[float, float | None]:
+        """One optimizer step under the NaN policy; returns the loss and the gradient norm."""
+        engine, step = self.engine, self.progress.step + 1
+        nll, count = engine.forward_backward(self.loaders.next_step())
+        loss, grad_norm, problem, skipped = nll / max(count, 1), None, None, True
+        if not math.isfinite(loss):
+            problem = f"loss is {loss}"
+            skipped = engine.discard()
+        else:
+            outcome = engine.optimizer_step()
+            grad_norm, problem = outcome.grad_norm, outcome.problem
+        if problem is not None:
+            if self.recipe.train.nan_policy == "stop":
+                raise UserError(f"{problem} at step {step}; stopping (train.nan_policy=stop). "
+                                "Lower train.lr or raise train.warmup_steps; the last checkpoint is intact")
+            what = "step skipped" if skipped else "update applied (its gradients were finite)"
+            logger.message(f"step {step}: {problem}, {what} (train.nan_policy=skip)")
+            self.progress.skipped_steps += 1
+        return loss, grad_norm
+
+    def loop(self) -> TrainResult:
+        self._start()
+        r, engine, progress = self.recipe, self.engine, self.progress
+        gbs, seq_len = r.parallel.global_batch_size, r.data.seq_len
+        self.loaders = DataLoaders(r, self.data, dp_rank=engine.dp_rank, dp_size=engine.dp_size,
+                                   consumed_samples=progress.consumed_samples, device=engine.device)
+        valid_batches = self.loaders.valid_batches(r.eval.batches)
+        logger = MetricsLogger(r.log, self.run_dir / "logs", total_steps=self.total_steps, start_step=progress.step,
+                               enabled=self.first, run_name=r.name, config=r.model_dump(mode="json"))
+        if self.resumed is not None:
+            logger.message(f"resumed from {self.resumed.path} at step {progress.step}")
+        flops_per_token = training_flops_per_token(self.model_cfg, seq_len)
+        peak = peak_flops(torch.cuda.get_device_name() if engine.device.type == "cuda" else None)
+        result = TrainResult(progress.step, None, [], self.resumed and self.resumed.path, 0.0)
+
+        def validate() -> None:
+            valid = self._evaluate(valid_batches)
+            if valid is not None:
+                result.valid_losses.append((progress.step, valid))
+                logger.log(progress.step, {"valid/loss": valid})
+
+        if progress.step == 0:
+            validate()
+        tokens_seen, train_time = 0, 0.0
+        saved_step = progress.step if self.resumed is not None else None
+        try:
+            while progress.step < self.total_steps:
+                start = time.perf_counter()
+                loss, grad_norm = self._step(logger)
+                progress.step += 1
+                progress.consumed_samples = self.loaders.consumed_samples
+                elapsed = time.perf_counter() - start
+                tokens_seen += gbs * seq_len
+                train_time += elapsed
+                result.final_train_loss = loss
+                logger.advance()
+                last = progress.step == self.total_steps
+                if progress.step % r.log.interval == 0 or last:
+                    metrics = step_metrics(loss=loss, lr=engine.lr(), step_time_s=elapsed, tokens=gbs * seq_len,
+                                           flops_per_token=flops_per_token, world_size=runtime.world_size(),
+                                           peak=peak)
+                    if grad_norm is not None:
+                        metrics["train/grad_norm"] = grad_norm
+                    logger.log(progress.step, metrics)
+                if progress.step % r.eval.interval == 0 or last:
+                    validate()
+                if progress.step % r.checkpoint.interval == 0 or last:
+                    result.checkpoint, saved_step = self.save(), progress.step
+                if not last and self.preemption.agreed():  # every rank, every step boundary
+                    if saved_step != progress.step:
+                        result.checkpoint = self.save()
+                    raise self.preemption.stop(progress.step, result.checkpoint)
+        finally:
+            logger.close()
+        result.steps = progress.step
+        result.tokens_per_s = tokens_seen / train_time if train_time else 0.0
+        if self.first:
+            curve = ", ".join(f"{s}: {v:.3f}" for s, v in result.valid_losses)
+            print(f"done: {result.steps} steps, {result.tokens_per_s:.0f} tokens/s; validation loss by step {{{curve}}}")
+            print(f"checkpoint: {result.checkpoint}  logs: {self.run_dir / 'logs'} (metrics.jsonl, tensorboard/)")
+        return result
