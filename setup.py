@@ -25,6 +25,8 @@ EXTRAS = {
     # lm-evaluation-harness adapter (evaluation/lm_eval_adapter.py). Not in `dev`: about 30 more
     # packages (scikit-learn, sacrebleu, evaluate, ...) and minutes to install; its tests skip without it.
     "lm-eval": ["lm-eval>=0.4.13,<0.5"],
+    # `setdiff serve`: the OpenAI-compatible server (serving/); jinja2 renders chat templates.
+    "serve": ["fastapi>=0.110", "uvicorn>=0.29", "jinja2>=3.1"],
     "wandb": ["wandb>=0.17"],
     "tensorboard": ["tensorboard>=2.14"],
     # GPU only: Transformer Engine needs CUDA torch, cuDNN and nvcc. Install it yourself on a GPU
@@ -33,8 +35,9 @@ EXTRAS = {
     "te": [],
 }
 # The test suite exercises every CPU engine and format, so `dev` pulls in their extras.
-EXTRAS["dev"] = sorted({"pytest>=8", "pytest-timeout>=2.3", *EXTRAS["megatron"], *EXTRAS["deepspeed"], *EXTRAS["hf"],
-                        *EXTRAS["data"], *EXTRAS["tensorboard"], *EXTRAS["eval"]})
+# The serving tests drive the server with the real `openai` client.
+EXTRAS["dev"] = sorted({"pytest>=8", "pytest-timeout>=2.3", "openai>=1.30", *EXTRAS["megatron"], *EXTRAS["deepspeed"],
+                        *EXTRAS["hf"], *EXTRAS["data"], *EXTRAS["tensorboard"], *EXTRAS["eval"], *EXTRAS["serve"]})
 
 setup(
     name="setdiff-megatron",

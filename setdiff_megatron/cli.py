@@ -224,7 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     from setdiff_megatron.evaluation.cli import add_eval_parser
 
     add_eval_parser(sub)
+    from setdiff_megatron.serving.cli import add_parser as add_serve_parser
 
+    add_serve_parser(sub)
     _add_convert_parser(sub)
 
     checkpoint = sub.add_parser("checkpoint", help="look at a run's checkpoints")

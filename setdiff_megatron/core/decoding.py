@@ -1,13 +1,18 @@
-"""Token-selection policies of the set sampler: pure functions, vectorised over the batch.
+"""Token-selection policies of the set sampler: pure functions, vectorised over the batch, each
+row with its own policy.
 
 One sampling step offers each row a set of query positions (the window), turns the model's
 query logits into one candidate token and a confidence per query, and keeps a subset of them:
 the k most confident, plus every query at or above the threshold tau (ALGORITHM.md 2.4,
 `predict_and_noise`: k = 1 and tau = 1e6 there mean one token per step). The policies compose:
-window W x {span, fill} x k x tau x {greedy, temperature, top-k, top-p} x repetition penalty.
-AR decoding is W = 1. Stop sequences (EOS is a stop sequence of one token) are matched on token
-ids around the newly decoded positions, so checking them every step costs a few small tensor
-ops and no detokenisation.
+window W x {span, fill, blocks} x k x tau x {greedy, temperature, top-k, top-p} x repetition
+penalty. AR decoding is W = 1. Stop sequences (EOS is a stop sequence of one token) are matched
+on token ids around the newly decoded positions, so checking them every step costs a few small
+tensor ops and no detokenisation.
+
+Rows of one batch may decode under different `DecodingConfig`s (a server's requests do):
+`RowPolicy` holds each field as a [B] tensor, plus host-side flags that let a step skip what no
+row uses. Every function gives a row what it would give that row alone.
 
 Nothing here knows about the model or the cache; `sampler.py` drives these functions.
 
@@ -17,17 +22,18 @@ S stop sequences, M longest stop sequence.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Sequence
 
 import torch
 
 __all__ = [
     "DecodingConfig",
+    "RowPolicy",
     "window_queries",
     "process_logits",
     "choose_tokens",
     "select_queries",
-    "stop_table",
     "stop_ends",
 ]
 
@@ -35,6 +41,10 @@ _NO_TOKEN = -2
 """Fills windows outside the stop region; matches no token id and no wildcard."""
 _ANY_TOKEN = -1
 """Left padding of shorter stop sequences: matches anything."""
+_NEVER = -3
+"""Fills a row's unused stop sequences: matches nothing, not even a wildcard position."""
+_OFF = 2.0
+"""A threshold or top_p that never triggers."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,100 +104,193 @@ class DecodingConfig:
                 raise ValueError(f"{name} must be {allowed}; got {value!r}")
 
 
-def window_queries(todo_BL: torch.Tensor, cfg: DecodingConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Query positions [B, Q] in increasing order and their validity [B, Q], Q = min(W, L).
+@dataclass
+class RowPolicy:
+    """Each row's DecodingConfig as [B] tensors (and its stop sequences as [B, S, M]), plus the
+    host-side facts a step needs: the widest window, and which options any row uses."""
 
-    The last canvas column is scratch (never to do); empty slots point at it, so writing a
-    dummy slot's token back to the canvas touches nothing real.
+    window: torch.Tensor
+    fill: torch.Tensor
+    block: torch.Tensor
+    """0: no blocks."""
+    k: torch.Tensor
+    tau: torch.Tensor
+    """_OFF (2.0) where the threshold is off."""
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    """0: off."""
+    top_p: torch.Tensor
+    """_OFF where off."""
+    repetition: torch.Tensor
+    stops: torch.Tensor
+    """[B, S, M] right-aligned, left-padded with a wildcard; unused rows of S are _NEVER."""
+    configs: list[DecodingConfig]
+
+    def __post_init__(self) -> None:
+        # Host-side facts, computed once per batch composition: a step asks for them many times.
+        self._used = frozenset(name for name, test in _OPTIONS.items() if any(test(c) for c in self.configs))
+        self.max_window = max(c.window for c in self.configs)
+        self.sampled_rows = [i for i, c in enumerate(self.configs) if c.temperature > 0]
+
+    @classmethod
+    def of(cls, configs: Sequence[DecodingConfig], device=None) -> "RowPolicy":
+        def col(get, dtype):
+            return torch.tensor([get(c) for c in configs], dtype=dtype, device=device)
+
+        seqs = [[(t,) for t in c.eos_token_ids] + list(c.stop_sequences) for c in configs]
+        num, width = max(1, max(len(s) for s in seqs)), max(1, max((len(x) for s in seqs for x in s), default=1))
+        table = [[(_ANY_TOKEN,) * (width - len(x)) + tuple(x) for x in s] + [(_NEVER,) * width] * (num - len(s))
+                 for s in seqs]
+        return cls(
+            window=col(lambda c: c.window, torch.long), fill=col(lambda c: c.fill_window, torch.bool),
+            block=col(lambda c: c.block_size or 0, torch.long), k=col(lambda c: c.tokens_per_step, torch.long),
+            tau=col(lambda c: _OFF if c.threshold is None else c.threshold, torch.float32),
+            temperature=col(lambda c: c.temperature, torch.float32), top_k=col(lambda c: c.top_k or 0, torch.long),
+            top_p=col(lambda c: _OFF if c.top_p is None or c.top_p >= 1 else c.top_p, torch.float32),
+            repetition=col(lambda c: c.repetition_penalty, torch.float32),
+            stops=torch.tensor(table, dtype=torch.long, device=device), configs=list(configs))
+
+    def select(self, index: torch.Tensor, host_index: list[int]) -> "RowPolicy":
+        """The rows `index` (host copy `host_index`), in that order."""
+        return RowPolicy(**{f.name: getattr(self, f.name)[index] for f in fields(self) if f.name != "configs"},
+                         configs=[self.configs[i] for i in host_index])
+
+    def cat(self, other: "RowPolicy") -> "RowPolicy":
+        """These rows, then `other`'s (stop tables padded to a common shape)."""
+        num, width = max(self.stops.shape[1], other.stops.shape[1]), max(self.stops.shape[2], other.stops.shape[2])
+        parts = {}
+        for f in fields(self):
+            if f.name == "configs":
+                continue
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if f.name == "stops":
+                a, b = _pad_stops(a, num, width), _pad_stops(b, num, width)
+            parts[f.name] = torch.cat([a, b])
+        return RowPolicy(**parts, configs=self.configs + other.configs)
+
+    def uses(self, option: str) -> bool:
+        """Whether any row uses an option of _OPTIONS ('fill', 'block', 'top_k', ...)."""
+        return option in self._used
+
+
+_OPTIONS = {"fill": lambda c: c.fill_window, "block": lambda c: c.block_size is not None,
+            "top_k": lambda c: c.top_k is not None, "top_p": lambda c: c.top_p is not None and c.top_p < 1,
+            "repetition": lambda c: c.repetition_penalty != 1.0, "temperature": lambda c: c.temperature > 0,
+            "stops": lambda c: bool(c.eos_token_ids or c.stop_sequences)}
+"""The options a step skips when no row of the batch uses them."""
+
+
+def _pad_stops(stops: torch.Tensor, num: int, width: int) -> torch.Tensor:
+    """[B, S, M] to [B, num, width]: wildcards on the left of each sequence, _NEVER rows below."""
+    b, s, m = stops.shape
+    if m < width:
+        stops = torch.cat([stops.new_full((b, s, width - m), _ANY_TOKEN), stops], 2)
+    if s < num:
+        stops = torch.cat([stops, stops.new_full((b, num - s, width), _NEVER)], 1)
+    return stops
+
+
+def window_queries(todo_BL: torch.Tensor, policy: RowPolicy) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query positions [B, Q] in increasing order and their validity [B, Q], Q = min(max W, L).
+
+    A row's queries: the masked positions in [leftmost masked, leftmost masked + W) (span), or
+    its W leftmost masked positions (fill); with blocks, never past the end of the block holding
+    the leftmost masked position. The last canvas column is scratch (never to do); empty slots
+    point at it, so writing a dummy slot's token back to the canvas touches nothing real.
     """
     scratch = todo_BL.shape[1] - 1
     pos_L = torch.arange(todo_BL.shape[1], device=todo_BL.device)
-    offered = todo_BL
-    if not cfg.fill_window or cfg.block_size is not None:
-        first_B = todo_BL.to(torch.uint8).argmax(1)  # the first maximum: the leftmost masked position
-        end_B = first_B + cfg.window if not cfg.fill_window else torch.full_like(first_B, scratch)
-        if cfg.block_size is not None:
-            end_B = torch.minimum(end_B, (first_B // cfg.block_size + 1) * cfg.block_size)
-        offered = todo_BL & (pos_L < end_B[:, None])
-    key_BL = torch.where(offered, pos_L, scratch)
-    pos_BQ = key_BL.topk(min(cfg.window, todo_BL.shape[1]), dim=1, largest=False, sorted=True).values
-    return pos_BQ, pos_BQ < scratch
+    first_B = todo_BL.to(torch.uint8).argmax(1)  # the first maximum: the leftmost masked position
+    end_B = first_B + policy.window
+    if policy.uses("fill"):
+        end_B = torch.where(policy.fill, scratch, end_B)
+    if policy.uses("block"):
+        block_end = (first_B // policy.block.clamp(min=1) + 1) * policy.block
+        end_B = torch.where(policy.block > 0, torch.minimum(end_B, block_end), end_B)
+    key_BL = torch.where(todo_BL & (pos_L < end_B[:, None]), pos_L, scratch)
+    num = min(policy.max_window, todo_BL.shape[1])
+    pos_BQ = key_BL.topk(num, dim=1, largest=False, sorted=True).values
+    valid = pos_BQ < scratch
+    if policy.uses("fill"):  # a fill row offers at most its own W
+        valid &= torch.arange(num, device=todo_BL.device) < policy.window[:, None]
+    return pos_BQ, valid
 
 
-def process_logits(logits_BQV: torch.Tensor, canvas_BL: torch.Tensor, cfg: DecodingConfig,
+def process_logits(logits_BQV: torch.Tensor, canvas_BL: torch.Tensor, policy: RowPolicy,
                    mask_token_id: int) -> torch.Tensor:
     """The logits tokens are drawn from: MASK removed, repetition penalty, temperature, top-k/p."""
     logits = logits_BQV.to(torch.promote_types(logits_BQV.dtype, torch.float32), copy=True)
     logits.narrow(-1, mask_token_id, 1).fill_(float("-inf"))
-    if cfg.repetition_penalty != 1.0:
+    if policy.uses("repetition"):
         # The canvas holds MASK at undecoded positions; MASK's logit is -inf whatever it becomes.
         seen_BV = torch.zeros(logits.shape[0], logits.shape[2], dtype=torch.bool, device=logits.device)
         seen_BV.scatter_(1, canvas_BL, True)
-        penalized = torch.where(logits > 0, logits / cfg.repetition_penalty, logits * cfg.repetition_penalty)
+        rep = policy.repetition[:, None, None]
+        penalized = torch.where(logits > 0, logits / rep, logits * rep)
         logits = torch.where(seen_BV[:, None, :], penalized, logits)
-    if cfg.temperature > 0:
-        logits = logits / cfg.temperature
-    if cfg.top_k is not None and cfg.top_k < logits.shape[-1]:
-        kth = logits.topk(cfg.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if cfg.top_p is not None and cfg.top_p < 1:
+    if policy.uses("temperature"):
+        t = policy.temperature[:, None, None]
+        logits = torch.where(t > 0, logits / t.clamp(min=1e-30), logits)
+    if policy.uses("top_k"):
+        top = policy.top_k[:, None, None]
+        kmax = min(int(policy.top_k.max()), logits.shape[-1])
+        kth = logits.topk(kmax, dim=-1).values.gather(-1, (top.clamp(1, kmax) - 1).expand(-1, logits.shape[1], 1))
+        logits = logits.masked_fill((top > 0) & (logits < kth), float("-inf"))
+    if policy.uses("top_p"):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         probs = sorted_logits.softmax(-1)
         # Drop a token once the mass before it reaches p: the most probable token always stays.
-        drop = (probs.cumsum(-1) - probs) >= cfg.top_p
+        drop = ((probs.cumsum(-1) - probs) >= policy.top_p[:, None, None]) & (policy.top_p[:, None, None] <= 1)
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     return logits
 
 
-def choose_tokens(logits_BQV: torch.Tensor, temperature: float,
-                  generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per query [B, Q] and its confidence: its probability under the processed logits."""
+def choose_tokens(logits_BQV: torch.Tensor, policy: RowPolicy, generators: Sequence[torch.Generator | None],
+                  num_queries: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per query [B, Q] and its confidence: its probability under the processed logits.
+    Greedy rows take the argmax; a sampled row draws for its `num_queries` valid slots (a prefix
+    of its Q; none in a step it does not decode) from its own generator, so its draws do not
+    depend on the other rows of the batch."""
     probs = logits_BQV.softmax(-1)
-    if temperature == 0:
-        conf_BQ, tok_BQ = probs.max(-1)
-        return tok_BQ, conf_BQ
-    tok_BQ = torch.multinomial(probs.flatten(0, 1), 1, generator=generator).view(probs.shape[:2])
-    return tok_BQ, probs.gather(-1, tok_BQ[..., None])[..., 0]
+    conf_BQ, tok_BQ = probs.max(-1)
+    for i in policy.sampled_rows:
+        n = num_queries[i]
+        if n:
+            tok_BQ[i, :n] = torch.multinomial(probs[i, :n], 1, generator=generators[i])[:, 0]
+            conf_BQ[i, :n] = probs[i, :n].gather(-1, tok_BQ[i, :n, None])[:, 0]
+    return tok_BQ, conf_BQ
 
 
-def select_queries(conf_BQ: torch.Tensor, valid_BQ: torch.Tensor, k: int, threshold: float | None) -> torch.Tensor:
-    """[B, Q] decode mask: the k most confident valid queries, plus every one at or above tau.
+def select_queries(conf_BQ: torch.Tensor, valid_BQ: torch.Tensor, policy: RowPolicy) -> torch.Tensor:
+    """[B, Q] decode mask: each row's k most confident valid queries, plus every one at or above
+    its tau.
 
     A stable sort breaks ties in confidence towards the leftmost slot, whatever the number of
     dummy slots, so the set is exactly k and does not depend on the batch.
     """
     conf = torch.where(valid_BQ, conf_BQ, -1.0)
-    top_BK = conf.sort(dim=1, descending=True, stable=True).indices[:, :k]
-    select = torch.zeros_like(valid_BQ).scatter_(1, top_BK, True)
-    if threshold is not None:
-        select |= conf >= threshold
+    order = conf.sort(dim=1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order))
+    select = (rank < policy.k[:, None]) | (conf >= policy.tau[:, None])
     return select & valid_BQ
 
 
-def stop_table(cfg: DecodingConfig, device=None) -> torch.Tensor | None:
-    """[S, M] stop sequences (EOS ids included), right-aligned, left-padded with a wildcard."""
-    seqs = [(t,) for t in cfg.eos_token_ids] + list(cfg.stop_sequences)
-    if not seqs:
-        return None
-    width = max(len(s) for s in seqs)
-    return torch.tensor([(_ANY_TOKEN,) * (width - len(s)) + tuple(s) for s in seqs], device=device)
-
-
-def stop_ends(canvas_BL: torch.Tensor, stops_SM: torch.Tensor, pos_BQ: torch.Tensor, new_BQ: torch.Tensor,
+def stop_ends(canvas_BL: torch.Tensor, stops_BSM: torch.Tensor, pos_BQ: torch.Tensor, new_BQ: torch.Tensor,
               region_start_B: torch.Tensor) -> torch.Tensor:
     """[B] leftmost end position of a stop sequence completed by this step's tokens (L if none).
 
     Only windows that contain a newly decoded position can hold a new match, so the check is
-    O(B Q M^2) whatever the canvas length. A match must lie in [region_start, scratch); the
+    O(B Q M^2 S) whatever the canvas length. A match must lie in [region_start, scratch); the
     MASK left at undecoded positions never matches (the sampler rejects stops containing MASK).
     """
-    scratch, width = canvas_BL.shape[1] - 1, stops_SM.shape[1]
+    scratch, width = canvas_BL.shape[1] - 1, stops_BSM.shape[2]
     offsets_M = torch.arange(width, device=canvas_BL.device)
     ends_BQM = pos_BQ[..., None] + offsets_M
     window_BQMM = ends_BQM[..., None] - (width - 1) + offsets_M
     inside = (window_BQMM >= region_start_B[:, None, None, None]) & (window_BQMM < scratch)
     gathered = canvas_BL.gather(1, window_BQMM.clamp(0, scratch).flatten(1)).view_as(window_BQMM)
     tokens_BQMM = torch.where(inside, gathered, _NO_TOKEN)
-    match_BQMS = ((tokens_BQMM[..., None, :] == stops_SM) | (stops_SM == _ANY_TOKEN)).all(-1)
+    stops = stops_BSM[:, None, None]  # [B, 1, 1, S, M]
+    match_BQMS = ((tokens_BQMM[..., None, :] == stops) | (stops == _ANY_TOKEN)).all(-1)
     hit_BQM = match_BQMS.any(-1) & new_BQ[..., None]
     return torch.where(hit_BQM, ends_BQM, scratch).flatten(1).amin(1)

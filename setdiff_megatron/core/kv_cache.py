@@ -10,8 +10,9 @@ fewer tokens than the step's commit slots (the rest are dummies, `commit_valid` 
 hole: dummies land past its length, masked, and are overwritten later. Attention reads slots
 [0, length), `length` being a host-side bound on every row's length (no device sync needed), and
 masks each row's unused tail once rows differ. The capacity must also hold one step's tokens
-(commits and queries) behind `length`: they are staged there for attention. The sampler retires finished rows
-(`select_rows`) and drops entries from the middle of rows that outgrow the context (`drop`).
+(commits and queries) behind `length`: they are staged there for attention. The sampler admits
+rows into a running batch (`with_rows`, `with_capacity`), retires finished ones (`select_rows`)
+and drops entries from the middle of rows that outgrow the context (`drop`).
 
 Attention: masked SDPA over the staged slots with a dense step mask (the default), or, when
 `attention_impl` names a kernel step (core.attention.STEP_IMPLS: 'te', 'flash_attn'), a fused
@@ -136,6 +137,27 @@ class KVCache:
         """A cache holding only the rows `index` (a copy): how the sampler retires finished rows."""
         return KVCache(keys=self.keys[:, index], values=self.values[:, index], lengths=self.lengths[index],
                        length=self.length, ragged=self.ragged, attention_impl=self.attention_impl)
+
+    def with_rows(self, count: int) -> "KVCache":
+        """This cache plus `count` empty rows at the end (a copy): how rows join a running batch."""
+        def grow(t: torch.Tensor) -> torch.Tensor:
+            return torch.cat([t, t.new_zeros(t.shape[0], count, *t.shape[2:])], 1)
+
+        return KVCache(keys=grow(self.keys), values=grow(self.values),
+                       lengths=torch.cat([self.lengths, self.lengths.new_zeros(count)]), length=self.length,
+                       ragged=self.ragged or (count > 0 and self.length > 0), attention_impl=self.attention_impl)
+
+    def with_capacity(self, capacity: int) -> "KVCache":
+        """This cache with at least `capacity` slots per row (a copy when it must grow)."""
+        extra = capacity - self.capacity
+        if extra <= 0:
+            return self
+
+        def grow(t: torch.Tensor) -> torch.Tensor:
+            return torch.cat([t, t.new_zeros(*t.shape[:3], extra, t.shape[4])], 3)
+
+        return KVCache(keys=grow(self.keys), values=grow(self.values), lengths=self.lengths, length=self.length,
+                       ragged=self.ragged, attention_impl=self.attention_impl)
 
     def drop(self, start_B: torch.Tensor, count_B: torch.Tensor) -> None:
         """Remove entries [start, start + count) of each row, shifting its later entries left.

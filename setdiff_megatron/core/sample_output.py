@@ -34,9 +34,12 @@ class RowResult:
     nfe: int
     """Forward passes: steps, plus the prefill when the row has visible tokens (ALGORITHM.md 2.8)."""
     seconds: float
-    """From the start of the row's batch (prefill included) to the row's retirement."""
+    """From the row's admission into the batch (prefill included) to its retirement."""
     prefill_s: float
-    """The prefill of the row's batch."""
+    """The row's prefill steps."""
+    busy_s: float = 0.0
+    """The row's share of the engine's time: each step's time divided among the rows in it, so
+    the shares of all rows add up to the time the engine spent (throughput per replica)."""
     trace: list[StepTrace] | None = None
 
     @property
@@ -61,8 +64,9 @@ class BatchMetrics:
     forwards: int = 0
     """Batched forward passes, prefills included."""
     prefill_s: float = 0.0
+    """Time of the steps in which some row prefilled."""
     forward_s: float = 0.0
-    """Time inside the model's decode steps."""
+    """Time inside the model's steps."""
     total_s: float = 0.0
 
     @property
@@ -75,9 +79,9 @@ class BatchMetrics:
 
     @property
     def bookkeeping_share(self) -> float:
-        """Share of decode time spent outside the model: selection, stops, compaction, syncs."""
-        decode_s = self.total_s - self.prefill_s
-        return (decode_s - self.forward_s) / decode_s
+        """Share of the sampler's time spent outside the model: admission, selection, stops,
+        compaction, host syncs."""
+        return (self.total_s - self.forward_s) / self.total_s
 
 
 @dataclass(frozen=True)

@@ -87,6 +87,12 @@ class SetDiffTokenizer:
     def unique_identifiers(self) -> dict[str, Any]:
         return {"class": type(self).__name__, "sha256": self.sha256}
 
+    @property
+    def chat_template(self) -> str | None:
+        """The Jinja chat template its tokenizer_config.json declares (Qwen, Llama), if any."""
+        template = self._hf_config.get("chat_template")
+        return template if isinstance(template, str) else None
+
     def identity(self) -> dict[str, Any]:
         """What a preprocessing manifest records to tie its tokens to this tokenizer."""
         return {

@@ -25,10 +25,11 @@ __all__ = ["Ranks", "init_process_group", "init_model_parallel", "model_parallel
            "barrier", "gather_objects", "broadcast_object"]
 
 
-def torchrun_argv(nproc: int, cli_args: list[str]) -> list[str]:
-    """`setdiff CLI_ARGS` as `nproc` local processes under torchrun."""
+def torchrun_argv(nproc: int, cli_args: list[str], module: str = "setdiff_megatron.cli") -> list[str]:
+    """`python -m MODULE CLI_ARGS` (default: the `setdiff` command) as `nproc` local processes
+    under torchrun."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "-m", "setdiff_megatron.cli", *cli_args]
+            "-m", module, *cli_args]
 
 
 def world_size() -> int:

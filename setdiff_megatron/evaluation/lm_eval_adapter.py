@@ -32,10 +32,10 @@ holds the whole model (no TP).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
+import time
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -98,7 +98,6 @@ class SetDiffLM(LM):
             block_size=block_size,
             temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
             max_new_tokens=max_gen_toks, seed=seed, eos_token_ids=(self.tokenizer.eos_id,))
-        self.sampler = SetSampler(self.model, mask_token_id=self.tokenizer.mask_id, context_len=self.max_length)
         self.pretrained = pretrained
         self.speed = {"num_rows": 0, "num_tokens": 0, "row_steps": 0, "nfe": 0, "seconds": 0.0}
 
@@ -209,31 +208,31 @@ class SetDiffLM(LM):
         return ids[-room:] if len(ids) > room else ids
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Every request through one continuous-batching engine of batch_size rows, each with the
+        policy of its own gen_kwargs; request n samples with seed + n."""
+        from setdiff_megatron.core.sampler import Request
+        from setdiff_megatron.evaluation.tasks import cut_at_stop
         from setdiff_megatron.progress import progress_bar
 
-        from setdiff_megatron.evaluation.tasks import cut_at_stop
-
-        groups: dict[str, list[int]] = {}
+        engine = SetSampler(self.model, mask_token_id=self.tokenizer.mask_id, context_len=self.max_length,
+                            max_rows=self.batch_size)
+        untils = {}
         for n, req in enumerate(requests):
-            groups.setdefault(json.dumps(req.args[1], sort_keys=True, default=str), []).append(n)
+            cfg, untils[n] = self._decoding(req.args[1])
+            engine.submit(Request(key=n, prompt=tuple(self._prompt(req.args[0], cfg)), cfg=cfg, seed=cfg.seed + n))
         out: list[str | None] = [None] * len(requests)
-        bar = progress_bar(total=len(requests), desc="generate_until", unit="request", file=sys.stderr,
-                   disable=self.rank != 0 or disable_tqdm)
-        for members in groups.values():
-            cfg, until = self._decoding(requests[members[0]].args[1])
-            for first in range(0, len(members), self.batch_size):
-                chunk = members[first:first + self.batch_size]
-                result = self.sampler.generate([self._prompt(requests[i].args[0], cfg) for i in chunk],
-                                               replace(cfg, seed=cfg.seed + chunk[0]))
-                for i, row in zip(chunk, result.rows):
-                    out[i] = cut_at_stop(self.tokenizer.decode(row.completion, skip_special_tokens=True), until)
-                    self.speed["nfe"] += row.nfe
-                m = result.metrics
-                for key in ("num_rows", "num_tokens", "row_steps"):
-                    self.speed[key] += getattr(m, key)
-                self.speed["seconds"] += m.total_s
-                bar.update(len(chunk))
-        bar.close()
+        start = time.perf_counter()
+        with progress_bar(total=len(requests), desc="generate_until", unit="request", file=sys.stderr,
+                          disable=self.rank != 0 or disable_tqdm) as bar:
+            while not engine.idle:
+                finished = engine.step()
+                for n, row in finished:
+                    out[n] = cut_at_stop(self.tokenizer.decode(row.completion, skip_special_tokens=True), untils[n])
+                    for key, value in (("nfe", row.nfe), ("num_rows", 1), ("num_tokens", row.num_decoded),
+                                       ("row_steps", row.steps)):
+                        self.speed[key] += value
+                bar.update(len(finished))
+        self.speed["seconds"] += time.perf_counter() - start
         return out  # type: ignore[return-value]
 
     # ----------------------------------------------------------------------------------------

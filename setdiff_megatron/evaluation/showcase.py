@@ -4,18 +4,19 @@
 loss: the reasoning corpus shows a held-out problem, the model's worked solution and the test
 accuracy over a few dozen problems; the stdlib corpus shows the continuation of a held-out
 function signature. Both decode with the paper's default policy for the run's order: a window of
-d queries and a threshold of 0.9 (one token per step for AR), and report tokens per step.
+d queries and a threshold of 0.9 (one token per step for AR; inference/defaults.py), and report
+tokens per step.
 """
 
 from __future__ import annotations
 
 import json
 
-from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.core.sampler import SetSampler
 from setdiff_megatron.data.builtin import builtin_corpus_dir
 from setdiff_megatron.evaluation.tasks import score_completion
 from setdiff_megatron.distributed.runtime import Ranks
+from setdiff_megatron.inference.defaults import decoding_for_recipe
 from setdiff_megatron.inference.loading import load_sampling_model
 from setdiff_megatron.inference.prompts import PromptRecord, encode_prompt
 from setdiff_megatron.recipes import Recipe
@@ -26,18 +27,6 @@ NUM_PROBLEMS = 50
 """Held-out reasoning problems decoded for the accuracy line (a few seconds on a CPU)."""
 SHOWN = 1
 """The one shown: the first problem of three operations on one-digit numbers."""
-
-
-def _decoding(recipe: Recipe, eos: int, max_new_tokens: int) -> DecodingConfig:
-    method = recipe.method
-    if method.order == "left_to_right" or (method.order == "staggered" and method.d == 1):
-        window, block = 1, None
-    elif method.order == "block":
-        window, block = method.block_size, method.block_size
-    else:
-        window, block = (method.d if method.order == "staggered" else 16), None
-    return DecodingConfig(window=window, block_size=block, threshold=None if window == 1 else 0.9,
-                          max_new_tokens=max_new_tokens, eos_token_ids=(eos,))
 
 
 def _prompts(recipe: Recipe) -> tuple[str, list[dict]] | None:
@@ -67,7 +56,8 @@ def showcase(recipe: Recipe) -> list[str]:
         return []
     corpus, records = found
     sm = load_sampling_model(recipe.checkpoint.dir, Ranks(), device="cpu")
-    cfg = _decoding(recipe, sm.tokenizer.eos_id, 52 if corpus == "reasoning" else 48)
+    cfg = decoding_for_recipe(recipe, max_new_tokens=52 if corpus == "reasoning" else 48,
+                              eos_token_ids=(sm.tokenizer.eos_id,))
     sampler = SetSampler(sm.model, mask_token_id=sm.tokenizer.mask_id, context_len=sm.config.max_seq_len)
     ids = [encode_prompt(PromptRecord(i, i + 1, (r["prompt"],), {}), sm.tokenizer, add_bos=sm.add_bos)
            for i, r in enumerate(records)]

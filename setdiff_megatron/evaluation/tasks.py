@@ -10,9 +10,10 @@ OUT/scored.jsonl, and writes OUT/metrics.json: quality, speed and the settings t
 them. A rerun whose metrics.json was written under the same settings does nothing; a rerun
 with another metric re-scores the stored generations without generating again.
 
-Speed is per model replica: tokens/s is the decoded tokens over the summed wall time of the
-batches (prefill included), so it does not change with the number of processes; tokens per
-step excludes the prefill, NFE includes it (ALGORITHM.md 2.8).
+Speed is per model replica: tokens/s is the decoded tokens over the time the engine spent on
+them (each step's time shared among the rows in it, prefill included), so it does not change
+with the number of processes; tokens per step excludes the prefill, NFE includes it
+(ALGORITHM.md 2.8).
 """
 
 from __future__ import annotations
@@ -115,18 +116,14 @@ def score_completion(metric: str, completion: str, references: tuple[str, ...] |
     return {"prediction": prediction, "answer": answer, "accuracy": float(correct)}
 
 
-def summarize(records: list[dict], metric: str, batch_size: int) -> dict[str, Any]:
+def summarize(records: list[dict], metric: str) -> dict[str, Any]:
     """Quality (means of the per-example scores) and speed of scored records."""
     keys = scoring.ROUGE_KEYS if metric == "rouge" else (PRIMARY[metric],)
     quality = {k: sum(r[k] for r in records) / len(records) for k in keys}
-    # A batch's rows run together: its wall time is its slowest row's (rows record the time from
-    # the start of their batch to their retirement).
-    batch_s: dict[int, float] = {}
-    for r in records:
-        batch = r["index"] // batch_size
-        batch_s[batch] = max(batch_s.get(batch, 0.0), r["seconds"])
+    # Each row records its share of the engine's time (every step's time divided among the rows
+    # in it): their sum is the time the replica spent, however the rows were batched.
     tokens, steps = sum(r["num_decoded"] for r in records), sum(r["steps"] for r in records)
-    seconds = sum(batch_s.values())
+    seconds = sum(r["busy_seconds"] for r in records)
     return {
         "quality": quality, "score": quality[PRIMARY[metric]], "score_name": PRIMARY[metric],
         "num_examples": len(records), "num_tokens": tokens, "decode_seconds": round(seconds, 4),
@@ -186,7 +183,7 @@ def score_job(job: GenerateJob, settings: dict[str, Any]) -> dict[str, Any]:
     write_jsonl(out / SCORED, scored)
     metrics = {
         "task": str(job.tasks), "metric": job.metric, "source": str(job.source),
-        **summarize(scored, job.metric, job.placement.batch_size),
+        **summarize(scored, job.metric),
         "batch_size": job.placement.batch_size, "decoding": asdict(job.decoding), "stop": list(job.stop),
         "hardware": hardware(job.placement.device), "settings": settings,
     }

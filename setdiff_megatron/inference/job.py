@@ -1,11 +1,13 @@
 """`setdiff sample`: a JSONL file of prompts through the cached set sampler, over many processes.
 
-Prompts are cut into batches of `batch_size` consecutive prompts, and batch b belongs to shard
-b mod S (S = data-parallel ranks x explicit shards, e.g. of a SLURM array). Batches, and the
-seed of each one (decoding seed + index of its first prompt), are therefore the same under
-any number of processes: outputs do not depend on how the job was spread, sampled ones
-included. Every TP rank of a group runs the sampler (the megatron model gathers logits, so
-they agree); the first writes. Results are resumable and merged by `ShardedResults`.
+Prompts are cut into blocks of `batch_size` consecutive prompts, and block b belongs to shard
+b mod S (S = data-parallel ranks x explicit shards, e.g. of a SLURM array). Each process feeds
+all of its prompts to one continuous-batching engine of `batch_size` rows: a row that finishes
+is written at once and the next prompt takes its place, so the batch stays full to the end.
+Prompt i samples with seed decoding.seed + i and decodes exactly as it would alone, so outputs
+do not depend on how the job was spread, sampled ones included. Every TP rank of a group runs
+the sampler (the megatron model gathers logits, so they agree); the first writes. Results are
+resumable and merged by `ShardedResults`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 
 from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.core.sample_output import RowResult
-from setdiff_megatron.core.sampler import SetSampler
+from setdiff_megatron.core.sampler import Request, SetSampler
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.distributed.runtime import join
 from setdiff_megatron.inference.loading import SamplingModel, load_sampling_model
@@ -73,6 +75,7 @@ def _record(record: PromptRecord, row: RowResult, prompt_ids: list[int], sm: Sam
         "completion": sm.tokenizer.decode(row.completion, skip_special_tokens=True),
         "finish_reason": row.finish_reason, "num_decoded": row.num_decoded, "nfe": row.nfe, "steps": row.steps,
         "tokens_per_step": round(row.tokens_per_step, 4), "seconds": round(row.seconds, 4),
+        "busy_seconds": round(row.busy_s, 6),
     }
     return out
 
@@ -92,7 +95,8 @@ def run_sample_job(job: SampleJob) -> int:
     context_len = job.context_len or sm.config.max_seq_len
     if context_len > sm.config.max_seq_len:
         raise UserError(f"--context-len {context_len} exceeds the model's max_seq_len {sm.config.max_seq_len}")
-    sampler = SetSampler(sm.model, mask_token_id=sm.tokenizer.mask_id, context_len=context_len)
+    sampler = SetSampler(sm.model, mask_token_id=sm.tokenizer.mask_id, context_len=context_len,
+                         max_rows=place.batch_size)
     add_bos = sm.add_bos if job.add_bos is None else job.add_bos
     encoded = [encode_prompt(r, sm.tokenizer, add_bos=add_bos) for r in records]
     for record, ids in zip(records, encoded):
@@ -113,8 +117,8 @@ def run_sample_job(job: SampleJob) -> int:
 
     shard = Shard.of(ranks, place)
     writer = results.part(shard.name) if ranks.writes else None
-    tokens, seconds = _sample(sampler, decoding, shard.batches(len(records), place.batch_size, done), records,
-                              encoded, sm, writer,
+    todo = [i for _, batch in shard.batches(len(records), place.batch_size, done) for i in batch]
+    tokens, seconds = _sample(sampler, decoding, todo, records, encoded, sm, writer,
                               progress=place.progress and ranks.rank == 0)
     ranks.barrier()
     if ranks.rank == 0:
@@ -122,23 +126,26 @@ def run_sample_job(job: SampleJob) -> int:
     return 0
 
 
-def _sample(sampler: SetSampler, decoding: DecodingConfig, batches: list[tuple[int, list[int]]],
-            records: list[PromptRecord], encoded: list[list[int]], sm: SamplingModel, writer,
-            *, progress: bool) -> tuple[int, float]:
+def _sample(sampler: SetSampler, decoding: DecodingConfig, todo: list[int], records: list[PromptRecord],
+            encoded: list[list[int]], sm: SamplingModel, writer, *, progress: bool) -> tuple[int, float]:
+    """Decode the prompts `todo` through the engine, writing each row as it finishes."""
     from setdiff_megatron.progress import progress_bar
 
+    for i in todo:
+        sampler.submit(Request(key=i, prompt=tuple(encoded[i]), cfg=decoding, seed=decoding.seed + i))
     total_tokens, start = 0, time.perf_counter()
-    with progress_bar(total=sum(len(todo) for _, todo in batches), unit="prompt", disable=not progress,
-              file=sys.stderr, dynamic_ncols=True) as bar:
-        for first, todo in batches:
-            # The batch's seed follows its first prompt, wherever the batch runs.
-            output = sampler.generate([encoded[i] for i in todo], replace(decoding, seed=decoding.seed + first))
+    with progress_bar(total=len(todo), unit="prompt", disable=not progress, file=sys.stderr,
+                      dynamic_ncols=True) as bar:
+        while not sampler.idle:
+            finished = sorted(sampler.step(), key=lambda item: item[0])
+            if not finished:
+                continue
             if writer is not None:
-                writer.write([_record(records[i], row, encoded[i], sm) for i, row in zip(todo, output.rows)])
-            total_tokens += output.metrics.num_tokens
-            bar.update(len(todo))
+                writer.write([_record(records[i], row, encoded[i], sm) for i, row in finished])
+            total_tokens += sum(row.num_decoded for _, row in finished)
+            bar.update(len(finished))
             bar.set_postfix(tok_s=f"{total_tokens / (time.perf_counter() - start):.1f}",
-                            tok_step=f"{output.metrics.tokens_per_step:.2f}")
+                            tok_step=f"{sum(r.tokens_per_step for _, r in finished) / len(finished):.2f}")
     return total_tokens, time.perf_counter() - start
 
 

@@ -5,9 +5,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from setdiff_megatron.core.decoding import DecodingConfig, process_logits
+from setdiff_megatron.core.decoding import DecodingConfig, RowPolicy, process_logits
 from setdiff_megatron.core.orders import Staggered
-from setdiff_megatron.core.sampler import SetSampler
+from setdiff_megatron.core.sampler import Request, SetSampler
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 from tests.conftest import debug_config
 
@@ -97,13 +97,17 @@ def test_every_step_equals_a_training_forward(models, case):
     prompts = random_prompts(torch.Generator().manual_seed(len(case)), lengths, spans)
     recorder = Recorder(cached)
     out = SetSampler(recorder, mask_token_id=MASK, context_len=128).generate(prompts, cfg, trace=True)
-    decode_logits = recorder.logits[1:]  # the first call is the prefill
-    assert len(decode_logits) == max(r.steps for r in out.rows)
-    for step, logits in enumerate(decode_logits):
-        # Rows retire in place, so the batch at a step holds the rows still decoding, in order.
-        live = [i for i, r in enumerate(out.rows) if r.steps > step]
+    assert len(recorder.logits) == max(r.nfe for r in out.rows)
+    for forward, logits in enumerate(recorder.logits):
+        # Every row joins at the first forward and retires in place after its last, so the batch
+        # of a forward holds the rows not yet done, in order; a row with visible tokens spends its
+        # first forward on its prefill, and decodes from the next one on.
+        live = [i for i, r in enumerate(out.rows) if forward < r.nfe]
         assert logits.shape[0] == len(live)
         for slot_row, i in enumerate(live):
+            step = forward - (out.rows[i].nfe - out.rows[i].steps)
+            if step < 0:
+                continue
             items = scratch_queries(prompts[i], out.rows[i].trace, step)
             want = training_logits(dense, items)
             torch.testing.assert_close(logits[slot_row, :len(items)], want, rtol=0, atol=1e-5)
@@ -233,14 +237,30 @@ def test_sampling_is_deterministic_given_the_seed(debug_model):
 def test_logit_processing():
     logits = torch.tensor([[[2.0, 1.0, 0.0, -1.0, 5.0]]])  # token 4 is MASK
     canvas = torch.tensor([[0, 3]])
-    kept = lambda **kw: torch.isfinite(process_logits(logits, canvas, DecodingConfig(**kw), 4))[0, 0].tolist()
+
+    def processed(**kw):
+        return process_logits(logits, canvas, RowPolicy.of([DecodingConfig(**kw)]), 4)
+
+    kept = lambda **kw: torch.isfinite(processed(**kw))[0, 0].tolist()
     assert kept() == [True, True, True, True, False]
     assert kept(top_k=2) == [True, True, False, False, False]
     # softmax over [2, 1, 0, -1] is about [.64, .24, .09, .03]: 0.7 needs the first two tokens.
     assert kept(top_p=0.7) == [True, True, False, False, False] and kept(top_p=0.6) == [True] + [False] * 4
-    penalized = process_logits(logits, canvas, DecodingConfig(repetition_penalty=2.0), 4)[0, 0, :4]
+    penalized = processed(repetition_penalty=2.0)[0, 0, :4]
     assert penalized.tolist() == [1.0, 1.0, 0.0, -2.0]  # tokens 0 and 3 are in the row
-    assert process_logits(logits, canvas, DecodingConfig(temperature=0.5), 4)[0, 0, 0] == 4.0
+    assert processed(temperature=0.5)[0, 0, 0] == 4.0
+
+
+def test_rows_of_one_batch_each_get_their_own_policy():
+    """Four policies in one batch: each row's processed logits are what that row gets alone."""
+    logits = torch.randn(4, 3, 9, generator=torch.Generator().manual_seed(0))
+    canvas = torch.tensor([[0, 3], [1, 1], [5, 8], [2, 0]])
+    cfgs = [DecodingConfig(top_k=2), DecodingConfig(top_p=0.5, temperature=0.7), DecodingConfig(),
+            DecodingConfig(repetition_penalty=1.5, top_k=4)]
+    together = process_logits(logits, canvas, RowPolicy.of(cfgs), 4)
+    for i, cfg in enumerate(cfgs):
+        alone = process_logits(logits[i:i + 1], canvas[i:i + 1], RowPolicy.of([cfg]), 4)
+        assert torch.equal(together[i:i + 1], alone)
 
 
 @pytest.mark.parametrize("changes, match", [
@@ -309,3 +329,49 @@ def test_parallel_policies_decode_sets_on_a_trained_model(copying_model, cfg, mi
     print(f"{out.metrics.tokens_per_step:.2f} tokens/step, {correct}/{13 * len(rows)} tokens right")
     assert out.metrics.tokens_per_step >= min_tokens_per_step
     assert correct >= 0.95 * 13 * len(rows)
+
+
+def test_requests_joining_a_running_batch_decode_as_alone(debug_model):
+    """32 requests arriving at random steps, with mixed lengths, spans, windows, thresholds,
+    stops, a sampled one and chunked prefill: each decodes exactly as it does alone."""
+    gen = torch.Generator().manual_seed(11)
+    lengths = torch.randint(0, 24, (32,), generator=gen).tolist()
+    prompts = random_prompts(gen, lengths, ((2, 3),))
+    cfgs = [DecodingConfig(window=1 + i % 6, threshold=(0.025 if i % 3 else None), tokens_per_step=1 + i % 2,
+                           max_new_tokens=4 + i % 9, eos_token_ids=(62,) if i % 4 == 0 else (),
+                           fill_window=i % 5 == 0, temperature=0.9 if i == 7 else 0.0, seed=i) for i in range(32)]
+    make = lambda **kw: SetSampler(debug_model, mask_token_id=MASK, context_len=64, prefill_chunk=5, **kw)
+    alone = []
+    for i, (prompt, cfg) in enumerate(zip(prompts, cfgs)):
+        engine = make(max_rows=1)
+        engine.submit(Request(key=i, prompt=tuple(prompt), cfg=cfg, seed=cfg.seed))
+        (result,) = [row for _ in range(1000) if not engine.idle for _, row in engine.step()]
+        alone.append(result)
+    engine, arrivals = make(max_rows=6, kv_budget=6 * 48), torch.randint(0, 40, (32,), generator=gen).tolist()
+    together, step = {}, 0
+    while len(together) < 32:
+        for i in [i for i, a in enumerate(arrivals) if a == step]:
+            engine.submit(Request(key=i, prompt=tuple(prompts[i]), cfg=cfgs[i], seed=cfgs[i].seed))
+        together |= dict(engine.step())
+        step += 1
+        assert len(engine.rows) <= 6 and (engine.cache is None or len(engine.rows) * engine.cache.capacity <= 6 * 48)
+    for i, row in enumerate(alone):
+        assert together[i].tokens == row.tokens and together[i].finish_reason == row.finish_reason, i
+        assert together[i].steps == row.steps and together[i].nfe == row.nfe
+    assert {r.finish_reason for r in alone} == {"stop", "length"}
+
+
+def test_cancel_frees_the_row_and_a_request_over_the_budget_waits(debug_model):
+    engine = SetSampler(debug_model, mask_token_id=MASK, context_len=64, max_rows=2)
+    cfg = DecodingConfig(window=2, max_new_tokens=30)
+    for key in "abc":
+        engine.submit(Request(key=key, prompt=(1, 2, 3), cfg=cfg))
+    engine.step()
+    assert [r.request.key for r in engine.rows] == ["a", "b"] and [r.key for r in engine.waiting] == ["c"]
+    engine.cancel("a")
+    finished = engine.step()
+    assert [(k, r.finish_reason) for k, r in finished] == [("a", "cancelled")]
+    assert [r.request.key for r in engine.rows] == ["b", "c"]  # the waiting one took the freed row
+    with pytest.raises(ValueError, match="needs more KV cache than the whole budget"):
+        SetSampler(debug_model, mask_token_id=MASK, context_len=64, kv_budget=20).submit(
+            Request(key="big", prompt=(1,) * 10, cfg=cfg))

@@ -73,7 +73,7 @@ def one_process(trained_run, tasks, tmp_path_factory):
 
 
 def scored(out) -> list[dict]:
-    return [{k: v for k, v in json.loads(line).items() if k != "seconds"}
+    return [{k: v for k, v in json.loads(line).items() if k not in ("seconds", "busy_seconds")}
             for line in (out / "scored.jsonl").read_text().splitlines()]
 
 

@@ -25,12 +25,6 @@ TINY = str(Path(__file__).parents[2] / "recipes" / "tiny-cpu.yaml")
 BASE = ("log.tensorboard=false", "parallel.global_batch_size=8", "log.interval=1", "eval.interval=1000")
 
 
-@pytest.fixture(scope="module")
-def data_cache(tmp_path_factory) -> Path:
-    """The built-in corpus, prepared once per session for every checkpoint test module."""
-    return tmp_path_factory.getbasetemp() / "checkpoint-tests-data"
-
-
 def command(run_dir: Path, data_cache: Path, *overrides: str) -> list[str]:
     return [sys.executable, "-m", "setdiff_megatron.cli", "train", TINY, f"checkpoint.dir={run_dir}",
             f"data.cache_dir={data_cache}", *BASE, *overrides]

@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 
 from tests.checkpoint.test_run_directory import flip_a_byte, truncate
-from tests.training.test_checkpoint_runs import checkpoint_of, data_cache, losses, run_train  # noqa: F401
+from tests.training.test_checkpoint_runs import checkpoint_of, losses, run_train
 
 ARGS = ("launch.nproc_per_node=1", "checkpoint.interval=2", "checkpoint.keep_last_n=null")
 TOLD_TO_CHANGE = ("checkpoints/latest", "recipe.yaml")
 
 
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory, data_cache):  # noqa: F811
+def finished(tmp_path_factory, data_cache):
     """(run directory, the finished process): stdout and stderr were pipes, as in a SLURM job."""
     run = tmp_path_factory.mktemp("safety") / "run"
     out = run_train(run, data_cache, *ARGS, "train.steps=4", "log.interval=2")
@@ -74,7 +74,7 @@ def assert_kept(before: dict[str, str], run: Path) -> list[str]:
     return aside
 
 
-def test_a_damaged_train_state_is_skipped_reported_and_moved_aside(run, data_cache):  # noqa: F811
+def test_a_damaged_train_state_is_skipped_reported_and_moved_aside(run, data_cache):
     flip_a_byte(checkpoint_of(run, 4) / "train_state.json")
     before = hashes(run)
     out = run_train(run, data_cache, *ARGS, "train.steps=6")
@@ -87,7 +87,7 @@ def test_a_damaged_train_state_is_skipped_reported_and_moved_aside(run, data_cac
     assert (checkpoint_of(run, 6) / "manifest.json").is_file() and (checkpoint_of(run, 4) / "manifest.json").is_file()
 
 
-def test_a_damaged_shard_is_skipped_and_kept(run, data_cache):  # noqa: F811
+def test_a_damaged_shard_is_skipped_and_kept(run, data_cache):
     shard = sorted(checkpoint_of(run, 4).glob("*.distcp"))[0]
     truncate(shard)
     before = hashes(run)
@@ -97,16 +97,16 @@ def test_a_damaged_shard_is_skipped_and_kept(run, data_cache):  # noqa: F811
     assert [a.split(".")[0] for a in assert_kept(before, run)] == ["step_00000004"]
 
 
-def test_a_missing_manifest_is_skipped_and_kept(run, data_cache):  # noqa: F811
+def test_a_missing_manifest_is_skipped_and_kept(run, data_cache):
     (checkpoint_of(run, 4) / "manifest.json").unlink()
     before = hashes(run)
     out = run_train(run, data_cache, *ARGS, "train.steps=4")
     assert out.returncode == 0, out.stderr[-3000:]
-    assert f"manifest.json is missing (an interrupted save?)" in out.stdout
+    assert "manifest.json is missing (an interrupted save?)" in out.stdout
     assert [a.split(".")[0] for a in assert_kept(before, run)] == ["step_00000004"]
 
 
-def test_all_invalid_stops_with_a_line_each_then_resume_none_starts_over(run, data_cache):  # noqa: F811
+def test_all_invalid_stops_with_a_line_each_then_resume_none_starts_over(run, data_cache):
     for step in (2, 4):  # the weights intact, every train_state.json damaged
         (checkpoint_of(run, step) / "train_state.json").write_text("{")
     before = hashes(run)
@@ -126,7 +126,7 @@ def test_all_invalid_stops_with_a_line_each_then_resume_none_starts_over(run, da
     assert all(".aside-" in a for a in aside) and (checkpoint_of(run, 2) / "manifest.json").is_file()
 
 
-def test_a_mix_resumes_from_the_newest_valid_and_leaves_older_invalid_ones_alone(run, data_cache):  # noqa: F811
+def test_a_mix_resumes_from_the_newest_valid_and_leaves_older_invalid_ones_alone(run, data_cache):
     truncate(sorted(checkpoint_of(run, 2).glob("*.distcp"))[0])
     before = hashes(run)
     out = run_train(run, data_cache, *ARGS, "train.steps=6")
@@ -136,7 +136,7 @@ def test_a_mix_resumes_from_the_newest_valid_and_leaves_older_invalid_ones_alone
     assert losses(run)[-1][0] == 6
 
 
-def test_a_re_save_of_an_existing_step_moves_the_old_one_aside(run, data_cache):  # noqa: F811
+def test_a_re_save_of_an_existing_step_moves_the_old_one_aside(run, data_cache):
     before = hashes(run)
     out = run_train(run, data_cache, *ARGS, "train.steps=4", f"checkpoint.resume={checkpoint_of(run, 2)}")
     assert out.returncode == 0, out.stderr[-3000:]
