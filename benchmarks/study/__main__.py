@@ -7,7 +7,6 @@ CPU cores; --quick (AR and d = 4, one decoding point each) under 15 minutes.
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 import time
@@ -18,15 +17,11 @@ from benchmarks.study import plan, report, run
 from setdiff_megatron.recipes import load_recipe
 
 
-def _model_entry(out: Path, model: plan.Model, train_seconds: float | None, steps: int | None) -> dict:
-    record = out / "logs" / f"{model.name}.train.json"
-    if train_seconds is not None:
-        record.write_text(json.dumps({"seconds": train_seconds}) + "\n", encoding="utf-8")
-    seconds = json.loads(record.read_text())["seconds"] if record.is_file() else None
+def _model_entry(out: Path, model: plan.Model, steps: int | None) -> dict:
     recipe = load_recipe(model.recipe, run.overrides(out, model, steps))
     return {"label": model.label, "family": model.family, "recipe": str(model.recipe.relative_to(plan.RECIPES.parents[1])),
             "steps": recipe.train.steps, "seed": recipe.train.seed,
-            "train_minutes": None if seconds is None else seconds / 60, "valid_curve": run.valid_curve(out, model)}
+            "train_minutes": run.train_minutes(out, model), "valid_curve": run.valid_curve(out, model)}
 
 
 def _points(rows: list[dict]) -> list[dict]:
@@ -53,11 +48,12 @@ def main(argv: list[str] | None = None) -> dict:
     start, started = time.perf_counter(), time.strftime("%Y-%m-%d %H:%M %Z")
     reasoning, code = plan.models(args.quick)
 
-    seconds = {m.name: run.train(out, m, args.steps) for m in [*reasoning, *code]}
+    for m in [*reasoning, *code]:
+        run.train(out, m, args.steps)
     corpus, tasks, docs = run.prepare_tasks(out, args.per_level)
     models = {}
     for m in reasoning:
-        entry = _model_entry(out, m, seconds[m.name], args.steps)
+        entry = _model_entry(out, m, args.steps)
         if not args.quick:
             entry |= run.likelihood(out, m, docs)
             entry["infill_jsonl"] = run.infill(out, m, "jsonl", corpus.infill_tasks, None)
@@ -65,7 +61,7 @@ def main(argv: list[str] | None = None) -> dict:
         models[m.name] = entry
     code_models = {}
     for m in code:
-        code_models[m.name] = _model_entry(out, m, seconds[m.name], args.steps) | {
+        code_models[m.name] = _model_entry(out, m, args.steps) | {
             "infill_code": run.infill(out, m, "code", None, args.code_examples), "points": []}
 
     results = {

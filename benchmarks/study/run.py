@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -50,21 +49,19 @@ def trained(out: Path, model: Model, steps: int | None) -> bool:
     return bool(final) and verify(final[0]) is None
 
 
-def train(out: Path, model: Model, steps: int | None) -> float | None:
-    """Train `model` unless done; returns the wall seconds it took (None if it was done)."""
+def train(out: Path, model: Model, steps: int | None) -> None:
+    """Train `model` unless done."""
     if trained(out, model, steps):
         print(f"study: {model.name} is trained", flush=True)
-        return None
+        return
     log = out / "logs" / f"{model.name}.train.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "setdiff_megatron.cli", "train", str(model.recipe), *overrides(out, model, steps)]
     print(f"study: training {model.name}: {' '.join(cmd[2:])} (log {log})", flush=True)
-    start = time.perf_counter()
     with open(log, "ab") as stream:
         code = subprocess.call(cmd, stdout=stream, stderr=subprocess.STDOUT)
     if code != 0:
         raise SystemExit(f"study: training {model.name} failed with exit code {code}; see {log}")
-    return time.perf_counter() - start
 
 
 def prepare_tasks(out: Path, per_level: int) -> tuple[ReasoningCorpus, Path, Path]:
@@ -119,12 +116,22 @@ def infill(out: Path, model: Model, task: str, data: Path | None, max_examples: 
         placement=replace(PLACEMENT, batch_size=BATCH_SIZE), context=settings["context"]))
 
 
+def _metrics(out: Path, model: Model) -> list[dict]:
+    """The rows of the run's metrics.jsonl, in the order they were written."""
+    lines = (run_dir(out, model) / "logs" / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    return [json.loads(line) for line in lines]
+
+
 def valid_curve(out: Path, model: Model) -> list[tuple[int, float]]:
-    """(step, validation loss) from the run's metrics.jsonl."""
-    path = run_dir(out, model) / "logs" / "metrics.jsonl"
-    curve = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
-        record = json.loads(line)
-        if "valid/loss" in record:
-            curve[record["step"]] = record["valid/loss"]  # a resumed run logs its steps again: keep the last
-    return sorted(curve.items())
+    """(step, validation loss); a resumed run logs its steps again: the last one counts."""
+    return sorted({r["step"]: r["valid/loss"] for r in _metrics(out, model) if "valid/loss" in r}.items())
+
+
+def train_minutes(out: Path, model: Model) -> float:
+    """Wall time between consecutive logged rows while the step count rises, so that the time a run
+    spent interrupted (the step count restarts at its checkpoint) does not count."""
+    rows, seconds = _metrics(out, model), 0.0
+    for before, after in zip(rows, rows[1:]):
+        if after["step"] > before["step"]:
+            seconds += after["time"] - before["time"]
+    return seconds / 60

@@ -29,7 +29,7 @@ def Live(source, *args):  # noqa: N802 - reads like the class it makes
 
 @pytest.fixture(scope="module")
 def server(trained_run):
-    live = LiveServer(trained_run, "--batch-size", "4")
+    live = Live(trained_run, "--batch-size", "4")
     yield live
     live.stop()
 
@@ -121,7 +121,7 @@ def test_infill_through_suffix_and_segments(server):
 
 
 def test_a_dropped_stream_frees_its_row_and_waiting_requests_complete(trained_run):
-    live = LiveServer(trained_run, "--batch-size", "1")
+    live = Live(trained_run, "--batch-size", "1")
     try:
         stream = live.client.completions.create(model=NAME, prompt="def f(x):\n", max_tokens=100, stream=True,
                                                 temperature=0, extra_body={"window": 1})
@@ -177,7 +177,7 @@ def test_data_parallel_replicas_and_a_tp_model_answer_alike(trained_run, server)
     kwargs = dict(model=NAME, prompt="def fibonacci(n):\n", max_tokens=12, temperature=0)
     want = server.client.completions.create(**kwargs).choices[0].text
     for args in (["--nproc", "2"], ["--nproc", "2", "--tp", "2"]):
-        live = LiveServer(trained_run, *args, "--batch-size", "2")
+        live = Live(trained_run, *args, "--batch-size", "2")
         try:
             got = [live.client.completions.create(**kwargs).choices[0].text for _ in range(3)]
             assert got == [want] * 3, args
