@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
         "command": "python -m benchmarks.study" + "".join(f" {shlex.quote(a)}" for a in (argv or sys.argv[1:])),
         "seeds": {"corpus": 0, "training": "recipe train.seed (1234)", "decoding": "greedy"},
         "test_problems": sum(1 for _ in tasks.open()), "per_level": args.per_level,
+        "trivial_baseline": run.trivial_baseline(tasks),
         "models": models, "code_models": code_models,
     }
     report.write(results, results_dir)

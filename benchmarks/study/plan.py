@@ -30,12 +30,14 @@ class Model:
         return {"block_size": self.block_size} if self.family == "bd3" else {}
 
     def grid(self, quick: bool) -> tuple[list[dict], dict[str, list]]:
-        """(explicit points, grid) of this model's sweep; AR has the one point W = 1."""
+        """(explicit points, grid) of this model's sweep. AR has the one point W = 1; the others
+        decode at W = 1 too (left to right, one token per step), which tells the quality of the
+        model apart from what parallel, any-order decoding costs it."""
         if self.family == "ar":
             return [{"name": "ar", "window": 1}], {}
         if quick:
             return [dict(QUICK_POINT)], {}
-        return [], {"window": list(WINDOWS), "threshold": list(THRESHOLDS)}
+        return [{"name": "w1", "window": 1}], {"window": list(WINDOWS), "threshold": list(THRESHOLDS)}
 
     def infill(self) -> dict:
         """The infill job's context and decoding: one token per step, the context the order can use

@@ -22,11 +22,17 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _train_minutes(results: dict) -> float:
+    return sum(m["train_minutes"] for group in ("models", "code_models") for m in results[group].values())
+
+
 def markdown(results: dict) -> str:
     """The tables of results.md: likelihood, every decoding point, per-level accuracy, infilling."""
     models = results["models"]
     out = [f"# Study results ({results['mode']} run)", "",
-           f"Machine: {results['machine']}. Started {results['started']}, {results['wall_minutes']:.1f} minutes in all. "
+           f"Machine: {results['machine']}. Training: {_train_minutes(results):.0f} minutes for all models (their "
+           f"logged step times). This invocation started {results['started']} and took {results['wall_minutes']:.1f} "
+           "minutes (a rerun skips the models and points already done). "
            f"Command: `{results['command']}`. Seeds: {results['seeds']}.", "",
            "## Held-out likelihood (nats per token, test problems)", "",
            "| model | trained steps | train minutes | exact left-to-right NLL | NELBO, own policy (95 % CI) | final valid loss |",
@@ -39,6 +45,8 @@ def markdown(results: dict) -> str:
                    f"{_fmt(nelbo and nelbo['nll_per_token'], '.4f')}{f' ± {ci:.4f}' if ci else ''} | "
                    f"{_fmt(m['valid_curve'][-1][1] if m['valid_curve'] else None, '.4f')} |")
     out += ["", "## Accuracy against decoding speed (batch 16)", "",
+            f"Trivial baseline: {results['trivial_baseline']:.3f} (the most common answer of the test problems, "
+            "given to every problem).", "",
             "| model | point | W | tau | accuracy | tokens/step | tokens/s | mean NFE |", "|---|---|---|---|---|---|---|---|"]
     for name, m in models.items():
         for p in m["points"]:

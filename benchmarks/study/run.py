@@ -9,6 +9,7 @@ in this process, each resuming and skipping what it already wrote.
 from __future__ import annotations
 
 import json
+from collections import Counter
 import subprocess
 import sys
 from dataclasses import replace
@@ -77,6 +78,13 @@ def prepare_tasks(out: Path, per_level: int) -> tuple[ReasoningCorpus, Path, Pat
     docs.write_text("".join(json.dumps({"text": r["prompt"] + r["reference"]}) + "\n" for r in records),
                     encoding="utf-8")
     return corpus, tasks, docs
+
+
+def trivial_baseline(tasks: Path) -> float:
+    """The accuracy of answering every problem with the test set's most common answer."""
+    answers = Counter(json.loads(line)["reference"].rsplit("####", 1)[-1].strip()
+                      for line in tasks.read_text(encoding="utf-8").splitlines())
+    return answers.most_common(1)[0][1] / sum(answers.values())
 
 
 def likelihood(out: Path, model: Model, docs: Path) -> dict:
