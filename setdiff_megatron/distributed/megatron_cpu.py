@@ -3,13 +3,13 @@
 megatron-core 0.16 assumes a GPU throughout: it allocates with `device="cuda"` or
 `torch.cuda.current_device()`, calls `.cuda()`, `pin_memory=True` and `torch.cuda.synchronize()`,
 type-checks parameters against `torch.cuda.*Tensor` names and keeps its RNG streams in CUDA
-generators. This module patches exactly those points (../shared/MEGATRON_CPU.md lists what was
+generators; its MoE token dispatcher copies split sizes to the host on a CUDA side stream. This module patches exactly those points (../shared/MEGATRON_CPU.md lists what was
 seen to need them) and nothing else. It is switched on once per process, before megatron builds
 anything, and only where `torch.cuda.is_available()` is False; on a GPU machine it refuses.
 
-What it does not do: streams, CUDA graphs, NCCL, fused kernels (TE, apex, apply_rope_fusion,
-gradient_accumulation_fusion) stay unavailable; the device redirect is pushed on the calling
-thread only, so megatron code run from other threads (async checkpoint writers) does not see it.
+What it does not do: CUDA graphs, NCCL, fused kernels (TE, apex, apply_rope_fusion,
+gradient_accumulation_fusion) stay unavailable, and streams are no-ops; the device redirect is
+pushed on the calling thread only, so megatron code run from other threads (async checkpoint writers) does not see it.
 """
 
 from __future__ import annotations
@@ -123,6 +123,58 @@ def _cpu_tracker_class():
     return CpuRNGStatesTracker
 
 
+class _Stream:
+    """A CUDA stream or event as megatron's MoE token dispatcher uses them (a side stream for its
+    device-to-host copies): CPU ops complete in program order, so waiting is a no-op and an event
+    has always happened."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Stream)
+
+    def __hash__(self) -> int:
+        return 0
+
+    def wait_stream(self, *args: Any) -> None:
+        pass
+
+    def wait_event(self, *args: Any) -> None:
+        pass
+
+    def record_event(self, *args: Any) -> "_Stream":
+        return self
+
+    def record(self, *args: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+def _splits_to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """megatron's `maybe_move_tensor_to_cpu` converts to numpy only what it copies off a GPU; the
+    all-to-all's split sizes must be a sequence of ints on the CPU too."""
+    return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
+
+
+def _enable_moe_shims() -> None:
+    """The MoE layer's CUDA-only points: side streams and events, split sizes left as tensors, and
+    a name `moe_utils` only defines when Transformer Engine imports."""
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    torch.cuda.Stream = torch.cuda.Event = _Stream
+    torch.cuda.current_stream = lambda device=None: _Stream()
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+    token_dispatcher.maybe_move_tensor_to_cpu = _splits_to_host
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def enable_cpu_mode() -> None:
     """Install every CPU shim; idempotent. Call before megatron builds a model or an optimizer."""
     if _STATE["mode"] is not None:
@@ -140,6 +192,7 @@ def enable_cpu_mode() -> None:
     # Megatron's tracker slot, marked initialised, so get_cuda_rng_tracker() never builds a CUDA one.
     mp_random._CUDA_RNG_STATE_TRACKER = _cpu_tracker_class()()
     mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    _enable_moe_shims()
     mode = _CudaToCpuMode()
     mode.__enter__()  # held for the life of the process: megatron calls CUDA APIs at any time
     _STATE["mode"] = mode
