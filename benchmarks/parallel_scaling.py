@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 from multiprocessing.queues import SimpleQueue
 
 import torch
 import torch.multiprocessing as mp
 
 from benchmarks.machine import best_time, machine_info, save_results
+from setdiff_megatron.distributed.runtime import free_port
 
 MODEL = {"hidden_size": 256, "num_layers": 4, "num_heads": 4}
 VOCAB_SIZE, MASK_TOKEN_ID = 4097, 4096
@@ -61,13 +61,6 @@ def global_batch() -> list:
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, MASK_TOKEN_ID, (NUM_MICROBATCHES, MICRO_BATCH, LENGTH), generator=gen)
     return [sample_two_stream_batch(t, Staggered(d=4), mask_token_id=MASK_TOKEN_ID, generator=gen) for t in tokens]
-
-
-def free_port() -> int:
-    """A port for this launch's rendezvous, so launches never meet a lingering one."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, world: int, port: int, parallel: dict, hidden_size: int, repeats: int, out: SimpleQueue) -> None:

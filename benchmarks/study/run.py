@@ -16,15 +16,16 @@ from dataclasses import replace
 from pathlib import Path
 
 from benchmarks.study.plan import Model
+from setdiff_megatron.checkpoint.manifest import verify
+from setdiff_megatron.checkpoint.names import CHECKPOINTS, find_checkpoints
 from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.data.reasoning import TRAIN_LEVELS, ReasoningCorpus, prepare_reasoning_corpus
 from setdiff_megatron.evaluation.infilling import InfillJob, run_infill_job
 from setdiff_megatron.evaluation.likelihood import LikelihoodJob, run_likelihood_job
+from setdiff_megatron.evaluation.scoring import gsm8k_answer
 from setdiff_megatron.evaluation.sweep import run_sweep
 from setdiff_megatron.inference.sharding import Placement
 from setdiff_megatron.recipes import load_recipe
-from setdiff_megatron.checkpoint.manifest import verify
-from setdiff_megatron.checkpoint.names import CHECKPOINTS, find_checkpoints
 
 BATCH_SIZE = 16
 MAX_NEW_TOKENS = 52
@@ -82,7 +83,7 @@ def prepare_tasks(out: Path, per_level: int) -> tuple[ReasoningCorpus, Path, Pat
 
 def trivial_baseline(tasks: Path) -> float:
     """The accuracy of answering every problem with the test set's most common answer."""
-    answers = Counter(json.loads(line)["reference"].rsplit("####", 1)[-1].strip()
+    answers = Counter(gsm8k_answer(json.loads(line)["reference"])
                       for line in tasks.read_text(encoding="utf-8").splitlines())
     return answers.most_common(1)[0][1] / sum(answers.values())
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 import sys
 from dataclasses import dataclass
 
@@ -21,7 +22,7 @@ from setdiff_megatron.distributed.layout import Layout
 from setdiff_megatron.errors import UserError
 
 __all__ = ["Ranks", "init_process_group", "init_model_parallel", "model_parallel_ranks", "join", "shutdown",
-           "world_size", "rank", "torchrun_argv",
+           "world_size", "rank", "torchrun_argv", "free_port",
            "barrier", "gather_objects", "broadcast_object"]
 
 
@@ -30,6 +31,14 @@ def torchrun_argv(nproc: int, cli_args: list[str], module: str = "setdiff_megatr
     under torchrun."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
             "-m", module, *cli_args]
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1, for a rendezvous or a local server that must not meet a
+    lingering one."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def world_size() -> int:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import warnings
@@ -32,6 +31,7 @@ from setdiff_megatron.checkpoint.identity import model_identity
 from setdiff_megatron.checkpoint.manifest import write_manifest
 from setdiff_megatron.checkpoint.names import CHECKPOINTS, LATEST, TOKENIZER_DIR, step_name
 from setdiff_megatron.checkpoint.state import Progress, TrainState, write_train_state
+from setdiff_megatron.distributed.runtime import free_port
 from setdiff_megatron.errors import UserError
 
 __all__ = ["write_megatron_checkpoint", "STEP_DIR", "VERIFY_FILE"]
@@ -58,12 +58,6 @@ def import_recipe(source, run_dir: Path, *, tp: int, pp: int, dtype: torch.dtype
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def write_megatron_checkpoint(source_path: Path, stage: Path, final: Path, *, tp: int, pp: int,
                               dtype: torch.dtype, verify_dir: Path | None) -> Path:
     """Run the tp * pp writer processes into `stage` (a run directory that will be renamed to
@@ -72,7 +66,7 @@ def write_megatron_checkpoint(source_path: Path, stage: Path, final: Path, *, tp
             "dtype": _PRECISION[dtype], "verify_dir": str(verify_dir) if verify_dir and pp == 1 else None}
     spec_file = stage / "import_spec.json"
     spec_file.write_text(json.dumps(spec))
-    world, port = tp * pp, _free_port()
+    world, port = tp * pp, free_port()
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
            "WORLD_SIZE": str(world), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
            "PYTHONWARNINGS": "ignore"}

@@ -5,20 +5,15 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 
-__all__ = ["LiveServer", "free_port"]
+from setdiff_megatron.distributed.runtime import free_port
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["LiveServer"]
 
 
 class LiveServer:

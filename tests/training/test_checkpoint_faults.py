@@ -14,7 +14,6 @@ import collections
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,15 +23,10 @@ import pytest
 
 from setdiff_megatron.checkpoint.manifest import verify
 from setdiff_megatron.checkpoint.names import find_checkpoints
+from setdiff_megatron.distributed.runtime import free_port
 
 WORKER = str(Path(__file__).with_name("checkpoint_fault_worker.py"))
 TRIALS = int(os.environ.get("SETDIFF_FAULT_TRIALS", "20"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_ranks(run_dir: Path, logs: list[Path]) -> list[subprocess.Popen]:
