@@ -42,6 +42,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=None, help="train every model this many steps instead of "
                         "its recipe's (a smoke run of the pipeline; the figures mean nothing then)")
     args = parser.parse_args(argv)
+    for flag in ("per_level", "code_examples", "steps"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1; got {value}")
     suffix = "-quick" if args.quick else ""
     out = (args.out or Path(f"runs/study{suffix}")).resolve()
     results_dir = args.results or RESULTS_DIR / f"study{suffix}"

@@ -70,7 +70,11 @@ def prepare_tasks(out: Path, per_level: int) -> tuple[ReasoningCorpus, Path, Pat
     """(corpus, the test task file with `per_level` problems of each training level in turn,
     the same problems as {"text"} documents for the likelihood jobs)."""
     corpus = prepare_reasoning_corpus(out / "data" / "reasoning", progress=False)
-    by_level = [corpus.test_tasks(level).read_text(encoding="utf-8").splitlines()[:per_level] for level in TRAIN_LEVELS]
+    by_level = [corpus.test_tasks(level).read_text(encoding="utf-8").splitlines() for level in TRAIN_LEVELS]
+    if min(map(len, by_level)) < per_level:
+        raise SystemExit(f"study: --per-level {per_level} is more than the corpus's {min(map(len, by_level))} "
+                         "test problems per level")
+    by_level = [lines[:per_level] for lines in by_level]
     lines = [line for group in zip(*by_level) for line in group]
     tasks, docs = out / "tasks" / "test.jsonl", out / "tasks" / "test-docs.jsonl"
     tasks.parent.mkdir(parents=True, exist_ok=True)
