@@ -149,9 +149,9 @@ def _add_convert_parser(sub) -> None:
     to_hf.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
                        help="weight precision (default: as saved)")
     to_hf.add_argument("--shard-size", default="5GB", help="largest safetensors shard, e.g. 5GB or 500MB")
-    from_hf = convert_sub.add_parser("from-hf", help="import a Llama/Qwen2/Qwen3 model (or an export) as a "
+    from_hf = convert_sub.add_parser("from-hf", help="import a Llama/Qwen2/Qwen3/Qwen3-MoE model (or an export) as a "
                                      "megatron checkpoint", description="Import a local Hugging Face directory "
-                                     "(safetensors) of a Llama, Qwen2 or Qwen3 causal LM, to adapt into a set "
+                                     "(safetensors) of a Llama, Qwen2, Qwen3 or Qwen3-MoE causal LM, to adapt into a set "
                                      "diffusion model (model.init_from), or one of our exports, as a megatron "
                                      "checkpoint run directory saved at the given layout.")
     from_hf.add_argument("hf_dir", help="a local Hugging Face model directory")

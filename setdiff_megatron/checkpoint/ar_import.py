@@ -1,12 +1,17 @@
-"""Llama, Qwen2 and Qwen3 causal LMs (local Hugging Face directories, safetensors) as weights of
-the set diffusion model family.
+"""Llama, Qwen2, Qwen3 and Qwen3-MoE causal LMs (local Hugging Face directories, safetensors) as
+weights of the set diffusion model family.
 
 Under the left-to-right order the clean stream of our model computes exactly what the AR model
 computes (same layers, causal attention over the positions so far), so the AR weights carry over
 one to one: q/k/v/o, gate/up/down, norms, q/k norms (Qwen3), q/k/v biases (Qwen2), rope theta,
-tied or untied embeddings. What the family cannot represent is refused with the reason: other
-architectures, rope scaling (llama3/yarn/...), partial rotary, sliding windows, MLP or
-output-projection biases, activations other than SiLU.
+tied or untied embeddings, and Qwen3-MoE's routers and experts (its routing is models/moe.py's:
+norm_topk_prob is a softmax over the k chosen logits, without it moe_router_pre_softmax; its
+decoder_sparse_step and mlp_only_layers become a moe_layer_freq list). Experts are read stored
+one tensor per expert and projection, as save_pretrained writes them, or fused, as transformers 5
+holds them in memory. What the family cannot represent is refused with the reason: other
+architectures (Qwen2-MoE's sigmoid-gated shared expert among them), rope scaling
+(llama3/yarn/...), partial rotary, sliding windows, MLP or output-projection biases, activations
+other than SiLU.
 
 MASK: the tokenizer's MASK role (data/tokenizers.py) reuses `<|fim_middle|>` on Qwen tokenizers,
 as the paper does with Qwen3, whose embedding row is pretrained; elsewhere a `<|mask|>` token is
@@ -27,14 +32,27 @@ from setdiff_megatron.checkpoint.hf_config import rope_theta_of
 from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.weight_maps import hf_to_torch
 
-__all__ = ["SUPPORTED", "ar_model_config", "ar_state_dict", "supported_text"]
+__all__ = ["SUPPORTED", "ar_model_config", "ar_state_dict", "supported_text", "unsupported_architecture"]
 
-SUPPORTED = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+SUPPORTED = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+             "qwen3_moe": "Qwen3MoeForCausalLM"}
+_WHY_NOT = {"qwen2_moe": "its shared expert is scaled by a learnt sigmoid gate (shared_expert_gate), which set "
+                         "diffusion models' shared experts do not have"}
+"""Architectures near a supported one, and what keeps them out."""
 _EMBED, _HEAD = "embed_tokens.weight", "lm_head.weight"
+_FUSED_GATE_UP, _FUSED_DOWN = "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
 
 
 def supported_text() -> str:
     return ", ".join(SUPPORTED.values()) + " (and set diffusion exports, model_type setdiff)"
+
+
+def unsupported_architecture(config: Mapping[str, Any], path: Path) -> UserError:
+    """The refusal of a config.json's architecture, saying what keeps it out where that is known."""
+    model_type = config.get("model_type")
+    arch = (config.get("architectures") or [model_type])[0]
+    why = f" ({_WHY_NOT[model_type]})" if model_type in _WHY_NOT else ""
+    return UserError(f"{path}: architecture {arch!r} is not supported{why}; supported: {supported_text()}")
 
 
 def _refuse(path: Path, what: str) -> UserError:
@@ -46,7 +64,7 @@ def ar_model_config(config: Mapping[str, Any], path: Path, *, vocab_size: int, m
     model_type = config.get("model_type")
     arch = (config.get("architectures") or [SUPPORTED.get(model_type, model_type)])[0]
     if model_type not in SUPPORTED or arch != SUPPORTED[model_type]:
-        raise UserError(f"{path}: architecture {arch or model_type!r} is not supported; supported: {supported_text()}")
+        raise unsupported_architecture(config, path)
     if config.get("hidden_act", "silu") != "silu":
         raise _refuse(path, f"hidden_act {config['hidden_act']!r} (SwiGLU with SiLU only)")
     scaling = config.get("rope_scaling") or {}
@@ -72,11 +90,47 @@ def ar_model_config(config: Mapping[str, Any], path: Path, *, vocab_size: int, m
             intermediate_size=config["intermediate_size"],
             max_seq_len=config.get("max_position_embeddings", 4096),
             rope_theta=float(rope_theta_of(config) or 10000.0), norm_eps=config.get("rms_norm_eps", 1e-6),
-            qk_norm=model_type == "qwen3", qkv_bias=model_type == "qwen2",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"), qkv_bias=model_type == "qwen2",
             tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+            **(_qwen3_moe_fields(config, path) if model_type == "qwen3_moe" else {}),
         )
     except (KeyError, ValueError) as exc:
         raise UserError(f"{path / 'config.json'} is incomplete or inconsistent: {exc}") from None
+
+
+def _qwen3_moe_fields(config: Mapping[str, Any], path: Path) -> dict[str, Any]:
+    """ModelConfig's mixture-of-experts fields for a Qwen3-MoE config.json; transformers' defaults
+    stand for the keys that change what it computes when they are missing, as they do there."""
+    step = config.get("decoder_sparse_step", 1)
+    if step < 1:
+        raise UserError(f"{path / 'config.json'}: decoder_sparse_step must be >= 1; got {step}")
+    experts = config["num_experts"] if "num_experts" in config else config["num_local_experts"]
+    dense = set(config.get("mlp_only_layers") or ())
+    sparse = [int(experts > 0 and i not in dense and (i + 1) % step == 0) for i in range(config["num_hidden_layers"])]
+    if not any(sparse):
+        return {}  # every layer's MLP is dense: a dense model
+    return dict(num_experts=experts, moe_top_k=config["num_experts_per_tok"],
+                moe_intermediate_size=config["moe_intermediate_size"], moe_layer_freq=sparse,
+                moe_router_pre_softmax=not config.get("norm_topk_prob", False),
+                moe_aux_loss_coeff=config.get("router_aux_loss_coef", 0.001))
+
+
+def _per_expert(hf_weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Fused experts (gate_up_proj [N, 2I, E], gate rows first, and down_proj [N, E, I]) split into
+    the per-expert names save_pretrained writes and hf_to_torch maps; other weights as they are."""
+    out = {}
+    for name, t in hf_weights.items():
+        if name.endswith(_FUSED_GATE_UP):
+            base = name.removesuffix("gate_up_proj")
+            gates, ups = t.chunk(2, dim=1)
+            for e in range(t.shape[0]):
+                out[f"{base}{e}.gate_proj.weight"], out[f"{base}{e}.up_proj.weight"] = gates[e], ups[e]
+        elif name.endswith(_FUSED_DOWN):
+            base = name.removesuffix("down_proj")
+            out |= {f"{base}{e}.down_proj.weight": down for e, down in enumerate(t)}
+        else:
+            out[name] = t
+    return out
 
 
 def ar_state_dict(hf_weights: Mapping[str, torch.Tensor], config: ModelConfig, tokenizer: SetDiffTokenizer,
@@ -86,7 +140,7 @@ def ar_state_dict(hf_weights: Mapping[str, torch.Tensor], config: ModelConfig, t
     rows = hf_weights[f"model.{_EMBED}"].shape[0] if f"model.{_EMBED}" in hf_weights else config.vocab_size
     source_cfg = config.replace(vocab_size=rows, mask_token_id=min(config.mask_token_id, rows - 1))
     try:
-        state = hf_to_torch(hf_weights, source_cfg)
+        state = hf_to_torch(_per_expert(hf_weights), source_cfg)
     except (KeyError, ValueError) as exc:
         raise UserError(f"{path}: weights do not match config.json: {exc}") from None
     vocab = max(rows, tokenizer.vocab_size)

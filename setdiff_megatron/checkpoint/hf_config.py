@@ -2,8 +2,9 @@
 
 One table each, used by the exporter (writing config.json and generation_config.json), by the
 importer (reading Llama/Qwen configs) and, bundled into the export's modeling file, by the
-Hugging Face model itself. Imports only the package's config dataclasses, so the bundle stays
-torch + transformers.
+Hugging Face model itself. A mixture of experts adds the MOE_CONFIG_KEYS, which a dense model's
+config.json leaves out (their values would describe experts it does not have). Imports only the
+package's config dataclasses, so the bundle stays torch + transformers.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from typing import Any, Mapping
 from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.models.config import ModelConfig
 
-__all__ = ["HF_CONFIG_KEYS", "GENERATION_KEYS", "hf_config_from_model_config", "model_config_from_hf_config",
-           "rope_theta_of", "generation_config_from_decoding", "decoding_config_from_generation"]
+__all__ = ["HF_CONFIG_KEYS", "MOE_CONFIG_KEYS", "GENERATION_KEYS", "hf_config_from_model_config",
+           "model_config_from_hf_config", "rope_theta_of", "generation_config_from_decoding",
+           "decoding_config_from_generation"]
 
 HF_CONFIG_KEYS: dict[str, str] = {
     # Hugging Face config key -> ModelConfig field
@@ -35,6 +37,20 @@ HF_CONFIG_KEYS: dict[str, str] = {
     "tie_word_embeddings": "tie_embeddings",
     "attention_impl": "attention_impl",
     "initializer_range": "init_std",
+}
+
+MOE_CONFIG_KEYS: dict[str, str] = {
+    # Hugging Face config key -> ModelConfig field, mixtures of experts only; Qwen3-MoE's key where
+    # Qwen3-MoE has the field with the same meaning
+    "num_experts": "num_experts",
+    "num_experts_per_tok": "moe_top_k",
+    "moe_intermediate_size": "moe_intermediate_size",
+    "num_shared_experts": "num_shared_experts",
+    "moe_layer_freq": "moe_layer_freq",
+    "moe_router_pre_softmax": "moe_router_pre_softmax",
+    "router_aux_loss_coef": "moe_aux_loss_coeff",
+    "moe_z_loss_coeff": "moe_z_loss_coeff",
+    "moe_capacity_factor": "moe_capacity_factor",
 }
 
 GENERATION_KEYS: dict[str, str] = {
@@ -61,12 +77,14 @@ def rope_theta_of(config: Mapping[str, Any]) -> float | None:
 
 def hf_config_from_model_config(cfg: ModelConfig) -> dict[str, Any]:
     values = dataclasses.asdict(cfg)
-    return {key: values[name] for key, name in HF_CONFIG_KEYS.items()}
+    keys = HF_CONFIG_KEYS | (MOE_CONFIG_KEYS if cfg.num_experts else {})
+    return {key: values[name] for key, name in keys.items()}
 
 
 def model_config_from_hf_config(config: Mapping[str, Any]) -> ModelConfig:
     """ModelConfig from a config.json (ours, or a Llama/Qwen one already checked by the importer)."""
-    values = {name: config[key] for key, name in HF_CONFIG_KEYS.items() if config.get(key) is not None}
+    keys = HF_CONFIG_KEYS | MOE_CONFIG_KEYS
+    values = {name: config[key] for key, name in keys.items() if config.get(key) is not None}
     theta = rope_theta_of(config)
     if theta is not None:
         values["rope_theta"] = float(theta)

@@ -3,7 +3,7 @@
   megatron   a run directory or step directory of the megatron engine, any TP/PP layout
   deepspeed  a run directory or step directory of the DeepSpeed engine, any ZeRO stage
   setdiff    a Hugging Face export of ours (model_type setdiff)
-  llama, qwen2, qwen3   a Hugging Face causal LM to adapt (ar_import.py)
+  llama, qwen2, qwen3, qwen3_moe   a Hugging Face causal LM to adapt (ar_import.py)
 
 Sampling, the evaluation jobs (infilling included), `setdiff convert`, `model.init_from` and the
 lm-eval adapter all read through it, so a new source format is one reader here. A run directory
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from setdiff_megatron.checkpoint.ar_import import SUPPORTED, ar_model_config, ar_state_dict, supported_text
+from setdiff_megatron.checkpoint.ar_import import SUPPORTED, ar_model_config, ar_state_dict, unsupported_architecture
 from setdiff_megatron.checkpoint.deepspeed import consolidated_state_dict, is_deepspeed_checkpoint
 from setdiff_megatron.checkpoint.hf_export import load_hf_export, read_hf_config
 from setdiff_megatron.checkpoint.hf_files import load_safetensors_dir
@@ -44,7 +44,7 @@ RUN_KINDS = ("megatron", "deepspeed")
 @dataclass
 class Source:
     kind: str
-    """'megatron', 'deepspeed', 'setdiff' or an AR model type ('llama', 'qwen2', 'qwen3')."""
+    """'megatron', 'deepspeed', 'setdiff' or an AR model type ('llama', 'qwen2', 'qwen3', 'qwen3_moe')."""
     path: Path
     """The step directory read (runs), or the Hugging Face directory."""
     config: ModelConfig
@@ -102,15 +102,14 @@ def _hf_tokenizer(directory: Path) -> SetDiffTokenizer:
 
 
 def read_hf_dir(directory: str | Path, *, weights: bool = True) -> Source:
-    """A Hugging Face directory: our export, or a Llama/Qwen2/Qwen3 causal LM."""
+    """A Hugging Face directory: our export, or a Llama/Qwen2/Qwen3/Qwen3-MoE causal LM."""
     directory = Path(directory)
     config = read_hf_config(directory)
     if config.get("model_type") == "setdiff":
         cfg, state, tokenizer = load_hf_export(directory)
         return Source("setdiff", directory, cfg, state if weights else None, tokenizer)
     if config.get("model_type") not in SUPPORTED:
-        arch = (config.get("architectures") or [config.get("model_type")])[0]
-        raise UserError(f"{directory}: architecture {arch!r} is not supported; supported: {supported_text()}")
+        raise unsupported_architecture(config, directory)
     tokenizer = _hf_tokenizer(directory)
     rows = int(config.get("vocab_size") or 0)
     cfg = ar_model_config(config, directory, vocab_size=max(rows, tokenizer.vocab_size), mask_token_id=tokenizer.mask_id)

@@ -27,6 +27,13 @@ class LossOutput:
     nll_sum: torch.Tensor  # [B]
     num_tokens: torch.Tensor  # [B]
 
+    def with_router_loss(self, weighted: torch.Tensor | float) -> "LossOutput":
+        """`loss` plus a mixture of experts' router losses, given weighted per routed token
+        (models/moe.py) and so divided by the target tokens like the NLL; the sums stay NLL."""
+        if isinstance(weighted, float | int) and weighted == 0:
+            return self
+        return LossOutput(self.loss + weighted / self.num_tokens.sum().clamp(min=1), self.nll_sum, self.num_tokens)
+
 
 def token_nll(logits_BLV: torch.Tensor, targets_BL: torch.Tensor, mask_token_id: int | None) -> torch.Tensor:
     """[B, L] negative log-likelihood of each target (float32 at least)."""

@@ -26,6 +26,7 @@ from setdiff_megatron.checkpoint.hf_config import generation_config_from_decodin
 from setdiff_megatron.checkpoint.hf_files import safetensors_dtype
 from setdiff_megatron.checkpoint.source import AR_KINDS, Source, read_source
 from setdiff_megatron.hf.weights_io import parse_size, save_sharded, staged_directory
+from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.weight_maps import torch_to_hf
 from setdiff_megatron.version import __version__
 
@@ -100,6 +101,7 @@ def _model_card(source: Source, cfg, dtype: torch.dtype, num_shards: int) -> str
 
     recipe = dump_recipe(source.recipe) if source.recipe is not None else "(no recipe: converted from another format)\n"
     name = source.recipe.name if source.recipe is not None else source.path.name
+    moe = _moe_line(cfg)
     return f"""---
 library_name: transformers
 pipeline_tag: text-generation
@@ -117,7 +119,7 @@ setdiff-megatron {__version__} from the {source.describe()}.
 - {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} heads ({cfg.num_kv_heads} key/value heads),
   head dim {cfg.head_dim}, MLP {cfg.intermediate_size}, vocabulary {cfg.vocab_size}, MASK id {cfg.mask_token_id},
   trained length {cfg.max_seq_len}, rope theta {cfg.rope_theta:g}, q/k norm {cfg.qk_norm}, q/k/v bias {cfg.qkv_bias},
-  tied embeddings {cfg.tie_embeddings}; {_DTYPE_NAMES[dtype]} weights in {num_shards} safetensors shard(s).
+  tied embeddings {cfg.tie_embeddings}; {_DTYPE_NAMES[dtype]} weights in {num_shards} safetensors shard(s).{moe}
 
 ## Use
 
@@ -146,6 +148,16 @@ query-stream logits of two streams laid out in a generation order (see modeling_
 {recipe.rstrip()}
 ```
 """
+
+
+def _moe_line(cfg: ModelConfig) -> str:
+    """The model card's line on the mixture of experts (none for a dense model)."""
+    if not cfg.num_experts:
+        return ""
+    layers = [i for i, moe in enumerate(cfg.moe_layers) if moe]
+    routing = "softmax before the top-k" if cfg.moe_router_pre_softmax else "softmax over the chosen k"
+    return (f"\n- Mixture of experts in layers {layers}: {cfg.num_experts} experts of width "
+            f"{cfg.moe_intermediate_size}, top-{cfg.moe_top_k} ({routing}), {cfg.num_shared_experts} shared expert(s).")
 
 
 def export_to_hf(checkpoint: str | Path, out_dir: str | Path, *, dtype: str = "auto", shard_size: str = "5GB",

@@ -1,5 +1,5 @@
-"""`setdiff convert from-hf`: a Llama/Qwen2/Qwen3 causal LM (to adapt into a set diffusion model)
-or a set diffusion export, as a checkpoint of the megatron engine at TP x PP.
+"""`setdiff convert from-hf`: a Llama/Qwen2/Qwen3/Qwen3-MoE causal LM (to adapt into a set diffusion
+model) or a set diffusion export, as a checkpoint of the megatron engine at TP x PP.
 
 The result is a run directory (`model.init_from: OUT`, `checkpoint.resume: OUT/checkpoints/...`,
 `setdiff convert to-hf OUT`) written by hf/megatron_writer.py into a staging directory, read back
@@ -25,9 +25,10 @@ from setdiff_megatron.hf.megatron_writer import VERIFY_FILE, write_megatron_chec
 from setdiff_megatron.checkpoint.hf_files import safetensors_dtype
 from setdiff_megatron.checkpoint.source import AR_KINDS, Source, read_hf_dir, read_source
 from setdiff_megatron.hf.weights_io import staged_directory
+from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 from setdiff_megatron.models.weight_maps import check_tp_split, stage_layers
 
-__all__ = ["import_from_hf"]
+__all__ = ["ar_comparison", "import_from_hf"]
 
 
 def _check_layout(source: Source, tp: int, pp: int) -> None:
@@ -81,18 +82,7 @@ def _verify_import(source: Source, stage: Path, dtype: torch.dtype, scratch: Pat
     converted = verify.torch_model(written.config, written.state_dict)
     out = []
     if source.kind in AR_KINDS:
-        transformers = require("transformers", "hf", "Checking an imported Hugging Face model")
-        with verify.quiet_transformers(transformers):
-            reference = transformers.AutoModelForCausalLM.from_pretrained(str(source.path), dtype=torch.float32)
-        rows = reference.get_input_embeddings().weight.shape[0]
-        tokens = verify.fixed_tokens(written.config, max_token=min(rows, source.tokenizer.vocab_size))
-        with torch.no_grad():
-            expected = reference(tokens).logits.float()
-        if dtype != safetensors_dtype(source.state_dict):
-            expected = _rounded_ar_logits(reference, dtype, tokens)
-        _, logits = verify.clean_stream(converted, tokens)
-        out.append(verify.compare(f"clean stream (left to right) vs {source.kind} source logits",
-                                  logits[..., :rows], expected, tolerance))
+        out.append(ar_comparison(source, converted, dtype, tolerance))
     else:
         batch = verify.fixed_batch(source.config)
         expected = verify.query_logits(verify.torch_model(source.config, source.state_dict, round_to=dtype), batch)
@@ -107,6 +97,25 @@ def _verify_import(source: Source, stage: Path, dtype: torch.dtype, scratch: Pat
         out.append(verify.compare("megatron model vs converted torch model (query logits)", megatron,
                                   verify.query_logits(converted, batch), tolerance))
     return out
+
+
+def ar_comparison(source: Source, converted: SetDiffusionTransformer, dtype: torch.dtype,
+                  tolerance: float) -> verify.Comparison:
+    """The import check of an AR source: the converted model's clean stream under the left-to-right
+    order against the source's own logits (transformers' AutoModelForCausalLM, float32), its
+    weights rounded to `dtype` when the import changes precision."""
+    transformers = require("transformers", "hf", "Checking an imported Hugging Face model")
+    with verify.quiet_transformers(transformers):
+        reference = transformers.AutoModelForCausalLM.from_pretrained(str(source.path), dtype=torch.float32)
+    rows = reference.get_input_embeddings().weight.shape[0]
+    tokens = verify.fixed_tokens(converted.config, max_token=min(rows, source.tokenizer.vocab_size))
+    with torch.no_grad():
+        expected = reference(tokens).logits.float()
+    if dtype != safetensors_dtype(source.state_dict):
+        expected = _rounded_ar_logits(reference, dtype, tokens)
+    _, logits = verify.clean_stream(converted, tokens)
+    return verify.compare(f"clean stream (left to right) vs {source.kind} source logits", logits[..., :rows],
+                          expected, tolerance)
 
 
 @torch.no_grad()

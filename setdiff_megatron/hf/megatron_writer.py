@@ -52,7 +52,8 @@ def import_recipe(source, run_dir: Path, *, tp: int, pp: int, dtype: torch.dtype
         description=f"{source.describe()}, imported by setdiff convert from-hf",
         model=ModelSection(**asdict(source.config)),
         data=DataSection(tokenizer=str(step_dir / "tokenizer"), seq_len=min(source.config.max_seq_len, 1024)),
-        parallel=ParallelSection(tp=tp, pp=pp),
+        # megatron-core trains MoE layers under TP only with sequence parallelism.
+        parallel=ParallelSection(tp=tp, pp=pp, sequence_parallel=tp > 1 and bool(source.config.num_experts)),
         train=TrainSection(precision=_PRECISION[dtype]),
         checkpoint=CheckpointSection(dir=str(run_dir)),
     )

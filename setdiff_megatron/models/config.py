@@ -4,6 +4,11 @@ A Llama/Qwen-style decoder (RMSNorm, rotary embeddings, grouped-query attention 
 q/k norm, SwiGLU MLP, tied or untied output layer) whose attention is set-causal and whose
 rotary position ids are the ORIGINAL positions of tokens laid out in a sampled order. The MASK
 token is an ordinary row of the embedding.
+
+With `num_experts > 0` the MLP of every `moe_layer_freq`-th layer is a mixture of experts in
+megatron-core's form (Qwen3-MoE's, plus optional DeepSeek-style shared experts): a linear router,
+top-k on its logits, softmax over the k chosen (Qwen3's norm_topk_prob), SwiGLU experts. Both
+streams' tokens are routed one by one.
 """
 
 from __future__ import annotations
@@ -50,6 +55,29 @@ class ModelConfig:
     BF16, FP8 under train.fp8 with fp8_recipe delayed), 'flash_attn' (flash-attn 2), 'sdpa' (masked)
     or 'dense' (reference). 'te' and 'flash_attn' need a CUDA GPU; see README 'Attention kernels'."""
     init_std: float = 0.02
+    num_experts: int = 0
+    """Routed experts of each MoE layer; 0: a dense model."""
+    moe_top_k: int = 2
+    """Experts each token is sent to."""
+    moe_intermediate_size: int | None = None
+    """SwiGLU width of one expert; None means intermediate_size."""
+    num_shared_experts: int = 0
+    """Experts every token goes through besides its routed ones (one MLP of num_shared_experts x
+    moe_intermediate_size, ungated), as in DeepSeek-V3."""
+    moe_layer_freq: int | list[int] = 1
+    """Which layers are MoE: k means layers 0, k, 2k, ... (megatron's convention); a list of
+    num_layers 0/1 flags names them one by one."""
+    moe_router_pre_softmax: bool = False
+    """Softmax over all experts before the top-k, the k probabilities not renormalised (Qwen3-MoE's
+    norm_topk_prob false); needed with moe_top_k = 1, whose renormalised probability is always 1."""
+    moe_aux_loss_coeff: float = 1e-2
+    """Weight of the Switch load-balancing loss of each MoE layer."""
+    moe_z_loss_coeff: float = 0.0
+    """Weight of the router z-loss (ST-MoE); 0 switches it off."""
+    moe_capacity_factor: float | None = None
+    """None: dropless. Otherwise each expert takes at most ceil(capacity_factor x tokens x top_k /
+    experts) tokens of a micro-batch's layer input, keeping those of highest routing probability;
+    the others skip the expert (their other choices and the residual remain)."""
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_layers", "num_heads", "max_seq_len"):
@@ -82,6 +110,42 @@ class ModelConfig:
             raise ValueError(f"mask_token_id must lie in [0, vocab_size={self.vocab_size}); got {self.mask_token_id}")
         if self.attention_impl not in ATTENTION_IMPL_NAMES:
             raise ValueError(f"attention_impl must be one of {list(ATTENTION_IMPL_NAMES)}; got {self.attention_impl!r}")
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        if self.num_experts < 0:
+            raise ValueError(f"num_experts must be >= 0 (0: dense); got {self.num_experts}")
+        if not self.num_experts:
+            return
+        if self.moe_intermediate_size is None:
+            self.moe_intermediate_size = self.intermediate_size
+        if self.moe_intermediate_size < 1 or self.num_shared_experts < 0:
+            raise ValueError("moe_intermediate_size must be >= 1 and num_shared_experts >= 0; got "
+                             f"{self.moe_intermediate_size}, {self.num_shared_experts}")
+        if not 1 <= self.moe_top_k <= self.num_experts:
+            raise ValueError(f"moe_top_k must lie in [1, num_experts={self.num_experts}]; got {self.moe_top_k}")
+        if self.moe_top_k == 1 and not self.moe_router_pre_softmax:
+            raise ValueError("moe_top_k = 1 needs moe_router_pre_softmax: true (a softmax over one chosen expert is "
+                             "always 1 and trains no router)")
+        freq = self.moe_layer_freq
+        if isinstance(freq, int) and freq < 1:
+            raise ValueError(f"moe_layer_freq must be >= 1 or a list of 0/1 per layer; got {freq}")
+        if isinstance(freq, list) and (len(freq) != self.num_layers or set(freq) - {0, 1} or not any(freq)):
+            raise ValueError(f"moe_layer_freq as a list needs num_layers={self.num_layers} flags of 0/1, at least "
+                             f"one 1; got {freq}")
+        if self.moe_aux_loss_coeff < 0 or self.moe_z_loss_coeff < 0:
+            raise ValueError("moe_aux_loss_coeff and moe_z_loss_coeff must be >= 0")
+        if self.moe_capacity_factor is not None and self.moe_capacity_factor <= 0:
+            raise ValueError(f"moe_capacity_factor must be > 0, or None for dropless; got {self.moe_capacity_factor}")
+
+    @property
+    def moe_layers(self) -> tuple[bool, ...]:
+        """Whether each layer's MLP is a mixture of experts."""
+        if not self.num_experts:
+            return (False,) * self.num_layers
+        freq = self.moe_layer_freq
+        return tuple(bool(f) for f in freq) if isinstance(freq, list) else tuple(
+            i % freq == 0 for i in range(self.num_layers))
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
@@ -92,14 +156,21 @@ class ModelConfig:
             raise ValueError("vocab_size and mask_token_id must be set (a recipe takes them from its tokenizer)")
         return self
 
-    def num_params(self) -> int:
+    def num_params(self, *, active: bool = False) -> int:
+        """Parameters of the model; `active`: those one token passes through (top-k experts)."""
         h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
         attn = h * self.num_heads * self.head_dim * 2 + 2 * h * kv
-        mlp = 3 * h * self.intermediate_size
         norms = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
         biases = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim if self.qkv_bias else 0
         embed = self.vocab_size * h * (1 if self.tie_embeddings else 2)
-        return self.num_layers * (attn + mlp + norms + biases) + embed + h
+        total = self.num_layers * (attn + norms + biases) + embed + h
+        for moe in self.moe_layers:
+            if moe:
+                routed = self.moe_top_k if active else self.num_experts
+                total += self.num_experts * h + 3 * h * self.moe_intermediate_size * (routed + self.num_shared_experts)
+            else:
+                total += 3 * h * self.intermediate_size
+        return total
 
 
 FLAVORS: dict[str, dict] = {

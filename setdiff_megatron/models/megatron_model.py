@@ -10,6 +10,10 @@ rotary, SwiGLU MLP) with three slots swapped:
                   parallelism works (megatron's stock torch norm refuses it)
   final norm      the same RMSNorm
 
+An MoE layer (ModelConfig.moe_layers) takes the MoE variant of the same spec: megatron-core's
+router, all-to-all token dispatcher over the expert-parallel group, and SequentialMLP experts
+(grouped GEMM under TE), computing what models/moe.py computes.
+
 The model's last layer runs its core attention, output projection and MLP on the query rows
 only (nothing reads the clean stream after it), with the residual cut to match; under sequence
 parallelism it runs in full, since a TP rank's slice of the sequence is not a slice of one stream.
@@ -46,7 +50,6 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlock,
     TransformerBlockSubmodules,
-    get_num_layers_to_build,
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -56,7 +59,7 @@ from setdiff_megatron.core.streams import TwoStreamBatch
 from setdiff_megatron.errors import UserError, require
 from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.torch_model import Rotary, cache_attention_impl
-from setdiff_megatron.models.weight_maps import BACKENDS, check_tp_split, padded_vocab_size, stage_layers
+from setdiff_megatron.models.weight_maps import BACKENDS, check_ep_split, check_tp_split, padded_vocab_size, stage_layers
 
 __all__ = [
     "SetCausalCoreAttention",
@@ -79,13 +82,14 @@ def transformer_config_from(
     tp: int = 1,
     pp: int = 1,
     vpp: int | None = None,
+    ep: int = 1,
     sequence_parallel: bool = False,
     recompute: Recompute = "none",
     params_dtype: torch.dtype = torch.float32,
     calculate_per_token_loss: bool = True,
     **overrides,
 ) -> TransformerConfig:
-    """megatron's TransformerConfig for `model_cfg` under a (tp, pp, vpp) layout.
+    """megatron's TransformerConfig for `model_cfg` under a (tp, pp, vpp, ep) layout.
 
     `calculate_per_token_loss` (default) makes the schedule back-propagate NLL sums and divide
     the gradients by the global number of target tokens: core/loss.py's per-token mean over the
@@ -94,9 +98,10 @@ def transformer_config_from(
     """
     try:
         check_tp_split(model_cfg, tp)
+        check_ep_split(model_cfg, ep)
         stage_layers(model_cfg.num_layers, pp, 0, vpp, 0 if vpp else None)
     except ValueError as exc:
-        raise UserError(f"parallel layout tp={tp} pp={pp} vpp={vpp}: {exc}") from None
+        raise UserError(f"parallel layout tp={tp} pp={pp} vpp={vpp} ep={ep}: {exc}") from None
     if recompute not in ("none", "selective", "full"):
         raise UserError(f"recompute must be 'none', 'selective' or 'full'; got {recompute!r}")
     full = recompute == "full"
@@ -133,7 +138,29 @@ def transformer_config_from(
         # silently mixes up tensors (MEGATRON_CPU.md), so interleaving uses unbatched p2p.
         batch_p2p_comm=vpp is None,
     )
-    return TransformerConfig(**(fields | overrides))
+    return TransformerConfig(**(fields | _moe_fields(model_cfg, ep) | overrides))
+
+
+def _moe_fields(cfg: ModelConfig, ep: int) -> dict:
+    """megatron's MoE settings for models/moe.py's mixture of experts: all-to-all dispatch over the
+    expert-parallel group, experts split over TP like dense MLPs, routers as documented there."""
+    if not cfg.num_experts:
+        return {}
+    return dict(
+        num_moe_experts=cfg.num_experts,
+        moe_router_topk=cfg.moe_top_k,
+        moe_ffn_hidden_size=cfg.moe_intermediate_size,
+        moe_shared_expert_intermediate_size=cfg.num_shared_experts * cfg.moe_intermediate_size or None,
+        moe_layer_freq=[int(m) for m in cfg.moe_layers],
+        moe_router_pre_softmax=cfg.moe_router_pre_softmax,
+        moe_router_load_balancing_type="aux_loss" if cfg.moe_aux_loss_coeff else "none",
+        moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
+        moe_z_loss_coeff=cfg.moe_z_loss_coeff or None,
+        moe_expert_capacity_factor=cfg.moe_capacity_factor,
+        moe_token_drop_policy="probs",
+        moe_token_dispatcher_type="alltoall",
+        expert_model_parallel_size=ep,
+    )
 
 
 class RMSNorm(torch.nn.RMSNorm):
@@ -235,16 +262,18 @@ def _te_modules():
     return get_gpt_layer_with_transformer_engine_spec, TENorm
 
 
-def layer_spec(model_cfg: ModelConfig, backend: str = "local") -> tuple[ModuleSpec, type]:
-    """(transformer layer spec, final norm class) for a backend: megatron's GPT layer with the
-    set-causal core attention; the local backend also gets SP-capable norms."""
+def layer_spec(model_cfg: ModelConfig, backend: str = "local", moe: bool = False) -> tuple[ModuleSpec, type]:
+    """(transformer layer spec, final norm class) for a backend: megatron's GPT layer (with its
+    MoE MLP when `moe`: SequentialMLP experts locally, grouped GEMM under TE) with the set-causal
+    core attention; the local backend also gets SP-capable norms."""
     if backend not in BACKENDS:
         raise UserError(f"backend must be one of {BACKENDS}; got {backend!r}")
+    experts = dict(num_experts=model_cfg.num_experts, moe_grouped_gemm=backend == "te") if moe else {}
     if backend == "te":
         te_layer_spec, final_norm = _te_modules()
-        spec = te_layer_spec(qk_layernorm=model_cfg.qk_norm)
+        spec = te_layer_spec(qk_layernorm=model_cfg.qk_norm, **experts)
     else:
-        spec, final_norm = get_gpt_layer_local_spec(qk_layernorm=model_cfg.qk_norm), RMSNorm
+        spec, final_norm = get_gpt_layer_local_spec(qk_layernorm=model_cfg.qk_norm, **experts), RMSNorm
         spec.submodules.input_layernorm = RMSNorm
         spec.submodules.pre_mlp_layernorm = RMSNorm
         if model_cfg.qk_norm:
@@ -277,13 +306,15 @@ class SetDiffusionGPT(LanguageModule):
             )
         # A plain attribute, not a buffer: Float16Module casts buffers, and bf16 angles are wrong.
         self.inv_freq = Rotary(model_cfg.head_dim, model_cfg.rope_theta).inv_freq
-        spec, final_norm = layer_spec(model_cfg, backend)
-        num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=self.pp_group.rank())
-        specs = [spec] * num_layers
+        layers = stage_layers(model_cfg.num_layers, self.pp_group.size(), self.pp_group.rank(),
+                              config.virtual_pipeline_model_parallel_size, vp_stage)
+        specs = [layer_spec(model_cfg, backend, moe=model_cfg.moe_layers[i])[0] for i in layers]
+        final_norm = layer_spec(model_cfg, backend)[1]
+        num_layers = len(specs)
         # Under sequence parallelism each TP rank holds a slice of both streams, not of the query
         # stream, so the last layer cannot drop the clean rows locally: it runs in full there.
         if post_process and num_layers and not config.sequence_parallel:
-            specs[-1] = query_rows_layer_spec(spec, model_cfg)
+            specs[-1] = query_rows_layer_spec(specs[-1], model_cfg)
         self.decoder = TransformerBlock(
             config=config, spec=TransformerBlockSubmodules(layer_specs=specs, layer_norm=final_norm),
             pre_process=pre_process, post_process=post_process, pg_collection=self.pg_collection,
@@ -405,7 +436,19 @@ def build_model_chunks(model_cfg: ModelConfig, config: TransformerConfig, *, bac
             config, model_cfg, backend=backend, vp_stage=vp_stage, pg_collection=pg_collection,
             pre_process=pp_rank == 0 and first_chunk, post_process=pp_rank == pp_size - 1 and last_chunk,
         ))
+    for chunk in chunks:
+        _keep_experts_apart(chunk)
     return chunks
+
+
+def _keep_experts_apart(chunk: torch.nn.Module) -> None:
+    """Routed experts' weights go to megatron's expert-parallel gradient buffers and optimizer at
+    every EP size, EP = 1 included (megatron does so only at EP > 1): the optimizer's checkpoint
+    then has one structure, dense and expert parts, and reshards between EP sizes. At EP = 1 the
+    expert data-parallel group is the data-parallel group, so the arithmetic is unchanged."""
+    for name, param in chunk.named_parameters():
+        if ".mlp.experts." in name:
+            param.allreduce = False
 
 
 def pipeline_seq_length(length: int) -> int:

@@ -30,6 +30,7 @@ from setdiff_megatron.core.orders import OrderPolicy
 from setdiff_megatron.core.streams import sample_two_stream_batch
 from setdiff_megatron.kernels import choose_attention_impl
 from setdiff_megatron.models.config import ModelConfig
+from setdiff_megatron.models.moe import MLP, MoE, RouterStats
 
 __all__ = ["SetDiffusionTransformer", "Rotary", "apply_rotary", "cache_attention_impl"]
 
@@ -91,24 +92,13 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, rows, -1))
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, moe: bool = False):
         super().__init__()
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if moe else MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
                 first_row: int = 0) -> torch.Tensor:
@@ -122,7 +112,7 @@ class SetDiffusionTransformer(nn.Module):
         super().__init__()
         self.config = cfg = cfg.resolved()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(Block(cfg, moe) for moe in cfg.moe_layers)
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
@@ -139,10 +129,19 @@ class SetDiffusionTransformer(nn.Module):
                 nn.init.zeros_(p)
             elif p.dim() == 1:
                 nn.init.ones_(p)
-            elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            elif name.endswith(("o_proj.weight", "down_proj.weight")):  # experts' too
                 nn.init.normal_(p, std=std / math.sqrt(2 * self.config.num_layers))
             else:
                 nn.init.normal_(p, std=std)
+
+    def router_stats(self) -> dict[int, RouterStats]:
+        """Each MoE layer's routing in the last forward, by layer index (empty for dense models)."""
+        return {i: layer.mlp.stats for i, layer in enumerate(self.layers)
+                if isinstance(layer.mlp, MoE) and layer.mlp.stats is not None}
+
+    def router_loss(self) -> torch.Tensor | float:
+        """The last forward's router losses, weighted per routed token: add to the NLL sum."""
+        return sum(s.weighted_loss for s in self.router_stats().values())
 
     def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         hidden = self.norm(hidden)
@@ -189,7 +188,8 @@ class SetDiffusionTransformer(nn.Module):
         )
         logits = self(batch.clean_tokens, batch.query_tokens, batch.position_ids,
                       None if pad_mask is None else batch.valid_len)
-        return set_diffusion_loss(logits, batch.targets, batch.loss_mask, mask_token_id=self.config.mask_token_id)
+        out = set_diffusion_loss(logits, batch.targets, batch.loss_mask, mask_token_id=self.config.mask_token_id)
+        return out.with_router_loss(self.router_loss())
 
     def new_cache(self, batch_size: int, capacity: int) -> KVCache:
         p = self.embed_tokens.weight

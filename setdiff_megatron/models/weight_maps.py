@@ -10,6 +10,12 @@ as `{}` templates over the layer index. Four things are not one-to-one:
                the padding is zero here and is masked out of the logits by the model
   tied output  with tied embeddings the last pipeline stage holds a copy of the embedding as
                output_layer.weight (pp > 1); pp == 1 has no output_layer.weight at all
+  experts      an MoE layer's router is mlp.router (torch: Qwen3-MoE's mlp.gate); expert e lives on
+               expert-parallel rank e // (N / ep) as local expert e % (N / ep), each one an MLP
+               with fused fc1 split over TP like the dense MLP; the shared experts are one such
+               MLP (torch: DeepSeek's mlp.shared_experts). The `te` backend's grouped GEMM holds
+               local expert j as linear_fc1.weight{j}, and its MoE layers keep their own
+               pre_mlp_layernorm (the router reads the normalised input)
 
 The `te` backend fuses the pre-attention and pre-MLP norms into the following linear layer
 (layer_norm_weight) and adds `_extra_state` entries, which carry no weights and are skipped.
@@ -31,7 +37,7 @@ import torch
 
 from setdiff_megatron.models.config import ModelConfig
 
-__all__ = ["BACKENDS", "VOCAB_PAD_MULTIPLE", "check_tp_split", "hf_to_torch", "megatron_to_torch",
+__all__ = ["BACKENDS", "VOCAB_PAD_MULTIPLE", "check_ep_split", "check_tp_split", "hf_to_torch", "megatron_to_torch",
            "padded_vocab_size", "stage_layers", "torch_shapes", "torch_to_hf", "torch_to_megatron"]
 
 BACKENDS = ("local", "te")
@@ -47,7 +53,6 @@ _LAYER_PLAIN: dict[str, tuple[str, int | None]] = {
     "self_attn.o_proj.weight": ("self_attention.linear_proj.weight", 1),
     "self_attn.q_norm.weight": ("self_attention.q_layernorm.weight", None),
     "self_attn.k_norm.weight": ("self_attention.k_layernorm.weight", None),
-    "mlp.down_proj.weight": ("mlp.linear_fc2.weight", 1),
 }
 _LAYER_NORMS: dict[str, dict[str, str]] = {
     "local": {"input_layernorm.weight": "input_layernorm.weight",
@@ -59,8 +64,9 @@ _QKV = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.
 _QKV_MEGATRON = "self_attention.linear_qkv.weight"
 _QKV_BIAS = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
 _QKV_BIAS_MEGATRON = "self_attention.linear_qkv.bias"
-_FC1 = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
-_FC1_MEGATRON = "mlp.linear_fc1.weight"
+_ROUTER = ("mlp.gate.weight", "mlp.router.weight")
+_GATE_UP = ("gate_proj.weight", "up_proj.weight")
+_DOWN = "down_proj.weight"
 TORCH_LAYER = "layers.{}."
 MEGATRON_LAYER = "decoder.layers.{}."
 _EMBED = ("embed_tokens.weight", "embedding.word_embeddings.weight")
@@ -91,19 +97,50 @@ def stage_layers(num_layers: int, pp_size: int, pp_rank: int, vp_size: int | Non
     return range(start, start + per_chunk)
 
 
-def _layer_plain(cfg: ModelConfig, backend: str) -> dict[str, tuple[str, int | None]]:
+def _layer_plain(cfg: ModelConfig, backend: str, moe: bool) -> dict[str, tuple[str, int | None]]:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
-    plain = {t: (m, None) for t, m in _LAYER_NORMS[backend].items()} | _LAYER_PLAIN
+    norms = dict(_LAYER_NORMS[backend])
+    if moe:  # the router reads the normalised input: no fusing into fc1, under any backend
+        norms["post_attention_layernorm.weight"] = _LAYER_NORMS["local"]["post_attention_layernorm.weight"]
+    plain = {t: (m, None) for t, m in norms.items()} | _LAYER_PLAIN
+    if moe:
+        plain[_ROUTER[0]] = (_ROUTER[1], None)
     if not cfg.qk_norm:
         plain = {t: v for t, v in plain.items() if "_norm." not in t}
     return plain
 
 
+def _mlps(cfg: ModelConfig, moe: bool, backend: str, ep_rank: int, ep_size: int) -> list[tuple[str, str, str]]:
+    """(torch prefix, megatron fc1 name, megatron fc2 name) of each SwiGLU MLP of a layer that
+    expert-parallel rank `ep_rank` holds: the dense MLP, or its experts and the shared experts."""
+    if not moe:
+        return [("mlp.", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight")]
+    per_rank = cfg.num_experts // ep_size
+    grouped = backend == "te"
+    mlps = [(f"mlp.experts.{ep_rank * per_rank + j}.",
+             f"mlp.experts.linear_fc1.weight{j}" if grouped else f"mlp.experts.local_experts.{j}.linear_fc1.weight",
+             f"mlp.experts.linear_fc2.weight{j}" if grouped else f"mlp.experts.local_experts.{j}.linear_fc2.weight")
+            for j in range(per_rank)]
+    if cfg.num_shared_experts:
+        mlps.append(("mlp.shared_experts.", "mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.linear_fc2.weight"))
+    return mlps
+
+
+def check_ep_split(cfg: ModelConfig, ep_size: int) -> None:
+    """Megatron spreads each MoE layer's experts evenly over the expert-parallel ranks."""
+    if ep_size > 1 and not cfg.num_experts:
+        raise ValueError(f"expert parallelism (ep={ep_size}) needs a mixture of experts (model.num_experts > 0)")
+    if cfg.num_experts % ep_size:
+        raise ValueError(f"num_experts ({cfg.num_experts}) must be divisible by the expert-parallel size ({ep_size})")
+
+
 def check_tp_split(cfg: ModelConfig, tp_size: int) -> None:
     """Megatron splits heads, KV groups and the MLP width evenly over TP ranks (no KV replication)."""
-    for name, n in (("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads),
-                    ("intermediate_size", cfg.intermediate_size)):
+    widths = [("intermediate_size", cfg.intermediate_size)] if not all(cfg.moe_layers) else []
+    if cfg.num_experts:
+        widths.append(("moe_intermediate_size", cfg.moe_intermediate_size))
+    for name, n in (("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads), *widths):
         if n % tp_size:
             raise ValueError(f"{name} ({n}) must be divisible by the tensor-parallel size ({tp_size})")
 
@@ -132,27 +169,32 @@ def torch_to_megatron(
     pp_size: int = 1,
     vp_size: int | None = None,
     vp_stage: int | None = None,
+    ep_rank: int = 0,
+    ep_size: int = 1,
     backend: str = "local",
 ) -> StateDict:
-    """The state dict of one megatron model chunk (one TP rank, one (virtual) pipeline stage)."""
+    """The state dict of one megatron model chunk (one TP rank, one (virtual) pipeline stage, the
+    experts of one expert-parallel rank)."""
     check_tp_split(cfg, tp_size)
-    plain = _layer_plain(cfg, backend)
+    check_ep_split(cfg, ep_size)
     _check_shapes(state_dict, cfg)
     layers = stage_layers(cfg.num_layers, pp_size, pp_rank, vp_size, vp_stage)
     first = layers.start == 0
     last = layers.stop == cfg.num_layers
     out: StateDict = {}
     for local, i in enumerate(layers):
-        src, dst = TORCH_LAYER.format(i), MEGATRON_LAYER.format(local)
-        for t_name, (m_name, dim) in plain.items():
+        src, dst, moe = TORCH_LAYER.format(i), MEGATRON_LAYER.format(local), cfg.moe_layers[i]
+        for t_name, (m_name, dim) in _layer_plain(cfg, backend, moe).items():
             out[dst + m_name] = _shard(state_dict[src + t_name], dim, tp_rank, tp_size).clone()
         qkv = _qkv_groups(cfg, *(state_dict[src + n] for n in _QKV))
         out[dst + _QKV_MEGATRON] = qkv.chunk(tp_size, dim=0)[tp_rank].flatten(0, 1).clone()
         if cfg.qkv_bias:
             bias = _qkv_groups(cfg, *(state_dict[src + n][:, None] for n in _QKV_BIAS))  # [G, rows, 1]
             out[dst + _QKV_BIAS_MEGATRON] = bias.chunk(tp_size, dim=0)[tp_rank].flatten().clone()
-        gate, up = (_shard(state_dict[src + n], 0, tp_rank, tp_size) for n in _FC1)
-        out[dst + _FC1_MEGATRON] = torch.cat([gate, up])
+        for prefix, fc1, fc2 in _mlps(cfg, moe, backend, ep_rank, ep_size):
+            gate, up = (_shard(state_dict[src + prefix + n], 0, tp_rank, tp_size) for n in _GATE_UP)
+            out[dst + fc1] = torch.cat([gate, up])
+            out[dst + fc2] = _shard(state_dict[src + prefix + _DOWN], 1, tp_rank, tp_size).clone()
     embed = _shard(_pad_vocab(state_dict[_EMBED[0]], cfg, tp_size), 0, tp_rank, tp_size)
     if first:
         out[_EMBED[1]] = embed.clone()
@@ -166,46 +208,52 @@ def torch_to_megatron(
 
 
 def megatron_to_torch(shards: Mapping[tuple[int, ...], Mapping[str, torch.Tensor]], cfg: ModelConfig, *,
-                      backend: str = "local") -> StateDict:
+                      ep_size: int = 1, backend: str = "local") -> StateDict:
     """Merge megatron chunk state dicts into the torch model's state dict.
 
     `shards` is keyed by (tp_rank, pp_rank) or, with virtual pipeline stages, by
-    (tp_rank, pp_rank, vp_stage); every combination must be present. Every megatron weight must
-    be consumed (`_extra_state` entries excepted) and every shape must match.
+    (tp_rank, pp_rank, vp_stage); with ep_size > 1 every key ends with the expert-parallel rank.
+    Every combination must be present. Every megatron weight must be consumed (`_extra_state`
+    entries excepted; what the EP ranks replicate is read from EP rank 0) and every shape must match.
     """
+    check_ep_split(cfg, ep_size)
     keys = sorted(shards)
-    tp_size, pp_size = keys[-1][0] + 1, max(k[1] for k in keys) + 1
-    vp_size = max(k[2] for k in keys) + 1 if len(keys[0]) == 3 else None
-    grid = {(t, p) + ((v,) if vp_size else ()) for t in range(tp_size) for p in range(pp_size)
-            for v in range(vp_size or 1)}
+    with_ep = ep_size > 1
+    model_keys = sorted({k[:-1] for k in keys}) if with_ep else keys
+    tp_size, pp_size = model_keys[-1][0] + 1, max(k[1] for k in model_keys) + 1
+    vp_size = max(k[2] for k in model_keys) + 1 if len(model_keys[0]) == 3 else None
+    grid = {(t, p) + ((v,) if vp_size else ()) + ((e,) if with_ep else ()) for t in range(tp_size)
+            for p in range(pp_size) for v in range(vp_size or 1) for e in range(ep_size)}
     if set(keys) != grid:
-        raise KeyError(f"shards must cover every (tp_rank, pp_rank[, vp_stage]); missing {sorted(grid - set(keys))}")
+        raise KeyError("shards must cover every (tp_rank, pp_rank[, vp_stage][, ep_rank]); "
+                       f"missing {sorted(grid - set(keys))}")
     check_tp_split(cfg, tp_size)
-    plain = _layer_plain(cfg, backend)
     unused = {k: {n for n in sd if not n.endswith("_extra_state")} for k, sd in shards.items()}
 
-    def take(chunk: tuple[int, ...], name: str) -> list[torch.Tensor]:
-        """`name` from every TP rank of one pipeline chunk (chunk = key without the TP rank)."""
+    def take(chunk: tuple[int, ...], name: str, ep: int | None = None) -> list[torch.Tensor]:
+        """`name` from every TP rank of one pipeline chunk (chunk = key without the TP and EP
+        ranks), of expert-parallel rank `ep`, or of EP rank 0 for what every EP rank holds."""
         tensors = []
         for t in range(tp_size):
-            key = (t,) + chunk
-            if name not in shards[key]:
-                raise KeyError(f"megatron shard {key} has no {name!r}")
-            unused[key].discard(name)
-            tensors.append(shards[key][name])
+            replicas = [(t,) + chunk + ((e,) if with_ep else ()) for e in (range(ep_size) if ep is None else [ep])]
+            if name not in shards[replicas[0]]:
+                raise KeyError(f"megatron shard {replicas[0]} has no {name!r}")
+            for key in replicas:
+                unused[key].discard(name)
+            tensors.append(shards[replicas[0]][name])
         return tensors
 
     out: StateDict = {}
-    chunks = sorted({k[1:] for k in keys}, key=lambda c: (c[1:], c[0]))  # pipeline order
+    chunks = sorted({k[1:len(k) - with_ep] for k in keys}, key=lambda c: (c[1:], c[0]))  # pipeline order
+    q_rows = cfg.num_heads // cfg.num_kv_heads * cfg.head_dim
     for chunk in chunks:
         layers = stage_layers(cfg.num_layers, pp_size, chunk[0], vp_size, chunk[1] if vp_size else None)
         for local, i in enumerate(layers):
-            src, dst = MEGATRON_LAYER.format(local), TORCH_LAYER.format(i)
-            for t_name, (m_name, dim) in plain.items():
+            src, dst, moe = MEGATRON_LAYER.format(local), TORCH_LAYER.format(i), cfg.moe_layers[i]
+            for t_name, (m_name, dim) in _layer_plain(cfg, backend, moe).items():
                 parts = take(chunk, src + m_name)
                 out[dst + t_name] = parts[0].clone() if dim is None else torch.cat(parts, dim=dim)
             groups = torch.cat(take(chunk, src + _QKV_MEGATRON)).view(cfg.num_kv_heads, -1, cfg.hidden_size)
-            q_rows = cfg.num_heads // cfg.num_kv_heads * cfg.head_dim
             q, k, v = groups.split([q_rows, cfg.head_dim, cfg.head_dim], dim=1)
             for name, t in zip(_QKV, (q, k, v)):
                 out[dst + name] = t.flatten(0, 1).clone()
@@ -213,9 +261,13 @@ def megatron_to_torch(shards: Mapping[tuple[int, ...], Mapping[str, torch.Tensor
                 bias = torch.cat(take(chunk, src + _QKV_BIAS_MEGATRON)).view(cfg.num_kv_heads, -1)
                 for name, t in zip(_QKV_BIAS, bias.split([q_rows, cfg.head_dim, cfg.head_dim], dim=1)):
                     out[dst + name] = t.flatten().clone()
-            gate_up = [p.chunk(2) for p in take(chunk, src + _FC1_MEGATRON)]
-            for j, name in enumerate(_FC1):
-                out[dst + name] = torch.cat([p[j] for p in gate_up])
+            for ep in range(ep_size if moe else 1):
+                for prefix, fc1, fc2 in _mlps(cfg, moe, backend, ep, ep_size):
+                    shared = not prefix.startswith("mlp.experts.")  # dense MLP or shared experts: replicated
+                    gate_up = [p.chunk(2) for p in take(chunk, src + fc1, None if shared else ep)]
+                    for j, name in enumerate(_GATE_UP):
+                        out[dst + prefix + name] = torch.cat([p[j] for p in gate_up])
+                    out[dst + prefix + _DOWN] = torch.cat(take(chunk, src + fc2, None if shared else ep), dim=1)
     first, last = chunks[0], chunks[-1]
     out[_EMBED[0]] = torch.cat(take(first, _EMBED[1]))[: cfg.vocab_size].clone()
     out[_FINAL_NORM[0]] = take(last, _FINAL_NORM[1])[0].clone()
@@ -234,18 +286,31 @@ def megatron_to_torch(shards: Mapping[tuple[int, ...], Mapping[str, torch.Tensor
 
 def torch_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every torch model weight and its shape, derived from the config alone."""
-    e, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    e, d = cfg.hidden_size, cfg.head_dim
     layer = {
         "input_layernorm.weight": (e,), "post_attention_layernorm.weight": (e,),
         "self_attn.q_proj.weight": (cfg.num_heads * d, e), "self_attn.k_proj.weight": (cfg.num_kv_heads * d, e),
         "self_attn.v_proj.weight": (cfg.num_kv_heads * d, e), "self_attn.o_proj.weight": (e, cfg.num_heads * d),
-        "mlp.gate_proj.weight": (i, e), "mlp.up_proj.weight": (i, e), "mlp.down_proj.weight": (e, i),
     }
     if cfg.qk_norm:
         layer |= {"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)}
     if cfg.qkv_bias:
         layer |= dict(zip(_QKV_BIAS, ((cfg.num_heads * d,), (cfg.num_kv_heads * d,), (cfg.num_kv_heads * d,))))
-    shapes = {TORCH_LAYER.format(n) + k: s for n in range(cfg.num_layers) for k, s in layer.items()}
+
+    def mlp(prefix: str, width: int) -> dict[str, tuple[int, int]]:
+        return {prefix + "gate_proj.weight": (width, e), prefix + "up_proj.weight": (width, e),
+                prefix + _DOWN: (e, width)}
+
+    dense = layer | mlp("mlp.", cfg.intermediate_size)
+    moe = dict(layer)
+    if cfg.num_experts:
+        moe[_ROUTER[0]] = (cfg.num_experts, e)
+        for x in range(cfg.num_experts):
+            moe |= mlp(f"mlp.experts.{x}.", cfg.moe_intermediate_size)
+        if cfg.num_shared_experts:
+            moe |= mlp("mlp.shared_experts.", cfg.num_shared_experts * cfg.moe_intermediate_size)
+    shapes = {TORCH_LAYER.format(n) + k: s for n, is_moe in enumerate(cfg.moe_layers)
+              for k, s in (moe if is_moe else dense).items()}
     shapes |= {_EMBED[0]: (cfg.vocab_size, e), _FINAL_NORM[0]: (e,)}
     if not cfg.tie_embeddings:
         shapes[_OUTPUT[0]] = (cfg.vocab_size, e)

@@ -95,6 +95,9 @@ class ParallelSection(Section):
     """Pipeline-parallel size."""
     vpp: PositiveInt | None = None
     """Virtual pipeline stages per rank (interleaved 1F1B); None: plain 1F1B."""
+    ep: PositiveInt = 1
+    """Expert-parallel size (megatron engine, MoE models): each MoE layer's experts are spread over
+    ep ranks carved out of the data-parallel ones, tokens exchanged by all-to-all."""
     sequence_parallel: bool = False
     micro_batch_size: PositiveInt = 4
     global_batch_size: PositiveInt = 8

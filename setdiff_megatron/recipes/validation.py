@@ -52,6 +52,7 @@ def _parallel_rules(r: Recipe, world_size: int) -> list[str]:
         if p.global_batch_size % (p.micro_batch_size * dp):
             errors.append(f"parallel.global_batch_size: {p.global_batch_size} must be a multiple of "
                           f"micro_batch_size x data-parallel size = {p.micro_batch_size} x {dp}")
+    errors += _expert_rules(r, world_size)
     if r.engine == "deepspeed" and (p.tp > 1 or p.pp > 1):
         errors.append("parallel: tensor and pipeline parallelism (tp, pp > 1) are megatron-engine features; "
                       "the deepspeed engine is data-parallel (ZeRO): set tp = pp = 1 or engine: megatron")
@@ -61,6 +62,26 @@ def _parallel_rules(r: Recipe, world_size: int) -> list[str]:
     if r.engine == "megatron" and p.zero_stage > 1:
         errors.append("parallel.zero_stage: ZeRO stages 2-3 are DeepSpeed's; with engine megatron use "
                       "parallel.distributed_optimizer")
+    return errors
+
+
+def _expert_rules(r: Recipe, world_size: int) -> list[str]:
+    p, m = r.parallel, r.model
+    errors = []
+    if p.ep > 1 and not m.num_experts:
+        errors.append("parallel.ep: expert parallelism needs a mixture of experts; set model.num_experts or ep = 1")
+    elif m.num_experts % p.ep:
+        errors.append(f"parallel.ep: {p.ep} must divide model.num_experts ({m.num_experts})")
+    if p.ep > 1 and r.engine == "deepspeed":
+        errors.append("parallel.ep: expert parallelism is a megatron-engine feature (the deepspeed engine runs MoE "
+                      "models data-parallel); set ep = 1 or engine: megatron")
+    dp = data_parallel_size(r, world_size) if world_size % (p.tp * p.pp) == 0 else None
+    if dp is not None and p.ep > 1 and dp % p.ep:
+        errors.append(f"parallel.ep: {p.ep} must divide the data-parallel size ({dp}): experts are spread over the "
+                      "data-parallel ranks of a stage")
+    if m.num_experts and p.tp > 1 and r.engine == "megatron" and not p.sequence_parallel:
+        errors.append("parallel.sequence_parallel: megatron-core trains MoE layers under tp > 1 only with sequence "
+                      "parallelism; set sequence_parallel: true")
     return errors
 
 

@@ -10,6 +10,8 @@ rank. Also the arithmetic of throughput: tokens/s and a model-FLOPs-utilisation 
 from __future__ import annotations
 
 import json
+
+import torch
 import time
 from pathlib import Path
 from typing import Any
@@ -32,8 +34,12 @@ def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     h = cfg.hidden_size
-    weights_per_layer = h * q + 2 * h * kv + q * h + 3 * h * cfg.intermediate_size
-    per_example = cfg.num_layers * (2 * seq_len * 2 * weights_per_layer + 4 * seq_len**2 * q)
+    attention_weights = h * q + 2 * h * kv + q * h
+    # A token runs through the router, its top-k experts and the shared experts of an MoE layer.
+    mlp_weights = sum(h * cfg.num_experts + 3 * h * cfg.moe_intermediate_size * (cfg.moe_top_k + cfg.num_shared_experts)
+                      if moe else 3 * h * cfg.intermediate_size for moe in cfg.moe_layers)
+    per_example = (2 * seq_len * 2 * (cfg.num_layers * attention_weights + mlp_weights)
+                   + cfg.num_layers * 4 * seq_len**2 * q)
     per_example += seq_len * 2 * h * cfg.vocab_size
     return 3.0 * per_example / seq_len
 
@@ -74,16 +80,19 @@ class MetricsLogger:
             self._wandb = wandb.init(project=section.wandb.project, entity=section.wandb.entity,
                                      mode=section.wandb.mode, name=run_name, dir=str(out_dir), config=config)
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
+    def log(self, step: int, metrics: dict[str, float | list[float]]) -> None:
         if not self.enabled:
             return
         self._jsonl.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
         self._jsonl.flush()
         if self._tb is not None:
             for key, value in metrics.items():
-                self._tb.add_scalar(key, value, step)
+                if isinstance(value, list):  # per-expert token counts
+                    self._tb.add_histogram(key, torch.tensor(value), step)
+                else:
+                    self._tb.add_scalar(key, value, step)
         if self._wandb is not None:
-            self._wandb.log(metrics, step=step)
+            self._wandb.log({k: v for k, v in metrics.items() if not isinstance(v, list)}, step=step)
         if self._bar is not None:
             shown = {k.split("/")[-1]: f"{v:.4g}" for k, v in metrics.items() if k in _BAR_KEYS}
             self._bar.set_postfix(shown, refresh=False)
@@ -95,6 +104,8 @@ class MetricsLogger:
         parts = [f"step {step}/{self.total_steps}"]
         for key, label, spec in (("train/loss", "loss", ".4f"), ("valid/loss", "valid loss", ".4f"),
                                  ("train/lr", "lr", ".3e"), ("train/grad_norm", "grad norm", ".3g"),
+                                 ("moe/load_balancing_loss", "lb loss", ".4f"),
+                                 ("moe/max_over_mean_load", "max/mean load", ".3f"),
                                  ("perf/tokens_per_s", "tokens/s", ",.0f")):
             if key in metrics:
                 parts.append(f"{label} {metrics[key]:{spec}}")

@@ -212,7 +212,7 @@ class _Run:
                                            peak=peak)
                     if grad_norm is not None:
                         metrics["train/grad_norm"] = grad_norm
-                    logger.log(progress.step, metrics)
+                    logger.log(progress.step, metrics | engine.router_metrics())
                 if progress.step % r.eval.interval == 0 or last:
                     validate()
                 if progress.step % r.checkpoint.interval == 0 or last:

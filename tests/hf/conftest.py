@@ -24,37 +24,55 @@ TINY_RECIPE = ROOT / "recipes" / "tiny-cpu.yaml"
 
 @pytest.fixture(scope="session")
 def ar_dirs(tmp_path_factory) -> dict[str, Path]:
-    """Tiny random Llama (untied), Qwen2 (q/k/v biases, padded vocabulary) and Qwen3 (q/k norm,
-    tied, head_dim != hidden/heads, padded vocabulary) directories."""
+    """Tiny random Llama (untied), Qwen2 (q/k/v biases, padded vocabulary), Qwen3 (q/k norm,
+    tied, head_dim != hidden/heads, padded vocabulary) and Qwen3-MoE (4 experts, top-2, a dense
+    middle layer) directories."""
     base = tmp_path_factory.mktemp("ar")
     return {
         "llama": make_ar_model("llama", base / "llama"),
         "qwen2": make_ar_model("qwen2", base / "qwen2", extra_rows=7, seed=1),
         "qwen3": make_ar_model("qwen3", base / "qwen3", tie=True, extra_rows=7, seed=2),
+        "qwen3_moe": make_ar_model("qwen3_moe", base / "qwen3_moe", seed=3, num_hidden_layers=3, mlp_only_layers=[1]),
     }
 
 
-def random_setdiff_source(directory: Path, *, tie: bool = True, seed: int = 0) -> Source:
-    """A random set diffusion model with a real tokenizer, as an export source."""
+MOE = dict(num_experts=4, moe_top_k=2, moe_intermediate_size=32, num_shared_experts=1, moe_layer_freq=[0, 1],
+           moe_router_pre_softmax=True, moe_aux_loss_coeff=0.02, moe_z_loss_coeff=1e-3)
+"""The mixture of experts of `moe_export_dir`: every MoE field away from its default."""
+
+
+def random_setdiff_source(directory: Path, *, tie: bool = True, seed: int = 0, **fields) -> Source:
+    """A random set diffusion model with a real tokenizer, as an export source; `fields`: more
+    ModelConfig fields."""
     make_tokenizer(directory / "tok", "qwen")
     tokenizer = load_tokenizer(directory / "tok")
     cfg = ModelConfig(vocab_size=tokenizer.vocab_size, mask_token_id=tokenizer.mask_id, hidden_size=64, num_layers=2,
                       num_heads=4, num_kv_heads=2, intermediate_size=96, max_seq_len=64, qk_norm=True,
-                      tie_embeddings=tie)
+                      tie_embeddings=tie, **fields)
     torch.manual_seed(seed)
     model = SetDiffusionTransformer(cfg)
     return Source("megatron", directory / "source", cfg, model.state_dict(), tokenizer)
+
+
+def _export(base: Path, source: Source) -> tuple[Path, Source]:
+    out = base / "hf"
+    out.mkdir()
+    write_export(source, out, torch.float32, max_shard_bytes=60_000)
+    return out, source
 
 
 @pytest.fixture(scope="session")
 def export_dir(tmp_path_factory) -> tuple[Path, Source]:
     """A set diffusion export (fp32, untied, several shards) and its source."""
     base = tmp_path_factory.mktemp("export")
-    source = random_setdiff_source(base, tie=False)
-    out = base / "hf"
-    out.mkdir()
-    write_export(source, out, torch.float32, max_shard_bytes=60_000)
-    return out, source
+    return _export(base, random_setdiff_source(base, tie=False))
+
+
+@pytest.fixture(scope="session")
+def moe_export_dir(tmp_path_factory) -> tuple[Path, Source]:
+    """An export of a mixture of experts (MOE; tied, fp32) and its source."""
+    base = tmp_path_factory.mktemp("moe_export")
+    return _export(base, random_setdiff_source(base, seed=1, **MOE))
 
 
 @pytest.fixture(scope="session")

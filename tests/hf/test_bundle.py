@@ -50,9 +50,10 @@ def test_modeling_file_imports_only_stdlib_torch_transformers(modeling):
 
 
 def test_modeling_file_is_the_package_source(modeling):
-    """Built from the modules themselves: the model, the sampler, decoding, the cache, the
-    attention kernels (optional GPU imports kept, guarded) and the HF wrapper."""
-    for module in ("models/torch_model.py", "core/sampler.py", "core/decoding.py", "core/kv_cache.py",
+    """Built from the modules themselves: the model and its mixture of experts, the sampler,
+    decoding, the cache, the attention kernels (optional GPU imports kept, guarded) and the HF
+    wrapper."""
+    for module in ("models/torch_model.py", "models/moe.py", "core/sampler.py", "core/decoding.py", "core/kv_cache.py",
                    "core/attention.py", "hf/hf_model.py"):
         assert f" setdiff_megatron/{module} " in modeling
     again = modeling_source("test")

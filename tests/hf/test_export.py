@@ -1,8 +1,10 @@
 """Export to Hugging Face format: the files, loading in a Python without setdiff_megatron, logit
-and greedy-decoding parity, the export loader, and one-line errors."""
+and greedy-decoding parity (of a dense model and of a mixture of experts), the export loader, and
+one-line errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -13,10 +15,13 @@ from setdiff_megatron.cli import main
 from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.core.sampler import SetSampler
 from setdiff_megatron.hf import verify
+from setdiff_megatron.checkpoint.hf_config import MOE_CONFIG_KEYS
 from setdiff_megatron.checkpoint.hf_export import load_hf_export
+from setdiff_megatron.models.config import ModelConfig
 from tests.hf.clean_env import run_clean
 
 DECODING = dict(max_new_tokens=10, window=4, threshold=0.3)
+EXPORTS = ("export_dir", "moe_export_dir")
 
 CLEAN_SCRIPT = """
 import json, sys
@@ -78,19 +83,34 @@ def test_export_files(export_dir):
     assert "```yaml" in (out / "README.md").read_text()
 
 
-def test_export_loader_round_trip_is_exact(export_dir):
-    out, source = export_dir
+def test_config_json_holds_every_moe_field(export_dir, moe_export_dir):
+    """An MoE export's config.json has each MoE field of ModelConfig (moe_layer_freq as its list);
+    a dense export's has none."""
+    moe_fields = {f.name for f in dataclasses.fields(ModelConfig) if f.name.startswith("moe_") or "experts" in f.name}
+    assert set(MOE_CONFIG_KEYS.values()) == moe_fields
+    out, source = moe_export_dir
+    config = json.loads((out / "config.json").read_text())
+    assert {k: config[k] for k in MOE_CONFIG_KEYS} == {k: getattr(source.config, f) for k, f in MOE_CONFIG_KEYS.items()}
+    assert config["moe_layer_freq"] == [0, 1] and "Mixture of experts in layers [1]" in (out / "README.md").read_text()
+    assert not set(MOE_CONFIG_KEYS) & set(json.loads((export_dir[0] / "config.json").read_text()))
+
+
+@pytest.mark.parametrize("export", EXPORTS)
+def test_export_loader_round_trip_is_exact(export, request):
+    out, source = request.getfixturevalue(export)
     cfg, state, tokenizer = load_hf_export(out)
     assert cfg == source.config and tokenizer.sha256 == source.tokenizer.sha256
     assert state.keys() == source.state_dict.keys()
     assert all(torch.equal(state[k], source.state_dict[k]) for k in state)
 
 
-def test_clean_environment_loads_export_with_logit_and_greedy_parity(export_dir, clean_site, tmp_path):
-    """A Python with torch and transformers but without setdiff_megatron loads the export with
-    AutoModelForCausalLM(trust_remote_code=True); query logits match the torch model to 1e-4 and
-    generate() decodes the same greedy tokens as core.sampler.SetSampler."""
-    out, source = export_dir
+@pytest.mark.parametrize("export", EXPORTS)
+def test_clean_environment_loads_export_with_logit_and_greedy_parity(export, request, clean_site, tmp_path):
+    """A Python with torch and transformers but without setdiff_megatron loads the export (dense,
+    and a mixture of experts) with AutoModelForCausalLM(trust_remote_code=True); query logits
+    match the torch model to 1e-4 and generate() decodes the same greedy tokens as
+    core.sampler.SetSampler."""
+    out, source = request.getfixturevalue(export)
     batch = verify.fixed_batch(source.config)
     save_file({"clean": batch.clean_tokens, "query": batch.query_tokens, "positions": batch.position_ids},
               str(tmp_path / "batch.safetensors"))
@@ -107,8 +127,10 @@ def test_clean_environment_loads_export_with_logit_and_greedy_parity(export_dir,
     assert result["padded_shape"][0] == 1
 
 
-def test_reexport_of_an_export_with_check(export_dir, tmp_path, capsys):
-    out, source = export_dir
+@pytest.mark.parametrize("export", EXPORTS)
+def test_reexport_of_an_export_with_check(export, request, tmp_path, capsys):
+    """`convert to-hf --check` of an export: its own check loads the result with AutoModel."""
+    out, _ = request.getfixturevalue(export)
     target = tmp_path / "again"
     assert main(["convert", "to-hf", str(out), str(target), "--dtype", "bf16", "--check"]) == 0
     printed = capsys.readouterr().out

@@ -1,6 +1,7 @@
-"""Import of Llama, Qwen2 and Qwen3 causal LMs: under the left-to-right order the clean stream of
-our model is the AR model's own computation, so hidden states and logits must match; the MASK
-token; refusals; the megatron checkpoint written by `convert from-hf`; a first adaptation."""
+"""Import of Llama, Qwen2, Qwen3 and Qwen3-MoE causal LMs: under the left-to-right order the clean
+stream of our model is the AR model's own computation, so hidden states and logits must match (the
+import's own check too, for Qwen3-MoE's routings and expert layouts); the MASK token; refusals;
+the megatron checkpoint written by `convert from-hf`; a first adaptation."""
 
 from __future__ import annotations
 
@@ -16,10 +17,20 @@ from setdiff_megatron.cli import main
 from setdiff_megatron.core.orders import Staggered
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.hf import verify
+from setdiff_megatron.checkpoint.hf_files import load_safetensors_dir
+from setdiff_megatron.hf.import_hf import ar_comparison
 from setdiff_megatron.checkpoint.source import read_hf_dir
 from setdiff_megatron.checkpoint.source import read_source
+from tests.hf.tiny_models import make_ar_model
 
-KINDS = ("llama", "qwen2", "qwen3")
+KINDS = ("llama", "qwen2", "qwen3", "qwen3_moe")
+MOE_VARIANTS = {
+    # make_ar_model arguments -> (moe_layers, moe_router_pre_softmax) of the import
+    "norm_topk_prob, mlp_only_layers": (dict(num_hidden_layers=3, mlp_only_layers=[1]), ((True, False, True), False)),
+    "softmax before top-k, decoder_sparse_step, fused experts": (
+        dict(num_hidden_layers=4, decoder_sparse_step=2, norm_topk_prob=False, fused=True),
+        ((False, True, False, True), True)),
+}
 
 
 def _ar(path: Path):
@@ -38,9 +49,26 @@ def test_clean_stream_is_the_ar_model(ar_dirs, kind):
     assert (hidden - expected.hidden_states[-1]).abs().max() < 1e-5
     assert (logits[..., :rows] - expected.logits).abs().max() < 1e-5
     cfg = source.config
-    assert (cfg.qkv_bias, cfg.qk_norm, cfg.tie_embeddings) == {
-        "llama": (False, False, False), "qwen2": (True, False, False), "qwen3": (False, True, True)}[kind]
-    assert cfg.rope_theta == 50000.0 and cfg.head_dim == (24 if kind == "qwen3" else 16)
+    assert (cfg.qkv_bias, cfg.qk_norm, cfg.tie_embeddings, cfg.num_experts) == {
+        "llama": (False, False, False, 0), "qwen2": (True, False, False, 0), "qwen3": (False, True, True, 0),
+        "qwen3_moe": (False, True, False, 4)}[kind]
+    assert cfg.rope_theta == 50000.0 and cfg.head_dim == (24 if kind.startswith("qwen3") else 16)
+
+
+@pytest.mark.parametrize("variant", MOE_VARIANTS)
+def test_qwen3_moe_import_check_passes(variant, tmp_path):
+    """The import's check (clean stream against transformers' Qwen3-MoE logits) on mixed dense and
+    MoE layers, for both routings and both ways of storing the experts."""
+    arguments, (layers, pre_softmax) = MOE_VARIANTS[variant]
+    directory = make_ar_model("qwen3_moe", tmp_path / "moe", seed=4, **arguments)
+    fused = any(name.endswith("mlp.experts.gate_up_proj") for name in load_safetensors_dir(directory))
+    assert fused == arguments.get("fused", False)
+    source = read_hf_dir(directory)
+    cfg = source.config
+    assert (cfg.moe_layers, cfg.moe_router_pre_softmax, cfg.moe_top_k, cfg.moe_intermediate_size) == (
+        layers, pre_softmax, 2, 32)
+    check = ar_comparison(source, verify.torch_model(cfg, source.state_dict), torch.float32, verify.DEFAULT_TOLERANCE)
+    assert check.ok, check.line()
 
 
 def test_mask_token(ar_dirs):
@@ -69,7 +97,7 @@ def _edit_config(src: Path, dst: Path, **changes) -> Path:
 
 
 def test_refusals_are_one_line_user_errors(ar_dirs, tmp_path):
-    llama = ar_dirs["llama"]
+    llama, moe = ar_dirs["llama"], ar_dirs["qwen3_moe"]
     cases = {
         "GPT2LMHeadModel' is not supported; supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM":
             _edit_config(llama, tmp_path / "gpt2", model_type="gpt2", architectures=["GPT2LMHeadModel"]),
@@ -78,6 +106,10 @@ def test_refusals_are_one_line_user_errors(ar_dirs, tmp_path):
         "mlp_bias": _edit_config(llama, tmp_path / "mlp_bias", mlp_bias=True),
         "attention_bias": _edit_config(llama, tmp_path / "attn_bias", attention_bias=True),
         "mlp.gate_proj.weight": _edit_config(llama, tmp_path / "shape", intermediate_size=80),
+        "'Qwen2MoeForCausalLM' is not supported (its shared expert is scaled by a learnt sigmoid gate":
+            _edit_config(moe, tmp_path / "qwen2_moe", model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"]),
+        "sliding-window attention": _edit_config(moe, tmp_path / "moe_window", use_sliding_window=True),
+        "decoder_sparse_step must be >= 1": _edit_config(moe, tmp_path / "moe_step", decoder_sparse_step=0),
     }
     for message, directory in cases.items():
         with pytest.raises(UserError, match=None) as info:
@@ -93,25 +125,28 @@ def test_refusals_are_one_line_user_errors(ar_dirs, tmp_path):
         read_hf_dir(no_tokenizer)
 
 
-def test_convert_from_hf_writes_a_megatron_checkpoint(ar_dirs, tmp_path, capsys):
-    """`setdiff convert from-hf` (one writer process at tp 1): the published layout, read back
-    exactly, the megatron body checked, an existing output refused."""
-    out = tmp_path / "qwen3-setdiff"
-    assert main(["convert", "from-hf", str(ar_dirs["qwen3"]), str(out), "--check"]) == 0
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe"])
+def test_convert_from_hf_writes_a_megatron_checkpoint(ar_dirs, kind, tmp_path, capsys):
+    """`setdiff convert from-hf` (one writer process at tp 1) of a dense model and of a mixture of
+    experts: the published layout, read back exactly, the megatron body checked, an existing
+    output refused."""
+    out = tmp_path / f"{kind}-setdiff"
+    assert main(["convert", "from-hf", str(ar_dirs[kind]), str(out), "--check"]) == 0
     printed = capsys.readouterr().out
-    assert "clean stream (left to right) vs qwen3 source logits" in printed and "megatron model vs" in printed
+    assert f"clean stream (left to right) vs {kind} source logits" in printed and "megatron model vs" in printed
     step = out / "checkpoints" / "step_00000000"
     assert (out / "checkpoints" / "latest").read_text().strip() == step.name
     assert {"manifest.json", "train_state.json", "recipe.yaml", "tokenizer", "metadata.json"} <= {p.name for p in step.iterdir()}
     state = json.loads((step / "train_state.json").read_text())
+    source = read_hf_dir(ar_dirs[kind])
     assert state["weights_only"] and state["layout"]["tp"] == 1 and state["model"]["qk_norm"]
+    assert state["model"]["num_experts"] == source.config.num_experts
     ckpt = read_source(out)
-    source = read_hf_dir(ar_dirs["qwen3"])
     assert ckpt.config == source.config and ckpt.tokenizer.sha256 == source.tokenizer.sha256
     assert all(torch.equal(ckpt.state_dict[k], source.state_dict[k]) for k in source.state_dict)
-    assert main(["convert", "from-hf", str(ar_dirs["qwen3"]), str(out)]) == 2
+    assert main(["convert", "from-hf", str(ar_dirs[kind]), str(out)]) == 2
     assert "already exists" in capsys.readouterr().err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["qwen3-setdiff"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [out.name]
 
 
 def test_short_adaptation_lowers_the_set_diffusion_loss(ar_dirs):

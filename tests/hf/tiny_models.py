@@ -1,4 +1,5 @@
-"""Tiny Llama / Qwen2 / Qwen3 causal LMs and tokenizers, built locally with transformers (no hub).
+"""Tiny Llama / Qwen2 / Qwen3 / Qwen3-MoE causal LMs and tokenizers, built locally with transformers
+(no hub).
 
 Weights are random everywhere (norms and biases included) so that a wrong mapping cannot hide
 behind HF's ones/zeros initialisation. The tokenizers are small byte-level BPEs with the special
@@ -25,6 +26,9 @@ TOKENIZER_CONFIG = {
 }
 BODY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=96, max_position_embeddings=128, rms_norm_eps=1e-6)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+           "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
 
 
 def make_tokenizer(directory: Path, family: str, vocab_size: int = 300) -> int:
@@ -45,17 +49,21 @@ def make_tokenizer(directory: Path, family: str, vocab_size: int = 300) -> int:
 
 
 def make_ar_model(kind: str, directory: Path, *, tie: bool = False, extra_rows: int = 0, seed: int = 0,
-                  **overrides) -> Path:
-    """A random `kind` ('llama', 'qwen2', 'qwen3') model and tokenizer saved to `directory`."""
+                  fused: bool = False, **overrides) -> Path:
+    """A random `kind` (a key of CLASSES) model and tokenizer saved to `directory`; `fused`: its
+    experts saved as transformers 5 holds them (mlp.experts.gate_up_proj, down_proj), not one tensor
+    per expert as save_pretrained writes them."""
     import transformers
+    from safetensors.torch import save_file
 
     family = "llama" if kind == "llama" else "qwen"
     vocab = make_tokenizer(directory, family) + extra_rows
-    classes = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-               "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}[kind]
+    classes = CLASSES[kind]
     fields = {**BODY, "vocab_size": vocab, "tie_word_embeddings": tie, "rope_theta": 50000.0}
-    if kind == "qwen3":
+    if kind.startswith("qwen3"):
         fields["head_dim"] = 24  # not hidden / heads, as in the real Qwen3 models
+    if kind == "qwen3_moe":
+        fields |= MOE
     config = getattr(transformers, classes[0])(**{**fields, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, classes[1])(config).eval()
@@ -66,4 +74,7 @@ def make_ar_model(kind: str, directory: Path, *, tie: bool = False, extra_rows: 
             else:
                 p.normal_(0.0, 0.05 if p.dim() > 1 else 0.1)
     model.save_pretrained(directory)
+    if fused:
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
     return directory

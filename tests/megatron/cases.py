@@ -33,6 +33,13 @@ def parallel_config(**changes) -> ModelConfig:
     return debug_config(num_layers=4, qk_norm=True, **changes)
 
 
+def moe_config(**changes) -> ModelConfig:
+    """parallel_config with 4 experts (top-2, a shared expert, z-loss) in layers 0, 2 and 3:
+    a dense layer between MoE ones, and the last layer's query-rows-only MoE."""
+    return parallel_config(num_experts=4, moe_top_k=2, moe_intermediate_size=48, num_shared_experts=1,
+                           moe_layer_freq=[1, 0, 1, 1], moe_z_loss_coeff=1e-3, **changes)
+
+
 def reference_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     torch.manual_seed(seed)
     return SetDiffusionTransformer(cfg).state_dict()

@@ -1,9 +1,14 @@
-"""Two-rank worker (torchrun, gloo, CPU): megatron-core's MoE layer (top-2 router with the
-load-balancing loss, all-to-all token dispatcher, SequentialMLP experts) at expert parallelism 2
-against the same layer at EP = 1. Expert e's weights come from seed 100 + e in both layouts, and
-both ranks see the same tokens, so every output and gradient must agree (the experts' summed over
-the ranks). Rank 0 writes the
-differences as JSON for test_moe_cpu.py."""
+"""Two-rank worker (torchrun, gloo, CPU) for test_moe_cpu.py; rank 0 writes the differences as JSON.
+
+- layer: megatron-core's MoE layer alone (top-2 router with the load-balancing loss, all-to-all
+  token dispatcher, SequentialMLP experts) at expert parallelism 2 against EP = 1. Expert e's
+  weights come from seed 100 + e in both layouts and both ranks see the same tokens, so every
+  output and gradient must agree (the experts' summed over the ranks).
+- model: the MoE set diffusion model through the real training path (parallel_worker.run_layout:
+  DDP, the schedule over 4 micro-batches, per-token loss with the router losses) at EP = 2
+  against EP = 1, and three Adam steps of the distributed optimizer at EP = 2 against the plain
+  one at EP = 1.
+"""
 
 from __future__ import annotations
 
@@ -14,12 +19,17 @@ from pathlib import Path
 import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from setdiff_megatron.distributed.layout import Layout
 from setdiff_megatron.distributed.runtime import init_model_parallel, world_size
-from tests.megatron.cases import write_worker_results
+from setdiff_megatron.models.megatron_model import build_model_chunks, transformer_config_from
+from setdiff_megatron.models.torch_model import SetDiffusionTransformer
+from setdiff_megatron.models.weight_maps import torch_to_megatron
+from tests.megatron.cases import batches, compare_sampling, moe_config, reference_weights, write_worker_results
+from tests.megatron.parallel_worker import _max_diff, _merged, optimizer_params, run_layout
 
 warnings.filterwarnings("ignore")
 
@@ -64,12 +74,54 @@ def run(ep: int) -> dict[str, torch.Tensor]:
     return {"out": out.detach(), "x_grad": x.grad, "router_grad": layer.router.weight.grad, "expert_grads": experts}
 
 
-def main(out: Path) -> None:
+def layer_parity() -> dict:
     ep2, ep1 = run(2), run(1)
     results = {key: float((ep2[key] - ep1[key]).abs().max()) for key in ep1}
     results["expert_grad_norm"] = float(ep1["expert_grads"].norm())
     results["every_expert_used"] = bool((ep1["expert_grads"].abs().sum(1) > 0).all())
-    write_worker_results(out, results)
+    return results
+
+
+def model_parity() -> dict:
+    # layer_parity's bare backward left megatron's aux-loss scale a 0-d tensor, which the schedule's
+    # [1]-shaped scale cannot be copied into: start from no scale, as a fresh training process does.
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
+    cfg = moe_config()
+    weights, data = reference_weights(cfg), batches(cfg)
+    ref_losses, ref_grads, _ = run_layout(cfg, weights, data, ep=1)
+    losses, grads, _ = run_layout(cfg, weights, data, ep=2)
+    opt_data = batches(cfg, count=12, seed=1)
+    plain = _merged([optimizer_params(cfg, weights, opt_data, use_distributed_optimizer=False)], cfg)
+    distributed = _merged([optimizer_params(cfg, weights, opt_data, use_distributed_optimizer=True, ep=2)], cfg)
+    return {"losses": ref_losses, "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+            "grad_diff": _max_diff(grads, ref_grads), "grad_scale": max(g.abs().max().item() for g in ref_grads.values()),
+            "router_grad_norm": sum(g.norm().item() for k, g in ref_grads.items() if k.endswith("mlp.gate.weight")),
+            "param_diff": _max_diff(plain, distributed), "param_change": _max_diff(plain, weights)}
+
+
+def sampling(*, tp: int = 1, ep: int = 1) -> dict:
+    """The sampler over the MoE megatron model at TP = 2 (experts split like the dense MLPs) or
+    EP = 2 (both ranks decode the same prompts, experts exchanged by all-to-all) against the torch
+    model: the tokens every rank decides must be the torch model's."""
+    cfg = moe_config()
+    weights = reference_weights(cfg)
+    parallel_state.destroy_model_parallel()
+    init_model_parallel(Layout.of(world_size(), tp=tp, ep=ep), seed=1)
+    (chunk,) = build_model_chunks(cfg, transformer_config_from(cfg, tp=tp, ep=ep))
+    chunk.load_state_dict(torch_to_megatron(
+        weights, cfg, tp_rank=parallel_state.get_tensor_model_parallel_rank(), tp_size=tp,
+        ep_rank=parallel_state.get_expert_model_parallel_rank(), ep_size=ep))
+    reference = SetDiffusionTransformer(cfg)
+    reference.load_state_dict(weights)
+    result = compare_sampling(chunk.eval(), reference.eval(), cfg)
+    gathered: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, result)
+    return {**result, "ranks_agree": all(g == gathered[0] for g in gathered)}
+
+
+def main(out: Path) -> None:
+    write_worker_results(out, {"layer": layer_parity(), "model": model_parity(),
+                               "tp2_sampling": sampling(tp=2), "ep2_sampling": sampling(ep=2)})
 
 
 if __name__ == "__main__":

@@ -51,9 +51,10 @@ LAYOUTS = {
 }
 
 
-def _init(tp: int = 1, pp: int = 1, vpp: int | None = None) -> None:
+def _init(tp: int = 1, pp: int = 1, vpp: int | None = None, ep: int = 1) -> None:
     parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vpp)
+    parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vpp,
+                                             expert_model_parallel_size=ep)
     model_parallel_seed(1234)
 
 
@@ -68,7 +69,8 @@ def _ddp_chunks(cfg, weights, tc, *, use_distributed_optimizer: bool = False):
     for vp_stage, chunk in enumerate(build_model_chunks(cfg, tc)):
         chunk.load_state_dict(torch_to_megatron(
             weights, cfg, tp_rank=tp_rank, tp_size=tc.tensor_model_parallel_size, pp_rank=pp_rank,
-            pp_size=tc.pipeline_model_parallel_size, vp_size=vpp, vp_stage=vp_stage if vpp else None))
+            pp_size=tc.pipeline_model_parallel_size, vp_size=vpp, vp_stage=vp_stage if vpp else None,
+            ep_rank=parallel_state.get_expert_model_parallel_rank(), ep_size=tc.expert_model_parallel_size))
         chunks.append(DistributedDataParallel(tc, ddp_config, chunk))
     tc.finalize_model_grads_func = finalize_model_grads
     return chunks
@@ -85,14 +87,17 @@ def _train_step(chunks, data) -> tuple[list[float], str]:
     return [(r["lm loss"][0] / r["lm loss"][1]).item() for r in reports], schedule.__name__
 
 
-def _merged(per_chunk: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+def _merged(per_chunk: list[dict[str, torch.Tensor]], cfg=None) -> dict[str, torch.Tensor]:
     """Tensors of every rank's chunks, merged into torch-model names by the weight map."""
     key = (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank())
     vpp = len(per_chunk) > 1
-    mine = {key + ((v,) if vpp else ()): sd for v, sd in enumerate(per_chunk)}
+    ep_size = parallel_state.get_expert_model_parallel_world_size()
+    ep = (parallel_state.get_expert_model_parallel_rank(),) if ep_size > 1 else ()
+    mine = {key + ((v,) if vpp else ()) + ep: sd for v, sd in enumerate(per_chunk)}
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
-    return megatron_to_torch({k: sd for shards in gathered for k, sd in shards.items()}, parallel_config())
+    return megatron_to_torch({k: sd for shards in gathered for k, sd in shards.items()}, cfg or parallel_config(),
+                             ep_size=ep_size)
 
 
 def _losses_everywhere(losses: list[float]) -> list[float]:
@@ -102,14 +107,14 @@ def _losses_everywhere(losses: list[float]) -> list[float]:
     return next(g for g in gathered if g)
 
 
-def run_layout(cfg, weights, data, *, tp=1, pp=1, vpp=None, sequence_parallel=False, recompute="none"):
+def run_layout(cfg, weights, data, *, tp=1, pp=1, vpp=None, ep=1, sequence_parallel=False, recompute="none"):
     """Per-micro-batch losses, merged gradients and the schedule's name for one layout."""
-    _init(tp, pp, vpp)
-    tc = transformer_config_from(cfg, tp=tp, pp=pp, vpp=vpp, sequence_parallel=sequence_parallel,
+    _init(tp, pp, vpp, ep)
+    tc = transformer_config_from(cfg, tp=tp, pp=pp, vpp=vpp, ep=ep, sequence_parallel=sequence_parallel,
                                  recompute=recompute)
     chunks = _ddp_chunks(cfg, weights, tc)
     losses, schedule = _train_step(chunks, data)
-    grads = _merged([{n: p.main_grad for n, p in c.module.named_parameters()} for c in chunks])
+    grads = _merged([{n: p.main_grad for n, p in c.module.named_parameters()} for c in chunks], cfg)
     return _losses_everywhere(losses), grads, schedule
 
 
@@ -117,10 +122,10 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
-def optimizer_params(cfg, weights, data, *, use_distributed_optimizer: bool, steps: int = 3):
+def optimizer_params(cfg, weights, data, *, use_distributed_optimizer: bool, steps: int = 3, ep: int = 1):
     """Parameters after `steps` Adam steps at DP=2, each rank on its own micro-batches."""
-    _init()
-    tc = transformer_config_from(cfg)
+    _init(ep=ep)
+    tc = transformer_config_from(cfg, ep=ep)
     chunks = _ddp_chunks(cfg, weights, tc, use_distributed_optimizer=use_distributed_optimizer)
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, clip_grad=1.0,

@@ -23,7 +23,7 @@ from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 from setdiff_megatron.models.weight_maps import megatron_to_torch, torch_to_megatron
 from setdiff_megatron.distributed import megatron_cpu
 from tests.conftest import debug_config
-from tests.megatron.cases import batches, compare_sampling, parallel_config, reference_weights
+from tests.megatron.cases import batches, compare_sampling, moe_config, parallel_config, reference_weights
 
 warnings.filterwarnings("ignore")
 
@@ -116,9 +116,17 @@ def recompute_with_dropout() -> dict:
 
 
 def torch_parity() -> dict:
-    """Query logits, loss and gradients of both bodies on the same weights, batch and order."""
+    """Query logits, loss and gradients of both bodies on the same weights, batch and order.
+
+    Gradients are taken as the engine takes them: megatron back-propagates the NLL sum (its router
+    losses attached per routed token) and the gradients are divided by the target tokens after.
+    """
+    moe = dict(num_experts=4, moe_intermediate_size=48, moe_layer_freq=[1, 1])
     variants = {"tied_fused": {}, "untied_qknorm_sdpa": dict(tie_embeddings=False, qk_norm=True, attention_impl="sdpa"),
-                "gqa1_dense": dict(num_kv_heads=1, attention_impl="dense")}
+                "gqa1_dense": dict(num_kv_heads=1, attention_impl="dense"),
+                "moe_shared_zloss": moe | dict(num_shared_experts=1, moe_z_loss_coeff=1e-3),
+                "moe_capacity": moe | dict(moe_capacity_factor=1.0, moe_layer_freq=[0, 1]),
+                "moe_top1_pre_softmax": moe | dict(moe_top_k=1, moe_router_pre_softmax=True)}
     out = {}
     for dtype in (torch.float32, torch.float64):
         for name, changes in variants.items():
@@ -130,14 +138,16 @@ def torch_parity() -> dict:
             batch = batches(cfg, count=1)[0]
             args = (batch.clean_tokens, batch.query_tokens, batch.position_ids)
             ref_logits = ref(*args, batch.valid_len)
-            ref_loss = set_diffusion_loss(ref_logits, batch.targets, batch.loss_mask, mask_token_id=cfg.mask_token_id).loss
-            ref_loss.backward()
+            ref_out = set_diffusion_loss(ref_logits, batch.targets, batch.loss_mask, mask_token_id=cfg.mask_token_id)
+            ref_loss = ref_out.nll_sum.sum() / ref_out.num_tokens.sum()
+            ref_out.with_router_loss(ref.router_loss()).loss.backward()
             logits = model(*args, valid_len=batch.valid_len)
             nll_sum, num_tokens, _ = loss_func(batch.loss_mask, model(*args, valid_len=batch.valid_len, targets=batch.targets))
             loss = nll_sum / num_tokens
-            loss.backward()
-            grads = megatron_to_torch({(0, 0): {n: p.grad for n, p in model.named_parameters()}}, cfg)
-            ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+            nll_sum.backward()
+            grads = megatron_to_torch({(0, 0): {n: p.grad / num_tokens for n, p in model.named_parameters()}}, cfg)
+            # An expert no token reached has no gradient in the torch body, zeros in megatron's.
+            ref_grads = {n: torch.zeros_like(p) if p.grad is None else p.grad for n, p in ref.named_parameters()}
             out[f"{name}_{str(dtype).removeprefix('torch.')}"] = {
                 "logits_shape": list(logits.shape), "ref_shape": list(ref_logits.shape),
                 "logits_diff": (logits - ref_logits).abs().max().item(),
@@ -147,9 +157,9 @@ def torch_parity() -> dict:
     return out
 
 
-def sampling() -> dict:
+def sampling(cfg=None) -> dict:
     """The megatron model as the sampler's StepModel (TP=1) against the torch model."""
-    cfg = parallel_config()
+    cfg = cfg or parallel_config()
     reference = SetDiffusionTransformer(cfg)
     reference.load_state_dict(reference_weights(cfg))
     model = _megatron_model(cfg, torch.float32)
@@ -167,6 +177,7 @@ def main(out: Path) -> None:
     for check in (device_redirect, backward_reentry, rng_tracker, recompute_with_dropout, torch_parity,
                   sampling):
         results[check.__name__] = check()
+    results["moe_sampling"] = sampling(moe_config())
     out.write_text(json.dumps(results, indent=1))
     dist.destroy_process_group()
 

@@ -3,7 +3,9 @@ order: query logits, loss and gradients. Measured in single_worker.py."""
 
 import pytest
 
-VARIANTS = ["tied_fused", "untied_qknorm_sdpa", "gqa1_dense"]
+VARIANTS = ["tied_fused", "untied_qknorm_sdpa", "gqa1_dense",
+            # mixtures of experts: router, experts, shared experts, z-loss, capacity dropping, top-1
+            "moe_shared_zloss", "moe_capacity", "moe_top1_pre_softmax"]
 # float32 runs the same kernels in the same order (logits agree bit for bit); the loss goes through
 # megatron's vocab-parallel cross-entropy, which computes in float32 even for float64 logits.
 TOLERANCES = {"float32": dict(logits=1e-6, loss=1e-6, grad=1e-6),
@@ -21,8 +23,9 @@ def test_megatron_matches_torch_model(single_results, variant, dtype):
     assert r["grad_diff"] <= tol["grad"]
 
 
-def test_megatron_model_samples_like_torch_model(single_results):
+@pytest.mark.parametrize("case", ["sampling", "moe_sampling"])
+def test_megatron_model_samples_like_torch_model(single_results, case):
     """The megatron body implements the sampler's StepModel: same step logits, same greedy decodes."""
-    r = single_results["sampling"]
+    r = single_results[case]
     assert r["step_logits_diff"] <= 1e-6
     assert all(r["tokens_equal"]) and all(r["nfe_equal"]) and len(r["tokens_equal"]) == 4

@@ -56,6 +56,9 @@ class Engine(Protocol):
     def evaluate(self, batches: list[TwoStreamBatch]) -> tuple[float, float]:
         """[NLL sum, target tokens] of these micro-batches over all ranks, without gradients."""
 
+    def router_metrics(self) -> dict[str, float | list[float]]:
+        """Collective: the last step's MoE routing (training/expert_load.py); empty for dense models."""
+
     def lr(self) -> float: ...
 
     def layout_record(self) -> dict:

@@ -49,6 +49,7 @@ from setdiff_megatron.recipes import Recipe
 from setdiff_megatron.training import lr_schedule
 from setdiff_megatron.training.engines.base import StepOutcome
 from setdiff_megatron.training.engines.deepspeed_config import build_optimizer, deepspeed_config
+from setdiff_megatron.training.expert_load import ExpertLoad
 from setdiff_megatron.training.engines.rng import host_rng_state, set_host_rng_state
 
 __all__ = ["DeepSpeedEngine", "import_deepspeed", "apply_recompute", "layout_refusal", "LOADABLE_ON"]
@@ -142,6 +143,7 @@ class DeepSpeedEngine:
         if r.train.compile:
             model.compile()  # in place: the module, and so its parameter names, stay as they are
         self.model, self.mask_token_id, self.total_steps = model, model_cfg.mask_token_id, total_steps
+        self.expert_load = ExpertLoad(model_cfg) if model_cfg.num_experts else None
         self._engine = None
 
     def init_from(self, state_dict: dict[str, torch.Tensor], model_cfg: ModelConfig) -> None:
@@ -162,10 +164,14 @@ class DeepSpeedEngine:
 
     # ---- steps -----------------------------------------------------------------------------
 
-    def _nll(self, batch: TwoStreamBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _nll(self, batch: TwoStreamBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | float]:
+        """NLL sum, target tokens, and the MoE router losses weighted per routed token (0 if dense)."""
         logits = self.engine(batch.clean_tokens, batch.query_tokens, batch.position_ids, batch.valid_len)
         out = set_diffusion_loss(logits, batch.targets, batch.loss_mask, mask_token_id=self.mask_token_id)
-        return out.nll_sum.sum(), out.num_tokens.sum()
+        if self.expert_load is not None:
+            for layer, stats in self.model.router_stats().items():
+                self.expert_load.add(layer, stats.tokens_per_expert, stats.load_balancing_loss, stats.z_loss)
+        return out.nll_sum.sum(), out.num_tokens.sum(), self.model.router_loss()
 
     def forward_backward(self, batches: list[TwoStreamBatch]) -> tuple[float, float]:
         """megatron averages the loss over the target tokens of the whole global batch; DeepSpeed
@@ -176,11 +182,13 @@ class DeepSpeedEngine:
         tokens = _all_sum(sum(b.loss_mask.sum() for b in batches).double().reshape(1).to(engine.device))
         scale = len(batches) * self.dp_size / max(tokens.item(), 1.0)
         local = torch.zeros(2, dtype=torch.float64, device=engine.device)
+        if self.expert_load is not None:
+            self.expert_load.reset()
         for i, batch in enumerate(batches):
             # One accumulation boundary per global batch, whatever DeepSpeed's micro-step count.
             engine.set_gradient_accumulation_boundary(i == len(batches) - 1)
-            nll, count = self._nll(batch)
-            engine.backward(nll * scale)
+            nll, count, router_loss = self._nll(batch)
+            engine.backward((nll + router_loss) * scale)
             local += torch.stack([nll.detach().double(), count.double()])
         nll, count = _all_sum(local).cpu().tolist()
         return nll, count
@@ -225,7 +233,7 @@ class DeepSpeedEngine:
         engine.eval()
         with torch.no_grad():
             for batch in batches:
-                nll, count = self._nll(batch)
+                nll, count, _ = self._nll(batch)
                 local += torch.stack([nll.double(), count.double()])
         engine.train()
         nll, count = _all_sum(local).cpu().tolist()
@@ -233,6 +241,9 @@ class DeepSpeedEngine:
 
     def lr(self) -> float:
         return self.scheduler.get_lr(self.engine.optimizer.param_groups[0])
+
+    def router_metrics(self) -> dict:
+        return {} if self.expert_load is None else self.expert_load.metrics()
 
     # ---- checkpoints -----------------------------------------------------------------------
 

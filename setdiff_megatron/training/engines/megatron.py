@@ -34,6 +34,7 @@ from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.recipes import Recipe
 from setdiff_megatron.training import lr_schedule
 from setdiff_megatron.training.engines.base import StepOutcome
+from setdiff_megatron.training.expert_load import ExpertLoad
 from setdiff_megatron.training.engines.rng import host_rng_state, set_host_rng_state
 
 __all__ = ["MegatronEngine", "build_optimizer", "PRECISION"]
@@ -53,7 +54,9 @@ def _same_layout(saved: dict, here: dict) -> bool:
 
 def _layout_text(lay: dict) -> str:
     optim = {True: "distributed optimizer", False: "optimizer per rank", None: "weights only"}
-    return f"tp {lay['tp']} pp {lay['pp']} vpp {lay.get('vpp') or 1} dp {lay['dp']}, {optim[lay['distributed_optimizer']]}"
+    ep = f" ep {lay['ep']}" if lay.get("ep", 1) > 1 else ""
+    return (f"tp {lay['tp']} pp {lay['pp']} vpp {lay.get('vpp') or 1}{ep} dp {lay['dp']}, "
+            f"{optim[lay['distributed_optimizer']]}")
 
 
 class MegatronEngine:
@@ -64,7 +67,7 @@ class MegatronEngine:
 
         p = recipe.parallel
         self.recipe = recipe
-        self.layout = Layout.of(runtime.world_size(), tp=p.tp, pp=p.pp, vpp=p.vpp)
+        self.layout = Layout.of(runtime.world_size(), tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep)
         runtime.init_model_parallel(self.layout, recipe.train.seed)
         self.dp_rank, self.dp_size = parallel_state.get_data_parallel_rank(), self.layout.dp
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -81,7 +84,7 @@ class MegatronEngine:
         r, t = self.recipe, self.recipe.train
         overrides = dict(fp8=t.fp8, fp8_recipe=t.fp8_recipe) if t.fp8 is not None else {}
         config = transformer_config_from(
-            model_cfg, tp=r.parallel.tp, pp=r.parallel.pp, vpp=r.parallel.vpp,
+            model_cfg, tp=r.parallel.tp, pp=r.parallel.pp, vpp=r.parallel.vpp, ep=r.parallel.ep,
             sequence_parallel=r.parallel.sequence_parallel, recompute=t.recompute,
             params_dtype=PRECISION[t.precision], **overrides)
         config.finalize_model_grads_func = finalize_model_grads
@@ -95,6 +98,7 @@ class MegatronEngine:
         self.optimizer, self.scheduler = build_optimizer(r, self.chunks, total_steps)
         self._schedule, self._forward_step = get_forward_backward_func(), forward_step
         self._seq_length = pipeline_seq_length(r.data.seq_len)
+        self.expert_load = watch_routers(chunks, model_cfg) if model_cfg.num_experts else None
 
     def init_from(self, state_dict: dict[str, torch.Tensor], model_cfg: ModelConfig) -> None:
         """Each rank loads its own chunks, mapped for its (tp, pp, vpp) position, then the
@@ -109,6 +113,7 @@ class MegatronEngine:
             mapped = torch_to_megatron(state_dict, model_cfg, tp_rank=parallel_state.get_tensor_model_parallel_rank(),
                                        tp_size=p.tp, pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
                                        pp_size=p.pp, vp_size=p.vpp, vp_stage=module.vp_stage,
+                                       ep_rank=parallel_state.get_expert_model_parallel_rank(), ep_size=p.ep,
                                        backend=self.recipe.model.backend)
             with torch.no_grad():
                 missing, unexpected = module.load_state_dict(mapped, strict=False)
@@ -139,7 +144,12 @@ class MegatronEngine:
         for c in self.chunks:
             c.zero_grad_buffer()
         self.optimizer.zero_grad()
+        if self.expert_load is not None:
+            self.expert_load.reset()
         return self._run(batches, forward_only=False)
+
+    def router_metrics(self) -> dict:
+        return {} if self.expert_load is None else self.expert_load.metrics()
 
     def optimizer_step(self) -> StepOutcome:
         """megatron's ChainedOptimizer.step, with the gradient norm checked before the update."""
@@ -218,6 +228,26 @@ class MegatronEngine:
             state = torch.load(resumed.path / RNG_FILE.format(rank=dist.get_rank()), weights_only=True)
             set_host_rng_state(state)
             tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def watch_routers(chunks, model_cfg: ModelConfig) -> ExpertLoad:
+    """Feed every router's routing of each forward to an ExpertLoad (megatron counts layers from 1)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from setdiff_megatron.models.moe import router_losses
+
+    load = ExpertLoad(model_cfg)
+
+    def record(router, inputs, output) -> None:
+        with torch.no_grad():
+            logits = router.gating(inputs[0].detach()).view(-1, model_cfg.num_experts)
+            load.add(router.layer_number - 1, output[1].sum(0), *router_losses(logits, model_cfg))
+
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, TopKRouter):
+                module.register_forward_hook(record)
+    return load
 
 
 def build_optimizer(recipe: Recipe, chunks, total_steps: int):
