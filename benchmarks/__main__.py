@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from benchmarks import attention, memory, parallel_scaling, sampling, train_throughput
+from benchmarks import attention, memory, moe_step, parallel_scaling, sampling, train_throughput
 from benchmarks.machine import machine_info, save_results
 
 # name -> (module, extra arguments of a --quick run). Each module has main(argv) -> result and
@@ -23,6 +23,7 @@ BENCHMARKS = {
     "sampling": (sampling, ["--repeats", "1", "--new-tokens", "16", "--batches", "1", "16"]),
     "memory": (memory, ["--lengths", "1024", "--contexts", "256"]),
     "parallel_scaling": (parallel_scaling, ["--repeats", "1"]),
+    "moe_step": (moe_step, ["--steps", "1"]),
 }
 
 

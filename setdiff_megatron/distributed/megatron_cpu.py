@@ -162,10 +162,40 @@ def _splits_to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = F
     return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
 
 
+def _uneven_gather(gather, reduce_scatter):
+    """gloo gathers and reduce-scatters equal parts only; the MoE dispatcher under TP moves each
+    rank's routed tokens, unequal in number. The uneven cases run as an equal gather of padded
+    parts and as an all-reduce then this rank's part; the equal ones are megatron's own."""
+
+    def gather_uneven(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        longest = max(output_split_sizes)
+        padded = input_.new_zeros((longest, *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in output_split_sizes]
+        torch.distributed.all_gather(parts, padded, group=group)
+        return torch.cat([part[:n] for part, n in zip(parts, output_split_sizes)])
+
+    def reduce_scatter_uneven(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+        total = input_.contiguous().clone()
+        torch.distributed.all_reduce(total, group=group)
+        return total.split(list(input_split_sizes))[group.rank()].contiguous()
+
+    return gather_uneven, reduce_scatter_uneven
+
+
 def _enable_moe_shims() -> None:
-    """The MoE layer's CUDA-only points: side streams and events, split sizes left as tensors, and
-    a name `moe_utils` only defines when Transformer Engine imports."""
+    """The MoE layer's CUDA-only points: side streams and events, split sizes left as tensors, a
+    name `moe_utils` only defines when Transformer Engine imports, and the uneven collectives of
+    its dispatcher under tensor parallelism."""
+    from megatron.core.tensor_parallel import mappings
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim = _uneven_gather(
+        mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim)
 
     torch.cuda.Stream = torch.cuda.Event = _Stream
     torch.cuda.current_stream = lambda device=None: _Stream()

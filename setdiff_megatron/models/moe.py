@@ -107,9 +107,11 @@ class MoE(nn.Module):
         probs, routed = self.route(logits)
         balance, z = router_losses(logits, self.cfg)
         out = torch.zeros_like(flat)
-        for e in routed.any(0).nonzero().flatten().tolist():
+        # Every expert runs, on no rows if none reached it: its gradient is then zeros, not None,
+        # so data-parallel reductions see the same parameters on every rank (DeepSpeed's buckets).
+        for e, expert in enumerate(self.experts):
             rows = routed[:, e].nonzero().flatten()
-            out.index_add_(0, rows, self.experts[e](flat[rows]) * probs[rows, e, None])
+            out.index_add_(0, rows, expert(flat[rows]) * probs[rows, e, None])
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         weighted = (self.cfg.moe_aux_loss_coeff * balance + self.cfg.moe_z_loss_coeff * z) * flat.shape[0]

@@ -45,3 +45,11 @@ def test_cached_sampler_over_parallel_moe_matches_torch_model(moe_results, layou
     r = moe_results[layout]
     assert r["step_logits_diff"] <= 1e-5, r
     assert all(r["tokens_equal"]) and all(r["nfe_equal"]) and r["ranks_agree"], r
+
+
+@pytest.mark.slow
+def test_tp2_by_ep2_on_four_ranks_trains_as_tp2(tmp_path):
+    r = run_worker("tests.megatron.moe_worker", tmp_path / "moe4.json", nproc=4, timeout=600)["tp2_ep2"]
+    assert len(r["losses"]) == 4
+    assert r["loss_diff"] <= 1e-5, r
+    assert r["grad_diff"] <= 1e-6 * max(1.0, r["grad_scale"]), r

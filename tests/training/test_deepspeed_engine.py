@@ -117,6 +117,30 @@ def test_losses_match_the_megatron_engine(straight, megatron_results):
     assert max(abs(a - b) for a, b in zip(got, megatron_results["losses"])) <= 2e-6, (got, megatron_results)
 
 
+MOE = ("model.num_experts=4", "model.moe_top_k=2", "model.moe_intermediate_size=128", "model.num_shared_experts=1",
+       "model.moe_z_loss_coeff=1e-3")
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_moe_losses_match_the_megatron_engine_at_ep2(tmp_path, data_cache):
+    """An MoE model: DeepSpeed's torch body, data-parallel with the router losses added to its
+    NLL sum, against megatron's MoE layers at EP = 2 from the same weights and data."""
+    run_dir = tmp_path / "moe"
+    out = subprocess.run(command(run_dir, data_cache, *MOE), capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = [v for _, v in losses(run_dir)]
+    megatron = tmp_path / "megatron.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+           "tests.training.deepspeed_megatron_worker", str(megatron), f"checkpoint.dir={tmp_path / 'm'}",
+           f"data.cache_dir={data_cache}", *BASE, *MOE, "parallel.ep=2"]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONWARNINGS": "ignore"}, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0 and megatron.exists(), proc.stderr[-6000:]
+    expected = json.loads(megatron.read_text())["losses"]
+    assert len(got) == STEPS and max(abs(a - b) for a, b in zip(got, expected)) <= 1e-5, (got, expected)
+
+
 @pytest.mark.multiproc
 @pytest.mark.filterwarnings("ignore:Transformer Engine and Apex are not installed")
 @pytest.mark.parametrize("schedule", SCHEDULES)

@@ -1,0 +1,64 @@
+"""Two-rank worker (torchrun, gloo, CPU) for test_ring_attention.py: set-causal ring attention at
+context parallelism 2 against the single-rank attention of the whole sequence. Every rank builds
+the same full q/k/v and output gradient from a seed, runs the reference on all of it, then ring
+attention on its zigzag slice; the differences of outputs and dq/dk/dv on its rows are gathered
+and rank 0 writes the largest as JSON."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from setdiff_megatron.core.attention import set_causal_attention
+from setdiff_megatron.kernels.ring_attention import ring_set_causal_attention, zigzag_ranks
+from tests.megatron.cases import write_worker_results
+
+CASES = {
+    # name: (dtype, B, H, G, L, valid lengths or None, query rows only)
+    "fp32_gqa_padding": (torch.float32, 2, 4, 2, 24, [24, 17], False),
+    "fp32_odd_chunks_mha": (torch.float32, 1, 2, 2, 12, None, False),  # chunks of 3 ranks
+    "fp32_query_rows_only": (torch.float32, 2, 4, 1, 20, [20, 9], True),
+    "fp64_gqa_padding": (torch.float64, 2, 4, 2, 24, [24, 5], False),
+}
+
+
+def local_rows(x: torch.Tensor, length: int, rows: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of a [B, heads, S, D] tensor over one or both streams."""
+    streams = x.shape[2] // length
+    index = torch.cat([rows + s * length for s in range(streams)])
+    return x[:, :, index]
+
+
+def run_case(dtype, b, h, g, length, valid, query_only) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    d, scale = 8, 8 ** -0.5
+    q = torch.randn(b, h, length if query_only else 2 * length, d, generator=gen, dtype=dtype)
+    k, v = (torch.randn(b, g, 2 * length, d, generator=gen, dtype=dtype) for _ in range(2))
+    valid_len = None if valid is None else torch.tensor(valid)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    ref = set_causal_attention(q, k, v, impl="dense", valid_len=valid_len, scale=scale)
+    dout = torch.randn(ref.shape, generator=gen, dtype=dtype)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
+
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    rows = zigzag_ranks(length, cp, rank)
+    mine = [local_rows(t.detach(), length, rows).requires_grad_() for t in (q, k, v)]
+    out = ring_set_causal_attention(*mine, scale=scale, group=dist.group.WORLD, length=length, valid_len=valid_len)
+    grads = torch.autograd.grad(out, mine, local_rows(dout, length, rows))
+    diffs = [(out - local_rows(ref.detach(), length, rows)).abs().max()]
+    diffs += [(a - local_rows(r, length, rows)).abs().max() for a, r in zip(grads, ref_grads)]
+    diffs = torch.stack(diffs).double()
+    dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
+    return dict(zip(["out", "dq", "dk", "dv"], diffs.tolist()))
+
+
+def main(out: Path) -> None:
+    dist.init_process_group("gloo")
+    write_worker_results(out, {name: run_case(*case) for name, case in CASES.items()})
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
