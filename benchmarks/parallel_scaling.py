@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
+from dataclasses import dataclass
 from multiprocessing.queues import SimpleQueue
 
 import torch
@@ -33,6 +35,20 @@ from setdiff_megatron.distributed.runtime import free_port
 MODEL = {"hidden_size": 256, "num_layers": 4, "num_heads": 4}
 VOCAB_SIZE, MASK_TOKEN_ID = 4097, 4096
 LENGTH, MICRO_BATCH, NUM_MICROBATCHES = 256, 4, 8
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The sequence length and global batch a layout steps over (benchmarks.context_parallel
+    takes long sequences)."""
+
+    length: int = LENGTH
+    micro_batch: int = MICRO_BATCH
+    num_microbatches: int = NUM_MICROBATCHES
+    model: tuple[tuple[str, int], ...] = ()
+    """Overrides of MODEL, as (field, value) pairs."""
+
+
 LAYOUTS = {  # name: (world size, parallel section)
     "T1 (1 process)": (1, {}),
     "TP=2": (2, {"tp": 2}),
@@ -42,29 +58,31 @@ LAYOUTS = {  # name: (world size, parallel section)
 TARGET = 1.3
 
 
-def recipe_dict(parallel: dict, hidden_size: int) -> dict:
+def recipe_dict(parallel: dict, hidden_size: int, work: Workload = Workload()) -> dict:
     """The benchmark's recipe under one layout; everything but the layout is shared."""
     return {
-        "model": MODEL | {"hidden_size": hidden_size, "max_seq_len": LENGTH},
-        "data": {"seq_len": LENGTH}, "train": {"precision": "fp32", "steps": 10, "warmup_steps": 0},
-        "parallel": {"micro_batch_size": MICRO_BATCH, "global_batch_size": MICRO_BATCH * NUM_MICROBATCHES,
-                     **parallel},
+        "model": MODEL | dict(work.model) | {"hidden_size": hidden_size, "max_seq_len": work.length},
+        "data": {"seq_len": work.length}, "train": {"precision": "fp32", "steps": 10, "warmup_steps": 0},
+        "parallel": {"micro_batch_size": work.micro_batch,
+                     "global_batch_size": work.micro_batch * work.num_microbatches, **parallel},
     }
 
 
-def global_batch() -> list:
+def global_batch(work: Workload = Workload()) -> list:
     """The same M micro-batches for every layout and rank: TP ranks and pipeline stages all
     draw the whole micro-batch (forward_step), so every rank rebuilds it from the seed."""
     from setdiff_megatron.core.orders import Staggered
     from setdiff_megatron.core.streams import sample_two_stream_batch
 
     gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, MASK_TOKEN_ID, (NUM_MICROBATCHES, MICRO_BATCH, LENGTH), generator=gen)
+    tokens = torch.randint(0, MASK_TOKEN_ID, (work.num_microbatches, work.micro_batch, work.length), generator=gen)
     return [sample_two_stream_batch(t, Staggered(d=4), mask_token_id=MASK_TOKEN_ID, generator=gen) for t in tokens]
 
 
-def _rank(rank: int, world: int, port: int, parallel: dict, hidden_size: int, repeats: int, out: SimpleQueue) -> None:
-    """One rank of a layout: join the group as `setdiff train` does, time best-of-N steps."""
+def _rank(rank: int, world: int, port: int, parallel: dict, hidden_size: int, repeats: int, out: SimpleQueue,
+          work: Workload) -> None:
+    """One rank of a layout: join the group as `setdiff train` does, time best-of-N steps, and
+    report the step time and rank 0's peak memory growth over the steps (bytes)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world))
     torch.set_num_threads(1)
@@ -76,8 +94,8 @@ def _rank(rank: int, world: int, port: int, parallel: dict, hidden_size: int, re
     from benchmarks.megatron_step import megatron_step
     from setdiff_megatron.distributed.runtime import shutdown
 
-    recipe = recipe_dict(parallel, hidden_size)
-    step, _ = megatron_step(recipe, vocab_size=VOCAB_SIZE, mask_token_id=MASK_TOKEN_ID, batches=global_batch())
+    recipe = recipe_dict(parallel, hidden_size, work)
+    step, _ = megatron_step(recipe, vocab_size=VOCAB_SIZE, mask_token_id=MASK_TOKEN_ID, batches=global_batch(work))
 
     def synced_step() -> None:
         # The trailing barrier starts every rank's next step together: a step ends for all when
@@ -86,17 +104,20 @@ def _rank(rank: int, world: int, port: int, parallel: dict, hidden_size: int, re
         dist.barrier()
 
     dist.barrier()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     seconds = best_time(synced_step, repeats=repeats)
     if rank == 0:
-        out.put(seconds)
+        out.put((seconds, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024))
     shutdown()
 
 
-def layout_seconds(world: int, parallel: dict, hidden_size: int, repeats: int) -> float:
-    """Best step time of one layout, in `world` fresh spawned processes of one thread each."""
+def layout_run(world: int, parallel: dict, hidden_size: int, repeats: int,
+               work: Workload = Workload()) -> tuple[float, int]:
+    """(best step time, peak memory growth of rank 0 over the steps) of one layout, in `world`
+    fresh spawned processes of one thread each."""
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
-    mp.start_processes(_rank, args=(world, free_port(), parallel, hidden_size, repeats, out), nprocs=world,
+    mp.start_processes(_rank, args=(world, free_port(), parallel, hidden_size, repeats, out, work), nprocs=world,
                        join=True, start_method="spawn")
     return out.get()
 
@@ -139,7 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
     print("machine:", machine_info())
     print(f"model: {model}, vocab {VOCAB_SIZE}, L={LENGTH}; {NUM_MICROBATCHES} micro-batches of {MICRO_BATCH}; "
           f"fp32 AdamW step, 1 thread per process, best of {args.repeats}; ideal = T1 / ranks")
-    seconds = {name: layout_seconds(world, parallel, args.hidden_size, args.repeats)
+    seconds = {name: layout_run(world, parallel, args.hidden_size, args.repeats)[0]
                for name, (world, parallel) in LAYOUTS.items()}
     rows = rows_from(seconds)
     print_table(rows)

@@ -19,7 +19,9 @@ from typing import NamedTuple
 import torch
 
 from setdiff_megatron.core.attention import (
+    ATEN_FLASH,
     ATTENTION_IMPLS,
+    PartialAttention,
     register_attention_impl,
     register_step_impl,
     set_causal_step_attention,
@@ -28,7 +30,7 @@ from setdiff_megatron.errors import UserError
 from setdiff_megatron.kernels import flash_attn, te_fused
 from setdiff_megatron.kernels.te_fused import HALF, log_once
 
-__all__ = ["Choice", "choose_attention_impl", "ATTENTION_IMPL_NAMES"]
+__all__ = ["Choice", "choose_attention_impl", "context_parallel_kernel", "ATTENTION_IMPL_NAMES"]
 
 
 class Choice(NamedTuple):
@@ -79,6 +81,21 @@ def auto_attention(q, k, v, scale, valid_len):
     if choice.impl == "te":
         return te_fused.te_attention(q, k, v, scale, valid_len, strict=False)
     return ATTENTION_IMPLS[choice.impl](q, k, v, scale, valid_len)
+
+
+def context_parallel_kernel(impl: str, q: torch.Tensor) -> PartialAttention:
+    """The per-block kernel of ring attention (kernels/ring_attention.py) for model.attention_impl:
+    TE's or flash-attn's low-level calls, else PyTorch's flash kernels ('fused'; 'sdpa' and
+    'dense' have no blockwise form, and under context parallelism run the same kernels)."""
+    if impl == "auto":
+        impl = _choice_for(q).impl
+    if impl == "te":
+        te_fused.require_cuda_half(q, "te")
+        return te_fused.te_kernel_for(q, te_fused.load_te_api(), strict=False)
+    if impl == "flash_attn":
+        te_fused.require_cuda_half(q, "flash_attn")
+        return flash_attn.FlashAttnKernel(flash_attn.load_flash_api())
+    return ATEN_FLASH
 
 
 def auto_step_attention(q, k, v, k_cache, v_cache, **kwargs):

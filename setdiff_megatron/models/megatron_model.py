@@ -57,6 +57,8 @@ from setdiff_megatron.core.attention import resolve_attention_impl, set_causal_a
 from setdiff_megatron.core.kv_cache import KVCache
 from setdiff_megatron.core.streams import TwoStreamBatch
 from setdiff_megatron.errors import UserError, require
+from setdiff_megatron.kernels.dispatch import context_parallel_kernel
+from setdiff_megatron.kernels.ring_attention import ring_set_causal_attention, zigzag_ranks
 from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.torch_model import Rotary, cache_attention_impl
 from setdiff_megatron.models.weight_maps import BACKENDS, check_ep_split, check_tp_split, padded_vocab_size, stage_layers
@@ -69,6 +71,7 @@ __all__ = [
     "forward_step",
     "layer_spec",
     "loss_func",
+    "context_parallel_slice",
     "pipeline_seq_length",
     "transformer_config_from",
 ]
@@ -83,13 +86,14 @@ def transformer_config_from(
     pp: int = 1,
     vpp: int | None = None,
     ep: int = 1,
+    cp: int = 1,
     sequence_parallel: bool = False,
     recompute: Recompute = "none",
     params_dtype: torch.dtype = torch.float32,
     calculate_per_token_loss: bool = True,
     **overrides,
 ) -> TransformerConfig:
-    """megatron's TransformerConfig for `model_cfg` under a (tp, pp, vpp, ep) layout.
+    """megatron's TransformerConfig for `model_cfg` under a (tp, pp, vpp, ep, cp) layout.
 
     `calculate_per_token_loss` (default) makes the schedule back-propagate NLL sums and divide
     the gradients by the global number of target tokens: core/loss.py's per-token mean over the
@@ -124,6 +128,7 @@ def transformer_config_from(
         init_method_std=model_cfg.init_std,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
         virtual_pipeline_model_parallel_size=vpp,
         sequence_parallel=sequence_parallel and tp > 1,
         params_dtype=params_dtype,
@@ -219,7 +224,14 @@ class SetCausalCoreAttention(MegatronModule):
             return out.permute(2, 0, 1, 3).flatten(2)
         if self.query_rows_only:
             q = q[:, :, q.shape[2] // 2:]
-        out = set_causal_attention(q, k, v, impl=self.impl, valid_len=attention_mask, scale=self.softmax_scale)
+        cp = self.config.context_parallel_size
+        if cp > 1:  # this rank's zigzag chunks of both streams; the others' clean K/V come by ring
+            out = ring_set_causal_attention(
+                q, k, v, scale=self.softmax_scale or q.shape[-1] ** -0.5,
+                group=parallel_state.get_context_parallel_group(), length=k.shape[2] // 2 * cp,
+                valid_len=attention_mask, kernel=context_parallel_kernel(self.impl, q))
+        else:
+            out = set_causal_attention(q, k, v, impl=self.impl, valid_len=attention_mask, scale=self.softmax_scale)
         return out.permute(2, 0, 1, 3).flatten(2)
 
 
@@ -377,6 +389,9 @@ class SetDiffusionGPT(LanguageModule):
         return self._query_output(hidden, length, targets)
 
     def _check_sampling(self) -> None:
+        if self.config.context_parallel_size > 1:
+            raise UserError("sampling runs the whole sequence on each rank: use context parallel size 1 "
+                            "(tensor parallelism is supported)")
         if not (self.pre_process and self.post_process):
             raise UserError("sampling runs the whole model on each rank: use pipeline parallel size 1 "
                             "(tensor parallelism is supported)")
@@ -452,8 +467,21 @@ def _keep_experts_apart(chunk: torch.nn.Module) -> None:
 
 
 def pipeline_seq_length(length: int) -> int:
-    """The sequence length megatron's schedules communicate between stages: two streams of L."""
+    """The sequence length megatron's schedules communicate between stages: two streams of L
+    (the schedules divide it by the context-parallel size themselves)."""
     return 2 * length
+
+
+def context_parallel_slice(batch: TwoStreamBatch) -> TwoStreamBatch:
+    """This context-parallel rank's zigzag chunks of every [b, L] field (megatron's
+    get_batch_on_this_cp_rank for two streams); valid_len stays in global ranks."""
+    cp = parallel_state.get_context_parallel_world_size()
+    if cp == 1:
+        return batch
+    rows = zigzag_ranks(batch.position_ids.shape[1], cp, parallel_state.get_context_parallel_rank(),
+                        device=batch.position_ids.device)
+    return TwoStreamBatch(*(t[:, rows] for t in (batch.clean_tokens, batch.query_tokens, batch.position_ids,
+                                                  batch.targets, batch.loss_mask)), valid_len=batch.valid_len)
 
 
 def loss_func(loss_mask: torch.Tensor, nll: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
@@ -471,9 +499,11 @@ def forward_step(data_iterator: Iterator[TwoStreamBatch], model: torch.nn.Module
     """Megatron's forward_step(data_iterator, model) -> (output, loss function of the output).
 
     Every pipeline stage draws the whole batch: each one needs the positions (rotary) and
-    valid_len (attention), the first the tokens and the last the targets and loss mask.
+    valid_len (attention), the first the tokens and the last the targets and loss mask. Under
+    context parallelism each rank keeps its zigzag chunks; the schedule and finalize_model_grads
+    sum the NLL, the target count and the gradients over the CP ranks too.
     """
-    batch = next(data_iterator)
+    batch = context_parallel_slice(next(data_iterator))
     nll = model(batch.clean_tokens, batch.query_tokens, batch.position_ids,
                 valid_len=batch.valid_len, targets=batch.targets)
     return nll, partial(loss_func, batch.loss_mask)

@@ -95,6 +95,9 @@ class ParallelSection(Section):
     """Pipeline-parallel size."""
     vpp: PositiveInt | None = None
     """Virtual pipeline stages per rank (interleaved 1F1B); None: plain 1F1B."""
+    cp: PositiveInt = 1
+    """Context-parallel size (megatron engine): each sequence's two streams split over cp ranks in
+    zigzag chunks, set-causal ring attention between them; data.seq_len must divide by 2 x cp."""
     ep: PositiveInt = 1
     """Expert-parallel size (megatron engine, MoE models): each MoE layer's experts are spread over
     ep ranks carved out of the data-parallel ones, tokens exchanged by all-to-all."""

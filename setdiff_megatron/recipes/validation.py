@@ -28,7 +28,8 @@ GPU_ATTENTION = {"te": "Transformer Engine", "flash_attn": "flash-attn"}
 
 
 def data_parallel_size(recipe: Recipe, world_size: int) -> int:
-    return world_size // (recipe.parallel.tp * recipe.parallel.pp)
+    p = recipe.parallel
+    return world_size // (p.tp * p.pp * p.cp)
 
 
 def _parallel_rules(r: Recipe, world_size: int) -> list[str]:
@@ -44,15 +45,15 @@ def _parallel_rules(r: Recipe, world_size: int) -> list[str]:
         errors.append("parallel.vpp: virtual pipeline stages need parallel.pp > 1")
     if p.sequence_parallel and p.tp == 1:
         errors.append("parallel.sequence_parallel: needs parallel.tp > 1")
-    if world_size % (p.tp * p.pp):
-        errors.append(f"parallel: tp x pp = {p.tp * p.pp} does not divide the {world_size} processes "
+    if world_size % (p.tp * p.pp * p.cp):
+        errors.append(f"parallel: tp x pp x cp = {p.tp * p.pp * p.cp} does not divide the {world_size} processes "
                       "(launch.nnodes x launch.nproc_per_node)")
     else:
         dp = data_parallel_size(r, world_size)
         if p.global_batch_size % (p.micro_batch_size * dp):
             errors.append(f"parallel.global_batch_size: {p.global_batch_size} must be a multiple of "
                           f"micro_batch_size x data-parallel size = {p.micro_batch_size} x {dp}")
-    errors += _expert_rules(r, world_size)
+    errors += _expert_rules(r, world_size) + _context_rules(r)
     if r.engine == "deepspeed" and (p.tp > 1 or p.pp > 1):
         errors.append("parallel: tensor and pipeline parallelism (tp, pp > 1) are megatron-engine features; "
                       "the deepspeed engine is data-parallel (ZeRO): set tp = pp = 1 or engine: megatron")
@@ -75,13 +76,28 @@ def _expert_rules(r: Recipe, world_size: int) -> list[str]:
     if p.ep > 1 and r.engine == "deepspeed":
         errors.append("parallel.ep: expert parallelism is a megatron-engine feature (the deepspeed engine runs MoE "
                       "models data-parallel); set ep = 1 or engine: megatron")
-    dp = data_parallel_size(r, world_size) if world_size % (p.tp * p.pp) == 0 else None
-    if dp is not None and p.ep > 1 and dp % p.ep:
-        errors.append(f"parallel.ep: {p.ep} must divide the data-parallel size ({dp}): experts are spread over the "
-                      "data-parallel ranks of a stage")
+    dp = data_parallel_size(r, world_size) if world_size % (p.tp * p.pp * p.cp) == 0 else None
+    if dp is not None and p.ep > 1 and (dp * p.cp) % p.ep:
+        errors.append(f"parallel.ep: {p.ep} must divide the data- x context-parallel size ({dp} x {p.cp}): experts "
+                      "are spread over those ranks of a stage")
     if m.num_experts and p.tp > 1 and r.engine == "megatron" and not p.sequence_parallel:
         errors.append("parallel.sequence_parallel: megatron-core trains MoE layers under tp > 1 only with sequence "
                       "parallelism; set sequence_parallel: true")
+    return errors
+
+
+def _context_rules(r: Recipe) -> list[str]:
+    p = r.parallel
+    if p.cp == 1:
+        return []
+    errors = []
+    if r.data.seq_len % (2 * p.cp):
+        errors.append(f"parallel.cp: each stream is split into 2 x cp = {2 * p.cp} chunks; data.seq_len "
+                      f"({r.data.seq_len}) must be divisible by {2 * p.cp}")
+    if r.engine == "deepspeed":
+        errors.append("parallel.cp: context parallelism is a megatron-engine feature; set cp = 1 or engine: megatron")
+    if r.model.num_experts:
+        errors.append("parallel.cp: context parallelism with a mixture of experts is not supported yet; set cp = 1")
     return errors
 
 

@@ -48,13 +48,14 @@ LAYOUTS = {
     "tp2_sp_full_recompute": dict(tp=2, sequence_parallel=True, recompute="full"),
     "pp2": dict(pp=2),
     "pp2_vpp2": dict(pp=2, vpp=2),
+    "cp2": dict(cp=2),
 }
 
 
-def _init(tp: int = 1, pp: int = 1, vpp: int | None = None, ep: int = 1) -> None:
+def _init(tp: int = 1, pp: int = 1, vpp: int | None = None, ep: int = 1, cp: int = 1) -> None:
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vpp,
-                                             expert_model_parallel_size=ep)
+                                             expert_model_parallel_size=ep, context_parallel_size=cp)
     model_parallel_seed(1234)
 
 
@@ -77,14 +78,21 @@ def _ddp_chunks(cfg, weights, tc, *, use_distributed_optimizer: bool = False):
 
 
 def _train_step(chunks, data) -> tuple[list[float], str]:
-    """One forward/backward over `data` (a list of micro-batches); per-micro-batch losses."""
+    """One forward/backward over `data` (a list of micro-batches); per-micro-batch losses (a
+    context-parallel rank reports its chunks' sums: they are added over the CP group first)."""
     for chunk in chunks:
         chunk.zero_grad_buffer()
     schedule = get_forward_backward_func()
+    cp = parallel_state.get_context_parallel_world_size()
     reports = schedule(forward_step_func=forward_step, data_iterator=[iter(data) for _ in chunks],
                        model=chunks, num_microbatches=len(data), seq_length=pipeline_seq_length(LENGTH),
                        micro_batch_size=MICRO_BATCH)
-    return [(r["lm loss"][0] / r["lm loss"][1]).item() for r in reports], schedule.__name__
+    if not reports:
+        return [], schedule.__name__
+    sums = torch.stack([r["lm loss"] for r in reports])
+    if cp > 1:
+        dist.all_reduce(sums, group=parallel_state.get_context_parallel_group())
+    return [(nll / count).item() for nll, count in sums], schedule.__name__
 
 
 def _merged(per_chunk: list[dict[str, torch.Tensor]], cfg=None) -> dict[str, torch.Tensor]:
@@ -107,10 +115,11 @@ def _losses_everywhere(losses: list[float]) -> list[float]:
     return next(g for g in gathered if g)
 
 
-def run_layout(cfg, weights, data, *, tp=1, pp=1, vpp=None, ep=1, sequence_parallel=False, recompute="none"):
+def run_layout(cfg, weights, data, *, tp=1, pp=1, vpp=None, ep=1, cp=1, sequence_parallel=False,
+               recompute="none"):
     """Per-micro-batch losses, merged gradients and the schedule's name for one layout."""
-    _init(tp, pp, vpp, ep)
-    tc = transformer_config_from(cfg, tp=tp, pp=pp, vpp=vpp, ep=ep, sequence_parallel=sequence_parallel,
+    _init(tp, pp, vpp, ep, cp)
+    tc = transformer_config_from(cfg, tp=tp, pp=pp, vpp=vpp, ep=ep, cp=cp, sequence_parallel=sequence_parallel,
                                  recompute=recompute)
     chunks = _ddp_chunks(cfg, weights, tc)
     losses, schedule = _train_step(chunks, data)
@@ -155,6 +164,10 @@ def tp2_sampling(cfg, weights) -> dict:
     return {**result, "ranks_agree": all(g == gathered[0] for g in gathered)}
 
 
+FOUR_RANK_LAYOUTS = {"cp2_tp2_sp": dict(cp=2, tp=2, sequence_parallel=True), "cp2_pp2": dict(cp=2, pp=2)}
+"""Context parallelism composed with TP (and SP) or PP: four ranks (test_parallel_parity, slow)."""
+
+
 def main(out: Path) -> None:
     auto_cpu_mode()
     dist.init_process_group(dist_backend())
@@ -163,12 +176,15 @@ def main(out: Path) -> None:
     ref_losses, ref_grads, _ = run_layout(cfg, weights, data)
     grad_scale = max(g.abs().max().item() for g in ref_grads.values())
     results = {"reference": {"losses": ref_losses, "grad_scale": grad_scale}}
-    for name, layout in LAYOUTS.items():
+    four = dist.get_world_size() == 4
+    for name, layout in (FOUR_RANK_LAYOUTS if four else LAYOUTS).items():
         losses, grads, schedule = run_layout(cfg, weights, data, **layout)
         results[name] = {"loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
                          "num_losses": len(losses), "grad_diff": _max_diff(grads, ref_grads),
                          "schedule": schedule}
-
+    if four:
+        write_worker_results(out, results)
+        return
     results["tp2_sampling"] = tp2_sampling(cfg, weights)
     opt_data = batches(cfg, count=12, seed=1)
     plain = _merged([optimizer_params(cfg, weights, opt_data, use_distributed_optimizer=False)])

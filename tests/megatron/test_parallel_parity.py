@@ -7,6 +7,8 @@ finalize_model_grads; gradients of all ranks are merged by the weight map before
 
 import pytest
 
+from tests.megatron.cases import run_worker
+
 pytestmark = pytest.mark.multiproc
 
 LOSS_TOL = 1e-5
@@ -18,6 +20,7 @@ SCHEDULES = {
     "tp2_sp_full_recompute": "forward_backward_no_pipelining",
     "pp2": "forward_backward_pipelining_without_interleaving",  # 1F1B
     "pp2_vpp2": "forward_backward_pipelining_with_interleaving",
+    "cp2": "forward_backward_no_pipelining",  # zigzag chunks, set-causal ring attention
 }
 
 
@@ -44,3 +47,11 @@ def test_tp2_sampling_matches_torch_model(parallel_results):
     assert r["step_logits_diff"] <= 1e-5
     assert all(r["tokens_equal"]) and all(r["nfe_equal"]) and len(r["tokens_equal"]) == 4
     assert r["ranks_agree"]
+
+
+@pytest.mark.slow
+def test_context_parallelism_composes_with_tp_and_pp_on_four_ranks(tmp_path):
+    results = run_worker("tests.megatron.parallel_worker", tmp_path / "four.json", nproc=4, timeout=600)
+    for layout in ("cp2_tp2_sp", "cp2_pp2"):
+        r = results[layout]
+        assert r["num_losses"] == 4 and r["loss_diff"] <= LOSS_TOL and r["grad_diff"] <= GRAD_TOL, (layout, r)

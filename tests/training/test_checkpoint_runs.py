@@ -142,7 +142,7 @@ def test_two_processes_preempted_through_the_launcher_exit_75(tmp_path, data_cac
 
 @pytest.mark.multiproc
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["parallel.tp=2", "parallel.pp=2"])
+@pytest.mark.parametrize("layout", ["parallel.tp=2", "parallel.pp=2", "parallel.cp=2"])
 def test_two_process_resume_is_bitwise_and_reshards_to_one_process(tmp_path, data_cache, layout):
     args = ("train.steps=6", "checkpoint.interval=3", layout)
     straight = tmp_path / "straight"
@@ -158,10 +158,11 @@ def test_two_process_resume_is_bitwise_and_reshards_to_one_process(tmp_path, dat
     assert out.returncode == 0 and f"resumed from {checkpoint_of(resumed, 3)}" in out.stdout, out.stderr[-3000:]
     assert losses(resumed) == expected[3:]
 
-    # One process, TP=1 PP=1: weights and optimizer state reshard through dist_checkpointing.
+    # One process, TP=1 PP=1 CP=1: weights and optimizer state reshard through dist_checkpointing.
     single = tmp_path / "single"
     shutil.copytree(checkpoint_of(straight, 3), checkpoint_of(single, 3))
-    out = run_train(single, data_cache, *args, "launch.nproc_per_node=1", "parallel.tp=1", "parallel.pp=1")
+    out = run_train(single, data_cache, *args, "launch.nproc_per_node=1", "parallel.tp=1", "parallel.pp=1",
+                    "parallel.cp=1")
     assert out.returncode == 0 and "saved at tp " in out.stdout, out.stderr[-3000:]
     got = losses(single)
     assert [s for s, _ in got] == [4, 5, 6] and got[0][1] == pytest.approx(expected[3][1], abs=1e-5)

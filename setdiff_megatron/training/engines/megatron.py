@@ -1,4 +1,4 @@
-"""The megatron-core engine: the set-causal model as megatron ModuleSpecs under TP, PP and DP.
+"""The megatron-core engine: the set-causal model as megatron ModuleSpecs under TP, PP, CP, EP and DP.
 
 What it builds, in order:
   groups      distributed.runtime from the recipe's layout (tp, pp, vpp); gloo on a CPU through
@@ -54,8 +54,8 @@ def _same_layout(saved: dict, here: dict) -> bool:
 
 def _layout_text(lay: dict) -> str:
     optim = {True: "distributed optimizer", False: "optimizer per rank", None: "weights only"}
-    ep = f" ep {lay['ep']}" if lay.get("ep", 1) > 1 else ""
-    return (f"tp {lay['tp']} pp {lay['pp']} vpp {lay.get('vpp') or 1}{ep} dp {lay['dp']}, "
+    more = "".join(f" {k} {lay[k]}" for k in ("cp", "ep") if lay.get(k, 1) > 1)
+    return (f"tp {lay['tp']} pp {lay['pp']} vpp {lay.get('vpp') or 1}{more} dp {lay['dp']}, "
             f"{optim[lay['distributed_optimizer']]}")
 
 
@@ -67,7 +67,7 @@ class MegatronEngine:
 
         p = recipe.parallel
         self.recipe = recipe
-        self.layout = Layout.of(runtime.world_size(), tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep)
+        self.layout = Layout.of(runtime.world_size(), tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, cp=p.cp)
         runtime.init_model_parallel(self.layout, recipe.train.seed)
         self.dp_rank, self.dp_size = parallel_state.get_data_parallel_rank(), self.layout.dp
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -84,7 +84,7 @@ class MegatronEngine:
         r, t = self.recipe, self.recipe.train
         overrides = dict(fp8=t.fp8, fp8_recipe=t.fp8_recipe) if t.fp8 is not None else {}
         config = transformer_config_from(
-            model_cfg, tp=r.parallel.tp, pp=r.parallel.pp, vpp=r.parallel.vpp, ep=r.parallel.ep,
+            model_cfg, tp=r.parallel.tp, pp=r.parallel.pp, vpp=r.parallel.vpp, ep=r.parallel.ep, cp=r.parallel.cp,
             sequence_parallel=r.parallel.sequence_parallel, recompute=t.recompute,
             params_dtype=PRECISION[t.precision], **overrides)
         config.finalize_model_grads_func = finalize_model_grads
