@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import argparse
 
-from benchmarks import attention, memory, moe_step, parallel_scaling, sampling, train_throughput
+from benchmarks import (attention, context_parallel, long_context, memory, moe_step, parallel_scaling, sampling,
+                        train_throughput)
 from benchmarks.machine import machine_info, save_results
 
 # name -> (module, extra arguments of a --quick run). Each module has main(argv) -> result and
@@ -24,6 +25,8 @@ BENCHMARKS = {
     "memory": (memory, ["--lengths", "1024", "--contexts", "256"]),
     "parallel_scaling": (parallel_scaling, ["--repeats", "1"]),
     "moe_step": (moe_step, ["--steps", "1"]),
+    "context_parallel": (context_parallel, ["--length", "2048", "--repeats", "1"]),
+    "long_context": (long_context, ["--contexts", "4096"]),
 }
 
 

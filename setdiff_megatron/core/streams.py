@@ -6,6 +6,9 @@ x[perm], the query stream is MASK everywhere. Targets and the loss mask are in r
 the loss is right whatever the order does with prompt and padding tokens (the reference keeps its
 loss mask in position order, which is only right while those tokens form a leading/trailing run).
 
+Packed windows hold several documents; with document masking (recipes' data.document_mask) the
+batch carries each rank's document id, so attention stays within documents (core/attention.py).
+
 The query stream is MASK even at prompt and padding ranks: nothing attends to a query token but
 the query itself, and those ranks are excluded from the loss, so their input value is irrelevant.
 
@@ -20,12 +23,15 @@ import torch
 
 from setdiff_megatron.core.orders import OrderPolicy, sample_order
 
-__all__ = ["TwoStreamBatch", "build_two_stream_batch", "sample_two_stream_batch"]
+__all__ = ["TwoStreamBatch", "build_two_stream_batch", "document_ids", "sample_two_stream_batch"]
 
 
 @dataclass(frozen=True)
 class TwoStreamBatch:
-    """One training batch in rank order; every field is [B, L] except `valid_len` [B]."""
+    """One training batch in rank order; every field is [B, L] except `valid_len` [B].
+
+    `document_ids`: each rank's document, None when attention may cross documents.
+    """
 
     clean_tokens: torch.Tensor
     query_tokens: torch.Tensor
@@ -33,10 +39,18 @@ class TwoStreamBatch:
     targets: torch.Tensor
     loss_mask: torch.Tensor
     valid_len: torch.Tensor
+    document_ids: torch.Tensor | None = None
 
     @property
     def num_targets(self) -> torch.Tensor:
         return self.loss_mask.sum()
+
+
+def document_ids(tokens_BL: torch.Tensor, eod_id: int) -> torch.Tensor:
+    """[B, L] document index of each position of packed windows: 0 for the first document, one
+    more after each EOD token, which belongs to the document it ends."""
+    eod_BL = (tokens_BL == eod_id).long()
+    return eod_BL.cumsum(dim=1) - eod_BL
 
 
 def build_two_stream_batch(
@@ -46,8 +60,10 @@ def build_two_stream_batch(
     mask_token_id: int,
     prompt_mask_BL: torch.Tensor | None = None,
     pad_mask_BL: torch.Tensor | None = None,
+    document_ids_BL: torch.Tensor | None = None,
 ) -> TwoStreamBatch:
-    """Gather tokens into rank order and derive the query stream, targets and loss mask.
+    """Gather tokens (and document ids, by position) into rank order and derive the query stream,
+    targets and loss mask.
 
     `perm_BL` must put padding last (as every order policy in core.orders does): `valid_len`
     counts the non-padding ranks and attention treats ranks at or beyond it as padding.
@@ -56,7 +72,7 @@ def build_two_stream_batch(
         raise ValueError(
             f"tokens and perm must both be [batch, length]; got {tuple(tokens_BL.shape)} and {tuple(perm_BL.shape)}"
         )
-    for name, m in (("prompt_mask", prompt_mask_BL), ("pad_mask", pad_mask_BL)):
+    for name, m in (("prompt_mask", prompt_mask_BL), ("pad_mask", pad_mask_BL), ("document_ids", document_ids_BL)):
         if m is not None and m.shape != tokens_BL.shape:
             raise ValueError(f"{name} must have shape {tuple(tokens_BL.shape)}; got {tuple(m.shape)}")
     not_target_BL = torch.zeros_like(tokens_BL, dtype=torch.bool)
@@ -76,6 +92,7 @@ def build_two_stream_batch(
         targets=clean_BL,
         loss_mask=~not_target_BL.gather(1, perm_BL),
         valid_len=valid_len_B,
+        document_ids=None if document_ids_BL is None else document_ids_BL.gather(1, perm_BL),
     )
 
 
@@ -87,11 +104,13 @@ def sample_two_stream_batch(
     prompt_mask: torch.Tensor | None = None,
     pad_mask: torch.Tensor | None = None,
     keep_clean_bos: bool = False,
+    eod_id: int | None = None,
     generator: torch.Generator | None = None,
 ) -> TwoStreamBatch:
     """Sample an order from `policy` and build the batch; every engine trains through this.
 
-    A BOS kept clean is pinned first like a prompt token and, like one, is not a target.
+    A BOS kept clean is pinned first like a prompt token and, like one, is not a target. With
+    `eod_id` the batch carries document ids (`document_ids`), for document-masked attention.
     """
     if keep_clean_bos:
         bos_BL = torch.zeros_like(tokens_BL, dtype=torch.bool)
@@ -104,5 +123,6 @@ def sample_two_stream_batch(
         generator=generator, device=tokens_BL.device,
     )
     return build_two_stream_batch(
-        tokens_BL, perm_BL, mask_token_id=mask_token_id, prompt_mask_BL=prompt_mask, pad_mask_BL=pad_mask
+        tokens_BL, perm_BL, mask_token_id=mask_token_id, prompt_mask_BL=prompt_mask, pad_mask_BL=pad_mask,
+        document_ids_BL=None if eod_id is None else document_ids(tokens_BL, eod_id),
     )

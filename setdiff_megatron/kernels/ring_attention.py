@@ -85,9 +85,9 @@ def _rotated(x: torch.Tensor, last: torch.Tensor | float) -> torch.Tensor:
     return out
 
 
-def _unrotated(x: torch.Tensor) -> torch.Tensor:
-    """The inverse for rows 1..: slot j's result belongs to row j+1; row 0's is left zero."""
-    out = torch.zeros_like(x)
+def _unrotated(x: torch.Tensor, first: float = 0.0) -> torch.Tensor:
+    """The inverse for rows 1..: slot j's result belongs to row j+1; row 0 gets `first`."""
+    out = torch.full_like(x, first)
     out[:, :, 1:] = x[:, :, :-1]
     return out
 
@@ -100,46 +100,103 @@ def _blocks(row_chunks: tuple[int, int], key_chunks: tuple[int, int], size: int)
                 yield slice(i * size, (i + 1) * size), slice(j * size, (j + 1) * size), "full" if a > b else "diagonal"
 
 
-def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, o: torch.Tensor, l: torch.Tensor,
-           valid: slice = slice(None)) -> None:
-    """Fold a partial result (o, l) into rows `rows` of (out, lse); `valid` picks o's rows kept."""
-    o, l = o[:, :, valid].to(out.dtype), l[:, :, valid].to(lse.dtype)
+def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, o: torch.Tensor, l: torch.Tensor) -> None:
+    """Fold a partial result (o, l) into rows `rows` of (out, lse). A row that saw no key in a
+    block has l = -inf and is left as it was (a row that has seen none at all stays 0, -inf)."""
+    o, l = o.to(out.dtype), l.to(lse.dtype)
     old = lse[:, :, rows]
     new = torch.logaddexp(old, l)
-    out[:, :, rows] = out[:, :, rows] * torch.exp(old - new)[..., None] + o * torch.exp(l - new)[..., None]
+    seen = ~torch.isneginf(new)
+    keep = torch.where(seen, torch.exp(old - new), 0.0)[..., None]
+    take = torch.where(seen, torch.exp(l - new), 0.0)[..., None]
+    out[:, :, rows] = out[:, :, rows] * keep + o * take
     lse[:, :, rows] = new
+
+
+@dataclass
+class _KernelBlocks:
+    """A block's attention by the fixed-mask kernel: all, causal (clean rows) or strictly causal
+    (query rows, rotated by one slot so that plain causal attention gives keys < row)."""
+
+    kernel: PartialAttention
+    scale: float
+
+    def forward(self, stream: str, kind: str, q, k, v, rows, keys) -> tuple[torch.Tensor, torch.Tensor]:
+        if kind == "full" or stream == "x":
+            return self.kernel.forward(q, k, v, scale=self.scale, causal=kind == "diagonal")[:2]
+        o, l, _ = self.kernel.forward(_rotated(q, q[:, :, 0]), k, v, scale=self.scale, causal=True)
+        return _unrotated(o), _unrotated(l, float("-inf"))  # a chunk's first query sees none of it
+
+    def backward(self, stream: str, kind: str, dout, q, k, v, out, lse, rows, keys):
+        causal = kind == "diagonal"
+        if not (causal and stream == "m"):
+            return self.kernel.backward(dout, q, k, v, out, lse, None, scale=self.scale, causal=causal)
+        # The dropped last slot (the chunk's first query) gets no gradient: dO = 0, and lse = inf makes P = 0.
+        dq, dk, dv = self.kernel.backward(_rotated(dout, 0.0), _rotated(q, q[:, :, 0]), k, v, _rotated(out, out[:, :, 0]),
+                                          _rotated(lse, float("inf")), None, scale=self.scale, causal=True)
+        return _unrotated(dq), dk, dv
+
+
+@dataclass
+class _DocumentBlocks:
+    """A block's attention under the set-causal rule AND same-document, as explicit masked
+    attention (the documents make the mask arbitrary in rank order); `document_ids` [B, L] of the
+    whole sequence, so any rank's chunks can be masked without sending them."""
+
+    document_ids: torch.Tensor
+    scale: float
+
+    def _mask(self, stream: str, rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        causal = rows[:, None] >= keys[None, :] if stream == "x" else rows[:, None] > keys[None, :]
+        same = self.document_ids[:, rows, None] == self.document_ids[:, None, keys]
+        return (causal & same)[:, None]  # [B, 1, R, K]
+
+    def _probs(self, stream, q, k, lse, rows, keys) -> tuple[torch.Tensor, torch.Tensor]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        mask = self._mask(stream, rows, keys)
+        scores = (q @ k.transpose(-1, -2)) * self.scale
+        if lse is None:
+            lse = torch.logsumexp(scores.masked_fill(~mask, float("-inf")), dim=-1)
+        safe = torch.where(torch.isneginf(lse), 0.0, lse)[..., None]
+        return torch.where(mask, torch.exp(scores - safe), 0.0), lse
+
+    def forward(self, stream, kind, q, k, v, rows, keys):
+        probs, lse = self._probs(stream, q, k, None, rows, keys)
+        return probs @ v.repeat_interleave(q.shape[1] // v.shape[1], dim=1), lse
+
+    def backward(self, stream, kind, dout, q, k, v, out, lse, rows, keys):
+        g = q.shape[1] // k.shape[1]
+        probs, _ = self._probs(stream, q, k, lse, rows, keys)
+        dp = dout @ v.repeat_interleave(g, dim=1).transpose(-1, -2)
+        ds = probs * (dp - (dout * out).sum(-1, keepdim=True)) * self.scale
+        dq = ds @ k.repeat_interleave(g, dim=1)
+        dk = (ds.transpose(-1, -2) @ q).unflatten(1, (k.shape[1], g)).sum(2)
+        dv = (probs.transpose(-1, -2) @ dout).unflatten(1, (k.shape[1], g)).sum(2)
+        return dq, dk, dv
 
 
 class _RingSetCausal(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, scale: float, ring: _Ring, kernel: PartialAttention):
+    def forward(ctx, q, k, v, ring: _Ring, blocks: _KernelBlocks | _DocumentBlocks, length: int):
         local = k.shape[2] // 2  # 2C ranks per stream on this rank
         size, num_kv = local // 2, k.shape[1]
         acc = torch.promote_types(q.dtype, torch.float32)
         query_only = q.shape[2] == local
-        k_x, v_x = k[:, :, :local].contiguous(), v[:, :, :local].contiguous()
         q_x, q_m = (None, q) if query_only else (q[:, :, :local], q[:, :, local:])
-        rows = zigzag_chunks(ring.size, ring.rank)
-        out = {s: torch.zeros(x.shape, dtype=acc, device=q.device) for s, x in (("x", q_x), ("m", q_m)) if x is not None}
-        lse = {s: torch.full(x.shape[:3], float("-inf"), dtype=acc, device=q.device) for s, x in (("x", q_x), ("m", q_m))
-               if x is not None}
-        block = [k_x, v_x]
+        streams = {"x": q_x, "m": q_m} if q_x is not None else {"m": q_m}
+        mine = zigzag_ranks(length, ring.size, ring.rank, device=q.device)
+        out = {s: torch.zeros(x.shape, dtype=acc, device=q.device) for s, x in streams.items()}
+        lse = {s: torch.full(x.shape[:3], float("-inf"), dtype=acc, device=q.device) for s, x in streams.items()}
+        block = [k[:, :, :local].contiguous(), v[:, :, :local].contiguous()]
         for step in range(ring.size):
             pending = ring.pass_on(block) if step + 1 < ring.size else None
-            keys = zigzag_chunks(ring.size, ring.source(step))
-            for r, c, kind in _blocks(rows, keys, size):
-                kb, vb = block[0][:, :, c], block[1][:, :, c]
-                if q_x is not None:
-                    o, l, _ = kernel.forward(q_x[:, :, r], kb, vb, scale=scale, causal=kind == "diagonal")
-                    _merge(out["x"], lse["x"], r, o, l)
-                if kind == "full":
-                    o, l, _ = kernel.forward(q_m[:, :, r], kb, vb, scale=scale, causal=False)
-                    _merge(out["m"], lse["m"], r, o, l)
-                else:  # strictly causal: rotate, then slot j (row j+1) sees keys <= j
-                    qr = q_m[:, :, r]
-                    o, l, _ = kernel.forward(_rotated(qr, qr[:, :, 0]), kb, vb, scale=scale, causal=True)
-                    first = r.start + 1
-                    _merge(out["m"], lse["m"], slice(first, r.stop), o, l, slice(0, -1))
+            source = ring.source(step)
+            theirs = zigzag_ranks(length, ring.size, source, device=q.device)
+            for r, c, kind in _blocks(zigzag_chunks(ring.size, ring.rank), zigzag_chunks(ring.size, source), size):
+                for name, qs in streams.items():
+                    o, l = blocks.forward(name, kind, qs[:, :, r], block[0][:, :, c], block[1][:, :, c],
+                                          mine[r], theirs[c])
+                    _merge(out[name], lse[name], r, o, l)
             if pending is not None:
                 block, requests = pending
                 for request in requests:
@@ -147,21 +204,19 @@ class _RingSetCausal(torch.autograd.Function):
         # The diagonal: each query's own key and value (local), merged last.
         g = q_m.shape[1] // num_kv
         k_m, v_m = (t[:, :, local:].repeat_interleave(g, dim=1).to(acc) for t in (k, v))
-        s_diag = (q_m.to(acc) * k_m).sum(-1) * scale
+        s_diag = (q_m.to(acc) * k_m).sum(-1) * blocks.scale
         lse_m = torch.logaddexp(lse["m"], s_diag)
-        out_m = out["m"] * torch.exp(lse["m"] - lse_m)[..., None] + v_m * torch.exp(s_diag - lse_m)[..., None]
-        outs, lses = [out_m], [lse_m]
-        if q_x is not None:
-            outs, lses = [out["x"], out_m], [lse["x"], lse_m]
-        result = torch.cat(outs, dim=2).to(q.dtype)
-        ctx.save_for_backward(q, k, v, result, torch.cat(lses, dim=2))
-        ctx.scale, ctx.ring, ctx.kernel = scale, ring, kernel
+        out["m"] = out["m"] * torch.exp(lse["m"] - lse_m)[..., None] + v_m * torch.exp(s_diag - lse_m)[..., None]
+        lse["m"] = lse_m
+        result = torch.cat(list(out.values()), dim=2).to(q.dtype)
+        ctx.save_for_backward(q, k, v, result, torch.cat(list(lse.values()), dim=2))
+        ctx.ring, ctx.blocks, ctx.length = ring, blocks, length
         return result
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        scale, ring, kernel = ctx.scale, ctx.ring, ctx.kernel
+        ring, blocks, length, scale = ctx.ring, ctx.blocks, ctx.length, ctx.blocks.scale
         local = k.shape[2] // 2
         size, num_kv = local // 2, k.shape[1]
         g = q.shape[1] // num_kv
@@ -171,24 +226,20 @@ class _RingSetCausal(torch.autograd.Function):
         split = 0 if query_only else local
         streams = {"m": slice(split, None)} | ({} if query_only else {"x": slice(0, local)})
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        rows = zigzag_chunks(ring.size, ring.rank)
+        mine = zigzag_ranks(length, ring.size, ring.rank, device=q.device)
         block = [k[:, :, :local].contiguous(), v[:, :, :local].contiguous(),
                  torch.zeros(k[:, :, :local].shape, dtype=acc, device=k.device),
                  torch.zeros(v[:, :, :local].shape, dtype=acc, device=v.device)]
         for step in range(ring.size):
-            keys = zigzag_chunks(ring.size, ring.source(step))
+            source = ring.source(step)
+            theirs = zigzag_ranks(length, ring.size, source, device=q.device)
             kx, vx, dkx, dvx = block
-            for r, c, kind in _blocks(rows, keys, size):
+            for r, c, kind in _blocks(zigzag_chunks(ring.size, ring.rank), zigzag_chunks(ring.size, source), size):
                 for name, span in streams.items():
                     rr = slice(span.start + r.start, span.start + r.stop)
-                    qb, ob, lb, db = q[:, :, rr], out[:, :, rr], lse[:, :, rr], dout[:, :, rr]
-                    rotate = name == "m" and kind == "diagonal"
-                    if rotate:  # the last slot (the chunk's first query) is dropped: no gradient, P = 0
-                        qb, ob, db = _rotated(qb, qb[:, :, 0]), _rotated(ob, ob[:, :, 0]), _rotated(db, 0.0)
-                        lb = _rotated(lb, float("inf"))
-                    dqb, dkb, dvb = kernel.backward(db, qb, kx[:, :, c], vx[:, :, c], ob, lb, None,
-                                                    scale=scale, causal=kind == "diagonal")
-                    dq[:, :, rr] += _unrotated(dqb).to(acc) if rotate else dqb.to(acc)
+                    dqb, dkb, dvb = blocks.backward(name, kind, dout[:, :, rr], q[:, :, rr], kx[:, :, c], vx[:, :, c],
+                                                    out[:, :, rr], lse[:, :, rr], mine[r], theirs[c])
+                    dq[:, :, rr] += dqb.to(acc)
                     dkx[:, :, c] += dkb.to(acc)
                     dvx[:, :, c] += dvb.to(acc)
             if ring.size > 1:
@@ -216,21 +267,25 @@ class _RingSetCausal(torch.autograd.Function):
 
 
 def ring_set_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
-                              group: dist.ProcessGroup | None = None, length: int | None = None,
-                              valid_len: torch.Tensor | None = None,
+                              group: dist.ProcessGroup | None = None, valid_len: torch.Tensor | None = None,
+                              document_ids: torch.Tensor | None = None,
                               kernel: PartialAttention = ATEN_FLASH) -> torch.Tensor:
     """Set-causal attention of this rank's zigzag slice of the two streams, exact against the
     single-rank attention of the whole sequence. q [B, H, 4C or 2C (query rows only), D], k/v
-    [B, G, 4C, D]; `length` is the global L (needed with valid_len, whose padding rows are zeroed)."""
+    [B, G, 4C, D]; valid_len [B] and document_ids [B, L] describe the WHOLE sequence (global
+    ranks): padding rows are zeroed, and with document ids no row attends across documents (the
+    blocks then run as explicit masked attention instead of the kernel)."""
     ring = _Ring.of(group)
     local = k.shape[2] // 2
     if k.shape[2] % 4 or q.shape[2] not in (k.shape[2], local):
         raise ValueError(f"ring attention takes a rank's two chunks of both streams: k [B, G, 4C, D] and q with "
                          f"4C or 2C rows; got q {tuple(q.shape)}, k {tuple(k.shape)}")
-    out = _RingSetCausal.apply(q, k, v, scale, ring, kernel)
+    length = local * ring.size
+    blocks = _KernelBlocks(kernel, scale) if document_ids is None else _DocumentBlocks(document_ids, scale)
+    out = _RingSetCausal.apply(q, k, v, ring, blocks, length)
     if valid_len is None:
         return out
-    ranks = zigzag_ranks(length or local * ring.size, ring.size, ring.rank, device=q.device)
+    ranks = zigzag_ranks(length, ring.size, ring.rank, device=q.device)
     streams = q.shape[2] // local
     real = (ranks[None, :] < valid_len[:, None]).repeat(1, streams)[:, None, :, None]
     return out * real.to(out.dtype)

@@ -23,7 +23,8 @@ rotary frequencies gathered per token from the ORIGINAL positions (megatron's ow
 position ids), the output layer (tied to the embedding across pipeline stages like GPTModel) on
 the QUERY half only, and a vocabulary-parallel cross-entropy with the MASK logit (and vocabulary
 padding) excluded. Padding ranks are described by `valid_len` [b], carried to the core attention
-in megatron's attention-mask slot.
+in megatron's attention-mask slot; under document masking that slot carries the document ids
+instead (`attention_mask_slot`).
 
 Shapes: b micro-batch, L ranks per stream, S = 2L tokens, E hidden, V vocabulary (Vp padded),
 np/hn heads per TP rank and head dim, D head dim.
@@ -32,7 +33,7 @@ np/hn heads per TP rank and head dim, D head dim.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from functools import partial
 from typing import Callable, Iterator, Literal
 
@@ -67,6 +68,7 @@ __all__ = [
     "SetCausalCoreAttention",
     "SetDiffusionGPT",
     "StepContext",
+    "attention_mask_slot",
     "build_model_chunks",
     "forward_step",
     "layer_spec",
@@ -190,14 +192,35 @@ class StepContext:
     commit_valid: torch.Tensor | None
 
 
+def attention_mask_slot(valid_len: torch.Tensor | None, document_ids: torch.Tensor | None) -> torch.Tensor | None:
+    """What a training forward carries in megatron's attention-mask slot: `valid_len` [b], or
+    with document ids [b, L] (non-negative) those ids with -1 at padding ranks, from which
+    `_attention_inputs` recovers both (padding comes last). One tensor, not a pair: full
+    recompute saves the slot with save_for_backward, which takes tensors only."""
+    if document_ids is None:
+        return valid_len
+    if valid_len is None:
+        return document_ids
+    ranks = torch.arange(document_ids.shape[1], device=document_ids.device)
+    return document_ids.masked_fill(ranks >= valid_len[:, None], -1)
+
+
+def _attention_inputs(slot: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(valid_len, document_ids) of an `attention_mask_slot`."""
+    if slot is None or slot.dim() == 1:
+        return slot, None
+    return (slot >= 0).sum(dim=1), slot
+
+
 class SetCausalCoreAttention(MegatronModule):
     """Megatron's core-attention slot running core/attention.py's set-causal attention.
 
     Takes q [S, b, np, hn] and k/v [S, b, ng, hn] for the local heads of this TP rank and returns
     [S, b, np * hn]. In training the mask is implied by the [clean ; query] layout and the
-    attention-mask slot carries `valid_len` [b] (ranks at or beyond it are padding) or None; in
-    sampling it carries a `StepContext` and the step attends through the KV cache. The builder's
-    other arguments (mask type, context-parallel settings) have no meaning here.
+    attention-mask slot carries `valid_len` [b] (ranks at or beyond it are padding), document ids
+    (`attention_mask_slot`) or None; in sampling it carries a `StepContext` and the step attends
+    through the KV cache. The builder's other arguments (mask type, context-parallel settings)
+    have no meaning here.
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
@@ -224,14 +247,16 @@ class SetCausalCoreAttention(MegatronModule):
             return out.permute(2, 0, 1, 3).flatten(2)
         if self.query_rows_only:
             q = q[:, :, q.shape[2] // 2:]
+        valid_len, document_ids = _attention_inputs(attention_mask)
         cp = self.config.context_parallel_size
         if cp > 1:  # this rank's zigzag chunks of both streams; the others' clean K/V come by ring
             out = ring_set_causal_attention(
                 q, k, v, scale=self.softmax_scale or q.shape[-1] ** -0.5,
-                group=parallel_state.get_context_parallel_group(), length=k.shape[2] // 2 * cp,
-                valid_len=attention_mask, kernel=context_parallel_kernel(self.impl, q))
+                group=parallel_state.get_context_parallel_group(), valid_len=valid_len,
+                document_ids=document_ids, kernel=context_parallel_kernel(self.impl, q))
         else:
-            out = set_causal_attention(q, k, v, impl=self.impl, valid_len=attention_mask, scale=self.softmax_scale)
+            out = set_causal_attention(q, k, v, impl=self.impl, valid_len=valid_len, scale=self.softmax_scale,
+                                       document_ids=document_ids)
         return out.permute(2, 0, 1, 3).flatten(2)
 
 
@@ -366,8 +391,11 @@ class SetDiffusionGPT(LanguageModule):
 
     def forward(self, clean_tokens: torch.Tensor | None, query_tokens: torch.Tensor | None,
                 position_ids: torch.Tensor, valid_len: torch.Tensor | None = None,
-                targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Two streams of [b, L] tokens in rank order (needed on the first stage only).
+                targets: torch.Tensor | None = None, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Two streams of [b, L] tokens in rank order (needed on the first stage only); with
+        `document_ids` [b, L] (rank order) attention stays within each document. Under context
+        parallelism the streams are this rank's zigzag chunks, and valid_len and document_ids
+        still describe the whole sequence.
 
         Returns, on the last stage, the query stream's per-token NLL [b, L] (float32, MASK
         excluded) when `targets` is given, else its logits [b, L, V] gathered over TP; on other
@@ -382,7 +410,7 @@ class SetDiffusionGPT(LanguageModule):
         hidden = None
         if self.pre_process:
             hidden = self.embedding(input_ids=torch.cat([clean_tokens, query_tokens], dim=1), position_ids=None)
-        hidden = self.decoder(hidden_states=hidden, attention_mask=valid_len,
+        hidden = self.decoder(hidden_states=hidden, attention_mask=attention_mask_slot(valid_len, document_ids),
                               rotary_pos_emb=self.rotary_freqs(position_ids.repeat(1, 2)))
         if not self.post_process:
             return hidden
@@ -474,14 +502,16 @@ def pipeline_seq_length(length: int) -> int:
 
 def context_parallel_slice(batch: TwoStreamBatch) -> TwoStreamBatch:
     """This context-parallel rank's zigzag chunks of every [b, L] field (megatron's
-    get_batch_on_this_cp_rank for two streams); valid_len stays in global ranks."""
+    get_batch_on_this_cp_rank for two streams); valid_len and document_ids stay whole, since ring
+    attention masks every rank's chunks with them."""
     cp = parallel_state.get_context_parallel_world_size()
     if cp == 1:
         return batch
     rows = zigzag_ranks(batch.position_ids.shape[1], cp, parallel_state.get_context_parallel_rank(),
                         device=batch.position_ids.device)
-    return TwoStreamBatch(*(t[:, rows] for t in (batch.clean_tokens, batch.query_tokens, batch.position_ids,
-                                                  batch.targets, batch.loss_mask)), valid_len=batch.valid_len)
+    per_rank = {f.name: t[:, rows] for f in fields(batch)
+                if (t := getattr(batch, f.name)) is not None and t.dim() == 2 and f.name != "document_ids"}
+    return replace(batch, **per_rank)
 
 
 def loss_func(loss_mask: torch.Tensor, nll: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
@@ -498,12 +528,12 @@ def forward_step(data_iterator: Iterator[TwoStreamBatch], model: torch.nn.Module
                  ) -> tuple[torch.Tensor, Callable[[torch.Tensor], tuple]]:
     """Megatron's forward_step(data_iterator, model) -> (output, loss function of the output).
 
-    Every pipeline stage draws the whole batch: each one needs the positions (rotary) and
-    valid_len (attention), the first the tokens and the last the targets and loss mask. Under
+    Every pipeline stage draws the whole batch: each one needs the positions (rotary), valid_len
+    and document ids (attention), the first the tokens and the last the targets and loss mask. Under
     context parallelism each rank keeps its zigzag chunks; the schedule and finalize_model_grads
     sum the NLL, the target count and the gradients over the CP ranks too.
     """
     batch = context_parallel_slice(next(data_iterator))
     nll = model(batch.clean_tokens, batch.query_tokens, batch.position_ids,
-                valid_len=batch.valid_len, targets=batch.targets)
+                valid_len=batch.valid_len, targets=batch.targets, document_ids=batch.document_ids)
     return nll, partial(loss_func, batch.loss_mask)

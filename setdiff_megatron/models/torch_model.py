@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from setdiff_megatron.core.attention import resolve_attention_impl
+from setdiff_megatron.core.attention import document_attention, resolve_attention_impl
 from setdiff_megatron.core.kv_cache import KVCache
 from setdiff_megatron.core.loss import LossOutput, set_diffusion_loss
 from setdiff_megatron.core.orders import OrderPolicy
@@ -149,12 +149,15 @@ class SetDiffusionTransformer(nn.Module):
         return F.linear(hidden, weight)
 
     def forward(self, clean_tokens: torch.Tensor, query_tokens: torch.Tensor, position_ids: torch.Tensor,
-                valid_len: torch.Tensor | None = None) -> torch.Tensor:
-        """Query-stream logits [B, L, V] for two streams of [B, L] tokens in rank order."""
-        return self.output_logits(self.hidden_states(clean_tokens, query_tokens, position_ids, valid_len))
+                valid_len: torch.Tensor | None = None, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Query-stream logits [B, L, V] for two streams of [B, L] tokens in rank order; with
+        `document_ids` [B, L] (rank order) attention stays within each document."""
+        return self.output_logits(self.hidden_states(clean_tokens, query_tokens, position_ids, valid_len,
+                                                     document_ids=document_ids))
 
     def hidden_states(self, clean_tokens: torch.Tensor, query_tokens: torch.Tensor, position_ids: torch.Tensor,
-                      valid_len: torch.Tensor | None = None, *, clean_rows: bool = False) -> torch.Tensor:
+                      valid_len: torch.Tensor | None = None, *, document_ids: torch.Tensor | None = None,
+                      clean_rows: bool = False) -> torch.Tensor:
         """The last layer's output (before the final norm): the query stream's [B, L, E].
 
         Nothing reads the clean stream after the last layer, so that layer computes the query rows
@@ -173,21 +176,23 @@ class SetDiffusionTransformer(nn.Module):
             )
         x = self.embed_tokens(torch.cat([clean_tokens, query_tokens], dim=1))
         cos, sin = self.rotary(position_ids.repeat(1, 2))
-        attend = partial(self._attention, scale=self._scale, valid_len=valid_len)
+        attend = partial(document_attention, self._attention, scale=self._scale, valid_len=valid_len,
+                         document_ids=document_ids)
         for layer in self.layers[:-1]:
             x = layer(x, cos, sin, attend)
         return self.layers[-1](x, cos, sin, attend, first_row=0 if clean_rows else length)
 
     def loss(self, tokens: torch.Tensor, policy: OrderPolicy, *, prompt_mask: torch.Tensor | None = None,
-             pad_mask: torch.Tensor | None = None, keep_clean_bos: bool = False,
+             pad_mask: torch.Tensor | None = None, keep_clean_bos: bool = False, eod_id: int | None = None,
              generator: torch.Generator | None = None) -> LossOutput:
-        """Training objective: sample an order, build the two streams, score the queries."""
+        """Training objective: sample an order, build the two streams, score the queries; with
+        `eod_id` attention stays within the documents the EOD tokens end."""
         batch = sample_two_stream_batch(
             tokens, policy, mask_token_id=self.config.mask_token_id, prompt_mask=prompt_mask,
-            pad_mask=pad_mask, keep_clean_bos=keep_clean_bos, generator=generator,
+            pad_mask=pad_mask, keep_clean_bos=keep_clean_bos, eod_id=eod_id, generator=generator,
         )
         logits = self(batch.clean_tokens, batch.query_tokens, batch.position_ids,
-                      None if pad_mask is None else batch.valid_len)
+                      None if pad_mask is None else batch.valid_len, batch.document_ids)
         out = set_diffusion_loss(logits, batch.targets, batch.loss_mask, mask_token_id=self.config.mask_token_id)
         return out.with_router_loss(self.router_loss())
 

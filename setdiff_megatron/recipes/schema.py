@@ -81,6 +81,10 @@ class DataSection(Section):
     """Vocabulary of the BPE trained when `tokenizer` is None."""
     seq_len: PositiveInt = 256
     """Training sequence length L (the model sees 2L tokens)."""
+    document_mask: bool = False
+    """Keep attention within documents: a packed window holds several (each ends with the
+    tokenizer's EOD token), and by default every token attends across their boundaries. The
+    order still runs over the whole window."""
     split: str = "969,30,1"
     """Train/valid/test proportions, megatron style."""
     cache_dir: str | None = None

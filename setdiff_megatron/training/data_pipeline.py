@@ -103,7 +103,7 @@ class DataLoaders:
         return sample_two_stream_batch(
             tokens, self.policy, mask_token_id=self.data.tokenizer.mask_id,
             prompt_mask=sample["prompt_mask"].to(self.device), pad_mask=sample["pad_mask"].to(self.device),
-            generator=generator,
+            eod_id=self.data.tokenizer.eod if self.recipe.data.document_mask else None, generator=generator,
         )
 
     def _generator(self, tag: int, position: int) -> torch.Generator:

@@ -1,6 +1,7 @@
 """Set-causal attention: the mask against the rule, and every implementation against dense."""
 
 import itertools
+from functools import partial
 
 import pytest
 import torch
@@ -118,6 +119,77 @@ def test_query_rows_only_equal_the_query_half(impl, shape, padded):
         torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-10, msg=f"{impl} {name} differs")
 
 
+def documents_reference(q, k, v, valid_len, document_ids):
+    """Explicit softmax under set_causal_mask(L) & same document (& padding), written apart from
+    the regrouping under test."""
+    length = k.shape[2] // 2
+    groups = q.shape[1] // k.shape[1]
+    doc = document_ids.repeat(1, 2)
+    real = (torch.arange(length) < valid_len[:, None]).repeat(1, 2)
+    allowed = set_causal_mask(length) & (doc[:, :, None] == doc[:, None, :]) & real[:, :, None] & real[:, None, :]
+    allowed = allowed[:, None, -q.shape[2]:]
+    scores = q @ k.repeat_interleave(groups, 1).transpose(-1, -2) / q.shape[-1] ** 0.5
+    has_key = allowed.any(-1, keepdim=True)
+    p = scores.masked_fill(~allowed, float("-inf")).masked_fill(~has_key, 0.0).softmax(-1)
+    return (p @ v.repeat_interleave(groups, 1)) * has_key
+
+
+def _document_case(shape, dtype, seed):
+    """q/k/v/dout, padding (a fully padded row included) and up to 4 documents per row."""
+    b, h, g_, length, d = shape
+    gen = torch.Generator().manual_seed(seed)
+    q, dout = (torch.randn(b, h, 2 * length, d, generator=gen, dtype=dtype) for _ in range(2))
+    k, v = (torch.randn(b, g_, 2 * length, d, generator=gen, dtype=dtype) for _ in range(2))
+    valid_len = torch.randint(0, length + 1, (b,), generator=gen)
+    valid_len[0] = length
+    document_ids = torch.randint(0, 4, (b, length), generator=gen)
+    return q, k, v, dout, valid_len, document_ids
+
+
+def _document_grads(fn, q, k, v, dout):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v)
+    return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+
+@pytest.mark.parametrize("impl", ["dense", *IMPLS])
+@pytest.mark.parametrize("shape", [(3, 4, 2, 9, 8), (2, 6, 3, 33, 16), (1, 2, 1, 1, 4)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)], ids=["f64", "f32"])
+@pytest.mark.parametrize("query_rows_only", [False, True], ids=["both", "queries"])
+def test_document_mask_matches_masked_dense(impl, shape, dtype, tol, query_rows_only):
+    """Outputs and q/k/v gradients of every implementation under document ids equal an explicit
+    softmax under the set-causal mask AND-ed with same-document, with padding and GQA."""
+    q, k, v, dout, valid_len, docs = _document_case(shape, dtype, hash((shape, query_rows_only)) % 2**31)
+    rows = slice(shape[3] if query_rows_only else 0, None)
+    got = _document_grads(partial(set_causal_attention, impl=impl, valid_len=valid_len, document_ids=docs),
+                          q[:, :, rows], k, v, dout[:, :, rows])
+    expected = _document_grads(lambda q_, k_, v_: documents_reference(q_, k_, v_, valid_len, docs),
+                               q[:, :, rows], k, v, dout[:, :, rows])
+    for name, e, a in zip(["out", "dq", "dk", "dv"], expected, got):
+        torch.testing.assert_close(a, e, rtol=tol, atol=tol, msg=f"{impl} {name} differs")
+
+
+@pytest.mark.parametrize("impl", ["dense", *IMPLS])
+def test_no_attention_crosses_a_document_boundary(impl):
+    """Changing every q/k/v row of one document leaves every other rank's output as it was."""
+    q, k, v, _, valid_len, docs = _document_case((2, 4, 2, 24, 8), torch.float64, 5)
+    attend = partial(set_causal_attention, impl=impl, valid_len=valid_len, document_ids=docs)
+    changed = (docs == 1).repeat(1, 2)[:, None, :, None]
+    noise = torch.randn_like(q)
+    before = attend(q, k, v)
+    after = attend(q + changed * noise, k + changed * noise[:, :2], v + changed * noise[:, 2:])
+    torch.testing.assert_close(after * ~changed, before * ~changed, rtol=0, atol=1e-14)
+    assert (after - before).abs().amax() > 1e-3  # the changed document itself did change
+
+
+def test_one_document_equals_no_document_ids():
+    q, k, v, _, valid_len, docs = _document_case((2, 4, 2, 12, 8), torch.float64, 6)
+    torch.testing.assert_close(
+        set_causal_attention(q, k, v, valid_len=valid_len, document_ids=torch.zeros_like(docs)),
+        set_causal_attention(q, k, v, valid_len=valid_len), rtol=0, atol=1e-14)
+
+
 def test_fused_accepts_strided_inputs_and_bf16():
     """The model hands over transposed [B, S, H, D] views; bf16 runs with fp32 statistics."""
     gen = torch.Generator().manual_seed(0)
@@ -206,5 +278,7 @@ def test_bad_impl_and_valid_len_raise():
         set_causal_attention(x, x, x, impl="flash9")
     with pytest.raises(ValueError, match="valid_len"):
         set_causal_attention(x, x, x, valid_len=torch.tensor([5]))
+    with pytest.raises(ValueError, match="document_ids must have shape"):
+        set_causal_attention(x, x, x, document_ids=torch.zeros(1, 3, dtype=torch.long))
     with pytest.raises(ValueError, match="num_commit"):
         set_causal_step_attention(x, x, x, x[:, :, :0], x[:, :, :0], num_commit=9)

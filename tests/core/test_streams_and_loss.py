@@ -7,7 +7,7 @@ import torch
 
 from setdiff_megatron.core.loss import set_diffusion_loss
 from setdiff_megatron.core.orders import Staggered, Uniform
-from setdiff_megatron.core.streams import build_two_stream_batch, sample_two_stream_batch
+from setdiff_megatron.core.streams import build_two_stream_batch, document_ids, sample_two_stream_batch
 
 MASK = 99
 
@@ -50,6 +50,17 @@ def test_keep_clean_bos_pins_and_excludes_position_zero():
     )
     assert (batch.position_ids[:, 0] == 0).all()
     assert not batch.loss_mask[:, 0].any() and batch.loss_mask[:, 1:].all()
+
+
+def test_document_ids_count_eod_tokens_and_follow_the_order():
+    """An EOD token belongs to the document it ends; the batch carries the ids in rank order."""
+    eod = 7
+    tokens = torch.tensor([[1, 2, eod, 3, eod, eod, 4, 5], [eod, 1, 2, 3, 4, 5, 6, 8]])
+    assert document_ids(tokens, eod).tolist() == [[0, 0, 0, 1, 1, 2, 3, 3], [0, 1, 1, 1, 1, 1, 1, 1]]
+    batch = sample_two_stream_batch(tokens, Uniform(), mask_token_id=MASK, eod_id=eod,
+                                    generator=torch.Generator().manual_seed(0))
+    assert torch.equal(batch.document_ids, document_ids(tokens, eod).gather(1, batch.position_ids))
+    assert sample_two_stream_batch(tokens, Uniform(), mask_token_id=MASK).document_ids is None
 
 
 def test_loss_is_mean_per_target_token_and_ignores_mask_logit():

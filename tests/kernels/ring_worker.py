@@ -17,11 +17,13 @@ from setdiff_megatron.kernels.ring_attention import ring_set_causal_attention, z
 from tests.megatron.cases import write_worker_results
 
 CASES = {
-    # name: (dtype, B, H, G, L, valid lengths or None, query rows only)
-    "fp32_gqa_padding": (torch.float32, 2, 4, 2, 24, [24, 17], False),
-    "fp32_odd_chunks_mha": (torch.float32, 1, 2, 2, 12, None, False),  # chunks of 3 ranks
-    "fp32_query_rows_only": (torch.float32, 2, 4, 1, 20, [20, 9], True),
-    "fp64_gqa_padding": (torch.float64, 2, 4, 2, 24, [24, 5], False),
+    # name: (dtype, B, H, G, L, valid lengths or None, query rows only, documents)
+    "fp32_gqa_padding": (torch.float32, 2, 4, 2, 24, [24, 17], False, False),
+    "fp32_odd_chunks_mha": (torch.float32, 1, 2, 2, 12, None, False, False),  # chunks of 3 ranks
+    "fp32_query_rows_only": (torch.float32, 2, 4, 1, 20, [20, 9], True, False),
+    "fp64_gqa_padding": (torch.float64, 2, 4, 2, 24, [24, 5], False, False),
+    "fp32_documents": (torch.float32, 2, 4, 2, 24, [24, 19], False, True),
+    "fp64_documents_query_rows_only": (torch.float64, 2, 4, 2, 24, None, True, True),
 }
 
 
@@ -32,21 +34,29 @@ def local_rows(x: torch.Tensor, length: int, rows: torch.Tensor) -> torch.Tensor
     return x[:, :, index]
 
 
-def run_case(dtype, b, h, g, length, valid, query_only) -> dict:
+def documents(b: int, length: int, gen: torch.Generator) -> torch.Tensor:
+    """[B, L] document ids in rank order: 3 documents per window, scattered over the ranks as a
+    sampled order scatters them."""
+    return torch.stack([torch.randint(0, 3, (length,), generator=gen) for _ in range(b)])
+
+
+def run_case(dtype, b, h, g, length, valid, query_only, with_documents) -> dict:
     gen = torch.Generator().manual_seed(0)
     d, scale = 8, 8 ** -0.5
     q = torch.randn(b, h, length if query_only else 2 * length, d, generator=gen, dtype=dtype)
     k, v = (torch.randn(b, g, 2 * length, d, generator=gen, dtype=dtype) for _ in range(2))
     valid_len = None if valid is None else torch.tensor(valid)
+    docs = documents(b, length, gen) if with_documents else None
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    ref = set_causal_attention(q, k, v, impl="dense", valid_len=valid_len, scale=scale)
+    ref = set_causal_attention(q, k, v, impl="dense", valid_len=valid_len, scale=scale, document_ids=docs)
     dout = torch.randn(ref.shape, generator=gen, dtype=dtype)
     ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
 
     cp, rank = dist.get_world_size(), dist.get_rank()
     rows = zigzag_ranks(length, cp, rank)
     mine = [local_rows(t.detach(), length, rows).requires_grad_() for t in (q, k, v)]
-    out = ring_set_causal_attention(*mine, scale=scale, group=dist.group.WORLD, length=length, valid_len=valid_len)
+    out = ring_set_causal_attention(*mine, scale=scale, group=dist.group.WORLD, valid_len=valid_len,
+                                    document_ids=docs)
     grads = torch.autograd.grad(out, mine, local_rows(dout, length, rows))
     diffs = [(out - local_rows(ref.detach(), length, rows)).abs().max()]
     diffs += [(a - local_rows(r, length, rows)).abs().max() for a, r in zip(grads, ref_grads)]

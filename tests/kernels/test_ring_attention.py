@@ -1,5 +1,6 @@
 """Set-causal ring attention (kernels/ring_attention.py): context parallelism 2 over gloo against
-the single-rank dense attention (ring_worker.py), and at one rank against the dense reference."""
+the single-rank dense attention (ring_worker.py), with and without document masking, and at one
+rank against the dense reference."""
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ def ring_results(tmp_path_factory) -> dict:
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("case", ["fp32_gqa_padding", "fp32_odd_chunks_mha", "fp32_query_rows_only",
-                                  "fp64_gqa_padding"])
+                                  "fp64_gqa_padding", "fp32_documents", "fp64_documents_query_rows_only"])
 def test_cp2_ring_attention_equals_single_rank_attention(ring_results, case):
     r = ring_results[case]
     assert max(r.values()) <= TOLERANCE[case[:4]], r
@@ -34,7 +35,7 @@ def test_one_rank_ring_is_the_dense_set_causal_attention(query_rows_only):
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     valid_len = torch.tensor([12, 7])
     ref = set_causal_attention(q, k, v, impl="dense", valid_len=valid_len, scale=0.3)
-    out = ring_set_causal_attention(q, k, v, scale=0.3, length=length, valid_len=valid_len)
+    out = ring_set_causal_attention(q, k, v, scale=0.3, valid_len=valid_len)
     dout = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
     for a, b in zip(torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(ref, (q, k, v), dout)):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)

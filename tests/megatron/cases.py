@@ -45,16 +45,25 @@ def reference_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor
     return SetDiffusionTransformer(cfg).state_dict()
 
 
-def batches(cfg: ModelConfig, count: int = NUM_MICROBATCHES, seed: int = 0) -> list[TwoStreamBatch]:
-    """Micro-batches in sampled orders; the second row of each is padded at its last 4 ranks."""
+EOD = 0
+"""The end-of-document token of `batches(documents=True)`."""
+
+
+def batches(cfg: ModelConfig, count: int = NUM_MICROBATCHES, seed: int = 0, *,
+            documents: bool = False) -> list[TwoStreamBatch]:
+    """Micro-batches in sampled orders; the second row of each is padded at its last 4 ranks.
+    With `documents` each window packs three documents (EOD at positions 4 and 9) and the
+    batches carry their ids."""
     gen = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(count):
-        tokens = torch.randint(0, cfg.mask_token_id, (MICRO_BATCH, LENGTH), generator=gen)
+        tokens = torch.randint(int(documents), cfg.mask_token_id, (MICRO_BATCH, LENGTH), generator=gen)
+        if documents:
+            tokens[:, [4, 9]] = EOD
         pad = torch.zeros_like(tokens, dtype=torch.bool)
         pad[1, -4:] = True
         out.append(sample_two_stream_batch(tokens, Staggered(d=4), mask_token_id=cfg.mask_token_id,
-                                           pad_mask=pad, generator=gen))
+                                           pad_mask=pad, generator=gen, eod_id=EOD if documents else None))
     return out
 
 

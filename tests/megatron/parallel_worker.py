@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -185,6 +186,14 @@ def main(out: Path) -> None:
     if four:
         write_worker_results(out, results)
         return
+    # Packed windows of three documents: ring attention masks them across the CP ranks' chunks.
+    doc_data = batches(cfg, documents=True)
+    doc_losses, doc_grads, _ = run_layout(cfg, weights, doc_data)
+    cp_losses, cp_grads, _ = run_layout(cfg, weights, doc_data, cp=2)
+    unmasked, _, _ = run_layout(cfg, weights, [replace(b, document_ids=None) for b in doc_data])
+    results["cp2_documents"] = {"loss_diff": max(abs(a - b) for a, b in zip(cp_losses, doc_losses)),
+                                "num_losses": len(cp_losses), "grad_diff": _max_diff(cp_grads, doc_grads),
+                                "differs_from_unmasked": max(abs(a - b) for a, b in zip(doc_losses, unmasked))}
     results["tp2_sampling"] = tp2_sampling(cfg, weights)
     opt_data = batches(cfg, count=12, seed=1)
     plain = _merged([optimizer_params(cfg, weights, opt_data, use_distributed_optimizer=False)])

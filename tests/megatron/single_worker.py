@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -18,6 +19,7 @@ from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from megatron.core.tensor_parallel import random as mp_random
 
 from setdiff_megatron.core.loss import set_diffusion_loss
+from setdiff_megatron.core.streams import TwoStreamBatch
 from setdiff_megatron.models.megatron_model import build_model_chunks, loss_func, transformer_config_from
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 from setdiff_megatron.models.weight_maps import megatron_to_torch, torch_to_megatron
@@ -115,34 +117,48 @@ def recompute_with_dropout() -> dict:
             for name, (loss, grads) in runs.items()}
 
 
+def _with_documents(batch: TwoStreamBatch) -> TwoStreamBatch:
+    """The batch with three documents per window (positions 0-4, 5-10, 11-15), ids in rank order."""
+    positions = torch.arange(batch.position_ids.shape[1])
+    doc_of_position = ((positions >= 5).long() + (positions >= 11).long()).expand_as(batch.position_ids)
+    return replace(batch, document_ids=doc_of_position.gather(1, batch.position_ids))
+
+
 def torch_parity() -> dict:
     """Query logits, loss and gradients of both bodies on the same weights, batch and order.
 
     Gradients are taken as the engine takes them: megatron back-propagates the NLL sum (its router
     losses attached per routed token) and the gradients are divided by the target tokens after.
+    The document variants carry document ids, one of them through full recompute (which saves
+    megatron's attention-mask slot with save_for_backward).
     """
     moe = dict(num_experts=4, moe_intermediate_size=48, moe_layer_freq=[1, 1])
     variants = {"tied_fused": {}, "untied_qknorm_sdpa": dict(tie_embeddings=False, qk_norm=True, attention_impl="sdpa"),
                 "gqa1_dense": dict(num_kv_heads=1, attention_impl="dense"),
                 "moe_shared_zloss": moe | dict(num_shared_experts=1, moe_z_loss_coeff=1e-3),
                 "moe_capacity": moe | dict(moe_capacity_factor=1.0, moe_layer_freq=[0, 1]),
-                "moe_top1_pre_softmax": moe | dict(moe_top_k=1, moe_router_pre_softmax=True)}
+                "moe_top1_pre_softmax": moe | dict(moe_top_k=1, moe_router_pre_softmax=True),
+                "documents_fused": {}, "documents_gqa1_sdpa_recompute": dict(num_kv_heads=1, attention_impl="sdpa")}
+    recompute = {"documents_gqa1_sdpa_recompute": dict(recompute="full")}
     out = {}
     for dtype in (torch.float32, torch.float64):
         for name, changes in variants.items():
             cfg = debug_config(**changes)
             torch.manual_seed(0)
             ref = SetDiffusionTransformer(cfg).to(dtype)
-            model = _megatron_model(cfg, dtype)
+            model = _megatron_model(cfg, dtype, **recompute.get(name, {}))
             model.load_state_dict(torch_to_megatron(ref.state_dict(), cfg))
             batch = batches(cfg, count=1)[0]
+            if name.startswith("documents"):
+                batch = _with_documents(batch)
             args = (batch.clean_tokens, batch.query_tokens, batch.position_ids)
-            ref_logits = ref(*args, batch.valid_len)
+            ref_logits = ref(*args, batch.valid_len, batch.document_ids)
             ref_out = set_diffusion_loss(ref_logits, batch.targets, batch.loss_mask, mask_token_id=cfg.mask_token_id)
             ref_loss = ref_out.nll_sum.sum() / ref_out.num_tokens.sum()
             ref_out.with_router_loss(ref.router_loss()).loss.backward()
-            logits = model(*args, valid_len=batch.valid_len)
-            nll_sum, num_tokens, _ = loss_func(batch.loss_mask, model(*args, valid_len=batch.valid_len, targets=batch.targets))
+            kwargs = dict(valid_len=batch.valid_len, document_ids=batch.document_ids)
+            logits = model(*args, **kwargs)
+            nll_sum, num_tokens, _ = loss_func(batch.loss_mask, model(*args, targets=batch.targets, **kwargs))
             loss = nll_sum / num_tokens
             nll_sum.backward()
             grads = megatron_to_torch({(0, 0): {n: p.grad / num_tokens for n, p in model.named_parameters()}}, cfg)

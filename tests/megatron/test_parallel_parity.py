@@ -34,6 +34,13 @@ def test_layout_matches_single_rank(parallel_results, layout):
     assert parallel_results["reference"]["grad_scale"] > 1e-2
 
 
+def test_document_masking_under_cp2_matches_single_rank(parallel_results):
+    """Packed windows of three documents: CP=2 ring attention masks documents as one rank does."""
+    r = parallel_results["cp2_documents"]
+    assert r["num_losses"] == 4 and r["differs_from_unmasked"] > 1e-3, r  # the mask does change the loss
+    assert r["loss_diff"] <= LOSS_TOL and r["grad_diff"] <= GRAD_TOL, r
+
+
 def test_distributed_optimizer_matches_plain_optimizer(parallel_results):
     r = parallel_results["distributed_optimizer"]
     assert r["param_change"] > 1e-2, "three Adam steps at lr 1e-2 must move the weights"

@@ -54,6 +54,17 @@ def test_resume_continues_exactly(tmp_path, data_cache):
     assert [m["train/loss"] for m in again] == pytest.approx([losses[3], losses[4]], rel=1e-6, abs=1e-6)
 
 
+def test_document_mask_trains(tmp_path, data_cache):
+    """data.document_mask end to end in one process, on the corpus of short documents (about four
+    per window): document ids from its EOD tokens."""
+    out = run_train(tmp_path / "run", data_cache, "data.document_mask=true", "data.datasets=[{path: reasoning}]",
+                    "train.steps=3", "launch.nproc_per_node=1", "parallel.global_batch_size=8", "log.interval=1",
+                    "eval.interval=100", "checkpoint.interval=100")
+    assert out.returncode == 0, out.stderr[-3000:]
+    losses = [m["train/loss"] for m in metrics(tmp_path / "run") if "train/loss" in m]
+    assert len(losses) == 3 and all(0 < loss < 20 for loss in losses), losses
+
+
 @pytest.mark.parametrize("overrides,fragment", [
     (["data.datasets=[{path: /nonexistent/owt}]"], "data.datasets.0.path: no indexed dataset"),
     (["launch.nproc_per_node=1", "parallel.tp=2"], "does not divide the 1 processes"),
