@@ -138,6 +138,21 @@ def test_batch_invariance_of_greedy_decoding(debug_model):
     assert {r.finish_reason for r in batched} == {"stop", "length"}
 
 
+def test_dropless_moe_decodes_the_same_rows_in_any_batch():
+    """Routing is per token without a capacity, so batch invariance stays exact for an MoE model."""
+    torch.manual_seed(0)
+    model = SetDiffusionTransformer(debug_config(num_experts=4, moe_top_k=2, moe_intermediate_size=32,
+                                                 num_shared_experts=1)).double().eval()
+    gen = torch.Generator().manual_seed(8)
+    prompts = random_prompts(gen, torch.randint(1, 16, (8,), generator=gen).tolist(), ((2, 3),))
+    cfg = DecodingConfig(window=4, threshold=0.05, max_new_tokens=8)
+    sampler = SetSampler(model, mask_token_id=MASK, context_len=128)
+    batched, chunked = sampler.generate(prompts, cfg).rows, sampler.generate(prompts, cfg, batch_size=3).rows
+    singles = [sampler.generate([p], cfg).rows[0] for p in prompts]
+    for one, many, some in zip(singles, batched, chunked):
+        assert one.tokens == many.tokens == some.tokens and one.nfe == many.nfe == some.nfe
+
+
 def test_window_one_is_greedy_left_to_right(debug_model):
     prompt = [3, 17, 42, 8]
     out = SetSampler(debug_model, mask_token_id=MASK, context_len=128).generate(

@@ -38,6 +38,33 @@ def test_round_trip_is_exact(tie, qk_norm, backend, tp, pp, vp):
     assert all(torch.equal(back[k], sd[k]) for k in sd)
 
 
+MOE = dict(num_experts=4, moe_top_k=2, moe_intermediate_size=32, num_shared_experts=1, moe_layer_freq=[1, 0, 1, 1])
+
+
+@pytest.mark.parametrize("backend", ["local", "te"])
+@pytest.mark.parametrize("tp,pp,ep", [(1, 1, 1), (2, 1, 2), (2, 2, 2), (1, 2, 4), (2, 2, 1)])
+def test_moe_round_trip_covers_every_key_and_expert(backend, tp, pp, ep):
+    cfg, sd = _weights(**MOE)
+    shards = {(t, p) + ((e,) if ep > 1 else ()): torch_to_megatron(
+                  sd, cfg, tp_rank=t, tp_size=tp, pp_rank=p, pp_size=pp, ep_rank=e, ep_size=ep, backend=backend)
+              for t in range(tp) for p in range(pp) for e in range(ep)}
+    back = megatron_to_torch(shards, cfg, ep_size=ep, backend=backend)
+    assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
+    # Expert e sits on EP rank e // (4 / ep) as local expert e % (4 / ep); the shared experts on every one.
+    local = ("mlp.experts.linear_fc1.weight{}" if backend == "te" else "mlp.experts.local_experts.{}.linear_fc1.weight")
+    last = shards[(0, 0) + ((ep - 1,) if ep > 1 else ())]
+    gate = sd["layers.0.mlp.experts.3.gate_proj.weight"].chunk(tp)[0]
+    assert torch.equal(last["decoder.layers.0." + local.format(4 // ep - 1)][: gate.shape[0]], gate)
+    assert "decoder.layers.0.mlp.shared_experts.linear_fc1.weight" in last and "decoder.layers.1.mlp.router.weight" not in last
+
+
+def test_moe_shards_missing_an_expert_parallel_rank_are_refused():
+    cfg, sd = _weights(**MOE)
+    shards = {(0, 0, 0): torch_to_megatron(sd, cfg, ep_rank=0, ep_size=2)}
+    with pytest.raises(KeyError, match="ep_rank"):
+        megatron_to_torch(shards, cfg, ep_size=2)
+
+
 def test_fused_qkv_and_fc1_follow_megatron_layout():
     cfg, sd = _weights()  # 4 heads, 2 KV groups, head dim 16
     d, i = cfg.head_dim, cfg.intermediate_size
