@@ -3,13 +3,15 @@
 megatron-core 0.16 assumes a GPU throughout: it allocates with `device="cuda"` or
 `torch.cuda.current_device()`, calls `.cuda()`, `pin_memory=True` and `torch.cuda.synchronize()`,
 type-checks parameters against `torch.cuda.*Tensor` names and keeps its RNG streams in CUDA
-generators; its MoE token dispatcher copies split sizes to the host on a CUDA side stream. This module patches exactly those points (../shared/MEGATRON_CPU.md lists what was
-seen to need them) and nothing else. It is switched on once per process, before megatron builds
+generators; its MoE token dispatcher copies split sizes to the host on a CUDA side stream. This
+module patches exactly those points (../shared/MEGATRON_CPU.md lists what was seen to need them)
+and nothing else. It is switched on once per process, before megatron builds
 anything, and only where `torch.cuda.is_available()` is False; on a GPU machine it refuses.
 
 What it does not do: CUDA graphs, NCCL, fused kernels (TE, apex, apply_rope_fusion,
 gradient_accumulation_fusion) stay unavailable, and streams are no-ops; the device redirect is
-pushed on the calling thread only, so megatron code run from other threads (async checkpoint writers) does not see it.
+pushed on the calling thread only, so megatron code run from other threads (async checkpoint
+writers) does not see it.
 """
 
 from __future__ import annotations

@@ -2,9 +2,11 @@
 TensorBoard: per MoE layer the tokens each expert computed, their max/mean (1.0 is perfect
 balance), and the load-balancing and z losses without their coefficients.
 
-Both engines feed it per micro-batch and layer (the torch body's RouterStats, a hook on
-megatron's routers); `metrics` sums over every rank, so each layer's counts cover the global
-batch whatever the TP/PP/EP/DP layout, and the losses are means over ranks and micro-batches.
+Both engines feed it per micro-batch and layer (the torch body's RouterStats, megatron's routers'
+routing); `metrics` sums over every rank, so each layer's counts cover the global batch whatever
+the TP/PP/EP/DP layout, and the losses are means over ranks and micro-batches. The sums stay on
+the training device: a step adds to them without waiting for the device, and `metrics`, every
+log.interval steps, is the one reduction and host copy.
 """
 
 from __future__ import annotations
@@ -18,25 +20,28 @@ __all__ = ["ExpertLoad"]
 
 
 class ExpertLoad:
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu"):
         self.num_experts = cfg.num_experts
         self.layers = [i for i, moe in enumerate(cfg.moe_layers) if moe]
-        self._sums = torch.zeros(cfg.num_layers, self.num_experts + 3, dtype=torch.float64)
+        self._sums = torch.zeros(cfg.num_layers, self.num_experts + 3, dtype=torch.float64, device=device)
 
     def reset(self) -> None:
         """Start a step afresh (validation forwards since the last read are dropped too)."""
         self._sums.zero_()
 
     def add(self, layer: int, tokens_per_expert: torch.Tensor, balance: torch.Tensor, z: torch.Tensor) -> None:
-        row = self._sums[layer]
-        row[: self.num_experts] += tokens_per_expert.detach().double().cpu()
-        row[self.num_experts:] += torch.tensor([float(balance), float(z), 1.0], dtype=torch.float64)
+        row, n = self._sums[layer], self.num_experts
+        row[:n] += tokens_per_expert.detach()
+        row[n] += balance.detach()
+        row[n + 1] += z.detach()
+        row[n + 2] += 1
 
     def metrics(self) -> dict[str, float | list[float]]:
         """Collective (every rank, when distributed): the figures since the last reset."""
         sums = self._sums.clone()
         if dist.is_initialized():
             dist.all_reduce(sums)
+        sums = sums.cpu()
         out: dict[str, float | list[float]] = {}
         balance, z, ratio = [], [], []
         for i in self.layers:

@@ -143,7 +143,7 @@ class DeepSpeedEngine:
         if r.train.compile:
             model.compile()  # in place: the module, and so its parameter names, stay as they are
         self.model, self.mask_token_id, self.total_steps = model, model_cfg.mask_token_id, total_steps
-        self.expert_load = ExpertLoad(model_cfg) if model_cfg.num_experts else None
+        self.expert_load = ExpertLoad(model_cfg, self.device) if model_cfg.num_experts else None
         self._engine = None
 
     def init_from(self, state_dict: dict[str, torch.Tensor], model_cfg: ModelConfig) -> None:

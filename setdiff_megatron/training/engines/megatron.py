@@ -98,7 +98,7 @@ class MegatronEngine:
         self.optimizer, self.scheduler = build_optimizer(r, self.chunks, total_steps)
         self._schedule, self._forward_step = get_forward_backward_func(), forward_step
         self._seq_length = pipeline_seq_length(r.data.seq_len)
-        self.expert_load = watch_routers(chunks, model_cfg) if model_cfg.num_experts else None
+        self.expert_load = watch_routers(chunks, model_cfg, self.device) if model_cfg.num_experts else None
 
     def init_from(self, state_dict: dict[str, torch.Tensor], model_cfg: ModelConfig) -> None:
         """Each rank loads its own chunks, mapped for its (tp, pp, vpp) position, then the
@@ -230,23 +230,30 @@ class MegatronEngine:
             tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def watch_routers(chunks, model_cfg: ModelConfig) -> ExpertLoad:
-    """Feed every router's routing of each forward to an ExpertLoad (megatron counts layers from 1)."""
+def watch_routers(chunks, model_cfg: ModelConfig, device: torch.device) -> ExpertLoad:
+    """Feed every router's routing of each forward to an ExpertLoad: each TopKRouter's `routing`
+    (logits in, routing map out) is wrapped, so the logits are read, not computed again. A full
+    recompute repeats a layer's forward inside the backward; that repeat is not counted."""
     from megatron.core.transformer.moe.router import TopKRouter
 
     from setdiff_megatron.models.moe import router_losses
 
-    load = ExpertLoad(model_cfg)
+    load = ExpertLoad(model_cfg, device)
 
-    def record(router, inputs, output) -> None:
-        with torch.no_grad():
-            logits = router.gating(inputs[0].detach()).view(-1, model_cfg.num_experts)
-            load.add(router.layer_number - 1, output[1].sum(0), *router_losses(logits, model_cfg))
+    def recorded(routing, layer: int):
+        def routing_and_record(logits, *args, **kwargs):
+            probs, routing_map = routing(logits, *args, **kwargs)
+            if torch._C._current_graph_task_id() == -1:  # -1: not inside a backward pass
+                with torch.no_grad():
+                    flat = logits.detach().view(-1, model_cfg.num_experts)
+                    load.add(layer, routing_map.sum(0), *router_losses(flat, model_cfg))
+            return probs, routing_map
+        return routing_and_record
 
     for chunk in chunks:
         for module in chunk.modules():
-            if isinstance(module, TopKRouter):
-                module.register_forward_hook(record)
+            if isinstance(module, TopKRouter):  # megatron counts layers from 1
+                module.routing = recorded(module.routing, module.layer_number - 1)
     return load
 
 
