@@ -18,15 +18,17 @@ EXTRAS = {
     # data/, its dataset builder.
     "deepspeed": ["deepspeed>=0.19.8,<0.20", "psutil", "megatron-core>=0.16.1,<0.17"],
     "hf": ["transformers>=4.45", "safetensors>=0.4", "tokenizers>=0.21"],
-    # Preprocessing writes megatron-core indexed datasets and packs samples with its GPTDataset.
-    "data": ["tokenizers>=0.21", "datasets>=2.19", "pyarrow>=14", "megatron-core>=0.16.1,<0.17"],
+    # Preprocessing writes megatron-core indexed datasets and packs samples with its GPTDataset;
+    # jinja2 renders supervised chat records with the tokenizer's chat template.
+    "data": ["tokenizers>=0.21", "datasets>=2.19", "pyarrow>=14", "megatron-core>=0.16.1,<0.17", "jinja2>=3.1"],
     # Evaluation jobs: ROUGE, Pareto plots.
     "eval": ["rouge-score>=0.1.2", "matplotlib>=3.8"],
     # lm-evaluation-harness adapter (evaluation/lm_eval_adapter.py). Not in `dev`: about 30 more
     # packages (scikit-learn, sacrebleu, evaluate, ...) and minutes to install; its tests skip without it.
     "lm-eval": ["lm-eval>=0.4.13,<0.5"],
-    # `setdiff serve`: the OpenAI-compatible server (serving/); jinja2 renders chat templates.
-    "serve": ["fastapi>=0.110", "uvicorn>=0.29", "jinja2>=3.1"],
+    # `setdiff serve`: the OpenAI-compatible server (serving/); jinja2 renders chat templates, its
+    # responses are the openai package's own types, and prometheus-client serves /metrics.
+    "serve": ["fastapi>=0.110", "uvicorn>=0.29", "jinja2>=3.1", "openai>=1.30", "prometheus-client>=0.20"],
     "wandb": ["wandb>=0.17"],
     "tensorboard": ["tensorboard>=2.14"],
     # GPU only: Transformer Engine needs CUDA torch, cuDNN and nvcc. Install it yourself on a GPU
@@ -34,9 +36,9 @@ EXTRAS = {
     # the extra is empty so that `pip install .[te]` never tries to build it on a CPU machine.
     "te": [],
 }
-# The test suite exercises every CPU engine and format, so `dev` pulls in their extras.
-# The serving tests drive the server with the real `openai` client.
-EXTRAS["dev"] = sorted({"pytest>=8", "pytest-timeout>=2.3", "openai>=1.30", *EXTRAS["megatron"], *EXTRAS["deepspeed"],
+# The test suite exercises every CPU engine and format, so `dev` pulls in their extras (`serve`
+# brings the `openai` client the serving tests drive the server with).
+EXTRAS["dev"] = sorted({"pytest>=8", "pytest-timeout>=2.3", *EXTRAS["megatron"], *EXTRAS["deepspeed"],
                         *EXTRAS["hf"], *EXTRAS["data"], *EXTRAS["tensorboard"], *EXTRAS["eval"], *EXTRAS["serve"]})
 
 setup(

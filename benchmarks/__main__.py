@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 
 from benchmarks import (attention, context_parallel, long_context, memory, moe_step, parallel_scaling, sampling,
-                        train_throughput)
+                        supervised_packing, train_throughput)
 from benchmarks.machine import machine_info, save_results
 
 # name -> (module, extra arguments of a --quick run). Each module has main(argv) -> result and
@@ -27,6 +27,7 @@ BENCHMARKS = {
     "moe_step": (moe_step, ["--steps", "1"]),
     "context_parallel": (context_parallel, ["--length", "2048", "--repeats", "1"]),
     "long_context": (long_context, ["--contexts", "4096"]),
+    "supervised_packing": (supervised_packing, ["--repeats", "1"]),
 }
 
 

@@ -2,8 +2,8 @@
 
 The baseline is what the reference implementation does: scaled_dot_product_attention over the
 2L tokens with a [2L, 2L] boolean mask. Ours is one causal kernel call over L with the query
-heads stacked (KERNELS.md 3). Both run in the same process on the same inputs; the figure of
-merit is the ratio. Target: >= 3x at L = 1024 on the CPU.
+heads stacked (docs/method.md, "Fused kernels"). Both run in the same process on the same
+inputs; the figure of merit is the ratio. Target: >= 3x at L = 1024 on the CPU.
 
 The ratio's ceiling is set by how much work the causal kernel skips. Ours does a causal call over
 L with 2H heads, a quarter of the masked call's scores; a kernel that skipped every block above

@@ -40,9 +40,10 @@ from contextlib import nullcontext
 import torch
 
 from benchmarks.machine import best_time, machine_info, save_results
-from setdiff_megatron.core.attention import set_causal_attention, set_causal_step_attention
+from setdiff_megatron.core.attention import set_causal_attention
 from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.core.sampler import SetSampler
+from setdiff_megatron.core.step_attention import set_causal_step_attention
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.kernels import choose_attention_impl, flash_attn, te_fused
 

@@ -7,10 +7,10 @@ counts what the step adds above the weights and their gradients (allocated befor
 state is identical for all three and left out), per sequence token (L per example). One layer's
 dense scores alone are B*H*(2L)^2*4 bytes, printed for comparison.
 
-Sampling: the reference decodes with a KV cache (ALGORITHM.md 2.1: a Hugging Face DynamicCache,
-use_cache required), so the baseline is its cached step, not a recompute: every layer grows the
-cache by concatenating the step's K/V, then the cache is cropped to the commits, and attention
-is eager under an additive float mask. Ours: the preallocated cache written in place
+Sampling: the reference decodes with a KV cache (docs/method.md, "KV cache": a Hugging Face
+DynamicCache, use_cache required), so the baseline is its cached step, not a recompute: every
+layer grows the cache by concatenating the step's K/V, then the cache is cropped to the commits,
+and attention is eager under an additive float mask. Ours: the preallocated cache written in place
 (core/kv_cache.py). Both decode one step (2 commits, 8 queries) at batch 16 after a prefill of
 context - 16 tokens, with the same weights; their logits must agree. Per cached token: the cache
 bytes held, and the peak of the step on top of them.
@@ -44,8 +44,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from benchmarks.machine import machine_info, save_results
 from benchmarks.train_throughput import MODEL, batches, build_model
-from setdiff_megatron.core.attention import step_mask
 from setdiff_megatron.core.kv_cache import KVCache
+from setdiff_megatron.core.step_attention import step_mask
 from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 
@@ -207,7 +207,7 @@ def training_rows(lengths: list[int], device: str) -> list[dict]:
 
 @dataclass
 class GrowingCache:
-    """The reference sampler's cache as the model's step sees it (ALGORITHM.md 2.1, 2.3).
+    """The reference sampler's cache as the model's step sees it (docs/method.md, "KV cache").
 
     A Hugging Face DynamicCache: each layer concatenates the step's K/V onto its cache (a new
     tensor; the old one is freed once replaced), attention is eager (Qwen3's path) with an

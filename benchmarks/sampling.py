@@ -1,10 +1,10 @@
 """Sampling throughput: the batched set sampler against a batch-1 loop over the same model.
 
-The reference sampler runs one prompt at a time (ALGORITHM.md 5.1). The baseline here is our own
-sampler called once per prompt (batch 1), so both sides share the model, the weights, the
-prompts and the decoding policy, and differ only in batching. Prompts have mixed lengths; the
-random model's confidences are flat, so the set-size policy (k tokens per step in a window of W)
-fixes the pace. For every batch size the table gives tokens/s, the batched forward passes
+The reference sampler runs one prompt at a time (docs/method.md, "Differences from the
+reference"). The baseline here is our own sampler called once per prompt (batch 1), so both
+sides share the model, the weights, the prompts and the decoding policy, and differ only in
+batching. Prompts have mixed lengths; the random model's confidences are flat, so the set-size
+policy (k tokens per step in a window of W) fixes the pace. For every batch size the table gives tokens/s, the batched forward passes
 (prefills included), the mean per-row NFE, and bookkeeping (everything outside the model's
 step: token selection, stop checks, compaction, host syncs) as a share of decode time.
 Targets: batch 16 >= 8x the batch-1 tokens/s; bookkeeping <= 10 % of step time.

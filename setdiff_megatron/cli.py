@@ -1,7 +1,8 @@
 """The `setdiff` command.
 
 Each subcommand parses its arguments and calls one library function. Errors a user can fix
-(`UserError`) print one line and exit with code 2.
+(`UserError`) print one line and exit with code 2, once for all the processes of a local launch
+(see errors.py).
 """
 
 from __future__ import annotations
@@ -9,13 +10,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-from setdiff_megatron.errors import UserError
+from setdiff_megatron.errors import run_reporting
 from setdiff_megatron.version import __version__
 
 
 def _train(args: argparse.Namespace) -> int:
     import os
 
+    from setdiff_megatron.distributed.megatron_cpu import quiet_known_warnings
+
+    quiet_known_warnings()  # before anything imports megatron-core, which warns as it is imported
     from setdiff_megatron.recipes import check_engine_installed, load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
@@ -75,9 +79,10 @@ def _launch(args: argparse.Namespace) -> int:
     if getattr(args, "dry_run", False):
         return launch_local(recipe, args.recipe, args.overrides, dry_run=True)
     from setdiff_megatron.distributed.signals import supervise_launch
-    from setdiff_megatron.training.trainer import preflight
+    from setdiff_megatron.training.trainer import check_resumable, preflight
 
     preflight(recipe)
+    check_resumable(recipe)
     return supervise_launch(recipe.checkpoint.dir, lambda: launch_local(recipe, args.recipe, args.overrides))
 
 
@@ -129,8 +134,8 @@ def _convert_to_hf(args: argparse.Namespace) -> int:
 def _convert_from_hf(args: argparse.Namespace) -> int:
     from setdiff_megatron.hf.import_hf import import_from_hf
 
-    report = import_from_hf(args.hf_dir, args.out_ckpt, tp=args.tp, pp=args.pp, dtype=args.dtype,
-                            overwrite=args.overwrite, check=args.check, tolerance=args.tolerance)
+    report = import_from_hf(args.hf_dir, args.out_ckpt, dtype=args.dtype, overwrite=args.overwrite, check=args.check,
+                            tolerance=args.tolerance)
     print("\n".join(f"setdiff: {line}" for line in report.lines))
     return 0
 
@@ -149,15 +154,15 @@ def _add_convert_parser(sub) -> None:
     to_hf.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
                        help="weight precision (default: as saved)")
     to_hf.add_argument("--shard-size", default="5GB", help="largest safetensors shard, e.g. 5GB or 500MB")
-    from_hf = convert_sub.add_parser("from-hf", help="import a Llama/Qwen2/Qwen3/Qwen3-MoE model (or an export) as a "
-                                     "megatron checkpoint", description="Import a local Hugging Face directory "
-                                     "(safetensors) of a Llama, Qwen2, Qwen3 or Qwen3-MoE causal LM, to adapt into a set "
-                                     "diffusion model (model.init_from), or one of our exports, as a megatron "
-                                     "checkpoint run directory saved at the given layout.")
-    from_hf.add_argument("hf_dir", help="a local Hugging Face model directory")
+    from_hf = convert_sub.add_parser("from-hf", help="import a Llama/Qwen2/Qwen3/Qwen3-MoE model, an export or the "
+                                     "reference's DiT as a megatron checkpoint", description="Import a local Hugging "
+                                     "Face directory (safetensors) of a Llama, Qwen2, Qwen3 or Qwen3-MoE causal LM, to "
+                                     "adapt into a set diffusion model (model.init_from), one of our exports, or the "
+                                     "reference implementation's DiT (its Hub directory or a composer .pt, "
+                                     "docs/dit.md), as a megatron checkpoint run directory, written in one process, "
+                                     "that trains at any layout.")
+    from_hf.add_argument("hf_dir", help="a local Hugging Face model directory, or a composer .pt of the reference's DiT")
     from_hf.add_argument("out_ckpt", help="the run directory to write (checkpoints/step_00000000 inside)")
-    from_hf.add_argument("--tp", type=int, default=1, help="tensor-parallel size to save at")
-    from_hf.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to save at")
     from_hf.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
                          help="weight precision (default: the source's)")
     for parser, handler in ((to_hf, _convert_to_hf), (from_hf, _convert_from_hf)):
@@ -256,10 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args.argv = argv
     try:
-        return args.func(args)
-    except UserError as exc:
-        print(f"setdiff: error: {exc}", file=sys.stderr)
-        return 2
+        return run_reporting(lambda: args.func(args))
     except KeyboardInterrupt:
         print("setdiff: interrupted", file=sys.stderr)
         return 130

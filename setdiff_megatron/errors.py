@@ -3,7 +3,21 @@
 Anything a user can fix (a wrong path, a malformed recipe, a missing extra) raises `UserError`;
 the `setdiff` command prints its message on one line and exits with code 2, without a traceback.
 Programming errors keep their tracebacks.
+
+Under the local launcher every rank may meet the same error (a collective check refuses on all of
+them), so the workers hand their message to the launcher instead of printing it: each writes it
+to a file of its rank in the directory ERROR_DIR_ENV names, and the launcher prints the lowest
+rank's message once (`handed_over`). The other ranks may then fail in a collective that lost a
+peer; that failure is a consequence, and it stays quiet too (`run_reporting`).
 """
+
+import os
+import sys
+from pathlib import Path
+from typing import Callable
+
+EXIT_USER_ERROR = 2
+ERROR_DIR_ENV = "SETDIFF_ERROR_DIR"
 
 
 class UserError(Exception):
@@ -33,3 +47,38 @@ def require(module: str, extra: str, purpose: str):
         return importlib.import_module(module)
     except Exception as exc:  # noqa: BLE001 - see docstring
         raise MissingExtraError(module.split(".")[0], extra, purpose) from exc
+
+
+def run_reporting(main: Callable[[], int]) -> int:
+    """`main()`'s exit code, or a UserError's (`report`). In a worker of the local launcher, any
+    other failure after another rank handed over a UserError exits with code 1 and without its
+    traceback: the person reads the one line that caused it, not a peer lost in a collective."""
+    try:
+        return main()
+    except UserError as exc:
+        return report(exc)
+    except Exception:
+        directory = os.environ.get(ERROR_DIR_ENV)
+        if not directory or handed_over(Path(directory)) is None:
+            raise
+        return 1
+
+
+def report(exc: UserError) -> int:
+    """Show `exc` as one line on stderr, or, in a worker of the local launcher, leave it to the
+    launcher (which shows one rank's message for all of them); returns the exit code."""
+    directory = os.environ.get(ERROR_DIR_ENV)
+    if directory:
+        mine = Path(directory) / f"rank-{int(os.environ.get('RANK', '0')):06d}"
+        partial = mine.with_name(f".{mine.name}")
+        partial.write_text(str(exc))
+        partial.replace(mine)  # whole or absent: the launcher may look at any moment
+    else:
+        print(f"setdiff: error: {exc}", file=sys.stderr)
+    return EXIT_USER_ERROR
+
+
+def handed_over(directory: Path) -> str | None:
+    """The message the lowest rank that met a UserError left in `directory`, or None."""
+    messages = sorted(Path(directory).glob("rank-*"))
+    return messages[0].read_text() if messages else None

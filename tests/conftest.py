@@ -7,12 +7,26 @@ from pathlib import Path
 import pytest
 import torch
 
-from setdiff_megatron.models.config import FLAVORS, ModelConfig
+from setdiff_megatron.models.config import DIT_BODY, FLAVORS, ModelConfig
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 
 
 def debug_config(**changes) -> ModelConfig:
     return ModelConfig(**{"vocab_size": 64, "mask_token_id": 63, **FLAVORS["debug"], **changes})
+
+
+def dit_config(**changes) -> ModelConfig:
+    """debug_config in the reference DiT's layout (LayerNorm, GELU MLP with biases, untied output
+    layer with a bias, plain multi-head attention)."""
+    return debug_config(**{**DIT_BODY, "num_kv_heads": None, **changes})
+
+
+def randomized(state_dict: dict[str, torch.Tensor], seed: int = 0) -> dict[str, torch.Tensor]:
+    """`state_dict` with its 1-D tensors (norm weights, biases) drawn at random: a fresh model's
+    ones and zeros would hide a bias or norm mapped to the wrong place."""
+    gen = torch.Generator().manual_seed(seed)
+    return {k: v + 0.1 * torch.randn(v.shape, generator=gen, dtype=v.dtype) if v.dim() == 1 else v
+            for k, v in state_dict.items()}
 
 
 @pytest.fixture
@@ -22,10 +36,10 @@ def debug_model() -> SetDiffusionTransformer:
 
 
 @pytest.fixture(scope="session")
-def trained_run(tmp_path_factory) -> Path:
-    """A run directory of 20 steps of the tiny-cpu recipe at TP=2 (2 processes), for the jobs
-    that load checkpoints (sampling, evaluation, export). The built-in corpus is prepared in the
-    data cache the training tests of the session share."""
+def trained_launch(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """(run directory, the finished `setdiff train` process, its stdout and stderr pipes): 20
+    steps of the tiny-cpu recipe at TP=2, 2 processes started by `setdiff train` itself. The
+    built-in corpus is prepared in the data cache the training tests of the session share."""
     run = tmp_path_factory.mktemp("trained") / "run"
     data = tmp_path_factory.getbasetemp() / "checkpoint-tests-data"
     recipe = Path(__file__).parents[1] / "recipes" / "tiny-cpu.yaml"
@@ -34,4 +48,11 @@ def trained_run(tmp_path_factory) -> Path:
                            "train.steps=20", "checkpoint.interval=20", "eval.interval=1000",
                            "log.tensorboard=false"], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return run
+    return run, proc
+
+
+@pytest.fixture(scope="session")
+def trained_run(trained_launch) -> Path:
+    """The run directory of `trained_launch`, for the jobs that load checkpoints (sampling,
+    evaluation, export)."""
+    return trained_launch[0]

@@ -1,9 +1,18 @@
 """The `setdiff` command as a new user meets it."""
 
+import os
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 from setdiff_megatron import __version__
+from setdiff_megatron.distributed.runtime import init_process_group
+from setdiff_megatron.errors import ERROR_DIR_ENV, UserError, handed_over, report
+from setdiff_megatron.launch.local import run_workers
+
+ROOT = Path(__file__).parents[1]
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -20,3 +29,43 @@ def test_version_and_help():
 def test_train_needs_a_recipe(capsys):
     out = run_cli("train")
     assert out.returncode == 2 and "recipe" in out.stderr
+
+
+def test_a_launch_reports_the_user_error_of_the_lowest_rank_once(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(ERROR_DIR_ENV, str(tmp_path))
+    for rank, text in ((1, "rank 1 says"), (0, "rank 0 says")):
+        monkeypatch.setenv("RANK", str(rank))
+        assert report(UserError(text)) == 2
+    assert capsys.readouterr() == ("", "")  # a worker leaves its message to the launcher
+    assert handed_over(tmp_path) == "rank 0 says" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "rank-000000", "rank-000001"]
+    monkeypatch.delenv(ERROR_DIR_ENV)
+    assert report(UserError("alone")) == 2 and capsys.readouterr().err == "setdiff: error: alone\n"
+
+
+@pytest.mark.multiproc
+def test_a_user_error_of_one_rank_reaches_the_person_once(capfd):
+    """Rank 1's message, raised by the launcher, and not a line more: not from rank 0, whose
+    barrier lost its peer, and not from torchrun about its failed workers."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    with pytest.raises(UserError, match="^only rank 1 knows$"):
+        run_workers(2, [], env, module="tests.distributed.user_error_worker")
+    assert capfd.readouterr() == ("", "")
+
+
+@pytest.mark.parametrize("port", ["0", "65536", "http", ""])
+def test_a_master_port_that_is_not_a_port_is_one_line(port, monkeypatch):
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", port), ("RANK", "0"), ("LOCAL_RANK", "0"),
+                       ("WORLD_SIZE", "1")):
+        monkeypatch.setenv(key, value)
+    with pytest.raises(UserError, match=f"^MASTER_PORT='{port}' is not a TCP port"):
+        init_process_group()
+
+
+@pytest.mark.multiproc
+def test_a_two_process_run_log_starts_with_our_own_lines(trained_launch):
+    """No megatron-core warning about Transformer Engine and Apex, no torchrun banner about
+    OMP_NUM_THREADS: the data preparation's lines first on stderr, the steps' on stdout."""
+    _, out = trained_launch
+    assert "Transformer Engine and Apex" not in out.stdout + out.stderr and "OMP_NUM_THREADS" not in out.stderr
+    assert out.stderr.startswith("train: ") and out.stdout.startswith("step 0/20 | valid loss ")

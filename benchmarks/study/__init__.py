@@ -2,16 +2,23 @@
 
 Seven models of one size train on the same data, tokens and steps through the project's own
 recipes (recipes/study/) and megatron engine: AR, set diffusion with d in {2, 4, 8}, MDLM and
-block diffusion with blocks of 4 and 8. The project's own eval jobs then measure:
-  (a) held-out NLL: exact left to right, and each model's NELBO under its own order policy;
-  (b) test accuracy against tokens per step and tokens/s at batch 16 over a decoding grid
-      (window x threshold, k = 1; W = 1 for AR): the analogue of the paper's GSM8K Pareto figure;
-  (c) infilling: middle solution lines of test problems, and held-out stdlib function bodies by
-      four models trained on the built-in code corpus, each model given the context its order
-      can use;
-  (d) validation loss against step.
-Results go to benchmarks/results/study/ (results.json, results.md, plots). Reruns skip the
-models and points already done. `--quick` trains AR and d = 4 only and runs one point each.
+block diffusion with blocks of 4 and 8. Two settings (`--setting`):
+- supervised (the default, the paper's format for its GSM8K models): one problem per row, its
+  expression line pinned as clean context and only the solution in the loss;
+- packed (recipes/study/packed/): pretraining windows across problems, every token a target, the
+  right models for likelihood and infilling as the paper uses its OpenWebText models for those.
+The project's own eval jobs then measure:
+  (a) test accuracy against tokens per step and tokens/s at batch 16 over a decoding grid
+      (window x threshold, k = 1; W = 1 for every model): the analogue of the paper's GSM8K
+      Pareto figure;
+  (b) validation loss against step;
+  (c) packed setting only: held-out NLL (exact left to right, and each model's NELBO under its
+      own order policy) and infilling (middle solution lines of test problems, and held-out
+      stdlib function bodies by four models trained on the built-in code corpus), each model
+      given the context its order can use.
+Results go to benchmarks/results/study/<setting>/ (results.json, results.md, plots). Reruns skip
+the models and points already done. `--quick` trains AR and d = 4 of the supervised setting for
+fewer steps and runs one point each.
 
 Modules: `plan` (the models and decoding settings), `run` (training and evaluation through the
 project's commands and jobs), `report` (tables and plots).

@@ -1,7 +1,9 @@
-"""`python -m benchmarks.study [--quick]`: train the study's models, evaluate them, report.
+"""`python -m benchmarks.study [--setting supervised|packed] [--quick]`: train the study's
+models, evaluate them, report.
 
-See benchmarks/study/__init__.py for what is measured. The full run takes under 2 hours on 2
-CPU cores; --quick (AR and d = 4, one decoding point each) under 15 minutes.
+See benchmarks/study/__init__.py for what is measured. Each setting takes under 2 hours on 2
+CPU cores; --quick (AR and d = 4 of the supervised setting, 900 steps, one decoding point
+each) under 15 minutes.
 """
 
 from __future__ import annotations
@@ -33,10 +35,14 @@ def _points(rows: list[dict]) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="AR and d = 4 only, one decoding point each")
-    parser.add_argument("--out", type=Path, default=None, help="runs and evaluations (default runs/study[-quick])")
+    parser.add_argument("--setting", choices=plan.SETTINGS, default="supervised",
+                        help="supervised records (the paper's format; default) or packed pretraining windows")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"AR and d = 4 of the supervised setting only, {plan.QUICK_STEPS} steps, one point each")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="runs and evaluations (default runs/study/SETTING, or runs/study-quick)")
     parser.add_argument("--results", type=Path, default=None,
-                        help="tables and plots (default benchmarks/results/study[-quick])")
+                        help="tables and plots (default benchmarks/results/study/SETTING, or .../study-quick)")
     parser.add_argument("--per-level", type=int, default=50, help="test problems per difficulty level (default 50)")
     parser.add_argument("--code-examples", type=int, default=200, help="stdlib function bodies to infill")
     parser.add_argument("--steps", type=int, default=None, help="train every model this many steps instead of "
@@ -46,30 +52,34 @@ def main(argv: list[str] | None = None) -> dict:
         value = getattr(args, flag)
         if value is not None and value < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1; got {value}")
-    suffix = "-quick" if args.quick else ""
-    out = (args.out or Path(f"runs/study{suffix}")).resolve()
-    results_dir = args.results or RESULTS_DIR / f"study{suffix}"
+    if args.quick and args.setting != "supervised":
+        parser.error("--quick runs the supervised setting")
+    where = "study-quick" if args.quick else f"study/{args.setting}"
+    out = (args.out or Path("runs") / where).resolve()
+    results_dir = args.results or RESULTS_DIR / where
+    steps = args.steps or (plan.QUICK_STEPS if args.quick else None)
     start, started = time.perf_counter(), time.strftime("%Y-%m-%d %H:%M %Z")
-    reasoning, code = plan.models(args.quick)
+    reasoning, code = plan.models(args.quick, args.setting)
 
     for m in [*reasoning, *code]:
-        run.train(out, m, args.steps)
+        run.train(out, m, steps)
     corpus, tasks, docs = run.prepare_tasks(out, args.per_level)
     models = {}
     for m in reasoning:
-        entry = _model_entry(out, m, args.steps)
-        if not args.quick:
+        entry = _model_entry(out, m, steps)
+        if args.setting == "packed":  # whole-document models: likelihood and infilling
             entry |= run.likelihood(out, m, docs)
             entry["infill_jsonl"] = run.infill(out, m, "jsonl", corpus.infill_tasks, None)
         entry["points"] = _points(run.sweep(out, m, tasks, args.quick))
         models[m.name] = entry
     code_models = {}
     for m in code:
-        code_models[m.name] = _model_entry(out, m, args.steps) | {
+        code_models[m.name] = _model_entry(out, m, steps) | {
             "infill_code": run.infill(out, m, "code", None, args.code_examples), "points": []}
 
     results = {
-        "mode": "quick" if args.quick else "full", "started": started, "machine": machine_info(),
+        "mode": "quick" if args.quick else "full", "setting": args.setting, "started": started,
+        "machine": machine_info(),
         "wall_minutes": (time.perf_counter() - start) / 60,
         "command": "python -m benchmarks.study" + "".join(f" {shlex.quote(a)}" for a in (argv or sys.argv[1:])),
         "seeds": {"corpus": 0, "training": "recipe train.seed (1234)", "decoding": "greedy"},

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes" / "study"
+
+SETTINGS = ("supervised", "packed")
+"""The paper's format for its reasoning models first (one problem per padded row, the expression
+pinned as the prompt, the solution the target), then packed pretraining windows: the right models
+for likelihood and infilling, as the paper uses its OpenWebText models for those."""
 
 WINDOWS = (4, 8, 16)
 THRESHOLDS = (0.5, 0.7, 0.9, 0.99)
@@ -20,10 +25,13 @@ class Model:
     """ar | sd | mdlm | bd3: the order policy it was trained with."""
     label: str
     block_size: int | None = None
+    setting: str = "supervised"
 
     @property
     def recipe(self) -> Path:
-        return RECIPES / f"{self.name}.yaml"
+        """recipes/study/<name>.yaml; the packed setting's reasoning models are under packed/."""
+        packed = self.setting == "packed" and not self.name.startswith("code-")
+        return RECIPES / ("packed" if packed else "") / f"{self.name}.yaml"
 
     def decoding_defaults(self) -> dict:
         """Sweep settings every point of this model shares: BD3 decodes block by block."""
@@ -68,8 +76,14 @@ CODE_MODELS = (
 QUICK_MODELS = ("ar", "sd-d4")
 
 
-def models(quick: bool) -> tuple[list[Model], list[Model]]:
-    """(reasoning models, code models) of a run."""
+QUICK_STEPS = 900
+"""--quick trains its two models this many steps (the full study: 1,750) to fit 15 minutes."""
+
+
+def models(quick: bool, setting: str = "supervised") -> tuple[list[Model], list[Model]]:
+    """(reasoning models, code models) of a run; code models (pretraining on the stdlib corpus)
+    belong to the packed setting."""
+    reasoning = [replace(m, setting=setting) for m in REASONING_MODELS]
     if quick:
-        return [m for m in REASONING_MODELS if m.name in QUICK_MODELS], []
-    return list(REASONING_MODELS), list(CODE_MODELS)
+        return [m for m in reasoning if m.name in QUICK_MODELS], []
+    return reasoning, [replace(m, setting="packed") for m in CODE_MODELS] if setting == "packed" else []

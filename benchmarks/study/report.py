@@ -29,12 +29,21 @@ def _train_minutes(results: dict) -> float:
 def markdown(results: dict) -> str:
     """The tables of results.md: likelihood, every decoding point, per-level accuracy, infilling."""
     models = results["models"]
-    out = [f"# Study results ({results['mode']} run)", "",
+    setting = results.get("setting", "packed")
+    out = [f"# Study results ({results['mode']} run, {setting} setting)", "",
+           "Supervised setting: one problem per row, padded to 64 characters, the expression line pinned as "
+           "clean context and only the solution (plus EOS) in the loss, as the paper trains its GSM8K models. "
+           "Packed setting: pretraining windows of 64 characters across problems, every token a target."
+           if setting == "supervised" else "Packed setting: pretraining windows of 64 characters across problems, "
+           "every token a target (the supervised setting, the paper's format, is in ../supervised).", "",
            f"Machine: {results['machine']}. Training: {_train_minutes(results):.0f} minutes for all models (their "
            f"logged step times). This invocation started {results['started']} and took {results['wall_minutes']:.1f} "
            "minutes (a rerun skips the models and points already done). "
            f"Command: `{results['command']}`. Seeds: {results['seeds']}.", "",
-           "## Held-out likelihood (nats per token, test problems)", "",
+           "## Training and held-out likelihood (nats per token, test problems)", "",
+           *(["Supervised models are scored on their responses (the final validation loss); the "
+              "likelihood of whole problems is the packed setting's (its models learned the prompts too).", ""]
+             if setting == "supervised" else []),
            "| model | trained steps | train minutes | exact left-to-right NLL | NELBO, own policy (95 % CI) | final valid loss |",
            "|---|---|---|---|---|---|"]
     for name, m in models.items():
@@ -108,7 +117,8 @@ def plot_pareto(results: dict, path: Path) -> None:
         ax.set_ylabel("test accuracy (#### answer)")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle("Reasoning corpus: accuracy against decoding speed (W x tau grid, k = 1; lines: each model's frontier)")
+    fig.suptitle(f"Reasoning corpus, {results.get('setting', 'packed')} setting: accuracy against decoding speed "
+                 "(W x tau grid, k = 1; lines: each model's frontier)")
     _save(fig, path)
 
 

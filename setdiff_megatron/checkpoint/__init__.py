@@ -16,8 +16,8 @@
 Modules: `names` (the names above), `state` (TrainState: one reader, one writer), `identity`
 (the model identity rule), `manifest` (write, verify), `publish` (the publication protocol,
 retention, the never-lose-a-checkpoint rules), `resolve` (what a resume or a reader picks;
-`describe`), `source` (ONE `read_source(path)` for every consumer), and the format readers
-behind it: `megatron`, `deepspeed`, `hf_export`, `hf_files`, `hf_config`, `ar_import`.
+`describe`), `megatron` (dist_checkpointing's collective save and load). Reading a model out
+of a checkpoint, or out of any other source, is `setdiff_megatron.sources`.
 
 The engines keep their own save and load (dist_checkpointing with the optimizer; DeepSpeed's
 format) and write through `publish`.

@@ -12,7 +12,7 @@ from dataclasses import asdict, fields
 
 from setdiff_megatron.models.config import ModelConfig
 
-__all__ = ["NOT_MODEL_IDENTITY", "model_identity", "identity_difference", "config_from_identity"]
+__all__ = ["model_identity", "identity_difference", "config_from_identity"]
 
 NOT_MODEL_IDENTITY = ("attention_impl", "init_std")
 

@@ -12,7 +12,7 @@ import re
 import time
 from pathlib import Path
 
-__all__ = ["CHECKPOINTS", "LATEST", "MANIFEST", "TRAIN_STATE", "RNG_FILE", "TOKENIZER_DIR", "step_name", "step_of",
+__all__ = ["CHECKPOINTS", "LATEST", "MANIFEST", "TRAIN_STATE", "RNG_FILE", "TOKENIZER_DIR", "DEEPSPEED_TAG", "step_name", "step_of",
            "checkpoints_root", "find_checkpoints", "is_checkpoint_path", "aside_name"]
 
 CHECKPOINTS = "checkpoints"
@@ -20,6 +20,8 @@ LATEST = "latest"
 MANIFEST = "manifest.json"
 TRAIN_STATE = "train_state.json"
 TOKENIZER_DIR = "tokenizer"
+DEEPSPEED_TAG = "deepspeed"
+"""The DeepSpeed engine's folder in a checkpoint (its `tag`): step_00000300/deepspeed/."""
 RNG_FILE = "rank_{rank:05d}.pt"
 _PUBLISHED = re.compile(r"step_(\d{8})")
 

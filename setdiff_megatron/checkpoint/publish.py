@@ -3,10 +3,13 @@
 Every engine writes its files through `publish` (collective: every rank calls it):
   1. preemption signals are blocked, so a save is never cut half-way by SIGTERM/SIGUSR1;
   2. rank 0 clears interrupted saves (`step_*.tmp`: never published, never valid) and makes
-     `step_N.tmp`; every rank writes its files there (`write(tmp)`);
+     `step_N.tmp` (`begin_publication`); every rank writes its files there (`write(tmp)`);
   3. the ranks hash the files (a share each) into the manifest;
-  4. rank 0 renames it to `step_N` (atomic on one filesystem) and only then moves `latest`.
-A crash at any point leaves every published checkpoint as it was.
+  4. rank 0 renames it to `step_N` (atomic on one filesystem) and only then moves `latest`
+     (`finish_publication`, steps 3 and 4).
+A crash at any point leaves every published checkpoint as it was. An asynchronous save (the
+trainer's checkpointer.py) runs the same two halves with the engine's files written in between,
+while training goes on: step 4 happens only once every rank's files are on disk.
 
 What is already saved is never lost: a published directory of the same step (a resumed run
 reaching a step saved before, or another run's checkpoint) is moved aside (`names.aside_name`),
@@ -30,7 +33,8 @@ from setdiff_megatron.distributed.runtime import barrier, rank
 from setdiff_megatron.distributed.signals import blocked
 from setdiff_megatron.errors import UserError
 
-__all__ = ["Retention", "publish", "apply_retention", "run_id_of", "check_writable", "move_aside"]
+__all__ = ["Retention", "publish", "begin_publication", "finish_publication", "apply_retention", "check_writable",
+           "move_aside"]
 
 
 class Retention:
@@ -81,23 +85,38 @@ def apply_retention(root: Path, run_id: str, retention: Retention) -> list[Path]
     return removed
 
 
-def publish(root: Path, step: int, write: Callable[[Path], None], *, run_id: str,
+def publish(root: Path, step: int, write: Callable[[Path], None], *, run_id: str | None,
             retention: Retention = Retention()) -> Path:
     """Collective: publish the checkpoint of `step` that `write(tmp)` writes on every rank (see
-    the module docstring). Returns the published directory."""
-    final = root / step_name(step)
-    tmp = final.with_name(f"{final.name}.tmp")
-    first = rank() == 0
+    the module docstring). Returns the published directory. `run_id` None: no training run
+    wrote it (an import), so no run's retention applies."""
     with blocked():
-        if first:
-            for stale in root.glob("step_*.tmp"):
-                shutil.rmtree(stale, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        barrier()
+        tmp = begin_publication(root, step)
         write(tmp)
+        return finish_publication(root, step, tmp, run_id=run_id, retention=retention)
+
+
+def begin_publication(root: Path, step: int) -> Path:
+    """Collective: a fresh `step_N.tmp` for every rank to write into (stale ones cleared first:
+    the caller has no save of its own still writing)."""
+    tmp = root / f"{step_name(step)}.tmp"
+    if rank() == 0:
+        for stale in root.glob("step_*.tmp"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    return tmp
+
+
+def finish_publication(root: Path, step: int, tmp: Path, *, run_id: str | None,
+                       retention: Retention = Retention()) -> Path:
+    """Collective, once every rank's files are in `tmp`: hash them into the manifest, verify,
+    rename to `step_N`, then move `latest` and apply the run's retention."""
+    final = root / step_name(step)
+    with blocked():
         barrier()
         write_manifest(tmp)
-        if first:
+        if rank() == 0:
             problem = verify(tmp, checksums=False)  # the files other ranks wrote, as seen here
             if problem:
                 raise RuntimeError(f"checkpoint {tmp} failed verification: {problem}")
@@ -107,7 +126,8 @@ def publish(root: Path, step: int, write: Callable[[Path], None], *, run_id: str
             pointer = root / f"{LATEST}.tmp"
             pointer.write_text(final.name + "\n")
             pointer.replace(root / LATEST)
-            apply_retention(root, run_id, retention)
+            if run_id is not None:
+                apply_retention(root, run_id, retention)
         barrier()
     return final
 

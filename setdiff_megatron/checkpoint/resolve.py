@@ -28,7 +28,7 @@ from setdiff_megatron.distributed.runtime import barrier, rank
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.recipes.loading import RESOLVED_NAME
 
-__all__ = ["Resumed", "resume_target", "resolve_step_dir", "describe", "usable_problem"]
+__all__ = ["Resumed", "resume_target", "resolve_step_dir", "describe"]
 
 @dataclass(frozen=True)
 class Resumed:
@@ -77,15 +77,14 @@ def resume_target(run_dir: Path, choice: str, identity: dict | None) -> Resumed 
         if problem is None:
             return Resumed(path, read_train_state(path))
         _say(f"skipping checkpoint {path}: {problem}")
-        skipped.append(f"  {path.name}: {problem}")
+        skipped.append(f"{path.name}: {problem}")
     if skipped:
         model_hint = (" (or checkpoint.allow_model_change=true for another model's)"
                       if any("another model" in s for s in skipped) else "")
-        raise UserError("\n".join([
-            f"checkpoint.dir {run_dir} holds checkpoints, and none can be resumed; refusing to train over them:",
-            *skipped,
-            f"repair them, point checkpoint.dir elsewhere, or set checkpoint.resume=none to start over (they are then "
-            f"moved aside, not deleted){model_hint}"]))
+        raise UserError(
+            f"checkpoint.dir {run_dir} holds checkpoints, and none can be resumed ({'; '.join(skipped)}); refusing "
+            f"to train over them: repair them, point checkpoint.dir elsewhere, or set checkpoint.resume=none to start "
+            f"over (they are then moved aside, not deleted){model_hint}")
     return None
 
 

@@ -1,1 +1,1 @@
-"""core layer of setdiff-megatron (see DESIGN in README)."""
+"""core layer of setdiff-megatron (docs/architecture.md, "Layers")."""

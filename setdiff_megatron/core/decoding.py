@@ -3,7 +3,7 @@ row with its own policy.
 
 One sampling step offers each row a set of query positions (the window), turns the model's
 query logits into one candidate token and a confidence per query, and keeps a subset of them:
-the k most confident, plus every query at or above the threshold tau (ALGORITHM.md 2.4,
+the k most confident, plus every query at or above the threshold tau (docs/method.md, "Decoding";
 `predict_and_noise`: k = 1 and tau = 1e6 there mean one token per step). The policies compose:
 window W x {span, fill, blocks} x k x tau x {greedy, temperature, top-k, top-p} x repetition
 penalty. AR decoding is W = 1. Stop sequences (EOS is a stop sequence of one token) are matched

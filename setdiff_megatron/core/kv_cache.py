@@ -15,8 +15,9 @@ rows into a running batch (`with_rows`, `with_capacity`), retires finished ones 
 and drops entries from the middle of rows that outgrow the context (`drop`).
 
 Attention: masked SDPA over the staged slots with a dense step mask (the default), or, when
-`attention_impl` names a kernel step (core.attention.STEP_IMPLS: 'te', 'flash_attn'), a fused
-kernel reading the cache in place with per-row lengths instead of a mask (KERNELS.md 4).
+`attention_impl` names a kernel step (core.step_attention.STEP_IMPLS: 'te', 'flash_attn'), a fused
+kernel reading the cache in place with per-row lengths instead of a mask (docs/method.md,
+"KV cache").
 
 Shapes: N layers, B batch, G key/value heads, C capacity, D head dim, T step tokens.
 """
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from setdiff_megatron.core.attention import (
+from setdiff_megatron.core.step_attention import (
     STEP_IMPLS,
     set_causal_step_attention,
     staged_step_attention,
@@ -48,7 +49,7 @@ class KVCache:
     ragged: bool = False
     """Set once rows may differ in length; until then attention needs no key mask."""
     attention_impl: str = "sdpa"
-    """Step attention: a name with a kernel step in core.attention.STEP_IMPLS ('te', 'flash_attn')
+    """Step attention: a name with a kernel step in core.step_attention.STEP_IMPLS ('te', 'flash_attn')
     runs that kernel over the cache with per-row lengths; any other name, masked SDPA. Models
     pass their attention_impl, 'auto' resolved for their device and dtype."""
     _step: tuple | None = field(default=None, repr=False)

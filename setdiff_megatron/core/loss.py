@@ -2,8 +2,8 @@
 
 Each query at rank j predicts x[perm[j]] from the clean tokens at ranks < j, so the per-token
 mean over targets is a one-sample Monte Carlo estimate of the NELBO under the order policy
-(ALGORITHM.md 1.5). There is no time weighting. The MASK token is never a valid prediction, so
-its logit is removed before the softmax, as in the reference.
+(docs/method.md, "Objective"). There is no time weighting. The MASK token is never a valid
+prediction, so its logit is removed before the softmax, as in the reference.
 
 Shapes: B batch, L ranks, V vocabulary.
 """

@@ -1,4 +1,4 @@
-"""Generation-order policies for set diffusion (ALGORITHM.md sections 1.2, 1.3, 1.6).
+"""Generation-order policies for set diffusion (docs/method.md, "Order policies").
 
 A set diffusion model is trained on one sampled permutation per sequence: the order in which the
 positions are revealed. Every policy here gives each position a "reveal score" (for the staggered
@@ -20,7 +20,7 @@ from typing import ClassVar
 import torch
 
 __all__ = ["OrderPolicy", "Staggered", "LeftToRight", "Uniform", "Block", "make_order_policy",
-           "sample_order"]
+           "sample_order", "sample_record_order"]
 
 Device = torch.device | str | None
 
@@ -66,7 +66,7 @@ class OrderPolicy(ABC):
 
 @dataclass(frozen=True)
 class Staggered(OrderPolicy):
-    """The SetDLM staggered schedule (ALGORITHM.md 1.2).
+    """The SetDLM staggered schedule (docs/method.md, "Order policies").
 
     Position i is masked inside its own window [loc_i, loc_i + b]; windows of m consecutive
     positions overlap, so the order is left-to-right with local shuffles of displacement < m.
@@ -257,3 +257,39 @@ def sample_order(policy: OrderPolicy, batch_size: int | None = None, length: int
     scores_BL = scores_BL.masked_fill(first_BL, math.inf).masked_fill(last_BL, -math.inf)
     # Stable sort: equal scores (all pinned prompt / pad positions) keep their position order.
     return torch.sort(scores_BL, dim=-1, descending=True, stable=True).indices
+
+
+def sample_record_order(policy: OrderPolicy, document_ids: torch.Tensor, position_ids: torch.Tensor, *,
+                        prompt_mask: torch.Tensor, pad_mask: torch.Tensor,
+                        generator: torch.Generator | None = None) -> torch.Tensor:
+    """perm [B, L] for rows that pack several records, each record ordered as if it were alone.
+
+    `document_ids` numbers the records of a row from 0 and `position_ids` counts positions from
+    0 within each record. Every (row, record) gets an order from `sample_order` on a virtual row
+    of length L holding just that record (its prompt pinned, the rest padding), drawn in row-major
+    (row, record) order: a row packing records r1, r2 draws exactly the orders that a padded
+    batch [r1, r2] draws from the same generator. The records' orders are then interleaved by
+    their within-record ranks, and the row's padding goes last. Attention that stays within
+    records (document ids) sees only each record's own relative order, so a packed record's loss
+    equals its padded loss.
+    """
+    batch, length = document_ids.shape
+    for name, m in (("position_ids", position_ids), ("prompt_mask", prompt_mask), ("pad_mask", pad_mask)):
+        if m.shape != document_ids.shape:
+            raise ValueError(f"{name} must have shape [B, L] = {[batch, length]}, got {list(m.shape)}")
+    real = ~pad_mask
+    docs = torch.where(real, document_ids.long(), 0)
+    per_row = int(docs.max()) + 1 if docs.numel() else 1
+    group = (torch.arange(batch, device=docs.device)[:, None] * per_row + docs)[real]
+    local = position_ids.long()[real]
+    virtual_prompt = torch.zeros(batch * per_row, length, dtype=torch.bool, device=docs.device)
+    virtual_pad = torch.ones_like(virtual_prompt)
+    virtual_pad[group, local] = False
+    virtual_prompt[group, local] = prompt_mask[real]
+    virtual_perm = sample_order(policy, prompt_mask=virtual_prompt, pad_mask=virtual_pad, generator=generator)
+    rank_of = torch.empty_like(virtual_perm)
+    rank_of.scatter_(1, virtual_perm, torch.arange(length, device=docs.device).expand_as(virtual_perm))
+    key = torch.full((batch, length), batch * length * per_row, dtype=torch.long, device=docs.device)
+    key = key + torch.arange(length, device=docs.device)  # padding: after every real rank, in position order
+    key[real] = rank_of[group, local] * per_row + docs[real]
+    return torch.sort(key, dim=-1, stable=True).indices

@@ -1,8 +1,9 @@
 """What the set sampler returns: the rows it decoded and how fast, per row and per batch.
 
-NFE follows ALGORITHM.md 2.8: the forward passes a row took part in, its prefill included when
-it has visible tokens; tokens per step (the reference's "parallelism factor") excludes the
-prefill. Bookkeeping is everything in the decode loop outside the model's step.
+NFE (docs/method.md, "NFE and tokens per step") counts the forward passes a row took part in,
+its prefill included when it has visible tokens; tokens per step (the reference's "parallelism
+factor") excludes the prefill. Bookkeeping is everything in the decode loop outside the model's
+step.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ class RowResult:
     steps: int
     """Decode forwards the row took part in (its NFE without the prefill)."""
     nfe: int
-    """Forward passes: steps, plus the prefill when the row has visible tokens (ALGORITHM.md 2.8)."""
+    """Forward passes: steps, plus the prefill when the row has visible tokens
+    (docs/method.md, "NFE and tokens per step")."""
     seconds: float
     """From the row's admission into the batch (prefill included) to its retirement."""
     prefill_s: float

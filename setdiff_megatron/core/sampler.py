@@ -1,8 +1,8 @@
-"""The cached any-order set sampler (ALGORITHM.md 2) as a continuous-batching engine.
+"""The cached any-order set sampler (docs/method.md, "Decoding") as a continuous-batching engine.
 
 Each step is ONE forward pass: it commits the tokens the previous step decoded to the KV cache
 (clean tokens, causal among themselves in position order) and scores the current window's MASK
-queries against cache + commits (commit-in-next-forward, 2.1). Every query is scored as the next
+queries against cache + commits (commit-in-next-forward). Every query is scored as the next
 rank after everything committed, so a step's logits equal a from-scratch training forward whose
 clean prefix is the commit order. `decoding.py` turns the logits into the set decoded, under each
 row's own `DecodingConfig`.
@@ -60,8 +60,7 @@ from setdiff_megatron.core.decoding import (
 from setdiff_megatron.core.kv_cache import KVCache
 from setdiff_megatron.core.sample_output import BatchMetrics, RowResult, SampleOutput, StepTrace
 
-__all__ = ["StepModel", "SetSampler", "Request", "Progress", "SampleOutput", "RowResult", "StepTrace",
-           "BatchMetrics"]
+__all__ = ["StepModel", "SetSampler", "Request", "SampleOutput", "RowResult"]
 
 
 class StepModel(Protocol):

@@ -1,4 +1,4 @@
-"""The two-stream batch of set diffusion training (ALGORITHM.md 1.3).
+"""The two-stream batch of set diffusion training (docs/method.md, "Two streams").
 
 Given tokens and an order perm (perm[b, j] = position revealed at rank j), both streams are laid
 out in rank order and carry the ORIGINAL positions as rotary position ids: the clean stream is
@@ -7,7 +7,9 @@ the loss is right whatever the order does with prompt and padding tokens (the re
 loss mask in position order, which is only right while those tokens form a leading/trailing run).
 
 Packed windows hold several documents; with document masking (recipes' data.document_mask) the
-batch carries each rank's document id, so attention stays within documents (core/attention.py).
+batch carries each rank's document id, so attention stays within documents (core/document_attention.py).
+Rows that pack several supervised records carry their own document ids and per-record position
+ids: each record is ordered, positioned and attended to as if it were alone in a padded row.
 
 The query stream is MASK even at prompt and padding ranks: nothing attends to a query token but
 the query itself, and those ranks are excluded from the loss, so their input value is irrelevant.
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from setdiff_megatron.core.orders import OrderPolicy, sample_order
+from setdiff_megatron.core.orders import OrderPolicy, sample_order, sample_record_order
 
 __all__ = ["TwoStreamBatch", "build_two_stream_batch", "document_ids", "sample_two_stream_batch"]
 
@@ -61,9 +63,11 @@ def build_two_stream_batch(
     prompt_mask_BL: torch.Tensor | None = None,
     pad_mask_BL: torch.Tensor | None = None,
     document_ids_BL: torch.Tensor | None = None,
+    position_ids_BL: torch.Tensor | None = None,
 ) -> TwoStreamBatch:
     """Gather tokens (and document ids, by position) into rank order and derive the query stream,
-    targets and loss mask.
+    targets and loss mask. The rotary positions are the original positions, or `position_ids_BL`
+    (packed records: positions within each record) gathered the same way.
 
     `perm_BL` must put padding last (as every order policy in core.orders does): `valid_len`
     counts the non-padding ranks and attention treats ranks at or beyond it as padding.
@@ -72,7 +76,8 @@ def build_two_stream_batch(
         raise ValueError(
             f"tokens and perm must both be [batch, length]; got {tuple(tokens_BL.shape)} and {tuple(perm_BL.shape)}"
         )
-    for name, m in (("prompt_mask", prompt_mask_BL), ("pad_mask", pad_mask_BL), ("document_ids", document_ids_BL)):
+    for name, m in (("prompt_mask", prompt_mask_BL), ("pad_mask", pad_mask_BL), ("document_ids", document_ids_BL),
+                    ("position_ids", position_ids_BL)):
         if m is not None and m.shape != tokens_BL.shape:
             raise ValueError(f"{name} must have shape {tuple(tokens_BL.shape)}; got {tuple(m.shape)}")
     not_target_BL = torch.zeros_like(tokens_BL, dtype=torch.bool)
@@ -88,7 +93,7 @@ def build_two_stream_batch(
     return TwoStreamBatch(
         clean_tokens=clean_BL,
         query_tokens=torch.full_like(clean_BL, mask_token_id),
-        position_ids=perm_BL,
+        position_ids=perm_BL if position_ids_BL is None else position_ids_BL.gather(1, perm_BL),
         targets=clean_BL,
         loss_mask=~not_target_BL.gather(1, perm_BL),
         valid_len=valid_len_B,
@@ -105,12 +110,16 @@ def sample_two_stream_batch(
     pad_mask: torch.Tensor | None = None,
     keep_clean_bos: bool = False,
     eod_id: int | None = None,
+    records: tuple[torch.Tensor, torch.Tensor] | None = None,
     generator: torch.Generator | None = None,
 ) -> TwoStreamBatch:
     """Sample an order from `policy` and build the batch; every engine trains through this.
 
     A BOS kept clean is pinned first like a prompt token and, like one, is not a target. With
-    `eod_id` the batch carries document ids (`document_ids`), for document-masked attention.
+    `eod_id` the batch carries document ids (`document_ids`), for document-masked attention, and
+    the order runs over the whole window. `records` = (document ids, position ids) [B, L] marks
+    rows that pack supervised records: each record gets its own order (`sample_record_order`),
+    its own positions and attention within itself.
     """
     if keep_clean_bos:
         bos_BL = torch.zeros_like(tokens_BL, dtype=torch.bool)
@@ -118,6 +127,15 @@ def sample_two_stream_batch(
         if pad_mask is not None:
             bos_BL &= ~pad_mask  # an all-padding row has no BOS to keep
         prompt_mask = bos_BL if prompt_mask is None else prompt_mask | bos_BL
+    if records is not None:
+        if eod_id is not None or prompt_mask is None or pad_mask is None:
+            raise ValueError("packed records need prompt_mask and pad_mask, and bring their own document ids "
+                             "(no eod_id)")
+        doc_ids, positions = records
+        perm_BL = sample_record_order(policy, doc_ids, positions, prompt_mask=prompt_mask, pad_mask=pad_mask,
+                                      generator=generator)
+        return build_two_stream_batch(tokens_BL, perm_BL, mask_token_id=mask_token_id, prompt_mask_BL=prompt_mask,
+                                      pad_mask_BL=pad_mask, document_ids_BL=doc_ids, position_ids_BL=positions)
     perm_BL = sample_order(
         policy, tokens_BL.shape[0], tokens_BL.shape[1], prompt_mask=prompt_mask, pad_mask=pad_mask,
         generator=generator, device=tokens_BL.device,

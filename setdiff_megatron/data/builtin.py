@@ -3,7 +3,8 @@
 `data.datasets: [{path: stdlib}]` trains on the Python standard library's sources (corpus.py),
 `[{path: reasoning}]` on generated multi-step arithmetic (reasoning.py). Both are prepared on
 first use under the run's data cache in one layout: `tokenizer/`, and the indexed datasets
-`train` and `valid`.
+`train` and `valid`. The reasoning corpus also holds its problems as supervised records
+(`format: supervised`): `train-supervised` and `valid-supervised`.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ def prepare_builtin_corpus(name: str, directory: Path, vocab_size: int, *, progr
         prepare_reasoning_corpus(directory, progress=progress)
 
 
-def corpus_paths(directory: Path) -> tuple[Path, Path, Path]:
+def corpus_paths(directory: Path, *, supervised: bool = False) -> tuple[Path, Path, Path]:
     """(tokenizer directory, train prefix, valid prefix) of a prepared built-in corpus."""
-    return directory / TOKENIZER_SUBDIR, directory / "train", directory / "valid"
+    suffix = "-supervised" if supervised else ""
+    return directory / TOKENIZER_SUBDIR, directory / f"train{suffix}", directory / f"valid{suffix}"

@@ -1,8 +1,9 @@
 """Preprocessed datasets on disk: megatron-core's `.bin/.idx` pair plus our manifest.
 
 A finished dataset with prefix P is three files: `P.bin` and `P.idx` written by megatron-core's
-`IndexedDatasetBuilder` (one sequence per document, EOS included), and `P.manifest.json`
-(tokenizer identity, counts, source checksum). The manifest is written last, so its presence is
+`IndexedDatasetBuilder` (one sequence per document, EOS included; a supervised record's document
+is two, its prompt and its response), and `P.manifest.json` (tokenizer identity, counts, source
+checksum). Supervised datasets add `P.locations.npy`, each record's line or row in its input. The manifest is written last, so its presence is
 what "finished" means: `IndexedWriter` writes `P.bin.partial`/`P.idx.partial`, deletes any old
 manifest before it starts, renames the pair into place when complete and only then writes the
 manifest. An interrupted run therefore leaves either `.partial` files or a pair without a
@@ -27,6 +28,7 @@ import numpy as np
 from setdiff_megatron.errors import UserError, require
 
 MANIFEST_SUFFIX = ".manifest.json"
+LOCATIONS_SUFFIX = ".locations.npy"
 PARTIAL_SUFFIX = ".partial"
 MANIFEST_FORMAT = "setdiff-indexed-v1"
 
@@ -54,6 +56,15 @@ def manifest_path(prefix: Path) -> Path:
     return prefix.with_name(prefix.name + MANIFEST_SUFFIX)
 
 
+def locations_path(prefix: Path) -> Path:
+    return prefix.with_name(prefix.name + LOCATIONS_SUFFIX)
+
+
+def dataset_kind(manifest: dict[str, Any]) -> str:
+    """'pretraining' (documents) or 'supervised' (prompt/response records)."""
+    return manifest.get("kind", "pretraining")
+
+
 def read_manifest(prefix: Path) -> dict[str, Any] | None:
     """The manifest of a finished dataset whose files are all present, else None."""
     path = manifest_path(prefix)
@@ -64,6 +75,8 @@ def read_manifest(prefix: Path) -> dict[str, Any] | None:
     if manifest.get("format") != MANIFEST_FORMAT or not idx_path(prefix).is_file():
         return None
     if not bin_path(prefix).is_file() or bin_path(prefix).stat().st_size != manifest.get("bin_bytes"):
+        return None
+    if dataset_kind(manifest) == "supervised" and not locations_path(prefix).is_file():
         return None
     return manifest
 
@@ -85,9 +98,10 @@ class IndexedWriter:
     partial files.
     """
 
-    def __init__(self, prefix: Path, vocab_size: int):
+    def __init__(self, prefix: Path, vocab_size: int, *, keep_locations: bool = False):
         indexed_dataset = megatron_datasets("indexed_dataset")
         self.prefix = prefix
+        self._locations: list[int] | None = [] if keep_locations else None
         self.dtype = indexed_dataset.DType.optimal_dtype(vocab_size)
         self._partial_bin = bin_path(prefix).with_name(bin_path(prefix).name + PARTIAL_SUFFIX)
         self._partial_idx = idx_path(prefix).with_name(idx_path(prefix).name + PARTIAL_SUFFIX)
@@ -96,13 +110,22 @@ class IndexedWriter:
         self._builder = indexed_dataset.IndexedDatasetBuilder(str(self._partial_bin), dtype=self.dtype)
         self._committed = False
 
-    def add_document(self, ids: np.ndarray) -> None:
-        """Append one document (its tokens, EOS included) as a single sequence."""
-        self._builder.add_document(ids, [len(ids)])
+    def add_document(self, ids: np.ndarray, sequence_lengths: list[int] | None = None, *,
+                     location: int | None = None) -> None:
+        """Append one document (its tokens, EOS included): one sequence, or the given lengths
+        (a supervised record's prompt and response), and its input location when kept."""
+        self._builder.add_document(ids, [len(ids)] if sequence_lengths is None else sequence_lengths)
+        if self._locations is not None:
+            self._locations.append(location)
 
     def commit(self, manifest: dict[str, Any]) -> dict[str, Any]:
-        """Finish the .bin/.idx, move them into place, then write the manifest (last)."""
+        """Finish the .bin/.idx (and locations), move them into place, then write the manifest (last)."""
         self._builder.finalize(str(self._partial_idx))
+        if self._locations is not None:
+            partial = locations_path(self.prefix).with_name(locations_path(self.prefix).name + PARTIAL_SUFFIX)
+            with open(partial, "wb") as stream:
+                np.save(stream, np.array(self._locations, dtype=np.int64))
+            os.replace(partial, locations_path(self.prefix))
         os.replace(self._partial_bin, bin_path(self.prefix))
         os.replace(self._partial_idx, idx_path(self.prefix))
         manifest = {

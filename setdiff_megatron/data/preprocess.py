@@ -12,6 +12,10 @@ grow with the corpus, except that megatron's builder keeps a Python int per docu
 index (about 40 bytes a document). Workers are spawned, not forked: the parent may hold torch,
 megatron and tokenizer thread pools, which a fork copies mid-flight.
 
+Supervised records (`options.supervised`, data/supervised.py) are written the same way, each
+document as two sequences, its prompt and its response (EOS included), with the records' input
+lines beside them; the manifest says `"kind": "supervised"`.
+
 A rerun skips every output whose manifest matches the input's sha256, the tokenizer and the
 options; anything else is rebuilt under temporary names (see `indexed.py`).
 """
@@ -40,9 +44,11 @@ from setdiff_megatron.data.sources import (
     Source,
     detect_source,
     read_batches,
+    record_fields,
     record_text,
     source_sha256,
 )
+from setdiff_megatron.data.supervised import RecordFields, check_chat_template, encode_record
 from setdiff_megatron.data.tokenizers import SETDIFF_FILE, SetDiffTokenizer, load_tokenizer
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.progress import progress_bar
@@ -67,6 +73,8 @@ class PreprocessOptions:
     """Raw bytes per batch handed to a worker."""
     progress: bool = True
     """Show a progress bar (documents/s, tokens/s) and a summary on stderr."""
+    supervised: RecordFields | None = None
+    """Write prompt/response records (data/supervised.py) instead of pretraining documents."""
 
     def __post_init__(self) -> None:
         if self.text_unit not in ("paragraph", "line"):
@@ -76,11 +84,17 @@ class PreprocessOptions:
         if self.workers < 1 or self.batch_bytes < 1:
             raise UserError("workers and batch_bytes must be positive")
 
-    def recorded(self, source: Source) -> dict[str, str]:
+    def recorded(self, source: Source) -> dict[str, Any]:
         """The options that shape `source`'s tokens (a change makes a rerun rebuild it)."""
+        if self.supervised is not None:
+            return self.supervised.recorded()
         if source.kind == "text":
             return {"text_unit": self.text_unit}
         return {"text_field": self.text_field}
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return self.supervised.names if self.supervised is not None else (self.text_field,)
 
 
 def preprocess(
@@ -97,6 +111,10 @@ def preprocess(
     if not inputs:
         raise UserError("no inputs given")
     sources = [detect_source(path) for path in inputs]
+    if options.supervised is not None:
+        if any(source.kind == "text" for source in sources):
+            raise UserError("supervised records need fields: give .jsonl, .parquet or datasets inputs, not plain text")
+        check_chat_template(options.supervised, tokenizer, "the tokenizer")
     names = [source.name for source in sources]
     duplicates = sorted({name for name in names if names.count(name) > 1})
     if duplicates:
@@ -127,9 +145,13 @@ def _preprocess_source(
         return old
 
     counts = {"documents": 0, "tokens": 0, "skipped_bad_records": 0, "skipped_empty_documents": 0}
+    supervised = options.supervised is not None
+    if supervised:
+        provenance["kind"] = "supervised"
+        counts["prompt_tokens"] = 0
     batches = _encoded_batches(source, tokenizer, output_dir / TOKENIZER_SUBDIR, options)
     with (
-        IndexedWriter(prefix, tokenizer.vocab_size) as writer,
+        IndexedWriter(prefix, tokenizer.vocab_size, keep_locations=supervised) as writer,
         contextlib.closing(batches) as stream,
         progress_bar(desc=source.name, unit="doc", disable=not options.progress, file=sys.stderr) as bar,
     ):
@@ -143,8 +165,15 @@ def _preprocess_source(
                 if counts["skipped_bad_records"] <= _MAX_REPORTED_BAD:
                     bar.write(f"skipping {where}: {reason}", file=sys.stderr)
             ends = np.cumsum(encoded.lengths)
-            for begin, end in zip(ends - encoded.lengths, ends):
-                writer.add_document(encoded.ids[begin:end])
+            for i, (begin, end) in enumerate(zip(ends - encoded.lengths, ends)):
+                if supervised:
+                    prompt = int(encoded.prompt_lengths[i])
+                    writer.add_document(encoded.ids[begin:end], [prompt, end - begin - prompt],
+                                        location=int(encoded.locations[i]))
+                else:
+                    writer.add_document(encoded.ids[begin:end])
+            if supervised:
+                counts["prompt_tokens"] += int(encoded.prompt_lengths.sum())
             counts["documents"] += len(encoded.lengths)
             counts["tokens"] += int(encoded.ids.size)
             counts["skipped_empty_documents"] += encoded.empty
@@ -167,13 +196,21 @@ def _preprocess_source(
 
 @dataclass(slots=True)
 class EncodedBatch:
-    """One batch's documents, tokenized: concatenated ids (EOS after each) and their lengths."""
+    """One batch's documents, tokenized: concatenated ids (EOS after each) and their lengths;
+    supervised records also carry their prompt lengths and input locations."""
 
     ids: np.ndarray
     lengths: np.ndarray
     bad: list[tuple[int, str]]  # (location, reason) of records that are not documents
     empty: int
     done: float
+    prompt_lengths: np.ndarray | None = None
+    locations: np.ndarray | None = None
+
+
+def _flat(encoded: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
+    return np.fromiter(itertools.chain.from_iterable(encoded), dtype=np.int32, count=int(lengths.sum())), lengths
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,8 +219,11 @@ class _Encoder:
 
     tokenizer: SetDiffTokenizer
     text_field: str
+    supervised: RecordFields | None = None
 
     def __call__(self, batch: RecordBatch) -> EncodedBatch:
+        if self.supervised is not None:
+            return self._records(batch)
         texts, bad, empty = [], [], 0
         for location, payload in zip(batch.locations, batch.payloads):
             try:
@@ -195,22 +235,35 @@ class _Encoder:
                 texts.append(text)
             else:
                 empty += 1
-        encoded = self.tokenizer.encode_batch(texts)
         eos = [self.tokenizer.eos_id]
-        lengths = np.fromiter((len(ids) + 1 for ids in encoded), dtype=np.int64, count=len(encoded))
-        flat = itertools.chain.from_iterable(ids + eos for ids in encoded)
-        ids = np.fromiter(flat, dtype=np.int32, count=int(lengths.sum()))
+        ids, lengths = _flat([ids + eos for ids in self.tokenizer.encode_batch(texts)])
         return EncodedBatch(ids, lengths, bad, empty, batch.done)
+
+    def _records(self, batch: RecordBatch) -> EncodedBatch:
+        documents, prompts, locations, bad = [], [], [], []
+        for location, payload in zip(batch.locations, batch.payloads):
+            try:
+                prompt, response = encode_record(record_fields(batch.kind, payload, self.supervised.names),
+                                                 self.supervised, self.tokenizer)
+            except BadRecord as exc:
+                bad.append((location, str(exc)))
+                continue
+            documents.append(prompt + response)
+            prompts.append(len(prompt))
+            locations.append(location)
+        ids, lengths = _flat(documents)
+        return EncodedBatch(ids, lengths, bad, 0, batch.done, np.array(prompts, dtype=np.int64),
+                            np.array(locations, dtype=np.int64))
 
 
 _worker_encoder: _Encoder | None = None
 
 
-def _init_worker(tokenizer_dir: Path, text_field: str) -> None:
+def _init_worker(tokenizer_dir: Path, text_field: str, supervised: RecordFields | None) -> None:
     global _worker_encoder
     # Parallelism comes from the processes; a Rust thread pool per worker would oversubscribe.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _worker_encoder = _Encoder(load_tokenizer(tokenizer_dir), text_field)
+    _worker_encoder = _Encoder(load_tokenizer(tokenizer_dir), text_field, supervised)
 
 
 def _encode_in_worker(batch: RecordBatch) -> EncodedBatch:
@@ -229,13 +282,13 @@ def _encoded_batches(
     child dies before reading it (CPython 3.11).
     """
     batches = read_batches(
-        source, text_field=options.text_field, text_unit=options.text_unit, batch_bytes=options.batch_bytes
+        source, fields=options.fields, text_unit=options.text_unit, batch_bytes=options.batch_bytes
     )
     if options.workers == 1:
-        yield from map(_Encoder(tokenizer, options.text_field), batches)
+        yield from map(_Encoder(tokenizer, options.text_field, options.supervised), batches)
         return
     context = multiprocessing.get_context("spawn")
-    init = (tokenizer_dir, options.text_field)
+    init = (tokenizer_dir, options.text_field, options.supervised)
     with ProcessPoolExecutor(options.workers, context, initializer=_init_worker, initargs=init) as pool:
         pending: deque[Future] = deque()
         try:

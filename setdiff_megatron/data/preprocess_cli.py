@@ -10,6 +10,7 @@ from pathlib import Path
 
 from setdiff_megatron.data.corpus import prepare_default_corpus
 from setdiff_megatron.data.preprocess import PreprocessOptions, preprocess
+from setdiff_megatron.data.supervised import RecordFields
 from setdiff_megatron.data.tokenizers import load_tokenizer
 from setdiff_megatron.errors import UserError
 
@@ -32,6 +33,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-new-tokens", action="store_true",
                         help="fail instead of adding a missing MASK/BOS/EOS/PAD token")
     parser.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+    supervised = parser.add_argument_group("supervised records (recipes: format: supervised)")
+    supervised.add_argument("--supervised", action="store_true",
+                            help="write prompt/response records: the prompt pinned as context, the response the target")
+    supervised.add_argument("--prompt-field", default="prompt", help="field or column holding the prompt")
+    supervised.add_argument("--response-field", default="response", help="field or column holding the response")
+    supervised.add_argument("--messages-field", default=None,
+                            help="a chat field instead (a list of {role, content}, the assistant's turn last), "
+                            "rendered with the tokenizer's chat template")
     corpus = parser.add_argument_group("embedded default corpus (the Python standard library)")
     corpus.add_argument("--default-corpus", action="store_true",
                         help="train a byte-level BPE on the stdlib corpus and preprocess it")
@@ -47,6 +56,8 @@ def preprocess_main(argv: list[str] | None = None) -> int:
         parser.error("--default-corpus takes no --input or --tokenizer")
     if not args.default_corpus and not (args.input and args.tokenizer):
         parser.error("--input and --tokenizer are required (or --default-corpus)")
+    if args.messages_field and not args.supervised:
+        parser.error("--messages-field needs --supervised")
     try:
         if args.default_corpus:
             prepare_default_corpus(
@@ -59,6 +70,8 @@ def preprocess_main(argv: list[str] | None = None) -> int:
                 on_bad_line=args.on_bad_line,
                 workers=args.workers,
                 progress=not args.quiet,
+                supervised=RecordFields(args.prompt_field, args.response_field, args.messages_field)
+                if args.supervised else None,
             )
             tokenizer = load_tokenizer(args.tokenizer, add_missing_tokens=not args.no_new_tokens)
             preprocess(args.input, args.output_dir, tokenizer, options)

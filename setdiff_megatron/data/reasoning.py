@@ -22,6 +22,8 @@ Measured with the study's 4 x 128 model (AR, batch 32, benchmarks/study): greedy
 
 `prepare_reasoning_corpus` writes, deterministically by seed:
 - `raw/{train,valid}.jsonl` documents and their indexed datasets (through `preprocess`);
+- the same problems as supervised records, `raw/{train,valid}-supervised.jsonl` (prompt: the
+  expression line; response: the solution) and their indexed datasets (`--supervised`);
 - `tasks/test-<level>.jsonl`: `setdiff eval generate` task files (prompt: the expression line;
   reference: the whole solution, scored by the GSM8K metric on its final answer);
 - `tasks/infill-test.jsonl`: one or two solution lines of test problems to infill (never the
@@ -39,13 +41,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from setdiff_megatron.data.preprocess import TOKENIZER_SUBDIR, PreprocessOptions, preprocess
+from setdiff_megatron.data.supervised import RecordFields
 from setdiff_megatron.data.tokenizers import SetDiffTokenizer, train_byte_level_bpe
 from setdiff_megatron.errors import UserError
 
 __all__ = ["Level", "Problem", "TRAIN_LEVELS", "TEST_LEVELS", "make_problem", "problems", "char_tokenizer",
            "ReasoningCorpus", "prepare_reasoning_corpus"]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _RECORD_FILE = "corpus.json"
 
 
@@ -193,6 +196,21 @@ def _write_jsonl(path: Path, records: Iterator[dict]) -> None:
     os.replace(partial, path)
 
 
+def _write_problems(raw: Path, split: str, problems: Iterator[Problem]) -> None:
+    """raw/<split>.jsonl documents and raw/<split>-supervised.jsonl records, in one pass."""
+    path = raw / f"{split}-supervised.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    with open(partial, "w", encoding="utf-8") as records:
+        def documents() -> Iterator[dict]:
+            for problem in problems:
+                records.write(json.dumps({"prompt": problem.prompt, "response": problem.solution}) + "\n")
+                yield {"text": problem.text}
+
+        _write_jsonl(raw / f"{split}.jsonl", documents())
+    os.replace(partial, path)
+
+
 def prepare_reasoning_corpus(out_dir: str | Path, *, num_train: int = 200_000, num_valid: int = 2_000,
                              num_test: int = 200, num_infill: int = 200, seed: int = 0, workers: int = 1,
                              progress: bool = True) -> ReasoningCorpus:
@@ -222,12 +240,14 @@ def prepare_reasoning_corpus(out_dir: str | Path, *, num_train: int = 200_000, n
         _write_jsonl(corpus.infill_tasks, (_infill_record(p, infill_rng) for p in infill))
         valid = list(problems(seed * 1000 + 502, TRAIN_LEVELS, num_valid, frozenset(held)))
         held |= {p.expression for p in valid}
-        _write_jsonl(out_dir / "raw" / "valid.jsonl", ({"text": p.text} for p in valid))
-        _write_jsonl(out_dir / "raw" / "train.jsonl",
-                     ({"text": p.text} for p in problems(seed * 1000 + 503, TRAIN_LEVELS, num_train, frozenset(held),
-                                                        distinct=False)))
+        _write_problems(out_dir / "raw", "valid", iter(valid))
+        _write_problems(out_dir / "raw", "train", problems(seed * 1000 + 503, TRAIN_LEVELS, num_train, frozenset(held),
+                                                           distinct=False))
         record_path.parent.mkdir(parents=True, exist_ok=True)
         record_path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-    preprocess([out_dir / "raw" / "train.jsonl", out_dir / "raw" / "valid.jsonl"], out_dir, tokenizer,
+    raw = out_dir / "raw"
+    preprocess([raw / "train.jsonl", raw / "valid.jsonl"], out_dir, tokenizer,
                PreprocessOptions(workers=workers, progress=progress))
+    preprocess([raw / "train-supervised.jsonl", raw / "valid-supervised.jsonl"], out_dir, tokenizer,
+               PreprocessOptions(workers=workers, progress=progress, supervised=RecordFields()))
     return corpus

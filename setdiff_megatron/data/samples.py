@@ -17,9 +17,12 @@ What set diffusion adds on top (the `PackedSamples` view):
   in `prompt_mask`, so the order policy pins it as clean context and the loss skips it;
 - every sample is a dict of `tokens [L]` int64, `prompt_mask [L]` bool, `pad_mask [L]` bool.
 
-Supervised adaptation data (`PromptResponseDataset`): prompt tokens become pinned context
-(`prompt_mask`), the response plus EOS is the target, and right padding is marked in `pad_mask`
-(padding goes last in every order and carries no loss).
+Supervised adaptation data (`supervised=`, from `setdiff preprocess --supervised` datasets): the
+same builder splits and blends the records (`packing.SupervisedDataset`). Prompt tokens become
+pinned context (`prompt_mask`), the response plus EOS is the target, and the row's padding is
+marked in `pad_mask` (padding goes last in every order and carries no loss). Padded rows hold
+one record; packed rows several, with `document_ids` and per-record `position_ids`, so each
+record is attended to and positioned as if alone.
 
 Resumption is exact: `ResumableLoader` hands out micro-batches in the global sample order of
 Megatron-LM's pretraining sampler and its `state_dict()` counts the samples actually delivered.
@@ -28,14 +31,14 @@ Megatron-LM's pretraining sampler and its `state_dict()` counts the samples actu
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from setdiff_megatron.data.indexed import read_manifest
-from setdiff_megatron.data.sources import BadRecord, record_text
+from setdiff_megatron.data.indexed import dataset_kind, read_manifest
+from setdiff_megatron.data.supervised import RowFormat
 from setdiff_megatron.data.tokenizers import SetDiffTokenizer
 from setdiff_megatron.errors import UserError
 
@@ -63,7 +66,15 @@ class PackedSamples(torch.utils.data.Dataset):
         return {"tokens": content, "prompt_mask": prompt_mask, "pad_mask": pad_mask}
 
 
-def build_packed_datasets(
+@dataclass(frozen=True)
+class SupervisedRows:
+    """How supervised records fill rows: their `RowFormat` and the layout ('padded' or 'packed')."""
+
+    row_format: RowFormat
+    layout: str = "padded"
+
+
+def build_datasets(
     prefixes: Sequence[str | Path],
     tokenizer: SetDiffTokenizer,
     *,
@@ -74,13 +85,16 @@ def build_packed_datasets(
     weights: Sequence[float] | None = None,
     seed: int = 1234,
     prepend_bos: bool = False,
+    supervised: SupervisedRows | None = None,
     is_built_on_rank: Callable[[], bool] = lambda: True,
-) -> dict[str, PackedSamples | None]:
-    """Train/valid/test `PackedSamples` from preprocessed dataset prefixes.
+) -> dict[str, torch.utils.data.Dataset | None]:
+    """Train/valid/test samples from preprocessed dataset prefixes: packed pretraining windows
+    (`PackedSamples`), or supervised rows when `supervised` is given.
 
     `num_samples` is the number of samples wanted per split (None: one epoch); a weighted blend
     of several prefixes needs a number for every split, as megatron-core requires. A split whose
-    share in `split` is zero comes back as None.
+    share in `split` is zero comes back as None. `prepend_bos` applies to packed windows; a
+    supervised row's BOS is its `RowFormat`'s.
     """
     if len(prefixes) == 0:
         raise UserError("no datasets to build samples from")
@@ -91,34 +105,47 @@ def build_packed_datasets(
     weights = None if len(prefixes) == 1 else weights
     if weights is not None and (len(weights) != len(prefixes) or any(s is None for s in num_samples)):
         raise UserError("a weighted blend needs one weight per dataset and num_samples for every split")
+    wanted = "supervised" if supervised is not None else "pretraining"
     for prefix in prefixes:
         manifest = read_manifest(Path(prefix))
         if manifest is None:
             raise UserError(f"{prefix} is not a finished preprocessed dataset; run setdiff preprocess")
         if manifest["tokenizer"]["sha256"] != tokenizer.sha256:
             raise UserError(f"{prefix} was tokenized with a different tokenizer than the one given")
+        if dataset_kind(manifest) != wanted:
+            raise UserError(f"{prefix} holds {dataset_kind(manifest)} data, not {wanted}: set its data.datasets "
+                            f"entry's format to {dataset_kind(manifest)} (or preprocess it"
+                            f"{' with --supervised' if wanted == 'supervised' else ' without --supervised'})")
 
     from setdiff_megatron.data import packing  # imports megatron-core (seconds), so only now
 
-    config = packing.GPTDatasetConfig(
+    common = dict(
         random_seed=seed,
-        sequence_length=sequence_length - int(prepend_bos),
         blend=([str(p) for p in prefixes], None if weights is None else [float(w) for w in weights]),
         split=split,
         path_to_cache=str(cache_dir),
         tokenizer=tokenizer,
-        reset_position_ids=False,
-        reset_attention_mask=False,
-        eod_mask_loss=False,
-        create_attention_mask=False,
-        add_extra_token_to_sequence=False,
     )
-    builder = packing.SingleProcessSafeBuilder(
-        packing.PackedTokenDataset, list(num_samples), is_built_on_rank, config
-    )
-    datasets = builder.build()
+    if supervised is not None:
+        cls = packing.SupervisedDataset
+        config = packing.SupervisedDatasetConfig(sequence_length=sequence_length, row_format=supervised.row_format,
+                                                 layout=supervised.layout, **common)
+    else:
+        cls = packing.PackedTokenDataset
+        config = packing.GPTDatasetConfig(
+            sequence_length=sequence_length - int(prepend_bos), reset_position_ids=False, reset_attention_mask=False,
+            eod_mask_loss=False, create_attention_mask=False, add_extra_token_to_sequence=False, **common)
+    datasets = packing.SingleProcessSafeBuilder(cls, list(num_samples), is_built_on_rank, config).build()
+    if supervised is not None:
+        return dict(zip(SPLITS, datasets))
     bos_id = tokenizer.bos_id if prepend_bos else None
     return {s: None if ds is None else PackedSamples(ds, bos_id=bos_id) for s, ds in zip(SPLITS, datasets)}
+
+
+def truncation_report(dataset: Any) -> tuple[int, int]:
+    """(responses cut to fit, records) over a supervised split, a blend's members included."""
+    members = getattr(dataset, "datasets", [dataset])
+    return (sum(getattr(m, "num_truncated", 0) for m in members), sum(len(getattr(m, "indices", ())) for m in members))
 
 
 class PretrainingBatchSampler:
@@ -204,64 +231,3 @@ class ResumableLoader:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.consumed_samples = int(state["consumed_samples"])
-
-
-class PromptResponseDataset(torch.utils.data.Dataset):
-    """Supervised adaptation records from a JSONL of {"prompt": ..., "response": ...}.
-
-    Each record becomes [BOS] prompt response EOS PAD... of exactly `sequence_length` tokens,
-    right-padded. `prompt_mask` covers BOS and the prompt (pinned context), `pad_mask` the
-    padding. A response that does not fit is cut on the right (its EOS too) and counted in
-    `num_truncated`; a prompt that leaves no room for a response token is an error. The file is
-    read whole: supervised sets are small next to pretraining corpora.
-    """
-
-    def __init__(
-        self,
-        path: str | Path,
-        tokenizer: SetDiffTokenizer,
-        *,
-        sequence_length: int,
-        prompt_field: str = "prompt",
-        response_field: str = "response",
-        prepend_bos: bool = False,
-    ):
-        path = Path(path)
-        if not path.is_file():
-            raise UserError(f"input file not found: {path}")
-        self.sequence_length = sequence_length
-        self.pad_id = tokenizer.pad_id
-        self.num_truncated = 0
-        self._records: list[tuple[np.ndarray, int]] = []  # (tokens without padding, prompt length)
-        head = [tokenizer.bos_id] if prepend_bos else []
-        with open(path, "rb") as stream:
-            for number, line in enumerate(stream, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    prompt = record_text("jsonl", line, prompt_field)
-                    response = record_text("jsonl", line, response_field)
-                except BadRecord as exc:
-                    raise UserError(f"{path}:{number}: {exc}") from None
-                context = head + tokenizer.encode(prompt)
-                if len(context) >= sequence_length:
-                    raise UserError(
-                        f"{path}:{number}: the prompt fills all {sequence_length} positions, "
-                        "no room for a response"
-                    )
-                target = tokenizer.encode(response) + [tokenizer.eos_id]
-                room = sequence_length - len(context)
-                self.num_truncated += len(target) > room
-                self._records.append((np.array(context + target[:room], dtype=np.int64), len(context)))
-        if not self._records:
-            raise UserError(f"{path}: no prompt/response records found")
-
-    def __len__(self) -> int:
-        return len(self._records)
-
-    def __getitem__(self, index: int) -> Sample:
-        ids, prompt_length = self._records[index]
-        tokens = torch.full((self.sequence_length,), self.pad_id, dtype=torch.int64)
-        tokens[: len(ids)] = torch.from_numpy(ids)
-        positions = torch.arange(self.sequence_length)
-        return {"tokens": tokens, "prompt_mask": positions < prompt_length, "pad_mask": positions >= len(ids)}

@@ -10,6 +10,10 @@ Formats, one dataset per input:
 - Parquet (`.parquet`): the text column, read one record batch at a time.
 - A `datasets` dataset saved with `save_to_disk` (a directory): the text column, memory-mapped.
 
+A record is read for one field (a pretraining document's text) or several (a supervised
+record's prompt and response, or its chat `messages`); columnar formats then read just those
+columns.
+
 Everything streams: the reader holds one batch of about `batch_bytes` of raw records, never a
 whole file. Parsing (JSON, UTF-8) happens in `record_text`, which preprocessing runs in its
 worker processes; a record that cannot be parsed raises `BadRecord` with the reason, and the
@@ -52,7 +56,8 @@ class Source:
 
 @dataclass(slots=True)
 class RecordBatch:
-    """Raw records in input order: bytes (JSONL line, text paragraph) or str/None (a column)."""
+    """Raw records in input order: bytes (JSONL line, text paragraph) or {column: value} (Parquet,
+    datasets)."""
 
     kind: str
     locations: list[int]  # 1-based line (JSONL/text: first line of the document) or row
@@ -102,24 +107,25 @@ def source_sha256(source: Source) -> str:
 
 
 def read_batches(
-    source: Source, *, text_field: str, text_unit: str, batch_bytes: int
+    source: Source, *, fields: tuple[str, ...], text_unit: str, batch_bytes: int
 ) -> Iterator[RecordBatch]:
-    """Stream the raw records of `source` in order, in batches of about `batch_bytes`."""
+    """Stream the raw records of `source` in order, in batches of about `batch_bytes`; columnar
+    formats read only the `fields` columns (plain text has no fields)."""
     if source.kind == "jsonl":
         records = _jsonl_records(source.path)
     elif source.kind == "text":
         records = _text_records(source.path, text_unit)
     elif source.kind == "parquet":
-        records = _parquet_records(source.path, text_field)
+        records = _parquet_records(source.path, fields)
     else:
-        records = _arrow_records(source.path, text_field)
+        records = _arrow_records(source.path, fields)
     batch = RecordBatch(source.kind, [], [], 0.0)
     size = 0
     for location, payload, done in records:
         batch.locations.append(location)
         batch.payloads.append(payload)
         batch.done = done
-        size += len(payload) if payload is not None else 0
+        size += len(payload) if isinstance(payload, bytes) else _cell_bytes(payload)
         if size >= batch_bytes or len(batch.payloads) >= _MAX_RECORDS_PER_BATCH:
             yield batch
             batch, size = RecordBatch(source.kind, [], [], done), 0
@@ -127,8 +133,9 @@ def read_batches(
         yield batch
 
 
-def record_text(kind: str, payload: Any, text_field: str) -> str:
-    """The document text of one raw record, or BadRecord saying why there is none."""
+def record_fields(kind: str, payload: Any, fields: tuple[str, ...]) -> dict[str, Any]:
+    """The named fields of one raw JSONL or columnar record, or BadRecord saying why there are
+    none (plain text records have no fields: see `record_text`)."""
     if kind == "jsonl":
         try:
             obj = json.loads(payload)
@@ -136,20 +143,25 @@ def record_text(kind: str, payload: Any, text_field: str) -> str:
             raise BadRecord(f"not valid JSON ({exc})") from None
         if not isinstance(obj, dict):
             raise BadRecord("not a JSON object")
-        if text_field not in obj:
-            raise BadRecord(f"no {text_field!r} field")
-        payload = obj[text_field]
-        if not isinstance(payload, str):
-            raise BadRecord(f"field {text_field!r} is not a string")
-        return payload
+    else:
+        obj = payload
+    missing = [f for f in fields if obj.get(f) is None]
+    if missing:
+        raise BadRecord(f"no {missing[0]!r} field" if kind == "jsonl" else f"{missing[0]!r} is null")
+    return {f: obj[f] for f in fields}
+
+
+def record_text(kind: str, payload: Any, text_field: str) -> str:
+    """The document text of one raw record, or BadRecord saying why there is none."""
     if kind == "text":
         try:
             return payload.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise BadRecord(f"not valid UTF-8 ({exc})") from None
-    if payload is None:
-        raise BadRecord(f"{text_field!r} is null or not a string")
-    return payload
+    text = record_fields(kind, payload, (text_field,))[text_field]
+    if not isinstance(text, str):
+        raise BadRecord(f"field {text_field!r} is not a string")
+    return text
 
 
 def _open_lines(path: Path) -> tuple[Any, Any]:
@@ -193,40 +205,42 @@ def _strip_newline(text: bytes) -> bytes:
     return text[:-1] if text.endswith(b"\n") else text
 
 
-def _parquet_records(path: Path, text_field: str) -> Iterator[tuple[int, str | None, float]]:
+def _missing_column(path: Path, fields: tuple[str, ...], names: list[str]) -> None:
+    for name in fields:
+        if name not in names:
+            raise UserError(f"{path} has no column {name!r} (columns: {', '.join(names)})")
+
+
+def _parquet_records(path: Path, fields: tuple[str, ...]) -> Iterator[tuple[int, dict[str, Any], float]]:
     pq = require("pyarrow.parquet", "data", "Reading Parquet input")
     try:
         parquet = pq.ParquetFile(path)
     except Exception as exc:  # noqa: BLE001 - pyarrow raises ArrowInvalid and friends
         raise UserError(f"cannot read Parquet file {path}: {exc}") from exc
-    names = parquet.schema_arrow.names
-    if text_field not in names:
-        raise UserError(f"{path} has no column {text_field!r} (columns: {', '.join(names)})")
+    _missing_column(path, fields, parquet.schema_arrow.names)
     total = max(parquet.metadata.num_rows, 1)
     row = 0
-    for batch in parquet.iter_batches(batch_size=1024, columns=[text_field]):
-        for value in batch.column(0).to_pylist():
+    for batch in parquet.iter_batches(batch_size=1024, columns=list(fields)):
+        for record in batch.to_pylist():
             row += 1
-            yield row, _string_or_none(value), row / total
+            yield row, record, row / total
 
 
-def _arrow_records(path: Path, text_field: str) -> Iterator[tuple[int, str | None, float]]:
+def _arrow_records(path: Path, fields: tuple[str, ...]) -> Iterator[tuple[int, dict[str, Any], float]]:
     datasets = require("datasets", "data", "Reading a saved datasets dataset")
     try:
         dataset = datasets.load_from_disk(str(path))
     except Exception as exc:  # noqa: BLE001 - datasets raises several unrelated types
         raise UserError(f"cannot load dataset {path}: {exc}") from exc
-    if text_field not in dataset.column_names:
-        columns = ", ".join(dataset.column_names)
-        raise UserError(f"{path} has no column {text_field!r} (columns: {columns})")
+    _missing_column(path, fields, dataset.column_names)
     total = max(len(dataset), 1)
     row = 0
-    for batch in dataset.select_columns([text_field]).iter(batch_size=1024):
-        for value in batch[text_field]:
+    for batch in dataset.select_columns(list(fields)).iter(batch_size=1024):
+        for values in zip(*(batch[name] for name in fields)):
             row += 1
-            yield row, _string_or_none(value), row / total
+            yield row, dict(zip(fields, values)), row / total
 
 
-def _string_or_none(value: Any) -> str | None:
-    # Non-string cells become None, which record_text reports as a bad row.
-    return value if isinstance(value, str) else None
+def _cell_bytes(record: dict[str, Any]) -> int:
+    """About how many bytes a columnar record holds, for batching (strings, and chat turns)."""
+    return sum(len(v) if isinstance(v, str) else len(json.dumps(v, default=str)) for v in record.values())

@@ -68,6 +68,7 @@ class SetDiffTokenizer:
         self.mask_id, self.bos_id, self.eos_id, self.pad_id = (ids[r] for r in ROLES)
         # Documents are text: special-token strings inside them stay ordinary tokens.
         backend.encode_special_tokens = True
+        self._markup_backend = None
         self.vocab_size = max(backend.get_vocab(with_added_tokens=True).values()) + 1
         digest = hashlib.sha256(backend.to_str().encode("utf-8"))
         digest.update(json.dumps(self.special_tokens, sort_keys=True).encode("utf-8"))
@@ -107,6 +108,15 @@ class SetDiffTokenizer:
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [enc.ids for enc in self._backend.encode_batch_fast(list(texts), add_special_tokens=False)]
+
+    def encode_markup(self, text: str) -> list[int]:
+        """Ids of text whose special-token strings are the special tokens: a rendered chat
+        template, whose `<|im_start|>`-style markup must reach the model as the tokens it was
+        trained on (as transformers' apply_chat_template encodes it)."""
+        if self._markup_backend is None:
+            self._markup_backend = _tokenizers().Tokenizer.from_str(self._backend.to_str())
+            self._markup_backend.encode_special_tokens = False
+        return self._markup_backend.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = False) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

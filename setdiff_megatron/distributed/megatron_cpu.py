@@ -4,8 +4,8 @@ megatron-core 0.16 assumes a GPU throughout: it allocates with `device="cuda"` o
 `torch.cuda.current_device()`, calls `.cuda()`, `pin_memory=True` and `torch.cuda.synchronize()`,
 type-checks parameters against `torch.cuda.*Tensor` names and keeps its RNG streams in CUDA
 generators; its MoE token dispatcher copies split sizes to the host on a CUDA side stream. This
-module patches exactly those points (../shared/MEGATRON_CPU.md lists what was seen to need them)
-and nothing else. It is switched on once per process, before megatron builds
+module patches exactly those points and nothing else (docs/megatron-on-cpu.md, "What is patched,
+and why", says what each one is for). It is switched on once per process, before megatron builds
 anything, and only where `torch.cuda.is_available()` is False; on a GPU machine it refuses.
 
 What it does not do: CUDA graphs, NCCL, fused kernels (TE, apex, apply_rope_fusion,
@@ -23,7 +23,7 @@ from typing import Any, Iterator
 import torch
 from torch.overrides import TorchFunctionMode, redispatch_function
 
-__all__ = ["auto_cpu_mode", "cpu_mode_enabled", "dist_backend", "enable_cpu_mode", "model_parallel_seed"]
+__all__ = ["auto_cpu_mode", "dist_backend", "enable_cpu_mode", "model_parallel_seed"]
 
 _CPU = torch.device("cpu")
 _STATE: dict[str, Any] = {"mode": None}

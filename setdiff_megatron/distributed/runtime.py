@@ -22,15 +22,25 @@ from setdiff_megatron.distributed.layout import Layout
 from setdiff_megatron.errors import UserError
 
 __all__ = ["Ranks", "init_process_group", "init_model_parallel", "model_parallel_ranks", "join", "shutdown",
-           "world_size", "rank", "torchrun_argv", "free_port",
-           "barrier", "gather_objects", "broadcast_object"]
+           "world_size", "rank", "torchrun_argv", "free_port", "barrier", "gather_objects", "broadcast_object"]
 
 
-def torchrun_argv(nproc: int, cli_args: list[str], module: str = "setdiff_megatron.cli") -> list[str]:
+def torchrun_argv(nproc: int, cli_args: list[str], module: str = "setdiff_megatron.cli",
+                  launcher: str = "torch.distributed.run") -> list[str]:
     """`python -m MODULE CLI_ARGS` (default: the `setdiff` command) as `nproc` local processes
-    under torchrun."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "-m", module, *cli_args]
+    under torchrun (`launcher`: torchrun's module, or one that runs torchrun's `main`)."""
+    return [sys.executable, "-m", launcher, "--standalone", f"--nproc_per_node={nproc}", "-m", module, *cli_args]
+
+
+def check_port(name: str, value: str) -> None:
+    """A UserError unless `value` (of setting `name`) is a TCP port: torch reports a port it
+    cannot use with a traceback from deep inside the rendezvous."""
+    try:
+        port = int(value)
+    except ValueError:
+        port = 0
+    if not 1 <= port <= 65535:
+        raise UserError(f"{name}={value!r} is not a TCP port (a whole number from 1 to 65535)")
 
 
 def free_port() -> int:
@@ -57,6 +67,7 @@ def init_process_group(*, timeout_minutes: int = 30) -> None:
     for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(29500 + os.getpid() % 1000)),
                        ("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(key, value)  # a plain `python -m ...` is a world of one
+    check_port("MASTER_PORT", os.environ["MASTER_PORT"])
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",

@@ -11,7 +11,8 @@ Three tasks:
               keys, e.g. an "id", travel to the samples); e.g. the reasoning corpus's
               tasks/infill-test.jsonl (data/reasoning.py).
 Spans get the oracle length (the original's token count) and both contexts are prefilled, as in
-the paper (ALGORITHM.md 2.6; its decoding there: --window 32 --repetition-penalty 1.2, greedy).
+the paper (docs/method.md, "Infilling"; its decoding there: --window 32 --repetition-penalty 1.2,
+greedy).
 `--context` gives a model only the context its training order lets it use: `left` drops the
 right context (an autoregressive model), `blocks` keeps the right context up to the end of the
 span's last block of --block-size positions (a block diffusion model, which sees later blocks
@@ -202,7 +203,7 @@ def _visible_right(ex: InfillExample, tokenizer, context: str, block_size: int |
 
 def _write_prompts(job: InfillJob, path: Path) -> tuple[int, int]:
     """Write the prompts that fit the model's context; returns (written, skipped)."""
-    from setdiff_megatron.checkpoint.source import read_source
+    from setdiff_megatron.sources.read import read_source
 
     examples = _examples(job)
     if not examples:

@@ -104,7 +104,7 @@ def _policy(job: LikelihoodJob, sm: SamplingModel, recipe_method):
     if name == "training":
         if recipe_method is None:
             raise UserError("--order training needs a checkpoint that records its recipe; give --order explicitly")
-        from setdiff_megatron.training.data_pipeline import order_policy_from
+        from setdiff_megatron.runs.terms import order_policy_from
 
         return order_policy_from(recipe_method)
     if name not in ORDERS:

@@ -12,7 +12,7 @@ from functools import lru_cache
 
 from setdiff_megatron.errors import require
 
-__all__ = ["ROUGE_KEYS", "rouge", "exact_match", "gsm8k_answer", "normalize"]
+__all__ = ["ROUGE_KEYS", "rouge", "exact_match", "gsm8k_answer"]
 
 ROUGE_KEYS = ("rouge1", "rouge2", "rougeL")
 _NUMBER = re.compile(r"-?[\d,]*\.?\d+")

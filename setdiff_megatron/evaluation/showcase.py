@@ -2,18 +2,22 @@
 
 `setdiff train` ends with it, so the main job ends with something one can judge rather than a
 loss: the reasoning corpus shows a held-out problem, the model's worked solution and the test
-accuracy over a few dozen problems; the stdlib corpus shows the continuation of a held-out
-function signature. Both decode with the paper's default policy for the run's order: a window of
-d queries and a threshold of 0.9 (one token per step for AR; inference/defaults.py), and report
-tokens per step.
+accuracy over a few dozen problems, against the same model decoding one token per step left to
+right (W = 1) and against the trivial baseline (every problem given the most common answer);
+the stdlib corpus shows the continuation of a held-out function signature. Both decode with the
+paper's default policy for the run's order: a window of d queries and a threshold of 0.9 (one
+token per step for AR; inference/defaults.py), and report tokens per step.
 """
 
 from __future__ import annotations
 
 import json
+from collections import Counter
+from dataclasses import replace
 
 from setdiff_megatron.core.sampler import SetSampler
 from setdiff_megatron.data.builtin import builtin_corpus_dir
+from setdiff_megatron.evaluation.scoring import gsm8k_answer
 from setdiff_megatron.evaluation.tasks import score_completion
 from setdiff_megatron.distributed.runtime import Ranks
 from setdiff_megatron.inference.defaults import decoding_for_recipe
@@ -31,7 +35,7 @@ SHOWN = 1
 
 def _prompts(recipe: Recipe) -> tuple[str, list[dict]] | None:
     """(corpus name, held-out {"prompt", "reference"?} records) of a run on a built-in corpus."""
-    from setdiff_megatron.training.data_pipeline import data_dir
+    from setdiff_megatron.runs.terms import data_dir
 
     names = [d.path for d in recipe.data.datasets]
     if names == ["reasoning"]:
@@ -59,7 +63,7 @@ def showcase(recipe: Recipe) -> list[str]:
     cfg = decoding_for_recipe(recipe, max_new_tokens=52 if corpus == "reasoning" else 48,
                               eos_token_ids=(sm.tokenizer.eos_id,))
     sampler = SetSampler(sm.model, mask_token_id=sm.tokenizer.mask_id, context_len=sm.config.max_seq_len)
-    ids = [encode_prompt(PromptRecord(i, i + 1, (r["prompt"],), {}), sm.tokenizer, add_bos=sm.add_bos)
+    ids = [encode_prompt(PromptRecord(i, i + 1, (r["prompt"],), {}), sm.tokenizer, sm.prompt_format())
            for i, r in enumerate(records)]
     out = sampler.generate(ids, cfg, batch_size=16)
     texts = [sm.tokenizer.decode(row.completion, skip_special_tokens=True) for row in out.rows]
@@ -72,8 +76,18 @@ def showcase(recipe: Recipe) -> list[str]:
     lines.append(f"decoding: {row.num_decoded} tokens in {row.steps} steps, {row.tokens_per_step:.2f} tokens "
                  f"per step ({policy}, greedy)")
     if corpus == "reasoning":
-        right = [score_completion("gsm8k", t, [r["reference"]])["accuracy"] for t, r in zip(texts, records)]
-        lines.append(f"held-out accuracy: {sum(right) / len(right):.0%} of {len(right)} test problems "
-                     f"(#### answer), {out.metrics.tokens_per_step:.2f} tokens per step; setdiff eval generate "
-                     "measures more")
+        def accuracy(rows) -> float:
+            texts = [sm.tokenizer.decode(row.completion, skip_special_tokens=True) for row in rows]
+            return sum(score_completion("gsm8k", t, [r["reference"]])["accuracy"]
+                       for t, r in zip(texts, records)) / len(records)
+
+        answers = Counter(gsm8k_answer(r["reference"]) for r in records)
+        trivial = answers.most_common(1)[0][1] / len(records)
+        lines.append(f"held-out accuracy on {len(records)} test problems (#### answer): {accuracy(out.rows):.0%} at "
+                     f"{out.metrics.tokens_per_step:.2f} tokens per step ({policy})")
+        if cfg.window > 1:
+            one = sampler.generate(ids, replace(cfg, window=1, threshold=None, block_size=None), batch_size=16)
+            lines.append(f"  the same model one token per step (window 1): {accuracy(one.rows):.0%}")
+        lines.append(f"  trivial baseline (every problem given the most common answer): {trivial:.0%}; "
+                     "setdiff eval generate measures more")
     return lines

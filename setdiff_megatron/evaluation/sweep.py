@@ -31,7 +31,7 @@ from setdiff_megatron.evaluation.records import WandbConfig, check_wandb, log_to
 from setdiff_megatron.evaluation.tasks import GenerateJob, read_tasks, run_generate_job
 from setdiff_megatron.inference.sharding import Placement
 
-__all__ = ["SweepSpec", "SweepPoint", "load_spec", "expand_points", "pareto_front", "run_sweep", "add_parser"]
+__all__ = ["load_spec", "pareto_front", "run_sweep", "add_parser"]
 
 ROWS, PLOT = "sweep.jsonl", "pareto.png"
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9_.=+-]*$"

@@ -1,7 +1,9 @@
 """`setdiff eval generate`: a generation task (prompt/reference pairs) decoded and scored.
 
-A task file holds one JSON object per line: a "prompt" and a "reference" (a string, or a list
-of strings: an example scores its best reference). Other keys travel to the results. The
+A task file holds one JSON object per line: a "prompt" (or a chat's "messages", rendered with
+the model's chat template as its supervised chat records were) and a "reference" (a string, or a
+list of strings: an example scores its best reference). Prompts are formatted as the model's
+training rows began (inference/prompts.py). Other keys travel to the results. The
 prompts go through the sample job (inference/job.py), so generation is sharded over processes
 and SLURM array tasks, resumed and merged exactly as `setdiff sample` does, into
 OUT/generations.jsonl. The process that merges then scores every completion (cut at the first
@@ -13,7 +15,7 @@ with another metric re-scores the stored generations without generating again.
 Speed is per model replica: tokens/s is the decoded tokens over the time the engine spent on
 them (each step's time shared among the rows in it, prefill included), so it does not change
 with the number of processes; tokens per step excludes the prefill, NFE includes it
-(ALGORITHM.md 2.8).
+(docs/method.md, "NFE and tokens per step").
 """
 
 from __future__ import annotations
@@ -71,8 +73,11 @@ class GenerateJob:
 def _example(record: Any, where: str, index: int, line: int) -> TaskExample:
     if not isinstance(record, dict):
         raise UserError(f"{where}: expected a JSON object with 'prompt' and 'reference'; got {type(record).__name__}")
+    if "messages" in record and "prompt" not in record:
+        record = {**record, "prompt": ""}  # a chat prompt: inference/prompts.py checks and renders it
     if not isinstance(record.get("prompt"), str):
-        raise UserError(f"{where}: 'prompt' must be a string" + ("" if "prompt" in record else " (missing)"))
+        raise UserError(f"{where}: 'prompt' must be a string" + ("" if "prompt" in record else
+                                                                 " (missing; or give the chat's 'messages')"))
     reference = record.get("reference")
     refs = [reference] if isinstance(reference, str) else reference
     if not isinstance(refs, list) or not refs or not all(isinstance(r, str) for r in refs):

@@ -38,8 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
-__all__ = ["BundleError", "bundle_modules", "modeling_source", "external_imports", "ALLOWED_IMPORTS",
-           "MODELING_ROOTS", "SIBLINGS"]
+__all__ = ["BundleError", "bundle_modules", "modeling_source", "external_imports", "ALLOWED_IMPORTS"]
 
 ALLOWED_IMPORTS = frozenset({"torch", "transformers"}) | frozenset(sys.stdlib_module_names)
 """Top-level packages an exported modeling file may import outside a try block."""

@@ -22,9 +22,9 @@ from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.errors import UserError, require
 from setdiff_megatron.hf import verify
 from setdiff_megatron.hf.bundle import modeling_source
-from setdiff_megatron.checkpoint.hf_config import generation_config_from_decoding, hf_config_from_model_config
-from setdiff_megatron.checkpoint.hf_files import safetensors_dtype
-from setdiff_megatron.checkpoint.source import AR_KINDS, Source, read_source
+from setdiff_megatron.sources.hf_config import generation_config_from_decoding, hf_config_from_model_config
+from setdiff_megatron.sources.hf_files import safetensors_dtype
+from setdiff_megatron.sources.read import AR_KINDS, Source, read_source
 from setdiff_megatron.hf.weights_io import parse_size, save_sharded, staged_directory
 from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.weight_maps import torch_to_hf
@@ -76,7 +76,7 @@ def write_export(source: Source, out: Path, dtype: torch.dtype, max_shard_bytes:
     shards = save_sharded(weights, out, max_shard_bytes)
     config = {
         "architectures": ["SetDiffModel"], "model_type": "setdiff", "auto_map": _AUTO_MAP,
-        **hf_config_from_model_config(cfg), "hidden_act": "silu",
+        **hf_config_from_model_config(cfg), "hidden_act": "silu" if cfg.mlp == "swiglu" else "gelu_pytorch_tanh",
         "bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id,
         "dtype": _DTYPE_NAMES[dtype], "torch_dtype": _DTYPE_NAMES[dtype],
         "transformers_version": transformers.__version__, "setdiff_megatron_version": __version__,
@@ -119,7 +119,8 @@ setdiff-megatron {__version__} from the {source.describe()}.
 - {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} heads ({cfg.num_kv_heads} key/value heads),
   head dim {cfg.head_dim}, MLP {cfg.intermediate_size}, vocabulary {cfg.vocab_size}, MASK id {cfg.mask_token_id},
   trained length {cfg.max_seq_len}, rope theta {cfg.rope_theta:g}, q/k norm {cfg.qk_norm}, q/k/v bias {cfg.qkv_bias},
-  tied embeddings {cfg.tie_embeddings}; {_DTYPE_NAMES[dtype]} weights in {num_shards} safetensors shard(s).{moe}
+  {cfg.norm}, {cfg.mlp} MLP (bias {cfg.mlp_bias}), tied embeddings {cfg.tie_embeddings}, output bias {cfg.output_bias};
+  {_DTYPE_NAMES[dtype]} weights in {num_shards} safetensors shard(s).{moe}
 
 ## Use
 

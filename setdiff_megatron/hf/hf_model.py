@@ -31,7 +31,7 @@ from transformers.utils import ModelOutput
 
 from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.core.sampler import SampleOutput, SetSampler
-from setdiff_megatron.checkpoint.hf_config import decoding_config_from_generation, model_config_from_hf_config
+from setdiff_megatron.sources.hf_config import decoding_config_from_generation, model_config_from_hf_config
 from setdiff_megatron.hf.configuration_setdiff import SetDiffConfig
 from setdiff_megatron.models.torch_model import Rotary, SetDiffusionTransformer
 
@@ -64,7 +64,7 @@ class SetDiffPreTrainedModel(PreTrainedModel):
             module.weight.normal_(0.0, cfg.init_std)
             if getattr(module, "bias", None) is not None:
                 module.bias.zero_()
-        elif isinstance(module, nn.RMSNorm):
+        elif isinstance(module, (nn.RMSNorm, nn.LayerNorm)):
             module.weight.fill_(1.0)
 
 

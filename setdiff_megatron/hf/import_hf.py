@@ -1,19 +1,19 @@
 """`setdiff convert from-hf`: a Llama/Qwen2/Qwen3/Qwen3-MoE causal LM (to adapt into a set diffusion
-model) or a set diffusion export, as a checkpoint of the megatron engine at TP x PP.
+model), a set diffusion export, or the reference's DiT (its Hub directory or a composer .pt; docs/dit.md),
+as a checkpoint of the megatron engine that loads at any layout.
 
 The result is a run directory (`model.init_from: OUT`, `checkpoint.resume: OUT/checkpoints/...`,
 `setdiff convert to-hf OUT`) written by hf/megatron_writer.py into a staging directory, read back
-with checkpoint.read_source and compared with the source before it is renamed into place:
+with sources.read_source and compared with the source before it is renamed into place:
 
   AR source       its own logits (transformers' AutoModelForCausalLM, float32) against the clean
                   stream of the converted model under the left-to-right order
-  setdiff source  query logits of the source against the converted model's
-  megatron body   (pp == 1) the megatron model's query logits against the converted torch model's
+  setdiff, dit     query logits of the source against the converted model's
+  megatron body   the megatron model's query logits against the converted torch model's
 """
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 
 import torch
@@ -21,36 +21,27 @@ import torch
 from setdiff_megatron.errors import UserError, require
 from setdiff_megatron.hf import verify
 from setdiff_megatron.hf.export import DTYPES, ConversionReport
-from setdiff_megatron.hf.megatron_writer import VERIFY_FILE, write_megatron_checkpoint
-from setdiff_megatron.checkpoint.hf_files import safetensors_dtype
-from setdiff_megatron.checkpoint.source import AR_KINDS, Source, read_hf_dir, read_source
+from setdiff_megatron.hf.megatron_writer import write_megatron_checkpoint
+from setdiff_megatron.sources.hf_files import safetensors_dtype
+from setdiff_megatron.sources.read import AR_KINDS, Source, read_hf_dir, read_source
 from setdiff_megatron.hf.weights_io import staged_directory
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
-from setdiff_megatron.models.weight_maps import check_tp_split, stage_layers
 
 __all__ = ["ar_comparison", "import_from_hf"]
 
 
-def _check_layout(source: Source, tp: int, pp: int) -> None:
-    if tp < 1 or pp < 1:
-        raise UserError(f"--tp and --pp must be >= 1; got tp {tp} pp {pp}")
-    try:
-        check_tp_split(source.config, tp)
-        stage_layers(source.config.num_layers, pp, 0)
-    except ValueError as exc:
-        raise UserError(f"{source.path} cannot be split at tp {tp} pp {pp}: {exc}") from None
-
-
-def import_from_hf(hf_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, dtype: str = "auto",
-                   overwrite: bool = False, check: bool = False, tolerance: float | None = None) -> ConversionReport:
+def import_from_hf(hf_dir: str | Path, out: str | Path, *, dtype: str = "auto", overwrite: bool = False,
+                   check: bool = False, tolerance: float | None = None) -> ConversionReport:
     """Convert, compare logits, and (with `check`) refuse a mismatch, leaving nothing at `out`."""
     hf_dir, out = Path(hf_dir), Path(out).absolute()
     if out.exists() and not overwrite:
         raise UserError(f"{out} already exists; pass --overwrite to replace it")
-    if not hf_dir.is_dir():
-        raise UserError(f"{hf_dir} is not a directory")
-    source = read_hf_dir(hf_dir)
-    _check_layout(source, tp, pp)
+    if hf_dir.is_file() and hf_dir.suffix == ".pt":
+        source = read_source(hf_dir)  # a composer checkpoint of the reference's DiT
+    elif hf_dir.is_dir():
+        source = read_hf_dir(hf_dir)
+    else:
+        raise UserError(f"{hf_dir} is neither a directory nor a composer .pt checkpoint")
     if dtype == "auto":
         target = safetensors_dtype(source.state_dict)
     elif dtype in DTYPES:
@@ -58,12 +49,12 @@ def import_from_hf(hf_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int 
     else:
         raise UserError(f"--dtype must be auto, {' or '.join(DTYPES)}; got {dtype!r}")
     tolerance = tolerance or verify.DEFAULT_TOLERANCE
-    with staged_directory(out, overwrite=overwrite) as stage, tempfile.TemporaryDirectory() as scratch:
-        write_megatron_checkpoint(hf_dir, stage, out, tp=tp, pp=pp, dtype=target, verify_dir=Path(scratch))
-        comparisons = _verify_import(source, stage, target, Path(scratch), tolerance)
+    with staged_directory(out, overwrite=overwrite) as stage:
+        megatron_logits = write_megatron_checkpoint(source, stage, out, dtype=target)
+        comparisons = _verify_import(source, stage, target, megatron_logits, tolerance)
         report = ConversionReport(out, comparisons)
         rows = source.config.vocab_size
-        report.lines = [f"imported {source.describe()} into {out} (megatron, tp {tp} pp {pp}, "
+        report.lines = [f"imported {source.describe()} into {out} (megatron, any layout, "
                         f"{str(target).removeprefix('torch.')}); vocabulary {rows}, MASK "
                         f"{source.tokenizer.special_tokens['mask']!r} id {source.tokenizer.mask_id}"]
         report.lines += [c.line() for c in comparisons]
@@ -74,29 +65,22 @@ def import_from_hf(hf_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int 
     return report
 
 
-def _verify_import(source: Source, stage: Path, dtype: torch.dtype, scratch: Path,
+def _verify_import(source: Source, stage: Path, dtype: torch.dtype, megatron_logits: torch.Tensor,
                    tolerance: float) -> list[verify.Comparison]:
     written = read_source(stage)
     if written.config != source.config:
         raise RuntimeError(f"the written checkpoint records {written.config}, the source is {source.config}")
     converted = verify.torch_model(written.config, written.state_dict)
-    out = []
+    batch = verify.fixed_batch(written.config)
     if source.kind in AR_KINDS:
-        out.append(ar_comparison(source, converted, dtype, tolerance))
+        source_check = ar_comparison(source, converted, dtype, tolerance)
     else:
-        batch = verify.fixed_batch(source.config)
         expected = verify.query_logits(verify.torch_model(source.config, source.state_dict, round_to=dtype), batch)
-        out.append(verify.compare("converted vs source query logits", verify.query_logits(converted, batch),
-                                  expected, tolerance))
-    megatron_file = scratch / VERIFY_FILE
-    if megatron_file.is_file():
-        from safetensors.torch import load_file
-
-        megatron = load_file(str(megatron_file))["logits"]
-        batch = verify.fixed_batch(written.config)
-        out.append(verify.compare("megatron model vs converted torch model (query logits)", megatron,
-                                  verify.query_logits(converted, batch), tolerance))
-    return out
+        source_check = verify.compare("converted vs source query logits", verify.query_logits(converted, batch),
+                                      expected, tolerance)
+    megatron_check = verify.compare("megatron model vs converted torch model (query logits)", megatron_logits,
+                                    verify.query_logits(converted, batch), tolerance)
+    return [source_check, megatron_check]
 
 
 def ar_comparison(source: Source, converted: SetDiffusionTransformer, dtype: torch.dtype,

@@ -1,170 +1,108 @@
-"""Write converted weights as a checkpoint of the megatron engine, at a chosen TP x PP layout.
+"""Converted weights as step 0 of a megatron-engine run, published like a training checkpoint.
 
-Layout, as the training engines publish it (checkpoint/): <run>/checkpoints/step_00000000/ with
-megatron dist_checkpointing shards, train_state.json (step 0, the parallel layout, the model
-config, the tokenizer's vocabulary and MASK id), recipe.yaml, tokenizer/ and a sha256
-manifest, and <run>/checkpoints/latest. It holds weights only: no optimizer state, so the layout
-records `distributed_optimizer: null` (a resume then loads the weights and starts the optimizer
-fresh, as after switching optimizers) and train_state.json says `weights_only: true`.
+One megatron chunk at TP = PP = 1 (models/megatron_model.py, local backend) takes the weights in
+this process, in a process group of one (distributed/runtime.py), and saves them through
+dist_checkpointing like the engine does (checkpoint/megatron.py). Without a GPU that switches
+megatron's CPU mode on for the rest of the process's life, so it is the work of a process of its
+own (the `setdiff convert from-hf` command); with one, the chunk lives on it. dist_checkpointing
+stores every tensor at its global shape, so the engine resumes the checkpoint at any layout (it
+reshards on load) and `model.init_from` reads it whole. The files go through
+checkpoint/publish.py, as training checkpoints do: <run>/checkpoints/step_00000000/ (shards,
+train_state.json, recipe.yaml, tokenizer/, the sha256 manifest), then <run>/checkpoints/latest.
 
-How: tp * pp gloo processes (CPU only, CUDA hidden), each building its megatron model chunk
-(models/megatron_model.py, local backend), loading its share mapped by
-weight_maps.torch_to_megatron, and saving through dist_checkpointing like the engine does. Each
-process reads the source itself (safetensors are memory-mapped), so nothing large is pickled
-between processes. With pp == 1 the processes also run the megatron model on the verification
-batch, so the comparison covers the megatron body and its weight map, not only the files.
+It holds weights only: train_state.json says `weights_only: true` and its layout
+`distributed_optimizer: null`, which the engine's load reads as no optimizer state (the Adam
+moments start fresh) and no scheduler state (the run's own schedule starts at step 0). No run
+wrote the checkpoint, so it records no run id. The chunk then runs the verification batch, so the import's
+check covers the megatron body and its weight map, not only the files.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import warnings
 from dataclasses import asdict
 from pathlib import Path
-
 import torch
 
 from setdiff_megatron.checkpoint.identity import model_identity
-from setdiff_megatron.checkpoint.manifest import write_manifest
-from setdiff_megatron.checkpoint.names import CHECKPOINTS, LATEST, TOKENIZER_DIR, step_name
+from setdiff_megatron.checkpoint.megatron import model_sharded_state, save_shards
+from setdiff_megatron.checkpoint.names import CHECKPOINTS, TOKENIZER_DIR, step_name
+from setdiff_megatron.checkpoint.publish import publish
+from setdiff_megatron.sources.read import Source
 from setdiff_megatron.checkpoint.state import Progress, TrainState, write_train_state
-from setdiff_megatron.distributed.runtime import free_port
-from setdiff_megatron.errors import UserError
+from setdiff_megatron.distributed.layout import Layout
+from setdiff_megatron.distributed.runtime import init_model_parallel, shutdown
+from setdiff_megatron.hf import verify
+from setdiff_megatron.recipes import Recipe, save_resolved_recipe
 
-__all__ = ["write_megatron_checkpoint", "STEP_DIR", "VERIFY_FILE"]
+__all__ = ["write_megatron_checkpoint"]
 
-STEP_DIR = step_name(0)
-VERIFY_FILE = "megatron_query_logits.safetensors"
 _PRECISION = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-def import_recipe(source, run_dir: Path, *, tp: int, pp: int, dtype: torch.dtype):
-    """The recipe recorded with an imported checkpoint: its model, its tokenizer, this layout."""
-    from setdiff_megatron.recipes.schema import (CheckpointSection, DataSection, ModelSection, ParallelSection,
-                                                 Recipe, TrainSection)
+def import_recipe(source: Source, run_dir: Path, dtype: torch.dtype) -> Recipe:
+    """The recipe recorded with an imported checkpoint: its model, its tokenizer, its precision."""
+    from setdiff_megatron.recipes.schema import CheckpointSection, DataSection, ModelSection, TrainSection
 
-    step_dir = run_dir / "checkpoints" / STEP_DIR
+    tokenizer = run_dir / CHECKPOINTS / step_name(0) / TOKENIZER_DIR
     return Recipe(
         name=f"import-{source.path.name}",
         description=f"{source.describe()}, imported by setdiff convert from-hf",
         model=ModelSection(**asdict(source.config)),
-        data=DataSection(tokenizer=str(step_dir / "tokenizer"), seq_len=min(source.config.max_seq_len, 1024)),
-        # megatron-core trains MoE layers under TP only with sequence parallelism.
-        parallel=ParallelSection(tp=tp, pp=pp, sequence_parallel=tp > 1 and bool(source.config.num_experts)),
+        data=DataSection(tokenizer=str(tokenizer), seq_len=min(source.config.max_seq_len, 1024)),
         train=TrainSection(precision=_PRECISION[dtype]),
         checkpoint=CheckpointSection(dir=str(run_dir)),
     )
 
 
-def write_megatron_checkpoint(source_path: Path, stage: Path, final: Path, *, tp: int, pp: int,
-                              dtype: torch.dtype, verify_dir: Path | None) -> Path:
-    """Run the tp * pp writer processes into `stage` (a run directory that will be renamed to
-    `final`); returns the step directory. `verify_dir` receives the megatron logits (pp == 1)."""
-    spec = {"source": str(source_path), "stage": str(stage), "final": str(final), "tp": tp, "pp": pp,
-            "dtype": _PRECISION[dtype], "verify_dir": str(verify_dir) if verify_dir and pp == 1 else None}
-    spec_file = stage / "import_spec.json"
-    spec_file.write_text(json.dumps(spec))
-    world, port = tp * pp, free_port()
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-           "WORLD_SIZE": str(world), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-           "PYTHONWARNINGS": "ignore"}
-    procs = [subprocess.Popen([sys.executable, "-m", "setdiff_megatron.hf.megatron_writer", str(spec_file)],
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(world)]
-    outputs = [p.communicate()[0] for p in procs]
-    spec_file.unlink()
-    failed = [(r, out) for r, (p, out) in enumerate(zip(procs, outputs)) if p.returncode != 0]
-    if failed:
-        rank, out = failed[0]
-        lines = [ln for ln in out.strip().splitlines() if ln.strip()]
-        user = [ln for ln in lines if ln.startswith("setdiff: error: ")]
-        if user:
-            raise UserError(user[-1].removeprefix("setdiff: error: "))
-        raise RuntimeError(f"megatron writer rank {rank} failed:\n" + "\n".join(lines[-30:]))
-    step_dir = stage / CHECKPOINTS / STEP_DIR
-    write_manifest(step_dir, collective=False)
-    (stage / CHECKPOINTS / LATEST).write_text(STEP_DIR + "\n")
-    return step_dir
+def write_megatron_checkpoint(source: Source, stage: Path, final: Path, *, dtype: torch.dtype) -> torch.Tensor:
+    """Publish `source` at `dtype` as step 0 of the run directory `stage` (renamed to `final`
+    once checked, which is what the recipe records); returns the megatron chunk's query logits
+    on the verification batch (float32, CPU)."""
+    recipe = import_recipe(source, final, dtype)
+    init_model_parallel(Layout(), seed=recipe.train.seed)
+    try:
+        chunk = _loaded_chunk(source, dtype)
+        publish(stage / CHECKPOINTS, 0, lambda tmp: _write_step(tmp, chunk, source, recipe), run_id=None)
+        return _megatron_query_logits(chunk, source)
+    finally:
+        shutdown()
 
 
-# ---- the writer process ---------------------------------------------------------------------
+def _loaded_chunk(source: Source, dtype: torch.dtype):
+    """The whole model as one megatron chunk at `dtype`, holding the source's weights."""
+    from setdiff_megatron.models.megatron_model import build_model_chunks, transformer_config_from
+    from setdiff_megatron.models.weight_maps import torch_to_megatron
 
-def _train_state(recipe, tokenizer, *, tp: int, pp: int, source) -> TrainState:
-    from setdiff_megatron.distributed.layout import Layout
+    (chunk,) = build_model_chunks(source.config, transformer_config_from(source.config, params_dtype=dtype))
+    state = torch_to_megatron({k: v.to(dtype) for k, v in source.state_dict.items()}, source.config)
+    missing, unexpected = chunk.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise RuntimeError(f"megatron chunk weights: missing {missing}, unexpected {unexpected}")
+    return chunk
 
-    cfg = recipe.model.to_model_config(vocab_size=tokenizer.vocab_size, mask_token_id=tokenizer.mask_id)
-    t = recipe.train
-    # What megatron's OptimizerParamScheduler.load_state_dict reads; a resume overrides the values.
-    scheduler = {"max_lr": t.lr, "min_lr": t.min_lr, "lr_warmup_steps": t.warmup_steps, "num_steps": 0,
-                 "lr_decay_style": t.schedule, "lr_decay_steps": t.steps or 1, "start_wd": t.weight_decay,
-                 "end_wd": t.weight_decay, "wd_incr_style": "constant", "wd_incr_steps": t.steps or 1}
+
+def _write_step(tmp: Path, chunk, source: Source, recipe: Recipe) -> None:
+    """The files of the checkpoint, as the trainer's save writes them, into publish's `tmp`."""
+    save_shards(model_sharded_state([chunk]), tmp)
+    write_train_state(tmp, _train_state(source))
+    save_resolved_recipe(recipe, tmp)
+    source.tokenizer.save(tmp / TOKENIZER_DIR)
+
+
+def _train_state(source: Source) -> TrainState:
+    tokenizer = source.tokenizer
     return TrainState(
-        progress=Progress(), scheduler=scheduler,
-        layout={**Layout(tp=tp, pp=pp).as_record(), "distributed_optimizer": None},
-        model=model_identity(cfg), tokenizer={"vocab_size": tokenizer.vocab_size, "mask_id": tokenizer.mask_id},
+        progress=Progress(), scheduler={},
+        layout={**Layout().as_record(), "distributed_optimizer": None}, model=model_identity(source.config),
+        tokenizer={"vocab_size": tokenizer.vocab_size, "mask_id": tokenizer.mask_id},
         weights_only=True, source={"format": source.kind, "path": str(source.path)})
 
 
-def main(spec_file: str) -> int:
-    warnings.filterwarnings("ignore")
-    spec = json.loads(Path(spec_file).read_text())
-    import torch.distributed as dist
-
-    from setdiff_megatron.checkpoint.megatron import model_sharded_state, save_shards
-    from setdiff_megatron.checkpoint.source import read_source
-    from setdiff_megatron.distributed.layout import Layout
-    from setdiff_megatron.distributed.runtime import init_model_parallel, model_parallel_ranks, shutdown
-    from setdiff_megatron.hf import verify
-    from setdiff_megatron.models.megatron_model import build_model_chunks, transformer_config_from
-    from setdiff_megatron.models.weight_maps import torch_to_megatron
-    from setdiff_megatron.recipes import save_resolved_recipe
-
-    tp, pp = spec["tp"], spec["pp"]
-    dtype = {v: k for k, v in _PRECISION.items()}[spec["dtype"]]
-    init_model_parallel(Layout(tp=tp, pp=pp), seed=0)
-    try:
-        rank = dist.get_rank()
-        source = read_source(spec["source"])
-        cfg = source.config
-        recipe = import_recipe(source, Path(spec["final"]), tp=tp, pp=pp, dtype=dtype)
-        config = transformer_config_from(cfg, tp=tp, pp=pp, params_dtype=dtype)
-        (chunk,) = build_model_chunks(cfg, config, backend="local")
-        tp_rank, pp_rank = model_parallel_ranks()
-        state = torch_to_megatron({k: v.to(dtype) for k, v in source.state_dict.items()}, cfg,
-                                  tp_rank=tp_rank, tp_size=tp, pp_rank=pp_rank, pp_size=pp)
-        missing, unexpected = chunk.load_state_dict(state, strict=False)
-        missing = [k for k in missing if not k.endswith("_extra_state")]
-        if missing or unexpected:
-            raise RuntimeError(f"megatron chunk weights: missing {missing}, unexpected {unexpected}")
-        step_dir = Path(spec["stage"]) / CHECKPOINTS / STEP_DIR
-        if rank == 0:
-            step_dir.mkdir(parents=True)
-        dist.barrier()
-        save_shards(model_sharded_state([chunk]), step_dir)
-        if rank == 0:
-            write_train_state(step_dir, _train_state(recipe, source.tokenizer, tp=tp, pp=pp, source=source))
-            save_resolved_recipe(recipe, step_dir)
-            source.tokenizer.save(step_dir / TOKENIZER_DIR)
-        if spec["verify_dir"]:
-            batch = verify.fixed_batch(cfg)
-            with torch.no_grad():
-                chunk.eval()
-                logits = chunk.float()(batch.clean_tokens, batch.query_tokens, batch.position_ids)
-            if rank == 0:
-                from safetensors.torch import save_file
-
-                save_file({"logits": logits.float().contiguous()}, str(Path(spec["verify_dir"]) / VERIFY_FILE))
-        dist.barrier()
-    except UserError as exc:
-        print(f"setdiff: error: {exc}", flush=True)
-        return 2
-    finally:
-        shutdown()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+def _megatron_query_logits(chunk, source: Source) -> torch.Tensor:
+    """The chunk's query logits on the verification batch, run in float32 where it lives."""
+    batch = verify.fixed_batch(source.config)
+    device = next(chunk.parameters()).device
+    inputs = (batch.clean_tokens.to(device), batch.query_tokens.to(device), batch.position_ids.to(device))
+    with torch.no_grad():
+        return chunk.float().eval()(*inputs).float().cpu()

@@ -1,6 +1,6 @@
 """Writing Hugging Face weight files and output directories: sharded safetensors with an index
 (no pickle), and a staging directory renamed into place only when complete. Reading them is
-checkpoint/hf_files.py's."""
+sources/hf_files.py's."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Iterator, Mapping
 
 import torch
 
-from setdiff_megatron.checkpoint.hf_files import INDEX, safetensors
+from setdiff_megatron.sources.hf_files import INDEX, safetensors
 from setdiff_megatron.errors import UserError
 
 __all__ = ["parse_size", "save_sharded", "staged_directory"]

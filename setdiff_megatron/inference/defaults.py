@@ -1,7 +1,7 @@
 """The decoding policy a model is sampled with when the caller names none.
 
-A run decodes as its training order suggests, the paper's default (ALGORITHM.md 2.9): a window
-of d queries with a threshold of 0.9 for the staggered schedule, one token per step for
+A run decodes as its training order suggests, the paper's default (docs/method.md, "Decoding"):
+a window of d queries with a threshold of 0.9 for the staggered schedule, one token per step for
 left-to-right (AR) models, blocks of the training block size for block diffusion, a window of
 16 at 0.9 for a uniform (MDLM) order. A Hugging Face export brings its generation_config.json.
 """
@@ -12,8 +12,8 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from setdiff_megatron.checkpoint.hf_config import decoding_config_from_generation
-from setdiff_megatron.checkpoint.source import Source
+from setdiff_megatron.sources.hf_config import decoding_config_from_generation
+from setdiff_megatron.sources.read import Source
 from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.recipes import Recipe
 

@@ -69,6 +69,8 @@ def _record(record: PromptRecord, row: RowResult, prompt_ids: list[int], sm: Sam
     if any(isinstance(s, int) for s in record.segments):
         out["segments"] = list(record.segments)
         out["infills"] = _span_texts(record, row, prompt_ids, sm)
+    elif record.messages is not None:
+        out["messages"] = list(record.messages)
     else:
         out["prompt"] = record.segments[0]
     out |= {
@@ -98,7 +100,8 @@ def run_sample_job(job: SampleJob) -> int:
     sampler = SetSampler(sm.model, mask_token_id=sm.tokenizer.mask_id, context_len=context_len,
                          max_rows=place.batch_size)
     add_bos = sm.add_bos if job.add_bos is None else job.add_bos
-    encoded = [encode_prompt(r, sm.tokenizer, add_bos=add_bos) for r in records]
+    fmt = sm.prompt_format(add_bos)
+    encoded = [encode_prompt(r, sm.tokenizer, fmt) for r in records]
     for record, ids in zip(records, encoded):
         problem = sampler.request_problem(ids, decoding)
         if problem:

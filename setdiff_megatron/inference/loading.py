@@ -1,4 +1,4 @@
-"""The model a sampling or evaluation job runs, from any source `checkpoint.read_source` reads,
+"""The model a sampling or evaluation job runs, from any source `sources.read_source` reads,
 as the torch model (TP=1) or as the megatron model split over TP ranks.
 
 At TP=1 every process holds the whole torch model: nothing of megatron is imported, and data
@@ -17,14 +17,16 @@ from pathlib import Path
 
 import torch
 
-from setdiff_megatron.checkpoint.source import Source, read_source
+from setdiff_megatron.sources.read import Source, read_source
 from setdiff_megatron.core.sampler import StepModel
+from setdiff_megatron.data.supervised import RowFormat
 from setdiff_megatron.data.tokenizers import SetDiffTokenizer
 from setdiff_megatron.distributed.runtime import Ranks
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 from setdiff_megatron.recipes import Recipe
+from setdiff_megatron.runs.terms import prompt_format
 
 __all__ = ["SamplingModel", "load_sampling_model", "DTYPES"]
 
@@ -41,6 +43,11 @@ class SamplingModel:
     source: Path
     recipe: Recipe | None
     """The recipe a checkpoint was trained with (None for a Hugging Face directory)."""
+
+    def prompt_format(self, add_bos: bool | None = None) -> RowFormat:
+        """How prompts are formatted: as the training recipe's rows began (BOS, a prompt EOS,
+        truncation), with `add_bos` over its BOS when given."""
+        return prompt_format(self.recipe, self.tokenizer, self.add_bos if add_bos is None else add_bos)
 
 
 def _device(name: str) -> torch.device:

@@ -1,10 +1,16 @@
 """Prompt files: one JSON object per line, read with line-numbered errors.
 
-A line holds either `"prompt": "text"` (continued by the sampler's generated tail) or
-`"segments": ["text", 12, "more text"]`, where an integer n is a span of n masked tokens to
-infill between the visible pieces. Other keys (an `id`, references, metadata) travel through to
-the output untouched. Blank lines are skipped; the index of a prompt is its rank among the
-non-blank lines, the key by which outputs are merged and resumed.
+A line holds one of
+- `"prompt": "text"`, continued by the sampler's generated tail;
+- `"messages": [{"role": ..., "content": ...}, ...]`, a chat rendered with the model's own chat
+  template and its generation prompt (data/chat.py), as supervised chat records were at training;
+- `"segments": ["text", 12, "more text"]`, where an integer n is a span of n masked tokens to
+  infill between the visible pieces.
+A prompt is formatted as the model's training rows began (`RowFormat.prompt`: BOS, a prompt EOS,
+truncation), so a model is scored on the distribution it learned. Other keys (an `id`,
+references, metadata) travel through to the output untouched. Blank lines are skipped; the index
+of a prompt is its rank among the non-blank lines, the key by which outputs are merged and
+resumed.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from setdiff_megatron.data.chat import ChatError, check_messages, render_chat
+from setdiff_megatron.data.supervised import RowFormat
 from setdiff_megatron.data.tokenizers import SetDiffTokenizer
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.inference.jsonl import jsonl_records
@@ -28,13 +36,22 @@ class PromptRecord:
     segments: tuple[str | int, ...]
     extra: dict[str, Any]
     """The record's other keys, copied to the output."""
+    messages: tuple[dict[str, str], ...] | None = None
+    """A chat prompt (then `segments` is empty)."""
+
+
+KINDS = ("prompt", "messages", "segments")
 
 
 def _segments(record: Any, where: str) -> tuple[str | int, ...]:
     if not isinstance(record, dict):
-        raise UserError(f"{where}: expected a JSON object with 'prompt' or 'segments'; got {type(record).__name__}")
-    if ("prompt" in record) == ("segments" in record):
-        raise UserError(f"{where}: give exactly one of 'prompt' (text) or 'segments' (texts and span lengths)")
+        raise UserError(f"{where}: expected a JSON object with 'prompt', 'messages' or 'segments'; "
+                        f"got {type(record).__name__}")
+    if sum(kind in record for kind in KINDS) != 1:
+        raise UserError(f"{where}: give exactly one of 'prompt' (text), 'messages' (a chat) or 'segments' (texts "
+                        "and span lengths)")
+    if "messages" in record:
+        return ()
     if "prompt" in record:
         if not isinstance(record["prompt"], str):
             raise UserError(f"{where}: 'prompt' must be a string")
@@ -51,17 +68,36 @@ def read_prompts(path: str | Path) -> list[PromptRecord]:
     records = []
     for number, where, record in jsonl_records(path, "prompt file"):
         segments = _segments(record, where)
-        extra = {k: v for k, v in record.items() if k not in ("prompt", "segments")}
-        records.append(PromptRecord(index=len(records), line=number, segments=segments, extra=extra))
+        messages = None
+        if "messages" in record:
+            try:
+                messages = tuple(check_messages(record["messages"]))
+            except ChatError as exc:
+                raise UserError(f"{where}: {exc}") from None
+        extra = {k: v for k, v in record.items() if k not in KINDS}
+        records.append(PromptRecord(index=len(records), line=number, segments=segments, extra=extra,
+                                    messages=messages))
     if not records:
         raise UserError(f"prompt file {path} holds no prompts (one JSON object per line: "
-                        '{"prompt": "..."} or {"segments": ["...", 8, "..."]})')
+                        '{"prompt": "..."}, {"messages": [...]} or {"segments": ["...", 8, "..."]})')
     return records
 
 
-def encode_prompt(record: PromptRecord, tokenizer: SetDiffTokenizer, *, add_bos: bool) -> list[int]:
-    """Token ids with MASK tokens where spans are to be infilled."""
-    ids = [tokenizer.bos_id] if add_bos else []
+def encode_prompt(record: PromptRecord, tokenizer: SetDiffTokenizer, fmt: RowFormat) -> list[int]:
+    """Token ids as the model's training rows began, with MASK tokens where spans are to be
+    infilled (an infilling prompt is its segments after the BOS, never cut)."""
+    if record.messages is not None:
+        if tokenizer.chat_template is None:
+            raise UserError(f"line {record.line}: a 'messages' prompt needs the model's chat template, and its "
+                            "tokenizer has none; give a 'prompt' instead")
+        try:
+            text = render_chat(tokenizer.chat_template, list(record.messages), add_generation_prompt=True)
+        except ChatError as exc:
+            raise UserError(f"line {record.line}: {exc}") from None
+        return fmt.prompt(tokenizer.encode_markup(text)).tolist()
+    if len(record.segments) == 1 and isinstance(record.segments[0], str):
+        return fmt.prompt(tokenizer.encode(record.segments[0])).tolist()
+    ids = [fmt.bos_id] if fmt.bos_id is not None else []
     for segment in record.segments:
         ids += tokenizer.encode(segment) if isinstance(segment, str) else [tokenizer.mask_id] * segment
     return ids

@@ -8,7 +8,7 @@
 ('dense' is the reference and never chosen.) 'auto' logs its choice and the reason once per
 (device, dtype, head dim). A forced name that cannot run here is a one-line UserError naming the
 fix, raised when a model resolves it. Importing this module registers 'auto', 'te' and
-'flash_attn' (training and sampling step) with core/attention.py.
+'flash_attn' (training and sampling step) with core/attention.py and core/step_attention.py.
 """
 
 from __future__ import annotations
@@ -18,14 +18,9 @@ from typing import NamedTuple
 
 import torch
 
-from setdiff_megatron.core.attention import (
-    ATEN_FLASH,
-    ATTENTION_IMPLS,
-    PartialAttention,
-    register_attention_impl,
-    register_step_impl,
-    set_causal_step_attention,
-)
+from setdiff_megatron.core.attention import ATTENTION_IMPLS, register_attention_impl
+from setdiff_megatron.core.merged_attention import ATEN_FLASH, PartialAttention
+from setdiff_megatron.core.step_attention import register_step_impl, set_causal_step_attention
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.kernels import flash_attn, te_fused
 from setdiff_megatron.kernels.te_fused import HALF, log_once

@@ -2,14 +2,14 @@
 
 flash-attn's public `flash_attn_func(..., return_attn_probs=True)` returns the log-sum-exp but its
 backward ignores the gradient flowing into it, so autograd through a merge would be silently
-wrong (KERNELS.md 2). This module drives the private `_flash_attn_forward` /
-`_flash_attn_backward` (what TE's context-parallel code imports) as a
-core.attention.PartialAttention: the forward returns softmax_lse [b, h, s], the backward takes the
+wrong (docs/method.md, "Fused kernels"). This module drives the private
+`_flash_attn_forward` / `_flash_attn_backward` (what TE's context-parallel code imports) as a
+core.merged_attention.PartialAttention: the forward returns softmax_lse [b, h, s], the backward takes the
 merged output and softmax_lse. Causal masks in flash-attn are bottom-right, which equals top-left
 for the square training call. The sampling step reads the cache with `flash_attn_with_kvcache`
 (no mask, cache_seqlens = key lengths, return_softmax_lse; read-only, so query K/V never enter
 the cache). FA3 (hopper/) is not wired: on Hopper TE's cuDNN path is the preferred kernel.
-Tests substitute kernels/emulation.py's `flash_api()`, which has the same call signatures.
+Tests substitute tests/kernels/emulation.py's `flash_api()`, which has the same call signatures.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from types import SimpleNamespace
 
 import torch
 
-from setdiff_megatron.core.attention import merged_set_causal_attention, merged_step_attention
+from setdiff_megatron.core.merged_attention import merged_set_causal_attention
+from setdiff_megatron.core.step_attention import merged_step_attention
 from setdiff_megatron.kernels.te_fused import require_cuda_half
 
 __all__ = ["FlashAttnKernel", "load_flash_api", "flash_status", "flash_attention", "flash_step_attention"]
@@ -59,7 +60,7 @@ def flash_head_dim_reason(head_dim: int) -> str | None:
 
 
 class FlashAttnKernel:
-    """core.attention.PartialAttention on flash-attn 2: [b, s, h, d] views with a unit last stride."""
+    """core.merged_attention.PartialAttention on flash-attn 2: [b, s, h, d] views with a unit last stride."""
 
     def __init__(self, api: SimpleNamespace):
         self.api = api
@@ -86,7 +87,7 @@ class FlashAttnKernel:
 
 
 def flash_attention(q, k, v, scale, valid_len, *, api: SimpleNamespace | None = None):
-    """The 'flash_attn' training implementation (`api`: tests pass kernels/emulation.py's)."""
+    """The 'flash_attn' training implementation (`api`: tests pass tests/kernels/emulation.py's)."""
     if api is None:
         require_cuda_half(q, "flash_attn")
         api = load_flash_api()

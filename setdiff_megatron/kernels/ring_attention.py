@@ -9,13 +9,14 @@ backend runs sends in the background (gloo, NCCL). Per pair of chunks (a rows, b
 
   a > b   every row sees every key                   one non-causal kernel call
   a == b  clean rows: causal; query rows: strictly    one causal call each; the query rows are
-          causal (keys < row)                         rotated by one slot (KERNELS.md 3)
+          causal (keys < row)                         rotated by one slot
   a < b   nothing
 
 and the partial results merge by log-sum-exp, then the query rows' diagonal as in
-core/attention.py's fused implementation. The backward runs the ring again with the kernel
-backward fed the MERGED output and log-sum-exp (exact, as in ring attention); each visiting
-block's dK/dV travel with it and reach their owner after the last step.
+core/merged_attention.py's fused implementation (docs/method.md, "Fused kernels"). The backward
+runs the ring again with the kernel backward fed the MERGED output and log-sum-exp (exact, as in
+ring attention); each visiting block's dK/dV travel with it and reach their owner after the last
+step.
 
 Shapes: B batch, H query heads, G key/value heads, C ranks per chunk, D head dim; a rank's
 local stream holds 2C ranks, so q/k/v are [B, heads, 4C, D] (q: [B, H, 2C, D] with the query
@@ -29,9 +30,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from setdiff_megatron.core.attention import ATEN_FLASH, PartialAttention
+from setdiff_megatron.core.merged_attention import ATEN_FLASH, PartialAttention
 
-__all__ = ["ring_set_causal_attention", "zigzag_chunks", "zigzag_ranks"]
+__all__ = ["ring_set_causal_attention", "zigzag_ranks"]
 
 
 def zigzag_chunks(cp: int, rank: int) -> tuple[int, int]:
@@ -251,7 +252,7 @@ class _RingSetCausal(torch.autograd.Function):
                     request.wait()
                 block = received if step + 1 < ring.size else block[:2] + received
         dk_x, dv_x = block[2], block[3]
-        # The diagonal's gradient, analytically (KERNELS.md 3, 5a).
+        # The diagonal's gradient, analytically (docs/method.md, "Fused kernels").
         m = streams["m"]
         q_m, o_m, l_m, d_m = (t[:, :, m].to(acc) for t in (q, out, lse, dout))
         k_m, v_m = (t[:, :, local:].repeat_interleave(g, dim=1).to(acc) for t in (k, v))

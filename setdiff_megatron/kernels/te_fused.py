@@ -2,23 +2,24 @@
 
 TE's DotProductAttention module cannot run the set-causal mask fused: arbitrary masks fall to its
 unfused path, FP8 attention takes only no-mask/causal/padding masks, and it returns no
-log-sum-exp (KERNELS.md 1-2). The decomposition of core/attention.py needs only causal and
-no-mask attention plus a log-sum-exp merge, which `fused_attn_fwd` / `fused_attn_bwd` provide:
+log-sum-exp (docs/method.md, "Fused kernels"). The decomposition of core/merged_attention.py
+needs only causal and no-mask attention plus a log-sum-exp merge, which `fused_attn_fwd` /
+`fused_attn_bwd` provide:
   * forward: ONE causal call over L for the clean heads and the rotated query heads (extra heads
     sharing K/V); softmaxStats [b, h, sq, 1] is the natural-log log-sum-exp of the scaled scores
     (TE's own return_max_logit path rebuilds it as max + log(sum exp), and its context-parallel
     code merges it exactly like flash-attn's softmax_lse);
   * backward: ONE fused_attn_bwd fed the MERGED output and statistics, as TE's context-parallel
-    code does (cp_p2p_bwd_fused_attn), plus the analytic diagonal gradient (core/attention.py);
+    code does (cp_p2p_bwd_fused_attn), plus the analytic diagonal gradient (core/merged_attention.py);
   * inference: no-mask over the cache with key lengths ('padding', cu_seqlens_kv), merged with
-    the step block and the diagonal (core.attention.merged_step_attention).
+    the step block and the diagonal (core.step_attention.merged_step_attention).
 FP8 (cuDNN's FP8 sub-backend; on Hopper only with DelayedScaling, head dim 128 for training): Q, K
 and V share one scale (cuDNN reads a single descale), S is scaled for P <= 1, O for |O| <= max|V|,
 dO from its amax, dP and dQ/dK/dV from Cauchy-Schwarz bounds (so nothing can overflow). A core
 attention called as a function has no module to keep an amax history in, so the scales come from
 this call's amaxes: DelayedScaling's format and margin, with a history of one and no lag.
 Nothing imports TE at module import; `load_te_api` does, and tests substitute
-kernels/emulation.py's `te_api()`, which has the same call signatures.
+tests/kernels/emulation.py's `te_api()`, which has the same call signatures.
 """
 
 from __future__ import annotations
@@ -30,10 +31,11 @@ from types import SimpleNamespace
 
 import torch
 
-from setdiff_megatron.core.attention import merged_set_causal_attention, merged_step_attention
+from setdiff_megatron.core.merged_attention import merged_set_causal_attention
+from setdiff_megatron.core.step_attention import merged_step_attention
 from setdiff_megatron.errors import UserError
 
-__all__ = ["FP8Settings", "TEFusedKernel", "load_te_api", "te_status", "te_attention", "te_step_attention"]
+__all__ = ["FP8Settings", "load_te_api", "te_status", "te_attention", "te_step_attention"]
 
 log = logging.getLogger("setdiff_megatron.kernels")
 
@@ -148,7 +150,7 @@ _BACKENDS: dict[tuple, object] = {}
 
 
 class TEFusedKernel:
-    """core.attention.PartialAttention on fused_attn_fwd/bwd; `fp8` selects cuDNN's FP8 kernels."""
+    """core.merged_attention.PartialAttention on fused_attn_fwd/bwd; `fp8` selects cuDNN's FP8 kernels."""
 
     def __init__(self, api: SimpleNamespace, fp8: FP8Settings | None = None, *, strict: bool = True):
         self.api, self.fp8, self.strict = api, fp8, strict
@@ -238,7 +240,8 @@ class TEFusedKernel:
 
 
 def fp8_unsupported_reason(capability: tuple[int, int], head_dim: int) -> str | None:
-    """Why cuDNN's FP8 attention cannot train at this head dim on this GPU (KERNELS.md 1), or None."""
+    """Why cuDNN's FP8 attention cannot train at this head dim on this GPU, or None
+    (docs/method.md, "Fused kernels")."""
     sm = f"sm{capability[0]}{capability[1]}"
     if capability < (9, 0):
         return f"cuDNN's FP8 attention needs Hopper (sm90) or newer; this GPU is {sm}"
@@ -290,7 +293,7 @@ def te_kernel_for(q: torch.Tensor, api: SimpleNamespace, *, strict: bool = True)
 
 
 def te_attention(q, k, v, scale, valid_len, *, api: SimpleNamespace | None = None, strict: bool = True):
-    """The 'te' training implementation (`api`: tests pass kernels/emulation.py's)."""
+    """The 'te' training implementation (`api`: tests pass tests/kernels/emulation.py's)."""
     if api is None:
         require_cuda_half(q, "te")
         api = load_te_api()

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, 
 
 from setdiff_megatron.errors import UserError
 
-__all__ = ["ClusterFile", "ENV_VAR", "find_cluster_file", "load_cluster_file"]
+__all__ = ["ClusterFile", "load_cluster_file"]
 
 ENV_VAR = "SETDIFF_CLUSTER_FILE"
 

@@ -1,7 +1,9 @@
 """Starting a recipe's processes on this machine with torchrun semantics.
 
 Multi-node SLURM launches render an sbatch script instead (slurm/); this is the local path a
-laptop or a single GPU node uses.
+laptop or a single GPU node uses. A UserError in any worker reaches the person once: the workers
+hand their messages over through a directory of this launch (errors.report), torchrun runs quiet
+about that failure (launch/torchrun.py), and the launcher raises the lowest rank's message.
 """
 
 from __future__ import annotations
@@ -9,23 +11,45 @@ from __future__ import annotations
 import os
 import shlex
 import subprocess
+import tempfile
+from pathlib import Path
 
 from setdiff_megatron.distributed.runtime import torchrun_argv
-from setdiff_megatron.errors import UserError
+from setdiff_megatron.errors import ERROR_DIR_ENV, UserError, handed_over
 from setdiff_megatron.recipes import Recipe
+
+QUIET_TORCHRUN = "setdiff_megatron.launch.torchrun"
 
 
 def torchrun_command(recipe: Recipe, recipe_path: str, overrides: list[str]) -> list[str]:
+    """The recipe's processes under plain torchrun: the command to run by hand."""
+    return torchrun_argv(_local_processes(recipe), ["train", recipe_path, *overrides])
+
+
+def _local_processes(recipe: Recipe) -> int:
     launch = recipe.launch
     if launch.nnodes > 1:
         raise UserError("launch.nnodes > 1 needs a cluster launcher; run it through SLURM (see slurm/)")
-    return torchrun_argv(launch.nproc_per_node, ["train", recipe_path, *overrides])
+    return launch.nproc_per_node
+
+
+def run_workers(nproc: int, cli_args: list[str], env: dict[str, str], module: str = "setdiff_megatron.cli") -> int:
+    """`python -m MODULE CLI_ARGS` as `nproc` torchrun processes; their exit code, or the
+    UserError one of them met, raised here once (the lowest rank's). OMP_NUM_THREADS gets
+    torchrun's own default of 1 unless `env` has it: set here, torchrun prints no banner about it."""
+    with tempfile.TemporaryDirectory(prefix="setdiff-errors-") as error_dir:
+        code = subprocess.call(torchrun_argv(nproc, cli_args, module, launcher=QUIET_TORCHRUN),
+                               env={"OMP_NUM_THREADS": "1", **env, ERROR_DIR_ENV: error_dir})
+        message = handed_over(Path(error_dir))
+    if message is not None:
+        raise UserError(message)
+    return code
 
 
 def launch_local(recipe: Recipe, recipe_path: str, overrides: list[str], *, dry_run: bool = False) -> int:
-    cmd = torchrun_command(recipe, recipe_path, overrides)
+    """Run the recipe's processes (with its launch.env); a dry run prints `torchrun_command`."""
     if dry_run:
-        print(shlex.join(cmd))
+        print(shlex.join(torchrun_command(recipe, recipe_path, overrides)))
         return 0
-    env = {**os.environ, **recipe.launch.env}
-    return subprocess.call(cmd, env=env)
+    return run_workers(_local_processes(recipe), ["train", recipe_path, *overrides],
+                       {**os.environ, **recipe.launch.env})

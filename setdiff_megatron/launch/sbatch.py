@@ -21,7 +21,7 @@ from pathlib import Path
 
 from setdiff_megatron.distributed.signals import EXIT_REQUEUE, PREEMPTED_FILE
 
-__all__ = ["Resources", "recipe_lines", "render_train", "render_array", "render_command", "templates", "SHARD", "NUM_SHARDS"]
+__all__ = ["Resources", "recipe_lines", "render_train", "render_array", "render_command", "templates"]
 
 SHARD, NUM_SHARDS = "{shard}", "{num_shards}"
 
@@ -225,7 +225,7 @@ def templates() -> dict[str, str]:
             "Checkpoint conversion (megatron <-> Hugging Face) as a one-node, one-task job, with the",
             "arguments of `setdiff convert`:",
             "  sbatch slurm/convert.sbatch to-hf runs/owt-110m-d8 exports/owt-110m-d8 --check",
-            "  sbatch slurm/convert.sbatch from-hf /models/Qwen3-1.7B-Base runs/gsm8k-init --tp 2",
+            "  sbatch slurm/convert.sbatch from-hf /models/Qwen3-1.7B-Base runs/gsm8k-init",
             "Conversion gathers the whole model into one process: ask for enough memory (--mem)."])
     return {"pretrain.sbatch": pretrain, "convert.sbatch": convert}
 

@@ -24,8 +24,7 @@ from setdiff_megatron.launch.sbatch import (CPU_ENV, GPU_ENV, Resources, recipe_
 from setdiff_megatron.recipes import Recipe, check_recipe, load_recipe
 from setdiff_megatron.recipes.schema import SlurmSection
 
-__all__ = ["launch_slurm", "plan_training", "submit", "submit_sharded", "sbatch_executable", "Planned",
-           "ShardedJobs"]
+__all__ = ["launch_slurm", "submit_sharded"]
 
 DEFAULT_TIME = "01:00:00"
 

@@ -1,1 +1,1 @@
-"""models layer of setdiff-megatron (see DESIGN in README)."""
+"""models layer of setdiff-megatron (docs/architecture.md, "Layers")."""

@@ -1,9 +1,14 @@
 """The model family: one dataclass for every body (torch, megatron, Hugging Face).
 
-A Llama/Qwen-style decoder (RMSNorm, rotary embeddings, grouped-query attention with optional
-q/k norm, SwiGLU MLP, tied or untied output layer) whose attention is set-causal and whose
-rotary position ids are the ORIGINAL positions of tokens laid out in a sampled order. The MASK
-token is an ordinary row of the embedding.
+A pre-norm decoder with rotary embeddings, grouped-query attention with optional q/k norm and a
+tied or untied output layer, whose attention is set-causal and whose rotary position ids are the
+ORIGINAL positions of tokens laid out in a sampled order. The MASK token is an ordinary row of the
+embedding. Two layouts of the body, picked by `norm`, `mlp` and the bias fields:
+
+  Llama/Qwen (the defaults)  RMSNorm, SwiGLU MLP, no biases but optional q/k/v ones (Qwen2)
+  the reference's DiT        LayerNorm with a weight and no bias (float32), MLP of ratio 4 with
+                             biases and tanh-GELU, untied output layer with a bias (`DIT_BODY`;
+                             docs/dit.md)
 
 With `num_experts > 0` the MLP of every `moe_layer_freq`-th layer is a mixture of experts in
 megatron-core's form (Qwen3-MoE's, plus optional DeepSeek-style shared experts): a linear router,
@@ -18,7 +23,10 @@ from dataclasses import dataclass
 
 from setdiff_megatron.kernels import ATTENTION_IMPL_NAMES  # also registers 'auto', 'te', 'flash_attn'
 
-__all__ = ["ModelConfig", "FLAVORS"]
+__all__ = ["ModelConfig", "FLAVORS", "DIT_BODY", "NORMS", "MLPS"]
+
+NORMS = ("rmsnorm", "layernorm")
+MLPS = ("swiglu", "gelu")
 
 
 @dataclass(kw_only=True)
@@ -39,16 +47,27 @@ class ModelConfig:
     head_dim: int | None = None
     """None means hidden_size // num_heads."""
     intermediate_size: int | None = None
-    """SwiGLU width; None means 8/3 * hidden_size rounded up to a multiple of 64."""
+    """MLP width; None means 8/3 * hidden_size rounded up to a multiple of 64 (swiglu), or
+    4 * hidden_size (gelu, the DiT's ratio)."""
     max_seq_len: int = 1024
     """Longest training sequence L (each example is 2L tokens inside the model)."""
     rope_theta: float = 10000.0
+    norm: str = "rmsnorm"
+    """The block and final norms: 'rmsnorm', or 'layernorm' (a weight, no bias, computed in
+    float32 whatever the activations' dtype, as the reference's DiT does)."""
     norm_eps: float = 1e-6
+    mlp: str = "swiglu"
+    """'swiglu' (gate, up and down projections, SiLU) or 'gelu' (up and down, tanh-approximated
+    GELU: GPT-2's and the DiT's)."""
+    mlp_bias: bool = False
+    """Biases on the MLP's projections (the DiT's)."""
     qk_norm: bool = False
     """RMSNorm on each head's queries and keys before rotary (Qwen3)."""
     qkv_bias: bool = False
     """Biases on the query, key and value projections (Qwen2); the output projection has none."""
     tie_embeddings: bool = True
+    output_bias: bool = False
+    """A bias on the output layer, which must then be untied (the DiT's)."""
     attention_impl: str = "fused"
     """Set-causal attention: 'fused' (default; the decomposition on PyTorch's flash kernels), 'auto'
     (the best this machine has per device and dtype, logged once), 'te' (Transformer Engine cuDNN,
@@ -92,8 +111,14 @@ class ModelConfig:
                     "unless head_dim is given"
                 )
             self.head_dim = self.hidden_size // self.num_heads
+        for name, value, allowed in (("norm", self.norm, NORMS), ("mlp", self.mlp, MLPS)):
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {list(allowed)}; got {value!r}")
+        if self.output_bias and self.tie_embeddings:
+            raise ValueError("output_bias needs tie_embeddings: false (the bias belongs to an output layer of its own)")
         if self.intermediate_size is None:
-            self.intermediate_size = -(-(8 * self.hidden_size // 3) // 64) * 64
+            self.intermediate_size = (4 * self.hidden_size if self.mlp == "gelu"
+                                      else -(-(8 * self.hidden_size // 3) // 64) * 64)
         for name in ("num_kv_heads", "head_dim", "intermediate_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
@@ -117,6 +142,9 @@ class ModelConfig:
             raise ValueError(f"num_experts must be >= 0 (0: dense); got {self.num_experts}")
         if not self.num_experts:
             return
+        if self.mlp != "swiglu" or self.mlp_bias:
+            raise ValueError("a mixture of experts has SwiGLU experts without biases: set mlp: swiglu and "
+                             "mlp_bias: false")
         if self.moe_intermediate_size is None:
             self.moe_intermediate_size = self.intermediate_size
         if self.moe_intermediate_size < 1 or self.num_shared_experts < 0:
@@ -162,14 +190,16 @@ class ModelConfig:
         attn = h * self.num_heads * self.head_dim * 2 + 2 * h * kv
         norms = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
         biases = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim if self.qkv_bias else 0
-        embed = self.vocab_size * h * (1 if self.tie_embeddings else 2)
+        embed = self.vocab_size * h * (1 if self.tie_embeddings else 2) + (self.vocab_size if self.output_bias else 0)
         total = self.num_layers * (attn + norms + biases) + embed + h
+        projections = 3 if self.mlp == "swiglu" else 2
         for moe in self.moe_layers:
             if moe:
                 routed = self.moe_top_k if active else self.num_experts
                 total += self.num_experts * h + 3 * h * self.moe_intermediate_size * (routed + self.num_shared_experts)
             else:
-                total += 3 * h * self.intermediate_size
+                width = self.intermediate_size
+                total += projections * h * width + ((projections - 1) * width + h if self.mlp_bias else 0)
         return total
 
 
@@ -181,3 +211,9 @@ FLAVORS: dict[str, dict] = {
     # The OpenWebText 110M class of the paper (GPT-2 small shape).
     "110m": dict(hidden_size=768, num_layers=12, num_heads=12, intermediate_size=2048, max_seq_len=1024),
 }
+
+DIT_BODY: dict = dict(norm="layernorm", norm_eps=1e-5, mlp="gelu", mlp_bias=True, tie_embeddings=False,
+                      output_bias=True, rope_theta=10000.0)
+"""The reference's DiT layout over the fields above (docs/dit.md): the paper's OpenWebText and
+LM1B backbone. Its fused QKV and its attention output projection have no bias; its MLP width is
+4 x hidden (the gelu default); its heads are plain multi-head attention."""

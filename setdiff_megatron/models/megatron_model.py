@@ -2,13 +2,18 @@
 
 The same model family as models/torch_model.py, assembled from megatron-core ModuleSpecs. The
 GPT layer spec is reused as is (column-parallel QKV, row-parallel projection, GQA, q/k norm before
-rotary, SwiGLU MLP) with three slots swapped:
+rotary, SwiGLU or GELU MLP from the TransformerConfig) with these slots swapped:
 
   core_attention  SetCausalCoreAttention: core/attention.py's set-causal attention over the
                   [clean ; query] sequence, heads split across TP ranks
-  norms           RMSNorm whose weight is tagged `.sequence_parallel`, so that sequence
-                  parallelism works (megatron's stock torch norm refuses it)
-  final norm      the same RMSNorm
+  norms           RMSNorm, or the DiT's LayerNorm (a weight, no bias, float32), whose weight is
+                  tagged `.sequence_parallel`, so that sequence parallelism works (megatron's stock
+                  torch norm refuses it, and its local LayerNorms, torch's and Apex's, always
+                  carry a bias)
+  final norm      the same norm
+  MLP linears     with `mlp_bias`, the column- and row-parallel linears with their bias on:
+                  megatron's one `add_bias_linear` would put a bias on the attention projection
+                  too, which the DiT does not have
 
 An MoE layer (ModelConfig.moe_layers) takes the MoE variant of the same spec: megatron-core's
 router, all-to-all token dispatcher over the expert-parallel group, and SequentialMLP experts
@@ -45,6 +50,7 @@ from megatron.core.models.common.language_module.language_module import Language
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.enums import AttnMaskType, ModelType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -61,19 +67,17 @@ from setdiff_megatron.errors import UserError, require
 from setdiff_megatron.kernels.dispatch import context_parallel_kernel
 from setdiff_megatron.kernels.ring_attention import ring_set_causal_attention, zigzag_ranks
 from setdiff_megatron.models.config import ModelConfig
+from setdiff_megatron.models.torch_model import LayerNorm as TorchLayerNorm
 from setdiff_megatron.models.torch_model import Rotary, cache_attention_impl
-from setdiff_megatron.models.weight_maps import BACKENDS, check_ep_split, check_tp_split, padded_vocab_size, stage_layers
+from setdiff_megatron.models.weight_maps import (check_backend, check_ep_split, check_tp_split, padded_vocab_size,
+                                                 stage_layers)
 
 __all__ = [
     "SetCausalCoreAttention",
-    "SetDiffusionGPT",
-    "StepContext",
-    "attention_mask_slot",
     "build_model_chunks",
     "forward_step",
     "layer_spec",
     "loss_func",
-    "context_parallel_slice",
     "pipeline_seq_length",
     "transformer_config_from",
 ]
@@ -118,12 +122,12 @@ def transformer_config_from(
         num_query_groups=model_cfg.num_kv_heads,
         kv_channels=model_cfg.head_dim,
         ffn_hidden_size=model_cfg.intermediate_size,
-        normalization="RMSNorm",
+        normalization="LayerNorm" if model_cfg.norm == "layernorm" else "RMSNorm",
         layernorm_epsilon=model_cfg.norm_eps,
         qk_layernorm=model_cfg.qk_norm,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
+        gated_linear_unit=model_cfg.mlp == "swiglu",
+        activation_func=F.silu if model_cfg.mlp == "swiglu" else gelu_tanh,
+        add_bias_linear=False,  # MLP biases come with the spec's linears (layer_spec)
         add_qkv_bias=model_cfg.qkv_bias,
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -142,7 +146,8 @@ def transformer_config_from(
         recompute_num_layers=1 if full else None,
         calculate_per_token_loss=calculate_per_token_loss,
         # Interleaved PP over two ranks sends both directions to the same peer; batched p2p then
-        # silently mixes up tensors (MEGATRON_CPU.md), so interleaving uses unbatched p2p.
+        # silently mixes up tensors (docs/megatron-on-cpu.md, "Around the layer"), so interleaving
+        # uses unbatched p2p.
         batch_p2p_comm=vpp is None,
     )
     return TransformerConfig(**(fields | _moe_fields(model_cfg, ep) | overrides))
@@ -170,8 +175,13 @@ def _moe_fields(cfg: ModelConfig, ep: int) -> dict:
     )
 
 
-class RMSNorm(torch.nn.RMSNorm):
-    """Megatron's norm slot as torch RMSNorm, with the weight tagged for sequence parallelism:
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """The tanh-approximated GELU of the DiT's MLP (torch_model's MLP computes the same)."""
+    return F.gelu(x, approximate="tanh")
+
+
+class _SequenceParallelNorm:
+    """Megatron's norm slot as a torch norm, with the weight tagged for sequence parallelism:
     under SP each TP rank normalises a different slice of the sequence, and finalize_model_grads
     all-reduces the gradients of weights carrying `.sequence_parallel`."""
 
@@ -180,6 +190,29 @@ class RMSNorm(torch.nn.RMSNorm):
         # miss the fused kernel.
         super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
         self.weight.sequence_parallel = config.sequence_parallel
+
+
+class RMSNorm(_SequenceParallelNorm, torch.nn.RMSNorm):
+    """torch RMSNorm in megatron's norm slot."""
+
+
+class LayerNorm(_SequenceParallelNorm, TorchLayerNorm):
+    """The torch body's LayerNorm (a weight, no bias, float32) in megatron's norm slot."""
+
+
+class _WithBias:
+    """A megatron linear built with its bias whatever the caller's `bias` (add_bias_linear) says."""
+
+    def __init__(self, *args, bias: bool = False, **kwargs):
+        super().__init__(*args, bias=True, **kwargs)
+
+
+class ColumnParallelLinearWithBias(_WithBias, ColumnParallelLinear):
+    """The MLP's fc1 of a model with mlp_bias."""
+
+
+class RowParallelLinearWithBias(_WithBias, RowParallelLinear):
+    """The MLP's fc2 of a model with mlp_bias (its bias is added after the TP reduction)."""
 
 
 @dataclass
@@ -302,17 +335,24 @@ def _te_modules():
 def layer_spec(model_cfg: ModelConfig, backend: str = "local", moe: bool = False) -> tuple[ModuleSpec, type]:
     """(transformer layer spec, final norm class) for a backend: megatron's GPT layer (with its
     MoE MLP when `moe`: SequentialMLP experts locally, grouped GEMM under TE) with the set-causal
-    core attention; the local backend also gets SP-capable norms."""
-    if backend not in BACKENDS:
-        raise UserError(f"backend must be one of {BACKENDS}; got {backend!r}")
+    core attention; the local backend also gets SP-capable norms of the model's kind and, with
+    mlp_bias, MLP linears with biases."""
+    try:
+        check_backend(model_cfg, backend)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
     experts = dict(num_experts=model_cfg.num_experts, moe_grouped_gemm=backend == "te") if moe else {}
     if backend == "te":
         te_layer_spec, final_norm = _te_modules()
         spec = te_layer_spec(qk_layernorm=model_cfg.qk_norm, **experts)
     else:
-        spec, final_norm = get_gpt_layer_local_spec(qk_layernorm=model_cfg.qk_norm, **experts), RMSNorm
-        spec.submodules.input_layernorm = RMSNorm
-        spec.submodules.pre_mlp_layernorm = RMSNorm
+        norm = LayerNorm if model_cfg.norm == "layernorm" else RMSNorm
+        spec, final_norm = get_gpt_layer_local_spec(qk_layernorm=model_cfg.qk_norm, **experts), norm
+        spec.submodules.input_layernorm = norm
+        spec.submodules.pre_mlp_layernorm = norm
+        if model_cfg.mlp_bias and not moe:
+            spec.submodules.mlp.submodules.linear_fc1 = ColumnParallelLinearWithBias
+            spec.submodules.mlp.submodules.linear_fc2 = RowParallelLinearWithBias
         if model_cfg.qk_norm:
             spec.submodules.self_attention.submodules.q_layernorm = RMSNorm
             spec.submodules.self_attention.submodules.k_layernorm = RMSNorm
@@ -360,7 +400,7 @@ class SetDiffusionGPT(LanguageModule):
         if post_process:
             self.output_layer = tensor_parallel.ColumnParallelLinear(
                 config.hidden_size, self.vocab_size, config=config, init_method=config.init_method,
-                bias=False, gather_output=False,
+                bias=model_cfg.output_bias, gather_output=False,
                 skip_weight_param_allocation=pre_process and model_cfg.tie_embeddings,
                 # Under SP _query_output gathers the sequence itself, and that gather's backward
                 # already sums the input gradient over TP: the layer must neither gather nor reduce.

@@ -26,15 +26,18 @@ __all__ = ["MLP", "MoE", "RouterStats", "expert_capacity", "router_losses"]
 
 
 class MLP(nn.Module):
-    """SwiGLU; the dense layers' MLP, every expert and the shared experts."""
+    """The dense layers' MLP, every expert and the shared experts: SwiGLU (gate, up, down), or
+    with `gelu` up and down around a tanh-approximated GELU (the DiT's); `bias` on every projection."""
 
-    def __init__(self, hidden_size: int, width: int):
+    def __init__(self, hidden_size: int, width: int, *, gelu: bool = False, bias: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, width, bias=False)
-        self.up_proj = nn.Linear(hidden_size, width, bias=False)
-        self.down_proj = nn.Linear(width, hidden_size, bias=False)
+        self.gate_proj = None if gelu else nn.Linear(hidden_size, width, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, width, bias=bias)
+        self.down_proj = nn.Linear(width, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_proj is None:
+            return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

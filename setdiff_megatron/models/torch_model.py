@@ -7,7 +7,8 @@ meshes or engines; parallelism is applied from outside. Two entry points share e
   step(tokens, positions, cache, n)   sampling: n clean commits then queries, against a KV cache
 
 Parameter names follow Hugging Face Llama/Qwen (q_proj, gate_proj, input_layernorm, ...) so the
-weight maps to other bodies stay one-to-one.
+weight maps to other bodies stay one-to-one; the DiT layout (models/config.py) keeps them, its
+gate-less MLP being up_proj and down_proj, its biases `.bias` beside the weights.
 
 Shapes: B batch, L ranks per stream, S = 2L tokens, T step tokens, E hidden, H heads,
 G key/value heads, D head dim, V vocabulary.
@@ -23,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from setdiff_megatron.core.attention import document_attention, resolve_attention_impl
+from setdiff_megatron.core.attention import resolve_attention_impl
+from setdiff_megatron.core.document_attention import document_attention
 from setdiff_megatron.core.kv_cache import KVCache
 from setdiff_megatron.core.loss import LossOutput, set_diffusion_loss
 from setdiff_megatron.core.orders import OrderPolicy
@@ -32,7 +34,7 @@ from setdiff_megatron.kernels import choose_attention_impl
 from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.moe import MLP, MoE, RouterStats
 
-__all__ = ["SetDiffusionTransformer", "Rotary", "apply_rotary", "cache_attention_impl"]
+__all__ = ["SetDiffusionTransformer", "LayerNorm", "Rotary", "cache_attention_impl", "make_norm"]
 
 # attend(q [B, H, S, D], k [B, G, S, D], v [B, G, S, D]) -> [B, H, S, D]
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -56,6 +58,24 @@ def apply_rotary(x_BSHD: torch.Tensor, cos_BSd: torch.Tensor, sin_BSd: torch.Ten
     x1, x2 = x_BSHD.float().chunk(2, dim=-1)
     cos, sin = cos_BSd[:, :, None], sin_BSd[:, :, None]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x_BSHD)
+
+
+class LayerNorm(nn.LayerNorm):
+    """LayerNorm with a weight and no bias, computed in float32 whatever the input's dtype (the
+    reference's DiT does so under bf16 autocast); the output has the input's dtype."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype | None = None):
+        super().__init__(hidden_size, eps=eps, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x.float(), self.normalized_shape, self.weight.float(), None, self.eps).type_as(x)
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    """A block or final norm of the model's `norm` kind over the hidden size."""
+    if cfg.norm == "layernorm":
+        return LayerNorm(cfg.hidden_size, cfg.norm_eps)
+    return nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
 
 
 def cache_attention_impl(cfg: ModelConfig, weight: torch.Tensor) -> str:
@@ -95,10 +115,11 @@ class Attention(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, moe: bool = False):
         super().__init__()
-        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.input_layernorm = make_norm(cfg)
         self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
-        self.mlp = MoE(cfg) if moe else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.post_attention_layernorm = make_norm(cfg)
+        self.mlp = MoE(cfg) if moe else MLP(cfg.hidden_size, cfg.intermediate_size, gelu=cfg.mlp == "gelu",
+                                            bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
                 first_row: int = 0) -> torch.Tensor:
@@ -113,8 +134,8 @@ class SetDiffusionTransformer(nn.Module):
         self.config = cfg = cfg.resolved()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, moe) for moe in cfg.moe_layers)
-        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
-        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.norm = make_norm(cfg)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=cfg.output_bias)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
         self._attention = resolve_attention_impl(cfg.attention_impl)
         self._scale = 1.0 / math.sqrt(cfg.head_dim)
@@ -145,8 +166,9 @@ class SetDiffusionTransformer(nn.Module):
 
     def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         hidden = self.norm(hidden)
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        if self.lm_head is None:
+            return F.linear(hidden, self.embed_tokens.weight)
+        return F.linear(hidden, self.lm_head.weight, self.lm_head.bias)
 
     def forward(self, clean_tokens: torch.Tensor, query_tokens: torch.Tensor, position_ids: torch.Tensor,
                 valid_len: torch.Tensor | None = None, document_ids: torch.Tensor | None = None) -> torch.Tensor:

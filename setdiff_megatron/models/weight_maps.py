@@ -1,13 +1,15 @@
-"""Weight maps between the torch model and the megatron model, for any TP/PP split, in one place.
+"""Weight maps between the torch model and the megatron model, in one place: `torch_to_megatron`
+writes the chunk of any TP/PP/EP split, `megatron_to_torch` reads a whole (unsplit) model.
 
 Names are the upstream ones (torch: Hugging Face Llama/Qwen; megatron: megatron-core GPT), written
 as `{}` templates over the layer index. Four things are not one-to-one:
 
   fused QKV    megatron's linear_qkv holds, per KV group g, [q heads of g ; k_g ; v_g] (rows), and
                each TP rank holds a contiguous run of groups
-  fused fc1    megatron's linear_fc1 holds [gate ; up] of its own TP shard of the MLP width
+  fused fc1    megatron's linear_fc1 holds [gate ; up] of its own TP shard of the MLP width (a
+               gelu MLP: up alone), its bias likewise; linear_fc2's bias is whole on every rank
   vocab        megatron's embedding and output layer are padded to `padded_vocab_size` rows;
-               the padding is zero here and is masked out of the logits by the model
+               the padding is zero here (an output bias's too) and is masked out of the logits
   tied output  with tied embeddings the last pipeline stage holds a copy of the embedding as
                output_layer.weight (pp > 1); pp == 1 has no output_layer.weight at all
   experts      an MoE layer's router is mlp.router (torch: Qwen3-MoE's mlp.gate); expert e lives on
@@ -19,10 +21,14 @@ as `{}` templates over the layer index. Four things are not one-to-one:
 
 The `te` backend fuses the pre-attention and pre-MLP norms into the following linear layer
 (layer_norm_weight) and adds `_extra_state` entries, which carry no weights and are skipped.
-Optional q/k/v biases (Qwen2) follow the fused QKV rows into megatron's linear_qkv.bias.
+Optional q/k/v biases (Qwen2) follow the fused QKV rows into megatron's linear_qkv.bias. The
+`te` backend holds the RMSNorm body without MLP biases only (`check_backend`).
 
 Hugging Face Llama/Qwen names are the torch names under `model.`, except the untied output layer,
-which sits beside the body as `lm_head.weight` (`torch_to_hf`, `hf_to_torch`).
+which sits beside the body as `lm_head.weight` and `lm_head.bias` (`torch_to_hf`, `hf_to_torch`).
+The reference's DiT checkpoints map one way (`dit_to_torch`): blocks.{i} are layers.{i}, its fused
+attn_qkv holds [q ; k ; v] rows (each heads x head dim), its MLP is mlp.0 (up) and mlp.2 (down),
+its output layer output_layer.linear beside output_layer.norm_final.
 Importing this module needs torch only (checkpoint conversion runs without megatron).
 
 Shapes: V vocabulary, E hidden, H heads, G key/value heads, D head dim, I MLP width.
@@ -37,8 +43,9 @@ import torch
 
 from setdiff_megatron.models.config import ModelConfig
 
-__all__ = ["BACKENDS", "VOCAB_PAD_MULTIPLE", "check_ep_split", "check_tp_split", "hf_to_torch", "megatron_to_torch",
-           "padded_vocab_size", "stage_layers", "torch_shapes", "torch_to_hf", "torch_to_megatron"]
+__all__ = ["BACKENDS", "DIT_ROTARY", "add_vocabulary_rows", "check_backend", "check_ep_split", "check_tp_split",
+           "dit_to_torch", "hf_to_torch", "megatron_to_torch", "padded_vocab_size", "stage_layers", "torch_shapes",
+           "torch_to_hf", "torch_to_megatron"]
 
 BACKENDS = ("local", "te")
 VOCAB_PAD_MULTIPLE = 128
@@ -65,17 +72,33 @@ _QKV_MEGATRON = "self_attention.linear_qkv.weight"
 _QKV_BIAS = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
 _QKV_BIAS_MEGATRON = "self_attention.linear_qkv.bias"
 _ROUTER = ("mlp.gate.weight", "mlp.router.weight")
-_GATE_UP = ("gate_proj.weight", "up_proj.weight")
-_DOWN = "down_proj.weight"
+_MLP_IN = {"swiglu": ("gate_proj", "up_proj"), "gelu": ("up_proj",)}
+"""The torch projections megatron's linear_fc1 fuses, in its row order."""
+_DOWN = "down_proj"
 TORCH_LAYER = "layers.{}."
 MEGATRON_LAYER = "decoder.layers.{}."
 _EMBED = ("embed_tokens.weight", "embedding.word_embeddings.weight")
 _OUTPUT = ("lm_head.weight", "output_layer.weight")
+_OUTPUT_BIAS = ("lm_head.bias", "output_layer.bias")
 _FINAL_NORM = ("norm.weight", "decoder.final_layernorm.weight")
 HF_BODY = "model."
 """Prefix of the body's weights in Hugging Face Llama/Qwen checkpoints (and in our HF export)."""
 _HF_IGNORED = ("rotary_emb.inv_freq",)
 """Buffers some older HF checkpoints store; recomputed from rope_theta, never read."""
+_HF_OUTSIDE = (_OUTPUT[0], _OUTPUT_BIAS[0])
+"""Torch names that Hugging Face keeps beside the body, not under `model.`."""
+_DIT_LAYER = {
+    # the reference DiT's name under blocks.{i}. -> the torch name under layers.{i}.
+    "norm1.weight": "input_layernorm.weight", "attn_out.weight": "self_attn.o_proj.weight",
+    "norm2.weight": "post_attention_layernorm.weight",
+    "mlp.0.weight": "mlp.up_proj.weight", "mlp.0.bias": "mlp.up_proj.bias",
+    "mlp.2.weight": "mlp.down_proj.weight", "mlp.2.bias": "mlp.down_proj.bias",
+}
+_DIT_QKV = "attn_qkv.weight"
+_DIT_GLOBAL = {"vocab_embed.embedding": _EMBED[0], "output_layer.norm_final.weight": _FINAL_NORM[0],
+               "output_layer.linear.weight": _OUTPUT[0], "output_layer.linear.bias": _OUTPUT_BIAS[0]}
+DIT_ROTARY = "rotary_emb.inv_freq"
+"""The reference DiT's stored rotary frequencies: no weight (its importer checks them against rope_theta)."""
 
 
 def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
@@ -97,9 +120,20 @@ def stage_layers(num_layers: int, pp_size: int, pp_rank: int, vp_size: int | Non
     return range(start, start + per_chunk)
 
 
-def _layer_plain(cfg: ModelConfig, backend: str, moe: bool) -> dict[str, tuple[str, int | None]]:
+def check_backend(cfg: ModelConfig, backend: str) -> None:
+    """`te` fuses each block norm into the following linear layer as Transformer Engine's RMSNorm
+    or LayerNorm (which always has a bias), and builds the MLP's linear layers with megatron's one
+    bias flag, which also puts a bias on the attention projection: it holds neither the DiT's
+    bias-free LayerNorm nor MLP biases alone."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
+    if backend == "te" and (cfg.norm != "rmsnorm" or cfg.mlp_bias):
+        raise ValueError("the 'te' backend holds norm: rmsnorm without mlp_bias only; use backend 'local' for the "
+                         "DiT layout (norm: layernorm, mlp_bias)")
+
+
+def _layer_plain(cfg: ModelConfig, backend: str, moe: bool) -> dict[str, tuple[str, int | None]]:
+    check_backend(cfg, backend)
     norms = dict(_LAYER_NORMS[backend])
     if moe:  # the router reads the normalised input: no fusing into fc1, under any backend
         norms["post_attention_layernorm.weight"] = _LAYER_NORMS["local"]["post_attention_layernorm.weight"]
@@ -112,7 +146,7 @@ def _layer_plain(cfg: ModelConfig, backend: str, moe: bool) -> dict[str, tuple[s
 
 
 def _mlps(cfg: ModelConfig, moe: bool, backend: str, ep_rank: int, ep_size: int) -> list[tuple[str, str, str]]:
-    """(torch prefix, megatron fc1 name, megatron fc2 name) of each SwiGLU MLP of a layer that
+    """(torch prefix, megatron fc1 weight, megatron fc2 weight) of each MLP of a layer that
     expert-parallel rank `ep_rank` holds: the dense MLP, or its experts and the shared experts."""
     if not moe:
         return [("mlp.", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight")]
@@ -150,7 +184,16 @@ def _shard(t: torch.Tensor, dim: int | None, tp_rank: int, tp_size: int) -> torc
 
 
 def _pad_vocab(t: torch.Tensor, cfg: ModelConfig, tp_size: int) -> torch.Tensor:
-    return torch.cat([t, t.new_zeros(padded_vocab_size(cfg.vocab_size, tp_size) - t.shape[0], t.shape[1])])
+    return torch.cat([t, t.new_zeros(padded_vocab_size(cfg.vocab_size, tp_size) - t.shape[0], *t.shape[1:])])
+
+
+def _mlp_params(cfg: ModelConfig, moe: bool) -> list[str]:
+    """The suffixes of an MLP's parameters: weights, and the dense MLP's biases (experts have none)."""
+    return [".weight"] + ([".bias"] if cfg.mlp_bias and not moe else [])
+
+
+def _mlp_in(cfg: ModelConfig, moe: bool) -> tuple[str, ...]:
+    return _MLP_IN["swiglu" if moe else cfg.mlp]
 
 
 def _qkv_groups(cfg: ModelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -192,9 +235,12 @@ def torch_to_megatron(
             bias = _qkv_groups(cfg, *(state_dict[src + n][:, None] for n in _QKV_BIAS))  # [G, rows, 1]
             out[dst + _QKV_BIAS_MEGATRON] = bias.chunk(tp_size, dim=0)[tp_rank].flatten().clone()
         for prefix, fc1, fc2 in _mlps(cfg, moe, backend, ep_rank, ep_size):
-            gate, up = (_shard(state_dict[src + prefix + n], 0, tp_rank, tp_size) for n in _GATE_UP)
-            out[dst + fc1] = torch.cat([gate, up])
-            out[dst + fc2] = _shard(state_dict[src + prefix + _DOWN], 1, tp_rank, tp_size).clone()
+            for suffix in _mlp_params(cfg, moe):
+                out[dst + fc1.replace(".weight", suffix)] = torch.cat(
+                    [_shard(state_dict[src + prefix + n + suffix], 0, tp_rank, tp_size) for n in _mlp_in(cfg, moe)])
+                down = state_dict[src + prefix + _DOWN + suffix]  # its bias is added after the TP reduction
+                out[dst + fc2.replace(".weight", suffix)] = _shard(down, 1 if down.dim() == 2 else None, tp_rank,
+                                                                   tp_size).clone()
     embed = _shard(_pad_vocab(state_dict[_EMBED[0]], cfg, tp_size), 0, tp_rank, tp_size)
     if first:
         out[_EMBED[1]] = embed.clone()
@@ -202,84 +248,53 @@ def torch_to_megatron(
         out[_FINAL_NORM[1]] = state_dict[_FINAL_NORM[0]].clone()
         if not cfg.tie_embeddings:
             out[_OUTPUT[1]] = _shard(_pad_vocab(state_dict[_OUTPUT[0]], cfg, tp_size), 0, tp_rank, tp_size).clone()
-        elif not first:
+        if cfg.output_bias:
+            out[_OUTPUT_BIAS[1]] = _shard(_pad_vocab(state_dict[_OUTPUT_BIAS[0]], cfg, tp_size), 0, tp_rank,
+                                          tp_size).clone()
+        if cfg.tie_embeddings and not first:
             out[_OUTPUT[1]] = embed.clone()
     return out
 
 
-def megatron_to_torch(shards: Mapping[tuple[int, ...], Mapping[str, torch.Tensor]], cfg: ModelConfig, *,
-                      ep_size: int = 1, backend: str = "local") -> StateDict:
-    """Merge megatron chunk state dicts into the torch model's state dict.
+def megatron_to_torch(state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig, *, backend: str = "local") -> StateDict:
+    """The torch model's state dict from a whole megatron model's (TP = PP = EP = 1, the form
+    checkpoint/megatron.py reads). Every megatron weight must be consumed (`_extra_state` entries
+    excepted) and every shape must match."""
+    unused = {n for n in state_dict if not n.endswith("_extra_state")}
 
-    `shards` is keyed by (tp_rank, pp_rank) or, with virtual pipeline stages, by
-    (tp_rank, pp_rank, vp_stage); with ep_size > 1 every key ends with the expert-parallel rank.
-    Every combination must be present. Every megatron weight must be consumed (`_extra_state`
-    entries excepted; what the EP ranks replicate is read from EP rank 0) and every shape must match.
-    """
-    check_ep_split(cfg, ep_size)
-    keys = sorted(shards)
-    with_ep = ep_size > 1
-    model_keys = sorted({k[:-1] for k in keys}) if with_ep else keys
-    tp_size, pp_size = model_keys[-1][0] + 1, max(k[1] for k in model_keys) + 1
-    vp_size = max(k[2] for k in model_keys) + 1 if len(model_keys[0]) == 3 else None
-    grid = {(t, p) + ((v,) if vp_size else ()) + ((e,) if with_ep else ()) for t in range(tp_size)
-            for p in range(pp_size) for v in range(vp_size or 1) for e in range(ep_size)}
-    if set(keys) != grid:
-        raise KeyError("shards must cover every (tp_rank, pp_rank[, vp_stage][, ep_rank]); "
-                       f"missing {sorted(grid - set(keys))}")
-    check_tp_split(cfg, tp_size)
-    unused = {k: {n for n in sd if not n.endswith("_extra_state")} for k, sd in shards.items()}
-
-    def take(chunk: tuple[int, ...], name: str, ep: int | None = None) -> list[torch.Tensor]:
-        """`name` from every TP rank of one pipeline chunk (chunk = key without the TP and EP
-        ranks), of expert-parallel rank `ep`, or of EP rank 0 for what every EP rank holds."""
-        tensors = []
-        for t in range(tp_size):
-            replicas = [(t,) + chunk + ((e,) if with_ep else ()) for e in (range(ep_size) if ep is None else [ep])]
-            if name not in shards[replicas[0]]:
-                raise KeyError(f"megatron shard {replicas[0]} has no {name!r}")
-            for key in replicas:
-                unused[key].discard(name)
-            tensors.append(shards[replicas[0]][name])
-        return tensors
+    def take(name: str) -> torch.Tensor:
+        if name not in state_dict:
+            raise KeyError(f"the megatron state dict has no {name!r}")
+        unused.discard(name)
+        return state_dict[name]
 
     out: StateDict = {}
-    chunks = sorted({k[1:len(k) - with_ep] for k in keys}, key=lambda c: (c[1:], c[0]))  # pipeline order
     q_rows = cfg.num_heads // cfg.num_kv_heads * cfg.head_dim
-    for chunk in chunks:
-        layers = stage_layers(cfg.num_layers, pp_size, chunk[0], vp_size, chunk[1] if vp_size else None)
-        for local, i in enumerate(layers):
-            src, dst, moe = MEGATRON_LAYER.format(local), TORCH_LAYER.format(i), cfg.moe_layers[i]
-            for t_name, (m_name, dim) in _layer_plain(cfg, backend, moe).items():
-                parts = take(chunk, src + m_name)
-                out[dst + t_name] = parts[0].clone() if dim is None else torch.cat(parts, dim=dim)
-            groups = torch.cat(take(chunk, src + _QKV_MEGATRON)).view(cfg.num_kv_heads, -1, cfg.hidden_size)
-            q, k, v = groups.split([q_rows, cfg.head_dim, cfg.head_dim], dim=1)
-            for name, t in zip(_QKV, (q, k, v)):
-                out[dst + name] = t.flatten(0, 1).clone()
-            if cfg.qkv_bias:
-                bias = torch.cat(take(chunk, src + _QKV_BIAS_MEGATRON)).view(cfg.num_kv_heads, -1)
-                for name, t in zip(_QKV_BIAS, bias.split([q_rows, cfg.head_dim, cfg.head_dim], dim=1)):
-                    out[dst + name] = t.flatten().clone()
-            for ep in range(ep_size if moe else 1):
-                for prefix, fc1, fc2 in _mlps(cfg, moe, backend, ep, ep_size):
-                    shared = not prefix.startswith("mlp.experts.")  # dense MLP or shared experts: replicated
-                    gate_up = [p.chunk(2) for p in take(chunk, src + fc1, None if shared else ep)]
-                    for j, name in enumerate(_GATE_UP):
-                        out[dst + prefix + name] = torch.cat([p[j] for p in gate_up])
-                    out[dst + prefix + _DOWN] = torch.cat(take(chunk, src + fc2, None if shared else ep), dim=1)
-    first, last = chunks[0], chunks[-1]
-    out[_EMBED[0]] = torch.cat(take(first, _EMBED[1]))[: cfg.vocab_size].clone()
-    out[_FINAL_NORM[0]] = take(last, _FINAL_NORM[1])[0].clone()
+    for i in range(cfg.num_layers):
+        src, dst, moe = MEGATRON_LAYER.format(i), TORCH_LAYER.format(i), cfg.moe_layers[i]
+        for t_name, (m_name, _) in _layer_plain(cfg, backend, moe).items():
+            out[dst + t_name] = take(src + m_name).clone()
+        groups = take(src + _QKV_MEGATRON).view(cfg.num_kv_heads, -1, cfg.hidden_size)
+        for name, t in zip(_QKV, groups.split([q_rows, cfg.head_dim, cfg.head_dim], dim=1)):
+            out[dst + name] = t.flatten(0, 1).clone()
+        if cfg.qkv_bias:
+            bias = take(src + _QKV_BIAS_MEGATRON).view(cfg.num_kv_heads, -1)
+            for name, t in zip(_QKV_BIAS, bias.split([q_rows, cfg.head_dim, cfg.head_dim], dim=1)):
+                out[dst + name] = t.flatten().clone()
+        for prefix, fc1, fc2 in _mlps(cfg, moe, backend, 0, 1):
+            names = _mlp_in(cfg, moe)
+            for suffix in _mlp_params(cfg, moe):
+                for name, t in zip(names, take(src + fc1.replace(".weight", suffix)).chunk(len(names))):
+                    out[dst + prefix + name + suffix] = t.clone()
+                out[dst + prefix + _DOWN + suffix] = take(src + fc2.replace(".weight", suffix)).clone()
+    out[_EMBED[0]] = take(_EMBED[1])[: cfg.vocab_size].clone()
+    out[_FINAL_NORM[0]] = take(_FINAL_NORM[1]).clone()
     if not cfg.tie_embeddings:
-        out[_OUTPUT[0]] = torch.cat(take(last, _OUTPUT[1]))[: cfg.vocab_size].clone()
-    elif last != first:
-        copy = torch.cat(take(last, _OUTPUT[1]))[: cfg.vocab_size]
-        if not torch.equal(copy, out[_EMBED[0]]):
-            raise ValueError("the last stage's copy of the tied embedding differs from the embedding")
-    leftover = {k: sorted(v) for k, v in unused.items() if v}
-    if leftover:
-        raise KeyError(f"megatron weights not mapped: {leftover}")
+        out[_OUTPUT[0]] = take(_OUTPUT[1])[: cfg.vocab_size].clone()
+    if cfg.output_bias:
+        out[_OUTPUT_BIAS[0]] = take(_OUTPUT_BIAS[1])[: cfg.vocab_size].clone()
+    if unused:
+        raise KeyError(f"megatron weights not mapped: {sorted(unused)}")
     _check_shapes(out, cfg)
     return out
 
@@ -297,11 +312,14 @@ def torch_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     if cfg.qkv_bias:
         layer |= dict(zip(_QKV_BIAS, ((cfg.num_heads * d,), (cfg.num_kv_heads * d,), (cfg.num_kv_heads * d,))))
 
-    def mlp(prefix: str, width: int) -> dict[str, tuple[int, int]]:
-        return {prefix + "gate_proj.weight": (width, e), prefix + "up_proj.weight": (width, e),
-                prefix + _DOWN: (e, width)}
+    def mlp(prefix: str, width: int, moe: bool = True) -> dict[str, tuple[int, ...]]:
+        shapes = {f"{prefix}{n}.weight": (width, e) for n in _mlp_in(cfg, moe)}
+        shapes[f"{prefix}{_DOWN}.weight"] = (e, width)
+        if ".bias" in _mlp_params(cfg, moe):
+            shapes |= {f"{prefix}{n}.bias": (width,) for n in _mlp_in(cfg, moe)} | {f"{prefix}{_DOWN}.bias": (e,)}
+        return shapes
 
-    dense = layer | mlp("mlp.", cfg.intermediate_size)
+    dense = layer | mlp("mlp.", cfg.intermediate_size, moe=False)
     moe = dict(layer)
     if cfg.num_experts:
         moe[_ROUTER[0]] = (cfg.num_experts, e)
@@ -314,13 +332,15 @@ def torch_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes |= {_EMBED[0]: (cfg.vocab_size, e), _FINAL_NORM[0]: (e,)}
     if not cfg.tie_embeddings:
         shapes[_OUTPUT[0]] = (cfg.vocab_size, e)
+    if cfg.output_bias:
+        shapes[_OUTPUT_BIAS[0]] = (cfg.vocab_size,)
     return shapes
 
 
 def torch_to_hf(state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig) -> StateDict:
     """Hugging Face Llama/Qwen names for the torch model's weights (tensors are shared, not copied)."""
     _check_shapes(state_dict, cfg)
-    return {(name if name == _OUTPUT[0] else HF_BODY + name): t for name, t in state_dict.items()}
+    return {(name if name in _HF_OUTSIDE else HF_BODY + name): t for name, t in state_dict.items()}
 
 
 def hf_to_torch(state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig) -> StateDict:
@@ -334,7 +354,7 @@ def hf_to_torch(state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig) -> Sta
     for name, t in state_dict.items():
         if name.endswith(_HF_IGNORED):
             continue
-        if name == _OUTPUT[0]:
+        if name in _HF_OUTSIDE:
             out[name] = t
         elif name.startswith(HF_BODY):
             out[name[len(HF_BODY):]] = t
@@ -347,6 +367,41 @@ def hf_to_torch(state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig) -> Sta
         embed = out.get(_EMBED[0])
         if embed is None or head.shape != embed.shape or not torch.equal(head, embed):
             raise ValueError("lm_head.weight differs from the embedding although tie_word_embeddings is set")
+    _check_shapes(out, cfg)
+    return out
+
+
+def add_vocabulary_rows(state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig, rows: int) -> StateDict:
+    """The torch weights with the embedding and the untied output layer (weight and bias) grown
+    to `rows` rows, each new one the mean of the existing ones: an "average token" whose scale
+    matches the others (for token ids a source's vocabulary lacks)."""
+    out = dict(state_dict)
+    names = [_EMBED[0]] + ([] if cfg.tie_embeddings else [_OUTPUT[0]]) + ([_OUTPUT_BIAS[0]] if cfg.output_bias else [])
+    for name in names:
+        t = out[name]
+        mean = t.float().mean(0, keepdim=True).to(t.dtype)
+        out[name] = torch.cat([t, mean.expand(rows - t.shape[0], *t.shape[1:])])
+    return out
+
+
+def dit_to_torch(state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig) -> StateDict:
+    """The torch model's weights from the reference DiT's (its backbone names, prefixes removed;
+    `DIT_ROTARY` is left to the importer): every weight must be mapped and have its shape."""
+    out: StateDict = {}
+    unknown = []
+    for name, t in state_dict.items():
+        block, _, rest = name.removeprefix("blocks.").partition(".")
+        in_block = name.startswith("blocks.") and block.isdigit()
+        if name in _DIT_GLOBAL:
+            out[_DIT_GLOBAL[name]] = t
+        elif in_block and rest in _DIT_LAYER:
+            out[TORCH_LAYER.format(block) + _DIT_LAYER[rest]] = t
+        elif in_block and rest == _DIT_QKV and t.shape[0] % 3 == 0:
+            out |= {TORCH_LAYER.format(block) + n: part for n, part in zip(_QKV, t.chunk(3))}
+        elif name != DIT_ROTARY:
+            unknown.append(name)
+    if unknown:
+        raise KeyError(f"reference DiT weights not mapped: {sorted(unknown)}")
     _check_shapes(out, cfg)
     return out
 

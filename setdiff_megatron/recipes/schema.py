@@ -17,7 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, N
 from setdiff_megatron.models.config import ModelConfig
 
 __all__ = [
-    "BUILTIN_CORPORA", "Recipe", "ModelSection", "MethodSection", "DatasetSpec", "DataSection", "ParallelSection",
+    "BUILTIN_CORPORA", "Recipe", "ModelSection", "MethodSection", "DatasetSpec", "SupervisedSection", "DataSection",
+    "ParallelSection",
     "TrainSection", "CheckpointSection", "EvalSection", "WandbSection", "LogSection",
     "SlurmSection", "LaunchSection",
 ]
@@ -44,7 +45,7 @@ class ModelSection(ModelConfig):
 
 
 class MethodSection(Section):
-    """The order policy and the loss (ALGORITHM.md 1.2-1.6)."""
+    """The order policy and the loss (docs/method.md, "Order policies" and "Loss")."""
 
     order: Literal["staggered", "left_to_right", "uniform", "block"] = "staggered"
     d: PositiveInt = 4
@@ -63,6 +64,8 @@ class MethodSection(Section):
 
 BUILTIN_CORPORA = ("stdlib", "reasoning")
 """Dataset paths that name a corpus every machine builds itself (data/builtin.py)."""
+SUPERVISED_CORPORA = ("reasoning",)
+"""The built-in corpora that also hold supervised records."""
 
 
 class DatasetSpec(Section):
@@ -70,6 +73,31 @@ class DatasetSpec(Section):
     """Prefix of a megatron indexed dataset (without .bin/.idx), or a built-in corpus: 'stdlib'
     (the Python standard library's sources) or 'reasoning' (generated multi-step arithmetic)."""
     weight: PositiveFloat = 1.0
+    format: Literal["pretraining", "supervised"] = "pretraining"
+    """'pretraining': documents packed into windows; 'supervised': prompt/response records
+    (`setdiff preprocess --supervised`; the 'reasoning' corpus has both), the prompt pinned as
+    clean context and only the response (plus EOS) in the loss. Every entry of a blend has the
+    same format."""
+
+
+class SupervisedSection(Section):
+    """How supervised records fill the rows of data.seq_len (data/supervised.py)."""
+
+    layout: Literal["padded", "packed"] = "padded"
+    """'padded': one record per row, padded to data.seq_len (the reference's format); 'packed':
+    consecutive records share a row, each attended to, positioned and ordered as if alone, and
+    padding only at the row's end."""
+    max_prompt_tokens: PositiveInt | None = None
+    """Keep the first tokens of a longer prompt (BOS and a prompt EOS count); None: whole prompts,
+    and one that leaves no room for a response is an error."""
+    max_response_tokens: PositiveInt | None = None
+    """Keep the first tokens of a longer response (its EOS counts); responses are also cut to the
+    room the row leaves, and the cut ones are counted at start-up."""
+    force_eos: bool = False
+    """A cut response still ends with EOS (the reference's CNN/DailyMail targets), so the model
+    learns to stop within the length; otherwise it is simply cut."""
+    prompt_eos: bool = False
+    """End every prompt with EOS (the reference's CNN/DailyMail source: BOS + article + EOS)."""
 
 
 class DataSection(Section):
@@ -81,6 +109,8 @@ class DataSection(Section):
     """Vocabulary of the BPE trained when `tokenizer` is None."""
     seq_len: PositiveInt = 256
     """Training sequence length L (the model sees 2L tokens)."""
+    supervised: SupervisedSection = Field(default_factory=SupervisedSection)
+    """Rows of supervised datasets (format: supervised); unused by pretraining data."""
     document_mask: bool = False
     """Keep attention within documents: a packed window holds several (each ends with the
     tokenizer's EOD token), and by default every token attends across their boundaries. The
@@ -164,6 +194,11 @@ class CheckpointSection(Section):
     allow_model_change: bool = False
     """Resume from a checkpoint whose model config differs from the recipe's (e.g. another
     attention_impl); refused by default."""
+    async_save: bool = False
+    """Write checkpoints in the background while training goes on (megatron engine: megatron-core's
+    async dist_checkpointing). At most one save is in flight; it is published (manifest, atomic
+    rename, `latest`) only once every rank's files are on disk, so a crash at any moment leaves
+    the newest complete checkpoint resumable."""
 
 
 class EvalSection(Section):

@@ -12,8 +12,9 @@ import importlib.util
 from pathlib import Path
 
 from setdiff_megatron.errors import require
+from setdiff_megatron.models.weight_maps import check_backend
 from setdiff_megatron.recipes.loading import RecipeError
-from setdiff_megatron.recipes.schema import BUILTIN_CORPORA, Recipe
+from setdiff_megatron.recipes.schema import BUILTIN_CORPORA, SUPERVISED_CORPORA, Recipe
 
 __all__ = ["validate_recipe", "check_recipe", "check_engine_installed", "data_parallel_size", "ENGINE_EXTRAS",
            "offload_host_bytes"]
@@ -107,6 +108,11 @@ def _deepspeed_rules(r: Recipe, has_gpu: bool, host_memory: int | None) -> list[
         return ["parallel.offload_optimizer: optimizer offload is a deepspeed-engine feature; "
                 "set engine: deepspeed or offload_optimizer=false"] if p.offload_optimizer else []
     errors = []
+    if r.checkpoint.async_save:
+        errors.append("checkpoint.async_save: the deepspeed engine saves synchronously: DeepSpeed 0.19's decoupled "
+                      "checkpoint writer commits inside the next optimizer step, with no point at which the "
+                      "checkpoint could be hashed and published once its files are on disk; set "
+                      "checkpoint.async_save=false or engine: megatron")
     if p.distributed_optimizer and p.zero_stage == 0:
         errors.append("parallel.distributed_optimizer: with engine deepspeed the optimizer is sharded by "
                       "parallel.zero_stage (1 is megatron's distributed optimizer); set zero_stage >= 1 "
@@ -166,6 +172,25 @@ def _method_rules(r: Recipe) -> list[str]:
     return errors
 
 
+def _supervised_rules(r: Recipe) -> list[str]:
+    formats = {ds.format for ds in r.data.datasets}
+    if len(formats) > 1:
+        return ["data.datasets: a blend mixes pretraining and supervised datasets; give every entry the same format"]
+    s, seq_len = r.data.supervised, r.data.seq_len
+    if formats != {"supervised"}:
+        return []
+    errors = [f"data.datasets.{i}.format: the built-in corpus {ds.path!r} has no supervised records (only "
+              f"{', '.join(SUPERVISED_CORPORA)} has)" for i, ds in enumerate(r.data.datasets)
+              if ds.path in BUILTIN_CORPORA and ds.path not in SUPERVISED_CORPORA]
+    if r.data.document_mask:
+        errors.append("data.document_mask: applies to packed pretraining windows; supervised rows always keep "
+                      "attention within each record: remove it")
+    if s.max_prompt_tokens is not None and s.max_prompt_tokens >= seq_len:
+        errors.append(f"data.supervised.max_prompt_tokens: {s.max_prompt_tokens} leaves no room for a response in "
+                      f"data.seq_len ({seq_len})")
+    return errors
+
+
 def _data_rules(r: Recipe) -> list[str]:
     names = [ds.path for ds in r.data.datasets]
     builtin = [n for n in names if n in BUILTIN_CORPORA]
@@ -188,6 +213,10 @@ def _train_rules(r: Recipe, has_gpu: bool) -> list[str]:
         errors.append(f"train.min_lr: {t.min_lr} exceeds train.lr ({t.lr})")
     if t.fp8 is not None and r.model.backend != "te":
         errors.append("train.fp8: FP8 needs model.backend: te (Transformer Engine, GPU only)")
+    try:
+        check_backend(r.model, r.model.backend)
+    except ValueError as exc:
+        errors.append(f"model.backend: {exc}")
     if not has_gpu:
         if r.model.backend == "te":
             errors.append("model.backend: te (Transformer Engine) needs a GPU; use model.backend=local here")
@@ -228,7 +257,7 @@ def validate_recipe(recipe: Recipe, *, world_size: int | None = None, has_gpu: b
         host_memory = _host_memory()
     world = world_size if world_size is not None else recipe.launch.world_size
     errors = (_parallel_rules(recipe, world) + _deepspeed_rules(recipe, has_gpu, host_memory)
-              + _method_rules(recipe) + _train_rules(recipe, has_gpu))
+              + _method_rules(recipe) + _train_rules(recipe, has_gpu) + _supervised_rules(recipe))
     if check_paths:
         errors += _path_rules(recipe)
     return errors + _data_rules(recipe)

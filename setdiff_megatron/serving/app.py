@@ -14,25 +14,31 @@ step. Every response carries usage: prompt and completion tokens, plus NFE and t
 Bad requests get OpenAI-style error objects with HTTP 400, and the server keeps serving.
 """
 
-# No `from __future__ import annotations`: FastAPI reads the route functions' annotations, and the
-# routes are defined inside create_app, whose local names (Request) a string annotation cannot see.
 import asyncio
-import itertools
 import json
 import random
-import time
 import uuid
-from collections import deque
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.core.sampler import SetSampler
+from setdiff_megatron.data.chat import ChatError, render_chat
+from setdiff_megatron.data.supervised import RowFormat
 from setdiff_megatron.data.tokenizers import SetDiffTokenizer
 from setdiff_megatron.errors import require
-from setdiff_megatron.serving.protocol import (ChatBody, CompletionBody, RequestError, decoding_of, error_body,
-                                               validation_message)
+from setdiff_megatron.serving.metrics import ServingStats, exposition, metrics_registry
+from setdiff_megatron.serving.protocol import ChatBody, CompletionBody, RequestError, decoding_of, validation_message
 from setdiff_megatron.serving.replicas import Job, Replica
+from setdiff_megatron.serving.responses import (ChatResponses, ChoiceText, CompletionResponses, Responses, Usage,
+                                                error_json, model_list)
+
+require("fastapi", "serve", "setdiff serve")
+
+from fastapi import FastAPI, Request  # noqa: E402
+from fastapi.exceptions import RequestValidationError  # noqa: E402
+from fastapi.responses import JSONResponse, Response, StreamingResponse  # noqa: E402
 
 __all__ = ["Server", "create_app", "ServedModel"]
 
@@ -50,6 +56,8 @@ class ServedModel:
     defaults: DecodingConfig
     chat_template: str | None = None
     kv_budget: int | None = None
+    prompt_format: RowFormat = field(default_factory=RowFormat)
+    """How text prompts begin, as the model's training rows did (runs/terms.py prompt_format)."""
 
 
 @dataclass
@@ -67,29 +75,6 @@ class _Choice:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
 
 
-class _Stats:
-    def __init__(self) -> None:
-        self.requests = self.errors = self.tokens = self.steps_sum = 0
-        self.tokens_per_step_sum, self.jobs_done = 0.0, 0
-        self.recent: deque[tuple[float, int]] = deque()
-        self.load: dict[int, dict] = {}
-
-    def finished(self, summary: dict) -> None:
-        self.tokens += summary["num_decoded"]
-        self.jobs_done += 1
-        self.tokens_per_step_sum += summary["num_decoded"] / max(summary["steps"], 1)
-        now = time.monotonic()
-        self.recent.append((now, summary["num_decoded"]))
-        while self.recent and now - self.recent[0][0] > 60:
-            self.recent.popleft()
-
-    def tokens_per_s(self) -> float:
-        if len(self.recent) < 2:
-            return 0.0
-        span = max(self.recent[-1][0] - self.recent[0][0], 1e-9)
-        return sum(n for _, n in list(self.recent)[1:]) / span
-
-
 class Server:
     """Requests in, jobs out to the replicas, events back to the waiting requests."""
 
@@ -102,17 +87,26 @@ class Server:
         self.choices: dict[str, _Choice] = {}
         self.owner: dict[str, int] = {}
         self.outstanding: list[int] = []
-        self.stats = _Stats()
+        self.stats = ServingStats()
         self.loop: asyncio.AbstractEventLoop | None = None
 
     def start(self) -> None:
         self.loop = asyncio.get_running_loop()
         self.replicas = self._make_replicas(self.on_event)
         self.outstanding = [0] * len(self.replicas)
+        self.stats.rows = sum(r.max_rows or 0 for r in self.replicas)
 
     def close(self) -> None:
         for replica in self.replicas:
             replica.close()
+
+    @asynccontextmanager
+    async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
+        """The app's lifespan: the replicas start once the event loop runs (their events come back
+        through it) and close when the app shuts down."""
+        self.start()
+        yield
+        self.close()
 
     # ---- events from the replicas (any thread) ---------------------------------------------
 
@@ -146,8 +140,9 @@ class Server:
         a plain prompt gets a tail of max_tokens."""
         tok = self.model.tokenizer
         max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        fmt = self.model.prompt_format
         if body.segments is not None:
-            ids = []
+            ids = [] if fmt.bos_id is None else [fmt.bos_id]
             for segment in body.segments:
                 ids += tok.encode(segment) if isinstance(segment, str) else [tok.mask_id] * segment
             return ids, 0
@@ -159,21 +154,29 @@ class Server:
                 raise RequestError("prompt token ids must be in the vocabulary and not MASK", param="prompt")
             ids = list(prompt)
         else:
-            ids = tok.encode(prompt)
+            ids = fmt.prompt(tok.encode(prompt)).tolist()
         if body.suffix is not None:  # insert mode: max_tokens tokens infilled before the suffix
             return ids + [tok.mask_id] * max_tokens + tok.encode(body.suffix), 0
         return ids, max_tokens
 
     def chat_prompt(self, body: ChatBody) -> list[int]:
+        """The model's chat template with its generation prompt, markup as special tokens (the
+        way supervised chat records were rendered for training); a plain transcript without one."""
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         if self.model.chat_template:
-            jinja2 = require("jinja2", "serve", "Chat templates")
-            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            text = env.from_string(self.model.chat_template).render(
-                messages=messages, add_generation_prompt=True, bos_token="", eos_token="")
-        else:
-            text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
-        return self.model.tokenizer.encode(text)
+            try:
+                text = render_chat(self.model.chat_template, messages, add_generation_prompt=True)
+            except ChatError as exc:
+                raise RequestError(str(exc), param="messages") from None
+            return self.model.prompt_format.prompt(self.model.tokenizer.encode_markup(text)).tolist()
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+        return self.model.prompt_format.prompt(self.model.tokenizer.encode(text)).tolist()
+
+    def chat_max_tokens(self, body: ChatBody, prompt: list[int]) -> int:
+        """The request's limit, or as much as the context leaves after the prompt and one window."""
+        if body.limit is not None:
+            return body.limit
+        return max(1, self.model.context_len - 1 - len(prompt) - self.model.defaults.window)
 
     def jobs(self, body, prompt: list[int], max_tokens: int) -> list[_Choice]:
         """Check the request and make its n jobs (seeds: seed + i, or random ones)."""
@@ -242,159 +245,143 @@ class Server:
 
 
 def _finish_reason(choice: _Choice) -> str:
+    """OpenAI's finish reason: "stop" at a stop string or EOS, "length" where the tokens ran out."""
     if choice.stopped is not None:
         return "stop"
     return "stop" if choice.done and choice.done["finish_reason"] == "stop" else "length"
 
 
-def _usage(prompt: list[int], choices: list[_Choice], server: Server) -> dict[str, Any]:
-    completion = sum(len(server.model.tokenizer.encode(server.text_of(c, []))) if c.stopped else
-                     len(c.tokens) for c in choices)
-    done = [c.done for c in choices if c.done]
-    steps = sum(d["steps"] for d in done)
-    decoded = sum(d["num_decoded"] for d in done)
-    return {"prompt_tokens": len(prompt), "completion_tokens": completion, "total_tokens": len(prompt) + completion,
-            "nfe": sum(d["nfe"] for d in done), "tokens_per_step": round(decoded / max(steps, 1), 4)}
+@dataclass
+class _Reply:
+    """One request's answer: its jobs awaited whole, or streamed as server-sent events."""
+
+    server: Server
+    body: CompletionBody | ChatBody
+    prompt: list[int]
+    choices: list[_Choice]
+    responses: Responses
+
+    async def whole(self) -> dict:
+        """Every choice's final text; cancelling frees the bookkeeping (and a row still decoding
+        after a stop string), also when the client went away."""
+        try:
+            for c in self.choices:
+                async for _ in self.server.wait(c, self.body.stops):
+                    pass
+        finally:
+            self.server.cancel(self.choices)
+        return self.responses.response([ChoiceText(c.index, self.server.text_of(c, self.body.stops),
+                                                   _finish_reason(c)) for c in self.choices], self.usage())
+
+    async def events(self) -> AsyncIterator[str]:
+        """The choices' deltas as they come, interleaved; an error ends the stream."""
+        queue: asyncio.Queue[ChoiceText | RequestError] = asyncio.Queue()
+        tasks = [asyncio.create_task(self._pump(c, queue)) for c in self.choices]
+        try:
+            for chunk in self.responses.opening_chunks([c.index for c in self.choices]):
+                yield _sse(chunk)
+            while not (all(t.done() for t in tasks) and queue.empty()):
+                item = await queue.get()
+                if isinstance(item, RequestError):
+                    yield _sse(error_json(str(item), kind="server_error"))
+                    break
+                yield _sse(self.responses.chunk(item))
+            if self.body.include_usage:
+                yield _sse(self.responses.usage_chunk(self.usage()))
+            yield "data: [DONE]\n\n"
+        finally:  # also when the client went away: the rows free at the next step
+            for t in tasks:
+                t.cancel()
+            self.server.cancel(self.choices)
+
+    async def _pump(self, choice: _Choice, queue: asyncio.Queue) -> None:
+        """One choice's deltas into the stream's queue, then its finish, or the error that ended it."""
+        try:
+            async for text in self.server.wait(choice, self.body.stops):
+                await queue.put(ChoiceText(choice.index, text, None))
+            await queue.put(ChoiceText(choice.index, "", _finish_reason(choice)))
+        except RequestError as exc:
+            await queue.put(exc)
+
+    def usage(self) -> Usage:
+        """Prompt and completion tokens, and what the finished jobs cost (NFE, tokens per step)."""
+        tok = self.server.model.tokenizer
+        completion = sum(len(tok.encode(self.server.text_of(c, []))) if c.stopped else len(c.tokens)
+                         for c in self.choices)
+        done = [c.done for c in self.choices if c.done]
+        decoded, steps = sum(d["num_decoded"] for d in done), sum(d["steps"] for d in done)
+        return Usage(prompt_tokens=len(self.prompt), completion_tokens=completion,
+                     total_tokens=len(self.prompt) + completion, nfe=sum(d["nfe"] for d in done),
+                     tokens_per_step=round(decoded / max(steps, 1), 4))
 
 
-def create_app(server: Server):
+async def _reply(server: Server, body: CompletionBody | ChatBody, prompt: list[int], max_tokens: int,
+                 responses: type[Responses]) -> dict | StreamingResponse:
+    """Start the request's jobs; answer whole, or with a stream the jobs feed."""
+    choices = server.jobs(body, prompt, max_tokens)
+    reply = _Reply(server, body, prompt, choices, responses(choices[0].key.split("-")[0], server.model.name))
+    if body.stream:
+        return StreamingResponse(reply.events(), media_type="text/event-stream")
+    return await reply.whole()
+
+
+def create_app(server: Server) -> FastAPI:
     """The FastAPI application around `server`."""
-    fastapi = require("fastapi", "serve", "setdiff serve")
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-    from contextlib import asynccontextmanager
-
-    @asynccontextmanager
-    async def lifespan(app):
-        server.start()
-        yield
-        server.close()
-
-    app = fastapi.FastAPI(title="setdiff serve", lifespan=lifespan)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request, exc):
-        message, param = validation_message(exc)
-        server.stats.errors += 1
-        return JSONResponse(error_body(message, param=param), status_code=400)
-
-    @app.exception_handler(RequestError)
-    async def refused(request, exc: RequestError):
-        server.stats.errors += 1
-        return JSONResponse(error_body(str(exc), param=exc.param, code=exc.code, kind=exc.kind),
-                            status_code=exc.status)
-
-    @app.get("/health")
-    async def health():
-        return {"status": "ok"}
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": server.model.name, "object": "model", "created": 0,
-                                            "owned_by": "setdiff"}]}
-
-    @app.get("/metrics", response_class=PlainTextResponse)
-    async def metrics():
-        s = server.stats
-        running = sum(v.get("running", 0) for v in s.load.values())
-        waiting = sum(v.get("waiting", 0) for v in s.load.values())
-        capacity = sum(r.max_rows or 0 for r in server.replicas) or 1
-        lines = [
-            ("setdiff_requests_total", "counter", "HTTP requests accepted", s.requests),
-            ("setdiff_request_errors_total", "counter", "requests refused", s.errors),
-            ("setdiff_jobs_running", "gauge", "rows decoding in the replicas' batches", running),
-            ("setdiff_queue_depth", "gauge", "jobs waiting for a row", waiting),
-            ("setdiff_tokens_total", "counter", "tokens decoded", s.tokens),
-            ("setdiff_tokens_per_second", "gauge", "decoded tokens per second over the last minute", s.tokens_per_s()),
-            ("setdiff_tokens_per_step", "gauge", "mean tokens per step of finished jobs",
-             s.tokens_per_step_sum / max(s.jobs_done, 1)),
-            ("setdiff_batch_occupancy", "gauge", "running rows over the replicas' max rows", running / capacity),
-        ]
-        text = "".join(f"# HELP {name} {help_}\n# TYPE {name} {kind}\n{name} {value}\n"
-                       for name, kind, help_, value in lines)
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
-
-    async def respond(request, body, prompt: list[int], max_tokens: int, chat: bool):
-        choices = server.jobs(body, prompt, max_tokens)
-        rid, created = ("chatcmpl-" if chat else "cmpl-") + choices[0].key.split("-")[0], int(time.time())
-        kind = "chat.completion" if chat else "text_completion"
-
-        def choice_json(c: _Choice, text: str, finish: str | None, delta: bool) -> dict:
-            if chat:
-                content = {"role": "assistant", "content": text} if not delta else ({"content": text} if text else {})
-                return {"index": c.index, ("delta" if delta else "message"): content, "finish_reason": finish,
-                        "logprobs": None}
-            return {"index": c.index, "text": text, "logprobs": None, "finish_reason": finish}
-
-        if not body.stream:
-            try:
-                for c in choices:
-                    async for _ in server.wait(c, body.stops):
-                        pass
-            except BaseException:
-                server.cancel(choices)
-                raise
-            server.cancel(choices)  # frees the bookkeeping (and a row still decoding after a stop string)
-            return {"id": rid, "object": kind, "created": created, "model": server.model.name,
-                    "choices": [choice_json(c, server.text_of(c, body.stops), _finish_reason(c), False)
-                                for c in choices], "usage": _usage(prompt, choices, server)}
-
-        async def events() -> AsyncIterator[str]:
-            chunk_kind = "chat.completion.chunk" if chat else "text_completion"
-            queue: asyncio.Queue = asyncio.Queue()
-
-            async def pump(c: _Choice) -> None:
-                try:
-                    async for text in server.wait(c, body.stops):
-                        await queue.put((c, text, None))
-                    await queue.put((c, "", _finish_reason(c)))
-                except RequestError as exc:
-                    await queue.put((c, str(exc), "error"))
-
-            tasks = [asyncio.create_task(pump(c)) for c in choices]
-            try:
-                if chat:
-                    for c in choices:
-                        first = {"index": c.index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                        yield _sse({"id": rid, "object": chunk_kind, "created": created, "model": server.model.name,
-                                    "choices": [first]})
-                for _ in itertools.count():
-                    if all(t.done() for t in tasks) and queue.empty():
-                        break
-                    c, text, finish = await queue.get()
-                    if finish == "error":
-                        yield _sse(error_body(text, kind="server_error"))
-                        break
-                    yield _sse({"id": rid, "object": chunk_kind, "created": created, "model": server.model.name,
-                                "choices": [choice_json(c, text, finish, True)]})
-                if body.include_usage:
-                    yield _sse({"id": rid, "object": chunk_kind, "created": created, "model": server.model.name,
-                                "choices": [], "usage": _usage(prompt, choices, server)})
-                yield "data: [DONE]\n\n"
-            finally:  # also when the client went away: the rows free at the next step
-                for t in tasks:
-                    t.cancel()
-                server.cancel(choices)
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    @app.post("/v1/completions")
-    async def completions(request: fastapi.Request, body: CompletionBody):
-        body.check_unsupported()
-        prompt, max_tokens = server.completion_prompt(body)
-        return await respond(request, body, prompt, max_tokens, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: fastapi.Request, body: ChatBody):
-        limit = body.limit
-        max_tokens = server.model.context_len if limit is None else limit
-        prompt = server.chat_prompt(body)
-        if limit is None:  # as much as the context leaves after the prompt and one window
-            max_tokens = max(1, server.model.context_len - 1 - len(prompt) - server.model.defaults.window)
-        return await respond(request, body, prompt, max_tokens, chat=True)
-
+    app = FastAPI(title="setdiff serve", lifespan=server.lifespan)
+    _answer_errors(app, server)
+    _route_status(app, server)
+    _route_completions(app, server)
     return app
 
 
+def _answer_errors(app: FastAPI, server: Server) -> None:
+    """Bad requests, malformed or refused, get OpenAI's error objects and count as errors."""
+
+    @app.exception_handler(RequestError)
+    async def refused(request: Request, exc: RequestError) -> JSONResponse:
+        server.stats.errors += 1
+        return JSONResponse(error_json(str(exc), param=exc.param, code=exc.code, kind=exc.kind),
+                            status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = validation_message(exc)
+        return await refused(request, RequestError(message, param=param))
+
+
+def _route_status(app: FastAPI, server: Server) -> None:
+    """/health, /v1/models and /metrics (from a registry of this app's own)."""
+    registry = metrics_registry(server.stats)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return model_list(server.model.name)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        body, content_type = exposition(registry, request.headers.get("accept"))
+        return Response(body, media_type=content_type)
+
+
+def _route_completions(app: FastAPI, server: Server) -> None:
+    """/v1/completions and /v1/chat/completions."""
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionBody) -> dict | StreamingResponse:
+        body.check_unsupported()
+        prompt, max_tokens = server.completion_prompt(body)
+        return await _reply(server, body, prompt, max_tokens, CompletionResponses)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(body: ChatBody) -> dict | StreamingResponse:
+        prompt = server.chat_prompt(body)
+        return await _reply(server, body, prompt, server.chat_max_tokens(body, prompt), ChatResponses)
+
+
 def _sse(payload: dict) -> str:
+    """One server-sent event, as OpenAI's streams frame their chunks."""
     return f"data: {json.dumps(payload)}\n\n"

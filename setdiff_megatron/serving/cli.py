@@ -23,12 +23,13 @@ __all__ = ["add_parser", "build_server"]
 
 def _served_model(args, source):
     from setdiff_megatron.inference.defaults import default_decoding
+    from setdiff_megatron.runs.terms import prompt_format
     from setdiff_megatron.serving.app import ServedModel
 
     name = args.model_name or Path(args.source).resolve().name
     return ServedModel(name=name, tokenizer=source.tokenizer, context_len=source.config.max_seq_len,
                        defaults=default_decoding(source), chat_template=source.tokenizer.chat_template,
-                       kv_budget=args.kv_budget)
+                       kv_budget=args.kv_budget, prompt_format=prompt_format(source.recipe, source.tokenizer))
 
 
 def _local_replicas(args):
@@ -85,7 +86,7 @@ def _process_replicas(args):
 
 def build_server(args):
     """(the Server, the worker processes or None) for parsed `setdiff serve` arguments."""
-    from setdiff_megatron.checkpoint.source import read_source
+    from setdiff_megatron.sources.read import read_source
     from setdiff_megatron.serving.app import Server
 
     for name in ("batch_size", "nproc", "tp"):
@@ -99,7 +100,15 @@ def build_server(args):
     return Server(model, make), workers
 
 
+def _check_port(port: int) -> None:
+    """Checked before the model loads: past 65535 uvicorn ends in a traceback (OverflowError) once
+    the model loaded, and 0 would listen on a port the printed address does not name."""
+    if not 1 <= port <= 65535:
+        raise UserError(f"--port must be in 1..65535; got {port}")
+
+
 def _run(args) -> int:
+    _check_port(args.port)
     require("fastapi", "serve", "setdiff serve")
     uvicorn = require("uvicorn", "serve", "setdiff serve")
     from setdiff_megatron.serving.app import create_app

@@ -17,8 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from setdiff_megatron.core.decoding import DecodingConfig
 
-__all__ = ["CompletionBody", "ChatBody", "ChatMessage", "RequestError", "error_body", "decoding_of",
-           "validation_message"]
+__all__ = ["CompletionBody", "ChatBody", "ChatMessage", "RequestError", "decoding_of", "validation_message"]
 
 
 class RequestError(Exception):
@@ -28,11 +27,6 @@ class RequestError(Exception):
                  code: str | None = None, kind: str = "invalid_request_error"):
         super().__init__(message)
         self.param, self.status, self.code, self.kind = param, status, code, kind
-
-
-def error_body(message: str, *, param: str | None = None, code: str | None = None,
-               kind: str = "invalid_request_error") -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 class _Body(BaseModel):

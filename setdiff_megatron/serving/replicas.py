@@ -27,7 +27,7 @@ import torch
 from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.core.sampler import Request, RowResult, SetSampler
 
-__all__ = ["Job", "Replica", "LocalReplica", "ProcessReplica", "serve_loop", "row_summary"]
+__all__ = ["Job", "Replica", "LocalReplica", "ProcessReplica"]
 
 
 @dataclass(frozen=True)

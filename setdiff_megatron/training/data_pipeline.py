@@ -1,10 +1,10 @@
 """From a recipe's data and method sections to two-stream micro-batches, for every engine.
 
-The tokenizer and the packed datasets come from `data/`; the order of each sequence comes from
-the recipe's order policy through `core.streams`. Orders are drawn from a generator seeded by
-(seed, data-parallel rank, consumed samples), so every tensor- and pipeline-parallel rank of one
-data-parallel replica builds the very same batch, and a resumed run draws the orders it would
-have drawn without the interruption.
+The tokenizer and the datasets (packed pretraining windows, or supervised rows) come from
+`data/`; the order of each sequence comes from the recipe's order policy through `core.streams`.
+Orders are drawn from a generator seeded by (seed, data-parallel rank, consumed samples), so
+every tensor- and pipeline-parallel rank of one data-parallel replica builds the very same
+batch, and a resumed run draws the orders it would have drawn without the interruption.
 """
 
 from __future__ import annotations
@@ -15,48 +15,37 @@ from typing import Iterator
 
 import torch
 
-from setdiff_megatron.core.orders import OrderPolicy, make_order_policy
 from setdiff_megatron.core.streams import TwoStreamBatch, sample_two_stream_batch
 from setdiff_megatron.data.builtin import builtin_corpus_dir, corpus_paths, prepare_builtin_corpus
-from setdiff_megatron.data.samples import PackedSamples, ResumableLoader, build_packed_datasets
+from setdiff_megatron.data.samples import ResumableLoader, SupervisedRows, build_datasets, truncation_report
 from setdiff_megatron.data.tokenizers import SetDiffTokenizer, load_tokenizer
-from setdiff_megatron.recipes.schema import BUILTIN_CORPORA, MethodSection, Recipe
+from setdiff_megatron.recipes.schema import BUILTIN_CORPORA, Recipe
+from setdiff_megatron.runs.terms import data_dir, is_supervised, order_policy_from, row_format
 
-__all__ = ["TrainingData", "order_policy_from", "prepare_data", "DataLoaders"]
-
-
-def order_policy_from(method: MethodSection) -> OrderPolicy:
-    if method.order == "staggered":
-        return make_order_policy("staggered", d=method.d, m=method.m, k=method.k, b=method.b)
-    if method.order == "block":
-        return make_order_policy("block", size=method.block_size)
-    return make_order_policy(method.order)
+__all__ = ["TrainingData", "prepare_data", "DataLoaders"]
 
 
 @dataclass
 class TrainingData:
     tokenizer: SetDiffTokenizer
-    train: PackedSamples
-    valid: PackedSamples | None
-
-
-def data_dir(recipe: Recipe) -> Path:
-    return Path(recipe.data.cache_dir or Path(recipe.checkpoint.dir) / "data")
+    train: torch.utils.data.Dataset
+    valid: torch.utils.data.Dataset | None
 
 
 def prepare_data(recipe: Recipe, *, num_train_samples: int, num_valid_samples: int,
                  is_first_rank: bool, barrier=lambda: None) -> TrainingData:
-    """Tokenizer and packed train/valid samples. The first rank prepares a built-in corpus while
+    """Tokenizer and train/valid samples. The first rank prepares a built-in corpus while
     the others wait at `barrier`; megatron's builder orders the index caches the same way."""
     data, cache = recipe.data, data_dir(recipe)
     names = [d.path for d in data.datasets]
     builtin = len(names) == 1 and names[0] in BUILTIN_CORPORA
+    supervised = is_supervised(recipe)
     if builtin:
         corpus_dir = builtin_corpus_dir(names[0], cache, data.vocab_size)
         if is_first_rank:
             prepare_builtin_corpus(names[0], corpus_dir, data.vocab_size, progress=True)
         barrier()  # the other ranks only read what the first one wrote before the barrier
-        tokenizer_dir, train_prefix, valid_prefix = corpus_paths(corpus_dir)
+        tokenizer_dir, train_prefix, valid_prefix = corpus_paths(corpus_dir, supervised=supervised)
         tokenizer = load_tokenizer(tokenizer_dir)
         train_sets = [(train_prefix, 1.0)]
         splits = {"train": ("100,0,0", [train_prefix]), "valid": ("0,100,0", [valid_prefix])}
@@ -65,19 +54,26 @@ def prepare_data(recipe: Recipe, *, num_train_samples: int, num_valid_samples: i
         train_sets = [(Path(d.path), d.weight) for d in data.datasets]
         splits = {"all": (data.split, [p for p, _ in train_sets])}
 
-    def build(split: str, prefixes: list[Path]) -> dict[str, PackedSamples | None]:
+    rows = SupervisedRows(row_format(recipe, tokenizer), data.supervised.layout) if supervised else None
+
+    def build(split: str, prefixes: list[Path]) -> dict[str, torch.utils.data.Dataset | None]:
         weights = [w for p, w in train_sets if p in prefixes] if len(prefixes) > 1 else None
-        return build_packed_datasets(
+        return build_datasets(
             prefixes, tokenizer, sequence_length=data.seq_len, cache_dir=cache / "index",
             num_samples=(num_train_samples, num_valid_samples, 0), split=split, weights=weights,
-            seed=recipe.train.seed, prepend_bos=recipe.method.keep_clean_bos,
+            seed=recipe.train.seed, prepend_bos=recipe.method.keep_clean_bos, supervised=rows,
         )
 
     # Every rank builds; megatron's builder lets rank 0 write the index caches first.
     built = {name: build(*args) for name, args in splits.items()}
-    if builtin:
-        return TrainingData(tokenizer, built["train"]["train"], built["valid"]["valid"])
-    return TrainingData(tokenizer, built["all"]["train"], built["all"]["valid"])
+    train, valid = (built["train"]["train"], built["valid"]["valid"]) if builtin else (
+        built["all"]["train"], built["all"]["valid"])
+    if supervised and is_first_rank:
+        cut, records = truncation_report(train)
+        if cut:
+            print(f"setdiff: data: {cut} of {records} training responses are cut to fit data.seq_len = {data.seq_len}"
+                  + (" (EOS kept last: data.supervised.force_eos)" if data.supervised.force_eos else ""), flush=True)
+    return TrainingData(tokenizer, train, valid)
 
 
 class DataLoaders:
@@ -100,10 +96,14 @@ class DataLoaders:
 
     def _two_stream(self, sample: dict, generator: torch.Generator) -> TwoStreamBatch:
         tokens = sample["tokens"].to(self.device)
+        records = None
+        if "document_ids" in sample:  # rows that pack supervised records
+            records = (sample["document_ids"].to(self.device), sample["position_ids"].to(self.device))
         return sample_two_stream_batch(
             tokens, self.policy, mask_token_id=self.data.tokenizer.mask_id,
             prompt_mask=sample["prompt_mask"].to(self.device), pad_mask=sample["pad_mask"].to(self.device),
-            eod_id=self.data.tokenizer.eod if self.recipe.data.document_mask else None, generator=generator,
+            eod_id=self.data.tokenizer.eod if self.recipe.data.document_mask else None, records=records,
+            generator=generator,
         )
 
     def _generator(self, tag: int, position: int) -> torch.Generator:

@@ -29,8 +29,8 @@ def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
     An example of L tokens runs 2L tokens (clean + query stream) through every weight matmul;
     set-causal attention does about L^2 useful score entries per head over both streams
-    (KERNELS.md 3), each costing 2 FLOPs in QK^T and 2 in PV per head dimension; the output
-    layer runs on the query stream only.
+    (docs/method.md, "Fused kernels"), each costing 2 FLOPs in QK^T and 2 in PV per head
+    dimension; the output layer runs on the query stream only.
     """
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     h = cfg.hidden_size
@@ -106,7 +106,8 @@ class MetricsLogger:
                                  ("train/lr", "lr", ".3e"), ("train/grad_norm", "grad norm", ".3g"),
                                  ("moe/load_balancing_loss", "lb loss", ".4f"),
                                  ("moe/max_over_mean_load", "max/mean load", ".3f"),
-                                 ("perf/tokens_per_s", "tokens/s", ",.0f")):
+                                 ("perf/tokens_per_s", "tokens/s", ",.0f"), ("checkpoint/step", "checkpoint of step", "d"),
+                                 ("checkpoint/blocked_s", "blocked s", ".2f"), ("checkpoint/write_s", "written s", ".2f")):
             if key in metrics:
                 parts.append(f"{label} {metrics[key]:{spec}}")
         elapsed, done = time.monotonic() - self.start, step - self.start_step

@@ -12,11 +12,13 @@ What the loop decides, whatever the engine:
   checkpoints   every `checkpoint.interval`, at the end, and at a preemption signal's step
                 boundary (exit code 75), published through checkpoint/publish.py
   resume        `checkpoint.resume` through checkpoint/resolve.py; a resumed run keeps its run id
-  init_from     any source checkpoint/source.py reads, fitted to the recipe's model
+  init_from     any source sources/read.py reads, fitted to the recipe's model
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import math
 import time
 import uuid
@@ -26,22 +28,22 @@ from pathlib import Path
 import torch
 
 from setdiff_megatron.checkpoint.identity import model_identity
-from setdiff_megatron.checkpoint.names import CHECKPOINTS, TOKENIZER_DIR
-from setdiff_megatron.checkpoint.publish import Retention, check_writable, publish
+from setdiff_megatron.checkpoint.publish import check_writable
 from setdiff_megatron.checkpoint.resolve import resume_target
-from setdiff_megatron.checkpoint.source import fit_source, read_source
-from setdiff_megatron.checkpoint.state import Progress, TrainState, write_train_state
+from setdiff_megatron.sources.read import fit_source, read_source
+from setdiff_megatron.checkpoint.state import Progress
 from setdiff_megatron.distributed import runtime
 from setdiff_megatron.distributed.signals import PreemptionHandler
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.recipes import Recipe, save_resolved_recipe
+from setdiff_megatron.training.checkpointer import Checkpointer
 from setdiff_megatron.recipes.validation import check_recipe
 from setdiff_megatron.training import lr_schedule
 from setdiff_megatron.training.data_pipeline import DataLoaders, TrainingData, prepare_data
 from setdiff_megatron.training.engines import Engine, start_engine
 from setdiff_megatron.training.metrics import MetricsLogger, peak_flops, step_metrics, training_flops_per_token
 
-__all__ = ["train", "TrainResult", "preflight", "save_checkpoint"]
+__all__ = ["train", "TrainResult", "preflight", "check_resumable"]
 
 CHECKPOINT_BYTES_PER_PARAM = 16
 """Saved bytes per parameter, with margin: weights, fp32 main copy, two Adam moments."""
@@ -67,22 +69,14 @@ def preflight(recipe: Recipe) -> None:
     check_writable(Path(recipe.checkpoint.dir), params * CHECKPOINT_BYTES_PER_PARAM)
 
 
-def save_checkpoint(recipe: Recipe, engine: Engine, progress: Progress, identity: dict, tokenizer,
-                    run_id: str) -> Path:
-    """Collective: publish the engine's files plus, from rank 0, train_state.json, the recipe and
-    the tokenizer, under the recipe's retention; returns the checkpoint directory."""
-    def write(tmp: Path) -> None:
-        engine.save(tmp)
-        if runtime.rank() == 0:
-            write_train_state(tmp, TrainState(
-                progress=progress, scheduler=engine.scheduler_state(), layout=engine.layout_record(), model=identity,
-                tokenizer={"vocab_size": tokenizer.vocab_size, "mask_id": tokenizer.mask_id}, run_id=run_id))
-            save_resolved_recipe(recipe, tmp)
-            tokenizer.save(tmp / TOKENIZER_DIR)
-
+def check_resumable(recipe: Recipe) -> None:
+    """For a launcher, before its processes start: the refusal `resume_target` would give them
+    all (checkpoints none of which can be resumed, by any model), raised once here. Quiet: the run
+    itself reports the checkpoints it skips. `none` is the run's to do, as it moves checkpoints."""
     c = recipe.checkpoint
-    return publish(Path(c.dir) / CHECKPOINTS, progress.step, write, run_id=run_id,
-                   retention=Retention(c.keep_last_n, c.keep_every_n_steps))
+    if c.resume != "none":
+        with contextlib.redirect_stdout(io.StringIO()):
+            resume_target(Path(c.dir), c.resume, None)
 
 
 def train(recipe: Recipe, recipe_path: str | Path = "<recipe>") -> TrainResult:
@@ -137,10 +131,6 @@ class _Run:
         if self.first:
             print(f"setdiff: {text}", flush=True)
 
-    def save(self) -> Path:
-        return save_checkpoint(self.recipe, self.engine, self.progress, self.identity, self.data.tokenizer,
-                               self.run_id)
-
     # ---- the loop --------------------------------------------------------------------------
 
     def _evaluate(self, batches) -> float | None:
@@ -194,6 +184,8 @@ class _Run:
             validate()
         tokens_seen, train_time = 0, 0.0
         saved_step = progress.step if self.resumed is not None else None
+        saves = Checkpointer(r, engine, self.identity, self.data.tokenizer, self.run_id, logger,
+                             last=self.resumed and self.resumed.path)
         try:
             while progress.step < self.total_steps:
                 start = time.perf_counter()
@@ -215,18 +207,24 @@ class _Run:
                     logger.log(progress.step, metrics | engine.router_metrics())
                 if progress.step % r.eval.interval == 0 or last:
                     validate()
+                saves.poll(progress.step)
                 if progress.step % r.checkpoint.interval == 0 or last:
-                    result.checkpoint, saved_step = self.save(), progress.step
+                    saves.save(progress, background=r.checkpoint.async_save and not last)
+                    saved_step = progress.step
                 if not last and self.preemption.agreed():  # every rank, every step boundary
                     if saved_step != progress.step:
-                        result.checkpoint = self.save()
-                    raise self.preemption.stop(progress.step, result.checkpoint)
+                        saves.save(progress, background=False)
+                    saves.wait(step=progress.step)
+                    raise self.preemption.stop(progress.step, saves.last)
+            saves.wait(step=progress.step)
         finally:
             logger.close()
+        result.checkpoint = saves.last
         result.steps = progress.step
         result.tokens_per_s = tokens_seen / train_time if train_time else 0.0
         if self.first:
             curve = ", ".join(f"{s}: {v:.3f}" for s, v in result.valid_losses)
-            print(f"done: {result.steps} steps, {result.tokens_per_s:.0f} tokens/s; validation loss by step {{{curve}}}")
+            print(f"done: {result.steps} steps, {result.tokens_per_s:.0f} tokens/s; validation loss by step {{{curve}}}"
+                  if tokens_seen else f"done: the run was already at step {result.steps}; nothing to train")
             print(f"checkpoint: {result.checkpoint}  logs: {self.run_dir / 'logs'} (metrics.jsonl, tensorboard/)")
         return result

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from setdiff_megatron.core import attention
+from setdiff_megatron.core import step_attention
 from setdiff_megatron.kernels import flash_attn, te_fused
 from setdiff_megatron.models.megatron_model import (
     build_model_chunks,
@@ -35,7 +35,7 @@ def emulate_kernels() -> None:
     te_fused.te_status = lambda: (True, "emulation")
     flash_attn.flash_status = lambda: (True, "emulation")
     for name in KERNELS:
-        attention.register_step_impl(name, emulated_step(name, CALLS))
+        step_attention.register_step_impl(name, emulated_step(name, CALLS))
 
 
 def check(impl: str) -> dict:

@@ -6,17 +6,15 @@ from functools import partial
 import pytest
 import torch
 
-from setdiff_megatron.core.attention import (
-    set_causal_attention,
-    set_causal_mask,
-    set_causal_step_attention,
-)
+from setdiff_megatron.core.attention import set_causal_attention, set_causal_mask
+from setdiff_megatron.core.step_attention import set_causal_step_attention
 
 IMPLS = ["sdpa", "fused"]
 
 
 def rule(q: int, k: int, length: int) -> bool:
-    """ALGORITHM.md 1.4, written as in the document."""
+    """The rule of docs/method.md, "Set-causal attention", written over the 2L indices: stream and
+    rank of an index are divmod(index, L)."""
     s_q, r_q = divmod(q, length)
     s_k, r_k = divmod(k, length)
     return (

@@ -9,15 +9,16 @@ from functools import partial
 import pytest
 import torch
 
-from setdiff_megatron.core import attention, kv_cache
+from setdiff_megatron.core import kv_cache, step_attention
 from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.core.kv_cache import KVCache
 from setdiff_megatron.core.sampler import SetSampler
-from setdiff_megatron.kernels import Choice, emulation, flash_attn, te_fused
+from setdiff_megatron.kernels import Choice, flash_attn, te_fused
 from setdiff_megatron.models import torch_model
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 from tests.conftest import debug_config
 from tests.core.test_sampler import MASK, Recorder, random_prompts
+from tests.kernels import emulation
 from tests.megatron.cases import run_worker
 
 KERNELS = {"te": (te_fused.te_step_attention, emulation.te_api),
@@ -42,7 +43,7 @@ def emulate_kernels(monkeypatch, calls: list | None = None) -> None:
     monkeypatch.setattr(te_fused, "te_status", lambda: (True, "emulation"))
     monkeypatch.setattr(flash_attn, "flash_status", lambda: (True, "emulation"))
     for name in KERNELS:
-        monkeypatch.setitem(attention.STEP_IMPLS, name, emulated_step(name, calls))
+        monkeypatch.setitem(step_attention.STEP_IMPLS, name, emulated_step(name, calls))
 
 
 @pytest.fixture(scope="module")

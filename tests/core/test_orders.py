@@ -1,4 +1,4 @@
-"""Tests for setdiff_megatron.core.orders (ALGORITHM.md 1.2, 1.3, 1.6)."""
+"""Tests for setdiff_megatron.core.orders (docs/method.md, "Order policies")."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Two-stream batches and the loss, in rank order."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -90,3 +91,53 @@ def test_bad_shapes(bad):
             build_two_stream_batch(tokens[0], perm, mask_token_id=MASK)
         else:
             build_two_stream_batch(tokens, perm, mask_token_id=MASK, prompt_mask_BL=torch.zeros(2, 3, dtype=torch.bool))
+
+
+def _records(lengths, prompts, length):
+    """Padded rows of records of the given lengths and prompt lengths, and one row packing them."""
+    batch = len(lengths)
+    prompt, pad = torch.zeros(batch, length, dtype=torch.bool), torch.ones(batch, length, dtype=torch.bool)
+    docs, pos = torch.zeros(1, length, dtype=torch.long), torch.zeros(1, length, dtype=torch.long)
+    packed_prompt, packed_pad = torch.zeros(1, length, dtype=torch.bool), torch.ones(1, length, dtype=torch.bool)
+    offset = 0
+    for i, (n, p) in enumerate(zip(lengths, prompts)):
+        pad[i, :n], prompt[i, :p] = False, True
+        docs[0, offset:offset + n], pos[0, offset:offset + n] = i, torch.arange(n)
+        packed_pad[0, offset:offset + n], packed_prompt[0, offset:offset + p] = False, True
+        offset += n
+    return (prompt, pad), (docs, pos, packed_prompt, packed_pad)
+
+
+def test_a_packed_record_is_ordered_positioned_and_scored_as_its_padded_row(debug_model):
+    """Rows packing supervised records (per-record orders, positions and attention) give every
+    record the very loss it has alone in a padded row, drawn from the same generator."""
+    lengths, prompts, length = [9, 13, 6], [3, 5, 2], 32
+    (prompt, pad), (docs, pos, packed_prompt, packed_pad) = _records(lengths, prompts, length)
+    gen = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, 60, (len(lengths), length), generator=gen)
+    packed_tokens = torch.cat([tokens[i, :n] for i, n in enumerate(lengths)])
+    packed_tokens = torch.cat([packed_tokens, torch.zeros(length - len(packed_tokens), dtype=torch.long)])[None]
+    policy = Staggered(d=2)
+    rows = sample_two_stream_batch(tokens, policy, mask_token_id=63, prompt_mask=prompt, pad_mask=pad,
+                                   generator=torch.Generator().manual_seed(1))
+    packed = sample_two_stream_batch(packed_tokens, policy, mask_token_id=63, prompt_mask=packed_prompt,
+                                     pad_mask=packed_pad, records=(docs, pos), generator=torch.Generator().manual_seed(1))
+    assert packed.valid_len.tolist() == [sum(lengths)] and int(packed.loss_mask.sum()) == int(rows.loss_mask.sum())
+    real = torch.arange(length) < packed.valid_len[0]
+    for i, n in enumerate(lengths):  # each record's ranks, in order, are its padded row's
+        mine = real & (packed.document_ids[0] == i)
+        assert packed.position_ids[0, mine].tolist() == rows.position_ids[i, :n].tolist()
+        assert packed.clean_tokens[0, mine].tolist() == rows.clean_tokens[i, :n].tolist()
+
+    def nll(batch):
+        logits = debug_model(batch.clean_tokens, batch.query_tokens, batch.position_ids, batch.valid_len,
+                             batch.document_ids)
+        from setdiff_megatron.core.loss import token_nll
+
+        return torch.where(batch.loss_mask, token_nll(logits, batch.targets, 63), 0.0)
+
+    padded_nll, packed_nll = nll(rows), nll(packed)
+    per_record = [packed_nll[0, real & (packed.document_ids[0] == i)].sum() for i in range(len(lengths))]
+    torch.testing.assert_close(torch.stack(per_record), padded_nll.sum(dim=1), rtol=1e-10, atol=1e-10)
+    unmasked = nll(replace(packed, document_ids=None))
+    assert (unmasked.sum() - packed_nll.sum()).abs() > 1e-3  # attention across records would change it

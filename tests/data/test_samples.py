@@ -1,17 +1,11 @@
-"""Packed samples (megatron-core GPTDataset + blending), resumable loading, prompt/response data."""
-
-import json
+"""Packed samples (megatron-core GPTDataset + blending) and resumable loading (supervised rows:
+test_supervised.py)."""
 
 import pytest
 import torch
 
 from setdiff_megatron.data.preprocess import PreprocessOptions, preprocess
-from setdiff_megatron.data.samples import (
-    PretrainingBatchSampler,
-    PromptResponseDataset,
-    ResumableLoader,
-    build_packed_datasets,
-)
+from setdiff_megatron.data.samples import PretrainingBatchSampler, ResumableLoader, build_datasets
 from setdiff_megatron.errors import UserError
 from tests.data.corpora import write_jsonl
 
@@ -34,7 +28,7 @@ def corpus(bpe_tokenizer, tmp_path_factory):
 def build(corpus, tokenizer, cache, **kwargs):
     root, _ = corpus
     prefixes = kwargs.pop("prefixes", [root / "out" / "docs"])
-    return build_packed_datasets(prefixes, tokenizer, sequence_length=L, cache_dir=cache, **kwargs)
+    return build_datasets(prefixes, tokenizer, sequence_length=L, cache_dir=cache, **kwargs)
 
 
 def test_packed_samples_have_length_L_and_keep_document_boundaries(corpus, bpe_tokenizer, tmp_path):
@@ -147,26 +141,3 @@ def test_sample_building_refuses_bad_inputs(corpus, bpe_tokenizer, gpt2_dir, tmp
     with pytest.raises(UserError, match="weighted blend"):
         two = [root / "out" / "a", root / "out" / "b"]
         build(corpus, bpe_tokenizer, tmp_path, prefixes=two, weights=[1, 1])
-
-
-def test_prompt_response_records(bpe_tokenizer, tmp_path):
-    path = tmp_path / "sft.jsonl"
-    records = [{"prompt": "Q: two plus two?", "response": " A: four."}, {"prompt": "", "response": "x" * 200}]
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    data = PromptResponseDataset(path, bpe_tokenizer, sequence_length=L, prepend_bos=True)
-    assert len(data) == 2 and data.num_truncated == 1
-    first = data[0]
-    prompt = [bpe_tokenizer.bos_id] + bpe_tokenizer.encode(records[0]["prompt"])
-    target = bpe_tokenizer.encode(records[0]["response"]) + [bpe_tokenizer.eos_id]
-    used = len(prompt) + len(target)
-    assert first["tokens"].tolist() == prompt + target + [bpe_tokenizer.pad_id] * (L - used)
-    assert first["prompt_mask"].tolist() == [True] * len(prompt) + [False] * (L - len(prompt))
-    assert first["pad_mask"].tolist() == [False] * used + [True] * (L - used)
-    assert not data[1]["pad_mask"].any() and data[1]["prompt_mask"].sum() == 1
-
-    path.write_text(json.dumps({"prompt": "p"}) + "\n")
-    with pytest.raises(UserError, match=r"sft.jsonl:1: no 'response' field"):
-        PromptResponseDataset(path, bpe_tokenizer, sequence_length=L)
-    path.write_text(json.dumps({"prompt": "word " * 100, "response": "r"}) + "\n")
-    with pytest.raises(UserError, match="no room for a response"):
-        PromptResponseDataset(path, bpe_tokenizer, sequence_length=L)

@@ -17,7 +17,7 @@ from setdiff_megatron.evaluation import scoring
 from setdiff_megatron.evaluation.tasks import GenerateJob, run_generate_job
 from setdiff_megatron.inference.sharding import Placement
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
-from setdiff_megatron.checkpoint.source import read_source
+from setdiff_megatron.sources.read import read_source
 
 PROMPTS = ["x = 1\ny = 2\nz = ", "for i in range(", "def main(", "import os\n", "a = [1, 2, 3]\nb = "]
 STOP = "\n\n"

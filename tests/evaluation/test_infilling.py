@@ -10,7 +10,7 @@ import pytest
 
 from setdiff_megatron.data.corpus import is_heldout, stdlib_documents
 from setdiff_megatron.errors import UserError
-from setdiff_megatron.checkpoint.source import read_source
+from setdiff_megatron.sources.read import read_source
 from setdiff_megatron.data.reasoning import char_tokenizer
 from setdiff_megatron.evaluation.infilling import (InfillExample, _visible_right, code_examples, jsonl_examples,
                                                    rocstories_examples, score_samples)

@@ -12,7 +12,7 @@ import torch
 from setdiff_megatron.core.orders import make_order_policy
 from setdiff_megatron.evaluation.likelihood import Window, summarize, window_nll
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
-from setdiff_megatron.checkpoint.source import read_source
+from setdiff_megatron.sources.read import read_source
 from tests.conftest import debug_config
 
 DOCS = ["import os\nimport sys\n\ndef main():\n    print(os.getcwd())\n", "class A:\n    pass\n",

@@ -12,14 +12,23 @@ import torch
 
 from setdiff_megatron.data.tokenizers import load_tokenizer
 from setdiff_megatron.hf.export import write_export
-from setdiff_megatron.checkpoint.source import Source
-from setdiff_megatron.models.config import ModelConfig
+from setdiff_megatron.sources.read import Source
+from setdiff_megatron.models.config import DIT_BODY, ModelConfig
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
+from tests.conftest import randomized
 from tests.hf.clean_env import make_clean_site
 from tests.hf.tiny_models import make_ar_model, make_tokenizer
 
 ROOT = Path(__file__).parents[2]
 TINY_RECIPE = ROOT / "recipes" / "tiny-cpu.yaml"
+
+
+def convert_from_hf(hf_dir: Path, out: Path, *args: str) -> subprocess.CompletedProcess:
+    """`setdiff convert from-hf` in a process of its own, as a user runs it: the import joins a
+    process group and switches megatron's CPU mode on for the rest of its process's life, which
+    the test process must not inherit."""
+    cmd = [sys.executable, "-m", "setdiff_megatron.cli", "convert", "from-hf", str(hf_dir), str(out), *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
 @pytest.fixture(scope="session")
@@ -73,6 +82,17 @@ def moe_export_dir(tmp_path_factory) -> tuple[Path, Source]:
     """An export of a mixture of experts (MOE; tied, fp32) and its source."""
     base = tmp_path_factory.mktemp("moe_export")
     return _export(base, random_setdiff_source(base, seed=1, **MOE))
+
+
+@pytest.fixture(scope="session")
+def dit_export_dir(tmp_path_factory) -> tuple[Path, Source]:
+    """An export in the reference DiT's layout (LayerNorm, GELU MLP with biases, untied output
+    layer with a bias; its norms and biases random; fp32) and its source."""
+    base = tmp_path_factory.mktemp("dit_export")
+    body = {k: v for k, v in DIT_BODY.items() if k != "tie_embeddings"}
+    source = random_setdiff_source(base, tie=False, seed=2, **body)
+    source.state_dict = randomized(source.state_dict)
+    return _export(base, source)
 
 
 @pytest.fixture(scope="session")

@@ -54,7 +54,8 @@ def test_modeling_file_is_the_package_source(modeling):
     decoding, the cache, the attention kernels (optional GPU imports kept, guarded) and the HF
     wrapper."""
     for module in ("models/torch_model.py", "models/moe.py", "core/sampler.py", "core/decoding.py", "core/kv_cache.py",
-                   "core/attention.py", "hf/hf_model.py"):
+                   "core/attention.py", "core/attention_shapes.py", "core/merged_attention.py",
+                   "core/document_attention.py", "core/step_attention.py", "hf/hf_model.py"):
         assert f" setdiff_megatron/{module} " in modeling
     again = modeling_source("test")
     assert modeling == again, "\n".join(list(difflib.unified_diff(modeling.splitlines(), again.splitlines()))[:20])

@@ -1,6 +1,6 @@
 """Export to Hugging Face format: the files, loading in a Python without setdiff_megatron, logit
-and greedy-decoding parity (of a dense model and of a mixture of experts), the export loader, and
-one-line errors."""
+and greedy-decoding parity (of a dense model, a mixture of experts and the DiT layout), the export
+loader, and one-line errors."""
 
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ from setdiff_megatron.cli import main
 from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.core.sampler import SetSampler
 from setdiff_megatron.hf import verify
-from setdiff_megatron.checkpoint.hf_config import MOE_CONFIG_KEYS
-from setdiff_megatron.checkpoint.hf_export import load_hf_export
+from setdiff_megatron.sources.hf_config import MOE_CONFIG_KEYS
+from setdiff_megatron.sources.hf_export import load_hf_export
 from setdiff_megatron.models.config import ModelConfig
 from tests.hf.clean_env import run_clean
 
 DECODING = dict(max_new_tokens=10, window=4, threshold=0.3)
-EXPORTS = ("export_dir", "moe_export_dir")
+EXPORTS = ("export_dir", "moe_export_dir", "dit_export_dir")
 
 CLEAN_SCRIPT = """
 import json, sys
@@ -93,6 +93,16 @@ def test_config_json_holds_every_moe_field(export_dir, moe_export_dir):
     assert {k: config[k] for k in MOE_CONFIG_KEYS} == {k: getattr(source.config, f) for k, f in MOE_CONFIG_KEYS.items()}
     assert config["moe_layer_freq"] == [0, 1] and "Mixture of experts in layers [1]" in (out / "README.md").read_text()
     assert not set(MOE_CONFIG_KEYS) & set(json.loads((export_dir[0] / "config.json").read_text()))
+
+
+def test_config_json_holds_the_dit_layout(dit_export_dir):
+    out, source = dit_export_dir
+    config = json.loads((out / "config.json").read_text())
+    assert (config["norm"], config["mlp"], config["mlp_bias"], config["output_bias"]) == ("layernorm", "gelu", True, True)
+    assert config["hidden_act"] == "gelu_pytorch_tanh" and config["rms_norm_eps"] == source.config.norm_eps
+    weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert {"lm_head.bias", "model.layers.0.mlp.up_proj.bias", "model.layers.0.mlp.down_proj.bias"} <= set(weight_map)
+    assert "model.layers.0.mlp.gate_proj.weight" not in weight_map
 
 
 @pytest.mark.parametrize("export", EXPORTS)

@@ -17,10 +17,11 @@ from setdiff_megatron.cli import main
 from setdiff_megatron.core.orders import Staggered
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.hf import verify
-from setdiff_megatron.checkpoint.hf_files import load_safetensors_dir
+from setdiff_megatron.sources.hf_files import load_safetensors_dir
 from setdiff_megatron.hf.import_hf import ar_comparison
-from setdiff_megatron.checkpoint.source import read_hf_dir
-from setdiff_megatron.checkpoint.source import read_source
+from setdiff_megatron.sources.read import read_hf_dir
+from setdiff_megatron.sources.read import read_source
+from tests.hf.conftest import convert_from_hf
 from tests.hf.tiny_models import make_ar_model
 
 KINDS = ("llama", "qwen2", "qwen3", "qwen3_moe")
@@ -127,20 +128,21 @@ def test_refusals_are_one_line_user_errors(ar_dirs, tmp_path):
 
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe"])
 def test_convert_from_hf_writes_a_megatron_checkpoint(ar_dirs, kind, tmp_path, capsys):
-    """`setdiff convert from-hf` (one writer process at tp 1) of a dense model and of a mixture of
-    experts: the published layout, read back exactly, the megatron body checked, an existing
-    output refused."""
+    """`setdiff convert from-hf` (the whole model written by its one process) of a dense model and
+    of a mixture of experts: the published layout, weights only, read back exactly, the megatron
+    body checked, an existing output refused."""
     out = tmp_path / f"{kind}-setdiff"
-    assert main(["convert", "from-hf", str(ar_dirs[kind]), str(out), "--check"]) == 0
-    printed = capsys.readouterr().out
-    assert f"clean stream (left to right) vs {kind} source logits" in printed and "megatron model vs" in printed
+    proc = convert_from_hf(ar_dirs[kind], out, "--check")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"clean stream (left to right) vs {kind} source logits" in proc.stdout and "megatron model vs" in proc.stdout
     step = out / "checkpoints" / "step_00000000"
     assert (out / "checkpoints" / "latest").read_text().strip() == step.name
     assert {"manifest.json", "train_state.json", "recipe.yaml", "tokenizer", "metadata.json"} <= {p.name for p in step.iterdir()}
     state = json.loads((step / "train_state.json").read_text())
     source = read_hf_dir(ar_dirs[kind])
-    assert state["weights_only"] and state["layout"]["tp"] == 1 and state["model"]["qk_norm"]
-    assert state["model"]["num_experts"] == source.config.num_experts
+    assert state["weights_only"] and "run_id" not in state and state["model"]["qk_norm"]
+    assert state["layout"]["tp"] == state["layout"]["pp"] == 1 and state["layout"]["distributed_optimizer"] is None
+    assert state["scheduler"] == {} and state["model"]["num_experts"] == source.config.num_experts  # the run's own
     ckpt = read_source(out)
     assert ckpt.config == source.config and ckpt.tokenizer.sha256 == source.tokenizer.sha256
     assert all(torch.equal(ckpt.state_dict[k], source.state_dict[k]) for k in source.state_dict)
@@ -175,7 +177,7 @@ def test_short_adaptation_lowers_the_set_diffusion_loss(ar_dirs):
 
 def test_reading_never_unpickles(ar_dirs, export_dir, monkeypatch):
     """Hugging Face directories are read from safetensors only: torch.load is never called."""
-    from setdiff_megatron.checkpoint.hf_export import load_hf_export
+    from setdiff_megatron.sources.hf_export import load_hf_export
 
     def refuse(*args, **kwargs):
         raise AssertionError("torch.load called")

@@ -13,7 +13,7 @@ import pytest
 from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.core.sampler import SetSampler
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
-from setdiff_megatron.checkpoint.source import read_source
+from setdiff_megatron.sources.read import read_source
 
 PROMPTS = [
     {"prompt": "def main(", "id": "a"},

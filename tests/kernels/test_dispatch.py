@@ -8,11 +8,13 @@ import sys
 import pytest
 import torch
 
-from setdiff_megatron.core.attention import resolve_attention_impl, set_causal_attention, set_causal_step_attention
+from setdiff_megatron.core.attention import resolve_attention_impl, set_causal_attention
+from setdiff_megatron.core.step_attention import set_causal_step_attention
 from setdiff_megatron.errors import UserError
-from setdiff_megatron.kernels import choose_attention_impl, dispatch, emulation, flash_attn, te_fused
+from setdiff_megatron.kernels import choose_attention_impl, dispatch, flash_attn, te_fused
 from setdiff_megatron.kernels.te_fused import FP8Settings, te_attention
 from setdiff_megatron.models.config import ModelConfig
+from tests.kernels import emulation
 
 DELAYED = FP8Settings("DelayedScaling", True, "e4m3", "e5m2", 448.0, 57344.0)
 CURRENT = FP8Settings("Float8CurrentScaling", False, "e4m3", "e5m2", 448.0, 57344.0)

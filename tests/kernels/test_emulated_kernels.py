@@ -6,10 +6,11 @@ and the sampling step against the masked step. GPU kernels themselves: benchmark
 import pytest
 import torch
 
-from setdiff_megatron.core.attention import set_causal_attention, set_causal_step_attention
-from setdiff_megatron.kernels import emulation
+from setdiff_megatron.core.attention import set_causal_attention
+from setdiff_megatron.core.step_attention import set_causal_step_attention
 from setdiff_megatron.kernels.flash_attn import flash_attention, flash_step_attention
 from setdiff_megatron.kernels.te_fused import FP8Settings, physical_layout, te_attention, te_step_attention
+from tests.kernels import emulation
 
 TRAIN = {
     "te": lambda *args, api=None: te_attention(*args, api=api or emulation.te_api()),

@@ -20,7 +20,7 @@ from setdiff_megatron.core.orders import Staggered
 from setdiff_megatron.core.streams import TwoStreamBatch, sample_two_stream_batch
 from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
-from tests.conftest import debug_config
+from tests.conftest import debug_config, dit_config, randomized
 
 ROOT = Path(__file__).parents[2]
 LENGTH = 16
@@ -40,22 +40,53 @@ def moe_config(**changes) -> ModelConfig:
                            moe_layer_freq=[1, 0, 1, 1], moe_z_loss_coeff=1e-3, **changes)
 
 
+def dit_parallel_config(**changes) -> ModelConfig:
+    """parallel_config's shape in the reference DiT's layout (LayerNorm, GELU MLP with biases,
+    output bias, multi-head attention)."""
+    return dit_config(num_layers=4, **changes)
+
+
 def reference_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A random model's weights, its norm weights and biases random too (`randomized`)."""
     torch.manual_seed(seed)
-    return SetDiffusionTransformer(cfg).state_dict()
+    return randomized(SetDiffusionTransformer(cfg).state_dict(), seed)
 
 
 EOD = 0
 """The end-of-document token of `batches(documents=True)`."""
 
 
+RECORDS = ((7, 2), (6, 3))
+"""(length, prompt length) of the two supervised records the first row of `batches(records=True)`
+packs; the second row holds one record of 12 tokens with a prompt of 4."""
+
+
+def _record_rows() -> dict[str, torch.Tensor]:
+    docs, pos = torch.zeros(MICRO_BATCH, LENGTH, dtype=torch.long), torch.zeros(MICRO_BATCH, LENGTH, dtype=torch.long)
+    prompt, pad = torch.zeros(MICRO_BATCH, LENGTH, dtype=torch.bool), torch.ones(MICRO_BATCH, LENGTH, dtype=torch.bool)
+    for row, records in enumerate((RECORDS, ((12, 4),))):
+        offset = 0
+        for doc, (n, p) in enumerate(records):
+            docs[row, offset:offset + n], pos[row, offset:offset + n] = doc, torch.arange(n)
+            pad[row, offset:offset + n], prompt[row, offset:offset + p] = False, True
+            offset += n
+    return {"records": (docs, pos), "prompt_mask": prompt, "pad_mask": pad}
+
+
 def batches(cfg: ModelConfig, count: int = NUM_MICROBATCHES, seed: int = 0, *,
-            documents: bool = False) -> list[TwoStreamBatch]:
+            documents: bool = False, records: bool = False) -> list[TwoStreamBatch]:
     """Micro-batches in sampled orders; the second row of each is padded at its last 4 ranks.
     With `documents` each window packs three documents (EOD at positions 4 and 9) and the
-    batches carry their ids."""
+    batches carry their ids; with `records` the rows are supervised records (prompts pinned,
+    padding last), two packed in the first row, each ordered and positioned as if alone."""
     gen = torch.Generator().manual_seed(seed)
     out = []
+    if records:
+        for _ in range(count):
+            tokens = torch.randint(0, cfg.mask_token_id, (MICRO_BATCH, LENGTH), generator=gen)
+            out.append(sample_two_stream_batch(tokens, Staggered(d=4), mask_token_id=cfg.mask_token_id,
+                                               generator=gen, **_record_rows()))
+        return out
     for _ in range(count):
         tokens = torch.randint(int(documents), cfg.mask_token_id, (MICRO_BATCH, LENGTH), generator=gen)
         if documents:

@@ -91,10 +91,15 @@ def model_parity() -> dict:
     weights, data = reference_weights(cfg), batches(cfg)
     ref_losses, ref_grads, _ = run_layout(cfg, weights, data, ep=1)
     losses, grads, _ = run_layout(cfg, weights, data, ep=2)
+    records = batches(cfg, records=True)  # rows of supervised records, two packed in a row
+    record_losses, record_grads, _ = run_layout(cfg, weights, records, ep=1)
+    ep2_losses, ep2_grads, _ = run_layout(cfg, weights, records, ep=2)
     opt_data = batches(cfg, count=12, seed=1)
     plain = _merged([optimizer_params(cfg, weights, opt_data, use_distributed_optimizer=False)], cfg)
     distributed = _merged([optimizer_params(cfg, weights, opt_data, use_distributed_optimizer=True, ep=2)], cfg)
     return {"losses": ref_losses, "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+            "records_loss_diff": max(abs(a - b) for a, b in zip(ep2_losses, record_losses)),
+            "records_grad_diff": _max_diff(ep2_grads, record_grads),
             "grad_diff": _max_diff(grads, ref_grads), "grad_scale": max(g.abs().max().item() for g in ref_grads.values()),
             "router_grad_norm": sum(g.norm().item() for k, g in ref_grads.items() if k.endswith("mlp.gate.weight")),
             "param_diff": _max_diff(plain, distributed), "param_change": _max_diff(plain, weights)}

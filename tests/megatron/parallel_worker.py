@@ -35,10 +35,12 @@ from tests.megatron.cases import (
     MICRO_BATCH,
     batches,
     compare_sampling,
+    dit_parallel_config,
     parallel_config,
     reference_weights,
     write_worker_results,
 )
+from tests.megatron.megatron_shards import merge_megatron_shards
 
 warnings.filterwarnings("ignore")
 
@@ -105,8 +107,9 @@ def _merged(per_chunk: list[dict[str, torch.Tensor]], cfg=None) -> dict[str, tor
     mine = {key + ((v,) if vpp else ()) + ep: sd for v, sd in enumerate(per_chunk)}
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
-    return megatron_to_torch({k: sd for shards in gathered for k, sd in shards.items()}, cfg or parallel_config(),
-                             ep_size=ep_size)
+    cfg = cfg or parallel_config()
+    merged = merge_megatron_shards({k: sd for shards in gathered for k, sd in shards.items()}, cfg, ep_size=ep_size)
+    return megatron_to_torch(merged, cfg)
 
 
 def _losses_everywhere(losses: list[float]) -> list[float]:
@@ -165,6 +168,11 @@ def tp2_sampling(cfg, weights) -> dict:
     return {**result, "ranks_agree": all(g == gathered[0] for g in gathered)}
 
 
+RECORD_LAYOUTS = {"tp2_records": dict(tp=2, sequence_parallel=True), "pp2_records": dict(pp=2),
+                  "pp2_vpp2_records": dict(pp=2, vpp=2), "cp2_records": dict(cp=2)}
+"""Layouts checked on supervised records against one rank (test_parallel_parity)."""
+DIT_LAYOUTS = {"dit_tp2": dict(tp=2), "dit_tp2_sp": dict(tp=2, sequence_parallel=True), "dit_pp2": dict(pp=2)}
+"""The reference DiT's layout (LayerNorm, GELU MLP with biases, output bias) against one rank."""
 FOUR_RANK_LAYOUTS = {"cp2_tp2_sp": dict(cp=2, tp=2, sequence_parallel=True), "cp2_pp2": dict(cp=2, pp=2)}
 """Context parallelism composed with TP (and SP) or PP: four ranks (test_parallel_parity, slow)."""
 
@@ -194,6 +202,21 @@ def main(out: Path) -> None:
     results["cp2_documents"] = {"loss_diff": max(abs(a - b) for a, b in zip(cp_losses, doc_losses)),
                                 "num_losses": len(cp_losses), "grad_diff": _max_diff(cp_grads, doc_grads),
                                 "differs_from_unmasked": max(abs(a - b) for a, b in zip(doc_losses, unmasked))}
+    # Rows of supervised records (two packed in a row): per-record positions and document ids.
+    record_data = batches(cfg, records=True)
+    record_losses, record_grads, _ = run_layout(cfg, weights, record_data)
+    for name, layout in RECORD_LAYOUTS.items():
+        losses, grads, _ = run_layout(cfg, weights, record_data, **layout)
+        results[name] = {"loss_diff": max(abs(a - b) for a, b in zip(losses, record_losses)),
+                         "num_losses": len(losses), "grad_diff": _max_diff(grads, record_grads)}
+    dit = dit_parallel_config()
+    dit_weights, dit_data = reference_weights(dit), batches(dit)
+    dit_losses, dit_grads, _ = run_layout(dit, dit_weights, dit_data)
+    for name, layout in DIT_LAYOUTS.items():
+        losses, grads, _ = run_layout(dit, dit_weights, dit_data, **layout)
+        results[name] = {"loss_diff": max(abs(a - b) for a, b in zip(losses, dit_losses)),
+                         "num_losses": len(losses), "grad_diff": _max_diff(grads, dit_grads),
+                         "grad_scale": max(g.abs().max().item() for g in dit_grads.values())}
     results["tp2_sampling"] = tp2_sampling(cfg, weights)
     opt_data = batches(cfg, count=12, seed=1)
     plain = _merged([optimizer_params(cfg, weights, opt_data, use_distributed_optimizer=False)])

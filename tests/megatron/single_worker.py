@@ -24,8 +24,10 @@ from setdiff_megatron.models.megatron_model import build_model_chunks, loss_func
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 from setdiff_megatron.models.weight_maps import megatron_to_torch, torch_to_megatron
 from setdiff_megatron.distributed import megatron_cpu
-from tests.conftest import debug_config
-from tests.megatron.cases import batches, compare_sampling, moe_config, parallel_config, reference_weights
+from setdiff_megatron.models.config import DIT_BODY
+from tests.conftest import debug_config, randomized
+from tests.megatron.cases import (batches, compare_sampling, dit_parallel_config, moe_config, parallel_config,
+                                  reference_weights)
 
 warnings.filterwarnings("ignore")
 
@@ -138,14 +140,18 @@ def torch_parity() -> dict:
                 "moe_shared_zloss": moe | dict(num_shared_experts=1, moe_z_loss_coeff=1e-3),
                 "moe_capacity": moe | dict(moe_capacity_factor=1.0, moe_layer_freq=[0, 1]),
                 "moe_top1_pre_softmax": moe | dict(moe_top_k=1, moe_router_pre_softmax=True),
-                "documents_fused": {}, "documents_gqa1_sdpa_recompute": dict(num_kv_heads=1, attention_impl="sdpa")}
-    recompute = {"documents_gqa1_sdpa_recompute": dict(recompute="full")}
+                "documents_fused": {}, "documents_gqa1_sdpa_recompute": dict(num_kv_heads=1, attention_impl="sdpa"),
+                "dit_fused": DIT_BODY | dict(num_kv_heads=None),
+                "dit_sdpa_recompute": DIT_BODY | dict(attention_impl="sdpa")}
+    recompute = {"documents_gqa1_sdpa_recompute": dict(recompute="full"), "dit_sdpa_recompute": dict(recompute="full")}
     out = {}
     for dtype in (torch.float32, torch.float64):
         for name, changes in variants.items():
             cfg = debug_config(**changes)
             torch.manual_seed(0)
-            ref = SetDiffusionTransformer(cfg).to(dtype)
+            ref = SetDiffusionTransformer(cfg)
+            ref.load_state_dict(randomized(ref.state_dict()))
+            ref = ref.to(dtype)
             model = _megatron_model(cfg, dtype, **recompute.get(name, {}))
             model.load_state_dict(torch_to_megatron(ref.state_dict(), cfg))
             batch = batches(cfg, count=1)[0]
@@ -161,7 +167,7 @@ def torch_parity() -> dict:
             nll_sum, num_tokens, _ = loss_func(batch.loss_mask, model(*args, targets=batch.targets, **kwargs))
             loss = nll_sum / num_tokens
             nll_sum.backward()
-            grads = megatron_to_torch({(0, 0): {n: p.grad / num_tokens for n, p in model.named_parameters()}}, cfg)
+            grads = megatron_to_torch({n: p.grad / num_tokens for n, p in model.named_parameters()}, cfg)
             # An expert no token reached has no gradient in the torch body, zeros in megatron's.
             ref_grads = {n: torch.zeros_like(p) if p.grad is None else p.grad for n, p in ref.named_parameters()}
             out[f"{name}_{str(dtype).removeprefix('torch.')}"] = {
@@ -194,6 +200,7 @@ def main(out: Path) -> None:
                   sampling):
         results[check.__name__] = check()
     results["moe_sampling"] = sampling(moe_config())
+    results["dit_sampling"] = sampling(dit_parallel_config())
     out.write_text(json.dumps(results, indent=1))
     dist.destroy_process_group()
 

@@ -28,6 +28,8 @@ def test_moe_model_trains_the_same_at_ep2_as_at_ep1(moe_results):
     assert len(r["losses"]) == 4 and r["router_grad_norm"] > 0
     assert r["loss_diff"] <= 1e-5, r
     assert r["grad_diff"] <= 1e-6 * max(1.0, r["grad_scale"]), r
+    # Rows of supervised records (two packed in a row, per-record positions and document ids).
+    assert r["records_loss_diff"] <= 1e-5 and r["records_grad_diff"] <= 1e-6 * max(1.0, r["grad_scale"]), r
 
 
 def test_distributed_optimizer_at_ep2_matches_plain_optimizer_at_ep1(moe_results):

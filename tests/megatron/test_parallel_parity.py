@@ -41,6 +41,24 @@ def test_document_masking_under_cp2_matches_single_rank(parallel_results):
     assert r["loss_diff"] <= LOSS_TOL and r["grad_diff"] <= GRAD_TOL, r
 
 
+@pytest.mark.parametrize("layout", ["tp2_records", "pp2_records", "pp2_vpp2_records", "cp2_records"])
+def test_supervised_records_match_single_rank(parallel_results, layout):
+    """Rows of supervised records, two packed in a row (per-record positions, document ids,
+    pinned prompts): TP = 2 (SP), PP = 2 (also interleaved, 2 virtual stages) and CP = 2 equal
+    one rank."""
+    r = parallel_results[layout]
+    assert r["num_losses"] == 4 and r["loss_diff"] <= LOSS_TOL and r["grad_diff"] <= GRAD_TOL, r
+
+
+@pytest.mark.parametrize("layout", ["dit_tp2", "dit_tp2_sp", "dit_pp2"])
+def test_dit_layouts_match_single_rank(parallel_results, layout):
+    """The reference DiT's layout (LayerNorm, GELU MLP with biases, output bias) at TP = 2 (also
+    with SP, whose norm weights and fc2 biases are reduced over TP) and PP = 2 equals one rank."""
+    r = parallel_results[layout]
+    assert r["num_losses"] == 4 and r["loss_diff"] <= LOSS_TOL and r["grad_diff"] <= GRAD_TOL, r
+    assert r["grad_scale"] > 1e-2
+
+
 def test_distributed_optimizer_matches_plain_optimizer(parallel_results):
     r = parallel_results["distributed_optimizer"]
     assert r["param_change"] > 1e-2, "three Adam steps at lr 1e-2 must move the weights"

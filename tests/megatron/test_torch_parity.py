@@ -7,7 +7,10 @@ VARIANTS = ["tied_fused", "untied_qknorm_sdpa", "gqa1_dense",
             # mixtures of experts: router, experts, shared experts, z-loss, capacity dropping, top-1
             "moe_shared_zloss", "moe_capacity", "moe_top1_pre_softmax",
             # document masking: three documents per window; the second through full recompute
-            "documents_fused", "documents_gqa1_sdpa_recompute"]
+            "documents_fused", "documents_gqa1_sdpa_recompute",
+            # the reference DiT's layout (LayerNorm, GELU MLP with biases, output bias); the second
+            # with GQA, SDPA and full recompute
+            "dit_fused", "dit_sdpa_recompute"]
 # float32 runs the same kernels in the same order (logits agree bit for bit); the loss goes through
 # megatron's vocab-parallel cross-entropy, which computes in float32 even for float64 logits.
 TOLERANCES = {"float32": dict(logits=1e-6, loss=1e-6, grad=1e-6),
@@ -25,7 +28,7 @@ def test_megatron_matches_torch_model(single_results, variant, dtype):
     assert r["grad_diff"] <= tol["grad"]
 
 
-@pytest.mark.parametrize("case", ["sampling", "moe_sampling"])
+@pytest.mark.parametrize("case", ["sampling", "moe_sampling", "dit_sampling"])
 def test_megatron_model_samples_like_torch_model(single_results, case):
     """The megatron body implements the sampler's StepModel: same step logits, same greedy decodes."""
     r = single_results[case]

@@ -13,7 +13,8 @@ from setdiff_megatron.models.weight_maps import (
     stage_layers,
     torch_to_megatron,
 )
-from tests.conftest import debug_config
+from tests.conftest import debug_config, dit_config, randomized
+from tests.megatron.megatron_shards import merge_megatron_shards
 
 
 def _weights(**changes):
@@ -33,9 +34,31 @@ def _split(sd, cfg, tp, pp, vp=None, backend="local"):
 @pytest.mark.parametrize("tp,pp,vp", [(1, 1, None), (2, 1, None), (2, 2, None), (1, 2, 2), (2, 2, 2)])
 def test_round_trip_is_exact(tie, qk_norm, backend, tp, pp, vp):
     cfg, sd = _weights(tie_embeddings=tie, qk_norm=qk_norm)
-    back = megatron_to_torch(_split(sd, cfg, tp, pp, vp, backend), cfg, backend=backend)
+    back = megatron_to_torch(merge_megatron_shards(_split(sd, cfg, tp, pp, vp, backend), cfg), cfg, backend=backend)
     assert back.keys() == sd.keys()
     assert all(torch.equal(back[k], sd[k]) for k in sd)
+
+
+@pytest.mark.parametrize("tp,pp,vp", [(1, 1, None), (2, 1, None), (2, 2, None), (2, 2, 2)])
+def test_dit_round_trip_covers_every_bias_and_norm(tp, pp, vp):
+    cfg = dit_config(num_layers=4)
+    torch.manual_seed(0)
+    sd = randomized(SetDiffusionTransformer(cfg).state_dict())
+    back = megatron_to_torch(merge_megatron_shards(_split(sd, cfg, tp, pp, vp), cfg), cfg)
+    assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
+    # A GELU MLP's fc1 is up alone, split over TP with its bias; fc2's bias is whole on every
+    # rank; the output bias is padded and split like the output layer's rows.
+    last = torch_to_megatron(sd, cfg, tp_rank=1, tp_size=2, pp_rank=1, pp_size=2)
+    half = slice(cfg.intermediate_size // 2, None)
+    assert torch.equal(last["decoder.layers.0.mlp.linear_fc1.weight"], sd["layers.2.mlp.up_proj.weight"][half])
+    assert torch.equal(last["decoder.layers.0.mlp.linear_fc1.bias"], sd["layers.2.mlp.up_proj.bias"][half])
+    assert torch.equal(last["decoder.layers.0.mlp.linear_fc2.bias"], sd["layers.2.mlp.down_proj.bias"])
+    assert last["output_layer.bias"].shape == (64,) and torch.count_nonzero(last["output_layer.bias"]) == 0
+    assert torch.equal(torch_to_megatron(sd, cfg)["output_layer.bias"][:64], sd["lm_head.bias"])
+    with pytest.raises(ValueError, match="te' backend"):
+        torch_to_megatron(sd, cfg, backend="te")
+    with pytest.raises(KeyError, match="lm_head.bias"):
+        torch_to_megatron({k: t for k, t in sd.items() if k != "lm_head.bias"}, cfg)
 
 
 MOE = dict(num_experts=4, moe_top_k=2, moe_intermediate_size=32, num_shared_experts=1, moe_layer_freq=[1, 0, 1, 1])
@@ -48,7 +71,7 @@ def test_moe_round_trip_covers_every_key_and_expert(backend, tp, pp, ep):
     shards = {(t, p) + ((e,) if ep > 1 else ()): torch_to_megatron(
                   sd, cfg, tp_rank=t, tp_size=tp, pp_rank=p, pp_size=pp, ep_rank=e, ep_size=ep, backend=backend)
               for t in range(tp) for p in range(pp) for e in range(ep)}
-    back = megatron_to_torch(shards, cfg, ep_size=ep, backend=backend)
+    back = megatron_to_torch(merge_megatron_shards(shards, cfg, ep_size=ep), cfg, backend=backend)
     assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
     # Expert e sits on EP rank e // (4 / ep) as local expert e % (4 / ep); the shared experts on every one.
     local = ("mlp.experts.linear_fc1.weight{}" if backend == "te" else "mlp.experts.local_experts.{}.linear_fc1.weight")
@@ -62,7 +85,7 @@ def test_moe_shards_missing_an_expert_parallel_rank_are_refused():
     cfg, sd = _weights(**MOE)
     shards = {(0, 0, 0): torch_to_megatron(sd, cfg, ep_rank=0, ep_size=2)}
     with pytest.raises(KeyError, match="ep_rank"):
-        megatron_to_torch(shards, cfg, ep_size=2)
+        merge_megatron_shards(shards, cfg, ep_size=2)
 
 
 def test_fused_qkv_and_fc1_follow_megatron_layout():
@@ -107,12 +130,12 @@ def test_incomplete_or_misshaped_weights_are_refused():
         torch_to_megatron(sd, cfg, tp_size=4)  # 2 KV heads over 4 ranks
     shards = _split(sd, cfg, 2, 2)
     with pytest.raises(KeyError, match="missing"):
-        megatron_to_torch({k: s for k, s in shards.items() if k != (1, 1)}, cfg)
+        merge_megatron_shards({k: s for k, s in shards.items() if k != (1, 1)}, cfg)
     shards[(0, 0)]["decoder.layers.0.self_attention.linear_qkv._extra_state"] = torch.zeros(0)  # TE: ignored
     shards[(0, 0)]["decoder.layers.0.unknown.weight"] = torch.zeros(1)
     with pytest.raises(KeyError, match="not mapped"):
-        megatron_to_torch(shards, cfg)
+        megatron_to_torch(merge_megatron_shards(shards, cfg), cfg)
     shards = _split(sd, cfg, 1, 2)
     shards[(0, 1)]["output_layer.weight"] = shards[(0, 1)]["output_layer.weight"] + 1
     with pytest.raises(ValueError, match="tied embedding"):
-        megatron_to_torch(shards, cfg)
+        merge_megatron_shards(shards, cfg)

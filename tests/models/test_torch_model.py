@@ -1,4 +1,5 @@
-"""The torch model: set-causal independence, AR equivalence, cache parity, learning."""
+"""The torch model: set-causal independence, AR equivalence, cache parity (also in the DiT
+layout), learning, the DiT's float32 LayerNorm."""
 
 import math
 
@@ -7,8 +8,8 @@ import torch
 
 from setdiff_megatron.core.loss import token_nll
 from setdiff_megatron.core.orders import Staggered, Uniform, sample_order
-from setdiff_megatron.models.torch_model import SetDiffusionTransformer
-from tests.conftest import debug_config
+from setdiff_megatron.models.torch_model import LayerNorm, SetDiffusionTransformer
+from tests.conftest import debug_config, dit_config, randomized
 
 MASK = 63
 
@@ -58,9 +59,15 @@ def test_model_attention_impls_agree(impl):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-9, atol=1e-10, msg=name)
 
 
-def test_cached_steps_reproduce_training_logits(debug_model):
+@pytest.mark.parametrize("layout", ["qwen", "dit"])
+def test_cached_steps_reproduce_training_logits(debug_model, layout):
     """Prefill a prompt, then commit ranks one set at a time: each query's logits equal the
-    training forward's logits for that rank (the sampler's exactness rests on this)."""
+    training forward's logits for that rank (the sampler's exactness rests on this), in both
+    layouts of the body."""
+    if layout == "dit":
+        torch.manual_seed(0)
+        debug_model = SetDiffusionTransformer(dit_config()).double()
+        debug_model.load_state_dict(randomized(debug_model.state_dict()))
     length = 10
     gen = torch.Generator().manual_seed(2)
     tokens = torch.randint(0, 60, (2, length), generator=gen)
@@ -123,6 +130,10 @@ def test_bad_inputs():
         (dict(attention_impl="flash9"), "attention_impl"),
         (dict(mask_token_id=64), "mask_token_id"),
         (dict(num_layers=0), "num_layers"),
+        (dict(norm="batchnorm"), "norm must be one of"),
+        (dict(mlp="relu"), "mlp must be one of"),
+        (dict(output_bias=True), "output_bias needs tie_embeddings: false"),
+        (dict(mlp="gelu", num_experts=2), "SwiGLU experts without biases"),
     ]:
         with pytest.raises(ValueError, match=msg):
             debug_config(**changes)
@@ -131,6 +142,32 @@ def test_bad_inputs():
 
 
 def test_num_params_matches_module():
-    for changes in (dict(), dict(tie_embeddings=False, qk_norm=True)):
-        cfg = debug_config(**changes)
+    for cfg in (debug_config(), debug_config(tie_embeddings=False, qk_norm=True), dit_config(),
+                dit_config(mlp="swiglu", tie_embeddings=True, output_bias=False)):
         assert cfg.num_params() == sum(p.numel() for p in SetDiffusionTransformer(cfg).parameters())
+    assert dit_config().intermediate_size == 4 * 64  # the DiT's MLP ratio
+
+
+def test_layer_norm_computes_in_float32_without_a_bias():
+    """The DiT's LayerNorm normalises bf16 activations in float32 and returns bf16, with a
+    weight and no bias."""
+    norm = LayerNorm(64, eps=1e-5)
+    assert [n for n, _ in norm.named_parameters()] == ["weight"]
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(3, 64) * 100 + 50
+    expected = torch.nn.functional.layer_norm(x.bfloat16().float(), (64,), norm.weight, None, 1e-5)
+    out = norm(x.bfloat16())
+    assert out.dtype == torch.bfloat16 and torch.equal(out, expected.bfloat16())
+
+
+def test_identities_saved_before_the_layout_fields_read_as_the_defaults():
+    """A checkpoint's model identity written before norm, mlp, mlp_bias and output_bias existed
+    describes the Llama/Qwen body they default to, and resumes without a difference."""
+    from setdiff_megatron.checkpoint.identity import config_from_identity, identity_difference, model_identity
+
+    cfg = debug_config(tie_embeddings=False)
+    old = {k: v for k, v in model_identity(cfg).items() if k not in ("norm", "mlp", "mlp_bias", "output_bias")}
+    assert config_from_identity(old) == cfg
+    assert identity_difference(old, model_identity(cfg)) is None
+    assert "norm rmsnorm there, layernorm here" in identity_difference(old, model_identity(dit_config()))

@@ -2,7 +2,9 @@
 sampling from the result as a job array.
 
 A short tiny-cpu run (20 steps, 2 tasks) is the reference; a second one gets SIGUSR1 in its
-batch shell mid-run, must checkpoint, exit 75, requeue itself and resume to the same losses.
+batch shell mid-run, must checkpoint, exit 75, requeue itself and resume to the same losses; a
+third saves in the background (checkpoint.async_save) every 3 steps and gets SIGTERM in its
+training tasks, as a preemption sends it: the same, with a save likely still writing.
 Both share one data cache, so only the first builds the tokenizer and indices. The reference
 checkpoint is then sampled by a 2-shard array and a merge job, and locally.
 """
@@ -26,9 +28,10 @@ pytestmark = pytest.mark.slurm
 STEPS = 20
 
 
-def submit(run_dir: Path, cache: Path, env: dict[str, str]) -> tuple[str, Path]:
+def submit(run_dir: Path, cache: Path, env: dict[str, str], *overrides: str) -> tuple[str, Path]:
     out = setdiff("launch", str(TINY), "--slurm", f"train.steps={STEPS}", "checkpoint.interval=10",
-                  "eval.interval=10", "log.interval=1", f"checkpoint.dir={run_dir}", f"data.cache_dir={cache}", env=env)
+                  "eval.interval=10", "log.interval=1", f"checkpoint.dir={run_dir}", f"data.cache_dir={cache}",
+                  *overrides, env=env)
     assert out.returncode == 0, out.stderr
     job_id = re.search(r"submitted job (\d+)", out.stdout).group(1)
     log = Path(re.search(r"^log: (\S+)", out.stdout, re.M).group(1))
@@ -68,21 +71,26 @@ def test_launch_slurm_trains_two_ranks_through_srun(reference):
     assert (STEPS, "train/loss") in losses(run_dir)
 
 
-def test_usr1_checkpoints_requeues_and_resumes_to_the_same_losses(shared, reference, tmp_path):
+@pytest.mark.parametrize("signal,overrides", [("USR1", ()), ("TERM", ("checkpoint.async_save=true",
+                                                                      "checkpoint.interval=3"))],
+                         ids=["usr1-batch-shell", "sigterm-async-saves"])
+def test_a_signal_checkpoints_requeues_and_resumes_to_the_same_losses(shared, reference, tmp_path, signal, overrides):
     cache, env = shared
     run_dir = tmp_path / "preempted"
-    job_id, log = submit(run_dir, cache, env)
+    job_id, log = submit(run_dir, cache, env, *overrides)
     try:
-        # Step 5 logged: training is under way; the signal goes to the batch shell only, as the
-        # scheduler's --signal=B:USR1@lead does before a time limit.
+        # Step 5 logged: training is under way. USR1 goes to the batch shell only, as the
+        # scheduler's --signal=B:USR1@lead does before a time limit; TERM to the training tasks, as
+        # a preemption sends it.
         wait_for_file_line(run_dir / "logs" / "metrics.jsonl", lambda line: '"step": 5,' in line,
                            timeout=300, job_id=job_id)
         assert job(job_id)["JobState"] == "RUNNING"
-        subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True, timeout=30)
+        where = ["--batch"] if signal == "USR1" else []
+        subprocess.run(["scancel", f"--signal={signal}", *where, job_id], check=True, timeout=30)
         state = wait_until(job_id, lambda s: s.get("Restarts") == "1" and s.get("JobState") == "PENDING",
                            timeout=180, what="requeued", log=log)
         text = log.read_text(errors="replace")
-        stopped = int(re.search(r"stopped at step (\d+) by SIGUSR1", text).group(1))
+        stopped = int(re.search(rf"stopped at step (\d+) by SIG{signal}", text).group(1))
         assert 5 <= stopped < STEPS
         assert "exit 75); requeueing job" in text
         assert (run_dir / "checkpoints" / f"step_{stopped:08d}").is_dir()

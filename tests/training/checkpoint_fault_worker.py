@@ -5,9 +5,10 @@ the real `resume_target` and MegatronEngine.load with `resume: auto`, checks the
 and Adam state against the fingerprint it wrote just before saving that step, prints
 `RESUMED <step>`, then takes a synthetic optimizer step (gradients drawn from a generator seeded
 by the step, the same on every rank) and saves as the trainer does, printing `SAVING <step>` and
-`SAVED <step>`, until it is killed.
+`SAVED <step>` (for a background save: once it is published, during the next step's save),
+until it is killed.
 
-    python tests/training/checkpoint_fault_worker.py RUN_DIR
+    python tests/training/checkpoint_fault_worker.py RUN_DIR [sync|async]
 """
 
 import json
@@ -31,7 +32,7 @@ def fingerprint(chunks, optimizer) -> list[float]:
     return [weights, moments]
 
 
-def main(run_dir: Path) -> int:
+def main(run_dir: Path, mode: str) -> int:
     import torch
     import torch.distributed as dist
 
@@ -41,7 +42,9 @@ def main(run_dir: Path) -> int:
     from setdiff_megatron.data.tokenizers import train_byte_level_bpe
     from setdiff_megatron.recipes import load_recipe
     from setdiff_megatron.training.engines.megatron import MegatronEngine
-    from setdiff_megatron.training.trainer import save_checkpoint
+    from setdiff_megatron.checkpoint.names import step_of
+    from setdiff_megatron.training.checkpointer import Checkpointer
+    from setdiff_megatron.training.metrics import MetricsLogger
 
     world = int(os.environ["WORLD_SIZE"])
     recipe = load_recipe(TINY, [f"checkpoint.dir={run_dir}", f"launch.nproc_per_node={world}",
@@ -63,6 +66,9 @@ def main(run_dir: Path) -> int:
             print(f"MISMATCH {progress.step}", flush=True)
             return 3
     print(f"RESUMED {progress.step}", flush=True)
+    quiet = MetricsLogger(recipe.log, run_dir / "logs", total_steps=TOTAL_STEPS, start_step=progress.step,
+                          enabled=False, run_name="fault-worker", config={})
+    saves = Checkpointer(recipe, engine, identity, tokenizer, run_id, quiet)
     while True:
         generator = torch.Generator().manual_seed(progress.step)
         for c in chunks:
@@ -76,9 +82,11 @@ def main(run_dir: Path) -> int:
         record.with_suffix(".tmp").write_text(json.dumps(fingerprint(chunks, optimizer)))
         record.with_suffix(".tmp").replace(record)
         print(f"SAVING {progress.step}", flush=True)
-        save_checkpoint(recipe, engine, progress, identity, tokenizer, run_id)
-        print(f"SAVED {progress.step}", flush=True)
+        published = saves.last
+        saves.save(progress, background=mode == "async")
+        if saves.last != published:
+            print(f"SAVED {step_of(saves.last)}", flush=True)
 
 
 if __name__ == "__main__":
-    sys.exit(main(Path(sys.argv[1])))
+    sys.exit(main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "sync"))

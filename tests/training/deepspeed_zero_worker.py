@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from setdiff_megatron.checkpoint.deepspeed import consolidated_state_dict
+from setdiff_megatron.sources.deepspeed import consolidated_state_dict
 from setdiff_megatron.checkpoint.names import CHECKPOINTS, TOKENIZER_DIR
 from setdiff_megatron.checkpoint.publish import publish
 from setdiff_megatron.checkpoint.resolve import Resumed
@@ -91,7 +91,7 @@ def reference_losses(recipe, cfg, data) -> list[float]:
         tokens = sum(b.loss_mask.sum() for b in micro).item()
         total = 0.0
         for b in micro:
-            logits = model(b.clean_tokens, b.query_tokens, b.position_ids, b.valid_len)
+            logits = model(b.clean_tokens, b.query_tokens, b.position_ids, b.valid_len, b.document_ids)
             nll = set_diffusion_loss(logits, b.targets, b.loss_mask, mask_token_id=cfg.mask_token_id).nll_sum.sum()
             (nll / tokens).backward()
             total += nll.item()
@@ -159,6 +159,10 @@ def main(out: Path) -> None:
     results = {"reference": reference_losses(recipe, cfg, data) if dist.get_rank() == 0 else None}
     for name, overrides in RUNS:
         results[name] = run(name, overrides, cfg, data, out.parent)
+    # Supervised records, two packed in a row (per-record positions and document ids), at ZeRO-2.
+    records = batches(cfg, count=STEPS * NUM_MICROBATCHES, records=True)
+    results["records_reference"] = reference_losses(recipe, cfg, records) if dist.get_rank() == 0 else None
+    results["stage2_records"] = run("stage2_records", ["parallel.zero_stage=2"], cfg, records, out.parent)
     write_worker_results(out, results)
 
 

@@ -1,5 +1,7 @@
 """kill -9 at random moments of saving, trial after trial: `resume: auto` must always load a
-complete checkpoint, never a partial one, and never one older than the last save that finished.
+complete checkpoint, never a partial one, and never one older than the last save that finished;
+synchronous saves, and background ones (checkpoint.async_save: killed while megatron's forked
+writers are writing, or while the checkpoint is being published).
 
 Each trial starts the two ranks of checkpoint_fault_worker.py. They resume (checking what they
 loaded against fingerprints taken before the save), then save after every synthetic step. At a
@@ -29,13 +31,13 @@ WORKER = str(Path(__file__).with_name("checkpoint_fault_worker.py"))
 TRIALS = int(os.environ.get("SETDIFF_FAULT_TRIALS", "20"))
 
 
-def start_ranks(run_dir: Path, logs: list[Path]) -> list[subprocess.Popen]:
+def start_ranks(run_dir: Path, logs: list[Path], mode: str) -> list[subprocess.Popen]:
     """Two ranks in one new process group, so a group kill also takes their helper processes."""
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
     procs: list[subprocess.Popen] = []
     for rank, log in enumerate(logs):
         procs.append(subprocess.Popen(
-            [sys.executable, "-u", WORKER, str(run_dir)], stdout=log.open("w"), stderr=subprocess.STDOUT,
+            [sys.executable, "-u", WORKER, str(run_dir), mode], stdout=log.open("w"), stderr=subprocess.STDOUT,
             env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
             process_group=0 if rank == 0 else procs[0].pid))
     return procs
@@ -77,13 +79,14 @@ def phase(root: Path) -> str:
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_kill_9_while_saving_never_leaves_a_partial_checkpoint_to_resume(tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_kill_9_while_saving_never_leaves_a_partial_checkpoint_to_resume(tmp_path, mode):
     rng, run, root = random.Random(1234), tmp_path / "run", tmp_path / "run" / "checkpoints"
     last_saved, phases = 0, collections.Counter()
     for trial in range(TRIALS + 1):
         expected = newest_complete(root)
         logs = [tmp_path / f"trial{trial:02d}.rank{r}.log" for r in range(2)]
-        procs = start_ranks(run, logs)
+        procs = start_ranks(run, logs, mode)
         try:
             kind, step = wait_for(logs[0], {"RESUMED", "MISMATCH"}, procs)
             assert kind == "RESUMED", f"trial {trial}: loaded state differs from its fingerprint at step {step}"
@@ -102,6 +105,6 @@ def test_kill_9_while_saving_never_leaves_a_partial_checkpoint_to_resume(tmp_pat
                 p.wait()
         phases[phase(root)] += 1
         last_saved = max([last_saved] + [s for log in logs for k, s in events(log) if k == "SAVED"])
-    print(f"\n{TRIALS} kill -9 trials, each resumed from the newest complete checkpoint; "
+    print(f"\n{TRIALS} kill -9 trials ({mode} saves), each resumed from the newest complete checkpoint; "
           f"where the kills landed: {dict(phases)}")
     assert sum(phases.values()) == TRIALS

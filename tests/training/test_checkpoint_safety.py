@@ -106,17 +106,15 @@ def test_a_missing_manifest_is_skipped_and_kept(run, data_cache):
     assert [a.split(".")[0] for a in assert_kept(before, run)] == ["step_00000004"]
 
 
-def test_all_invalid_stops_with_a_line_each_then_resume_none_starts_over(run, data_cache):
+def test_all_invalid_stops_with_one_line_then_resume_none_starts_over(run, data_cache):
     for step in (2, 4):  # the weights intact, every train_state.json damaged
         (checkpoint_of(run, step) / "train_state.json").write_text("{")
     before = hashes(run)
     out = run_train(run, data_cache, *ARGS, "train.steps=6")
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
-    lines = out.stderr.strip().splitlines()
-    lines = lines[next(i for i, line in enumerate(lines) if line.startswith("setdiff: error:")):]
-    assert lines[0].startswith(f"setdiff: error: checkpoint.dir {run} holds checkpoints, and none can be resumed")
-    assert lines[1].startswith("  step_00000004: ") and lines[2].startswith("  step_00000002: ")
-    assert "checkpoint.resume=none" in lines[3] and len(lines) == 4
+    (line,) = [line for line in out.stderr.splitlines() if line.startswith("setdiff: error:")]
+    assert line.startswith(f"setdiff: error: checkpoint.dir {run} holds checkpoints, and none can be resumed")
+    assert line.index("(step_00000004: ") < line.index("; step_00000002: ") < line.index("checkpoint.resume=none")
     assert hashes(run) == before  # nothing at all was written
 
     out = run_train(run, data_cache, *ARGS, "train.steps=2", "checkpoint.resume=none")
@@ -143,3 +141,22 @@ def test_a_re_save_of_an_existing_step_moves_the_old_one_aside(run, data_cache):
     assert f"resumed from {checkpoint_of(run, 2)} at step 2" in out.stdout
     aside = assert_kept(before, run)
     assert [a.split(".")[0] for a in aside] == ["step_00000004"] and ".replaced-" in aside[0]
+
+
+@pytest.mark.multiproc
+def test_two_processes_over_all_damaged_checkpoints_are_refused_once_before_they_start(trained_run, data_cache,
+                                                                                        tmp_path):
+    """The 2-process launch refuses before torchrun: its message once on stderr (no rank's
+    copy, no third-party warning, no launcher report), exit code 2, not a file touched."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    for step in (run / "checkpoints").glob("step_*"):
+        flip_a_byte(sorted(step.glob("*.distcp"))[0])
+    before = hashes(run)
+    out = run_train(run, data_cache, "parallel.tp=2", "train.steps=22")
+    assert out.returncode == 2 and out.stdout == "", out.stderr[-3000:]
+    (line,) = out.stderr.splitlines()
+    assert line.startswith(f"setdiff: error: checkpoint.dir {run} holds checkpoints, and none can be resumed "
+                           "(step_00000020: ")
+    assert "does not match its sha256" in line and "checkpoint.resume=none" in line
+    assert hashes(run) == before

@@ -91,6 +91,13 @@ def test_zero_stage_matches_single_process_training(zero_results, run):
 
 
 @pytest.mark.multiproc
+def test_supervised_records_train_as_in_one_process(zero_results):
+    """Rows of supervised records (two packed in a row) at ZeRO-2 on 2 ranks equal one process."""
+    got, expected = zero_results["stage2_records"]["losses"], zero_results["records_reference"]
+    assert len(got) == STEPS and max(abs(a - b) for a, b in zip(got, expected)) <= 1e-6, (got, expected)
+
+
+@pytest.mark.multiproc
 @pytest.mark.parametrize("run,optimizer", [("stage0", "AdamW"), ("stage1", "DeepSpeedZeroOptimizer"),
                                            ("stage3", "DeepSpeedZeroOptimizer_Stage3"),
                                            ("stage2_offload", "DeepSpeedZeroOptimizer"),

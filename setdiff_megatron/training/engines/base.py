@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -68,6 +68,15 @@ class Engine(Protocol):
 
     def save(self, directory: Path) -> None:
         """Collective: write this rank's engine files (weights, optimizer, RNG) into `directory`."""
+
+    def start_save(self, directory: Path, then: Callable[[], None]) -> None:
+        """Collective: start writing this rank's engine files into `directory` in the background
+        (a snapshot of now); `then` runs on every rank once every rank's files are written, from
+        `finish_saves`. Engines that cannot save in the background raise UserError."""
+
+    def finish_saves(self, *, blocking: bool) -> bool:
+        """Collective: complete the background saves whose files are all written (waiting for them
+        with `blocking`); True when none is left in flight."""
 
     def load(self, resumed: Resumed) -> None:
         """Collective: restore weights, optimizer, scheduler and RNG, or refuse with the reason."""

@@ -9,7 +9,7 @@ What it builds, in order:
               accumulation, clipping)
   step        the micro-batches of one global batch with the loss per target token of the whole
               global batch (as megatron), one optimizer step, megatron-core's LR scheduler
-Checkpoints: DeepSpeed's own format under `deepspeed/` (checkpoint/deepspeed.py reads it whole)
+Checkpoints: DeepSpeed's own format under `deepspeed/` (sources/deepspeed.py reads it whole)
 plus each rank's RNG states. DeepSpeed loads partitioned optimizer state only on the ZeRO stage
 and data-parallel size it was saved with, so a resume on another layout is refused; its
 consolidated weights start a new run (`model.init_from`).
@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from setdiff_megatron.checkpoint.deepspeed import TAG
+from setdiff_megatron.checkpoint.names import DEEPSPEED_TAG as TAG
 from setdiff_megatron.checkpoint.names import RNG_FILE
 from setdiff_megatron.checkpoint.resolve import Resumed
 from setdiff_megatron.core.loss import set_diffusion_loss
@@ -262,6 +262,13 @@ class DeepSpeedEngine:
     def save(self, directory: Path) -> None:
         self.engine.save_checkpoint(str(directory), tag=TAG, save_latest=False)
         torch.save(host_rng_state(), directory / RNG_FILE.format(rank=dist.get_rank()))
+
+    def start_save(self, directory: Path, then) -> None:
+        """Refused by recipe validation (recipes/validation.py says why)."""
+        raise UserError("checkpoint.async_save needs engine: megatron")
+
+    def finish_saves(self, *, blocking: bool) -> bool:
+        return True
 
     def load(self, resumed: Resumed) -> None:
         path = resumed.path

@@ -20,6 +20,7 @@ warning) plus each rank's RNG states, restored on an unchanged layout only.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -71,6 +72,7 @@ class MegatronEngine:
         runtime.init_model_parallel(self.layout, recipe.train.seed)
         self.dp_rank, self.dp_size = parallel_state.get_data_parallel_rank(), self.layout.dp
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self._async_saves = None  # megatron's AsyncCallsQueue, made by the first background save
 
     # ---- building --------------------------------------------------------------------------
 
@@ -198,9 +200,30 @@ class MegatronEngine:
         return [c.module for c in self.chunks]
 
     def save(self, directory: Path) -> None:
+        save_shards(model_sharded_state(self._modules(), self.optimizer), directory)
+        self._save_rng(directory)
+
+    def start_save(self, directory: Path, then: Callable[[], None]) -> None:
+        """megatron-core's own async save: dist_checkpointing's request, run by its AsyncCallsQueue
+        (a forked writer per save); the RNG states are small and written now."""
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        request = save_shards(model_sharded_state(self._modules(), self.optimizer), directory, background=True)
+        request.add_finalize_fn(then)
+        self._save_rng(directory)
+        if self._async_saves is None:
+            self._async_saves = AsyncCallsQueue()
+        self._async_saves.schedule_async_request(request)
+
+    def finish_saves(self, *, blocking: bool) -> bool:
+        if self._async_saves is None:
+            return True
+        self._async_saves.maybe_finalize_async_calls(blocking=blocking)
+        return self._async_saves.get_num_unfinalized_calls() == 0
+
+    def _save_rng(self, directory: Path) -> None:
         from megatron.core import tensor_parallel
 
-        save_shards(model_sharded_state(self._modules(), self.optimizer), directory)
         rng = {**host_rng_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
         torch.save(rng, directory / RNG_FILE.format(rank=dist.get_rank()))
 
@@ -223,7 +246,8 @@ class MegatronEngine:
                 c.module.load_state_dict(loaded[f"model{i}"])
             if with_optimizer:
                 _load_optimizer(self.optimizer, loaded["optimizer"])
-        self.scheduler.load_state_dict(resumed.state.scheduler)
+        if not resumed.state.weights_only:  # an import's schedule is the recipe's, from step 0
+            self.scheduler.load_state_dict(resumed.state.scheduler)
         if _same_layout(saved, here):  # other layouts draw fresh streams from the recipe's seed
             state = torch.load(resumed.path / RNG_FILE.format(rank=dist.get_rank()), weights_only=True)
             set_host_rng_state(state)
@@ -278,7 +302,8 @@ def _adam_optimizers(optimizer) -> list:
 
 def _fill_optimizer_state(optimizer) -> None:
     """Give every parameter an Adam state (step, moments) before a sharded load: the load fills
-    existing tensors in place, and megatron's own init leaves `step` out (MEGATRON_CPU.md)."""
+    existing tensors in place, and megatron's own init leaves `step` out
+    (docs/megatron-on-cpu.md, "Around the layer")."""
     for opt in _adam_optimizers(optimizer):
         inner = opt.optimizer
         for group in inner.param_groups:
@@ -294,7 +319,8 @@ def _restore_adam_steps(optimizer) -> None:
     """Set each parameter's Adam `step` from its loaded param group. Without Apex/TE, megatron's
     distributed optimizer keeps the step in the param groups but leaves the per-parameter state
     at its pre-load value, and torch's Adam reads (and increments in place) the per-parameter one;
-    each parameter gets its own tensor so one increment is one step (MEGATRON_CPU.md)."""
+    each parameter gets its own tensor so one increment is one step (docs/megatron-on-cpu.md,
+    "Around the layer")."""
     for opt in _adam_optimizers(optimizer):
         inner = opt.optimizer
         for group in inner.param_groups:

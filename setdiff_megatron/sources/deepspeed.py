@@ -21,12 +21,11 @@ from pathlib import Path
 import torch
 
 from setdiff_megatron.checkpoint.manifest import verify
+from setdiff_megatron.checkpoint.names import DEEPSPEED_TAG as TAG
 from setdiff_megatron.checkpoint.state import read_train_state
 from setdiff_megatron.errors import UserError, require
 
-__all__ = ["TAG", "is_deepspeed_checkpoint", "consolidated_state_dict"]
-
-TAG = "deepspeed"
+__all__ = ["is_deepspeed_checkpoint", "consolidated_state_dict"]
 
 
 def is_deepspeed_checkpoint(step_dir: Path) -> bool:

@@ -4,6 +4,8 @@
   deepspeed  a run directory or step directory of the DeepSpeed engine, any ZeRO stage
   setdiff    a Hugging Face export of ours (model_type setdiff)
   llama, qwen2, qwen3, qwen3_moe   a Hugging Face causal LM to adapt (ar_import.py)
+  dit        the reference implementation's DiT (dit_import.py): its PyTorchModelHubMixin
+             directory, or a composer .pt checkpoint of its training
 
 Sampling, the evaluation jobs (infilling included), `setdiff convert`, `model.init_from` and the
 lm-eval adapter all read through it, so a new source format is one reader here. A run directory
@@ -19,12 +21,13 @@ from typing import Any
 
 import torch
 
-from setdiff_megatron.checkpoint.ar_import import SUPPORTED, ar_model_config, ar_state_dict, unsupported_architecture
-from setdiff_megatron.checkpoint.deepspeed import consolidated_state_dict, is_deepspeed_checkpoint
-from setdiff_megatron.checkpoint.hf_export import load_hf_export, read_hf_config
-from setdiff_megatron.checkpoint.hf_files import load_safetensors_dir
+from setdiff_megatron.sources.ar_import import SUPPORTED, ar_model_config, ar_state_dict, unsupported_architecture
+from setdiff_megatron.sources.deepspeed import consolidated_state_dict, is_deepspeed_checkpoint
+from setdiff_megatron.sources.dit_import import DIT_KIND, dit_state_dict, is_dit_config, read_composer_checkpoint
+from setdiff_megatron.sources.hf_export import load_hf_export, read_hf_config
+from setdiff_megatron.sources.hf_files import load_safetensors_dir
 from setdiff_megatron.checkpoint.identity import config_from_identity
-from setdiff_megatron.checkpoint.megatron import torch_weights
+from setdiff_megatron.sources.megatron import torch_weights
 from setdiff_megatron.checkpoint.names import TOKENIZER_DIR, is_checkpoint_path
 from setdiff_megatron.checkpoint.resolve import resolve_step_dir
 from setdiff_megatron.checkpoint.state import read_train_state
@@ -35,7 +38,7 @@ from setdiff_megatron.models.weight_maps import torch_shapes
 from setdiff_megatron.recipes import Recipe, load_recipe
 from setdiff_megatron.recipes.loading import RESOLVED_NAME
 
-__all__ = ["Source", "read_source", "read_hf_dir", "fit_source", "AR_KINDS", "RUN_KINDS"]
+__all__ = ["Source", "read_source", "read_hf_dir", "fit_source", "AR_KINDS"]
 
 AR_KINDS = tuple(SUPPORTED)
 RUN_KINDS = ("megatron", "deepspeed")
@@ -44,9 +47,9 @@ RUN_KINDS = ("megatron", "deepspeed")
 @dataclass
 class Source:
     kind: str
-    """'megatron', 'deepspeed', 'setdiff' or an AR model type ('llama', 'qwen2', 'qwen3', 'qwen3_moe')."""
+    """'megatron', 'deepspeed', 'setdiff', 'dit' or an AR model type ('llama', 'qwen2', 'qwen3', 'qwen3_moe')."""
     path: Path
-    """The step directory read (runs), or the Hugging Face directory."""
+    """The step directory read (runs), the Hugging Face directory, or the composer .pt file."""
     config: ModelConfig
     state_dict: dict[str, torch.Tensor] | None
     """Torch model names (models/torch_model.py), in the saved dtype; None when read without weights."""
@@ -63,7 +66,8 @@ class Source:
 
     def describe(self) -> str:
         what = {"megatron": "megatron checkpoint", "deepspeed": "DeepSpeed checkpoint",
-                "setdiff": "set diffusion Hugging Face export"}.get(self.kind, f"{self.kind} causal LM")
+                "setdiff": "set diffusion Hugging Face export",
+                DIT_KIND: "reference DiT checkpoint"}.get(self.kind, f"{self.kind} causal LM")
         extra = f", step {self.step}" if self.step is not None else ""
         if self.layout and self.kind == "megatron":
             extra += f", saved at tp {self.layout.get('tp')} pp {self.layout.get('pp')}"
@@ -102,12 +106,17 @@ def _hf_tokenizer(directory: Path) -> SetDiffTokenizer:
 
 
 def read_hf_dir(directory: str | Path, *, weights: bool = True) -> Source:
-    """A Hugging Face directory: our export, or a Llama/Qwen2/Qwen3/Qwen3-MoE causal LM."""
+    """A Hugging Face directory: our export, a Llama/Qwen2/Qwen3/Qwen3-MoE causal LM, or the
+    reference's DiT (its PyTorchModelHubMixin config.json and model.safetensors)."""
     directory = Path(directory)
     config = read_hf_config(directory)
     if config.get("model_type") == "setdiff":
         cfg, state, tokenizer = load_hf_export(directory)
         return Source("setdiff", directory, cfg, state if weights else None, tokenizer)
+    if is_dit_config(config):
+        tokenizer = _hf_tokenizer(directory)
+        cfg, state = dit_state_dict(load_safetensors_dir(directory), config, tokenizer, directory)
+        return Source(DIT_KIND, directory, cfg, state if weights else None, tokenizer)
     if config.get("model_type") not in SUPPORTED:
         raise unsupported_architecture(config, directory)
     tokenizer = _hf_tokenizer(directory)
@@ -126,8 +135,17 @@ def read_source(path: str | Path, *, weights: bool = True) -> Source:
         return _read_run(path, weights)
     if (path / "config.json").is_file():
         return read_hf_dir(path, weights=weights)
+    if path.is_file() and path.suffix == ".pt":
+        return _read_composer(path, weights)
     raise UserError(f"{path} is neither a setdiff checkpoint (a run directory with checkpoints/latest, or a step_* "
-                    "directory with train_state.json) nor a Hugging Face directory (config.json)")
+                    "directory with train_state.json), a Hugging Face directory (config.json) nor a composer .pt "
+                    "checkpoint of the reference's DiT")
+
+
+def _read_composer(path: Path, weights: bool) -> Source:
+    beside = read_hf_config(path.parent) if (path.parent / "config.json").is_file() else None
+    cfg, state, tokenizer = read_composer_checkpoint(path, beside, lambda: _hf_tokenizer(path.parent))
+    return Source(DIT_KIND, path, cfg, state if weights else None, tokenizer)
 
 
 _FREE = ("vocab_size", "max_seq_len", "attention_impl", "init_std")

@@ -28,18 +28,18 @@ import torch
 
 from setdiff_megatron.data.tokenizers import SetDiffTokenizer
 from setdiff_megatron.errors import UserError
-from setdiff_megatron.checkpoint.hf_config import rope_theta_of
+from setdiff_megatron.sources.hf_config import rope_theta_of
 from setdiff_megatron.models.config import ModelConfig
-from setdiff_megatron.models.weight_maps import hf_to_torch
+from setdiff_megatron.models.weight_maps import add_vocabulary_rows, hf_to_torch
 
-__all__ = ["SUPPORTED", "ar_model_config", "ar_state_dict", "supported_text", "unsupported_architecture"]
+__all__ = ["SUPPORTED", "ar_model_config", "ar_state_dict", "unsupported_architecture"]
 
 SUPPORTED = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
              "qwen3_moe": "Qwen3MoeForCausalLM"}
 _WHY_NOT = {"qwen2_moe": "its shared expert is scaled by a learnt sigmoid gate (shared_expert_gate), which set "
                          "diffusion models' shared experts do not have"}
 """Architectures near a supported one, and what keeps them out."""
-_EMBED, _HEAD = "embed_tokens.weight", "lm_head.weight"
+_EMBED = "embed_tokens.weight"
 _FUSED_GATE_UP, _FUSED_DOWN = "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
 
 
@@ -145,8 +145,5 @@ def ar_state_dict(hf_weights: Mapping[str, torch.Tensor], config: ModelConfig, t
         raise UserError(f"{path}: weights do not match config.json: {exc}") from None
     vocab = max(rows, tokenizer.vocab_size)
     if vocab > rows:
-        for name in (_EMBED,) + (() if config.tie_embeddings else (_HEAD,)):
-            weight = state[name]
-            mean = weight.float().mean(0, keepdim=True).to(weight.dtype)
-            state[name] = torch.cat([weight, mean.expand(vocab - rows, -1)])
+        state = add_vocabulary_rows(state, config, vocab)
     return config.replace(vocab_size=vocab, mask_token_id=tokenizer.mask_id), state

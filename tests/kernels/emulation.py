@@ -221,7 +221,7 @@ def te_api(*, capability: tuple[int, int] = (9, 0), fp8=None) -> SimpleNamespace
     `fp8`: the FP8Settings an fp8 autocast would report (None: not in one)."""
 
     def fused_backend(is_training, dtype, layout, mask, num_heads, num_kv_heads, sq, sk, head_dim):
-        if dtype in FP8_DTYPES:  # cuDNN's FP8 rules on Hopper/Blackwell (KERNELS.md 1)
+        if dtype in FP8_DTYPES:  # cuDNN's FP8 rules on Hopper/Blackwell (docs/method.md, "Fused kernels")
             ok = capability >= (9, 0) and (head_dim == 128 if capability < (10, 0) else head_dim <= 128)
             return "FP8" if ok and mask in ("no_mask", "causal", "padding", "padding_causal") else None
         return "F16_arbitrary_seqlen" if head_dim <= 256 else None

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from setdiff_megatron.checkpoint.hf_config import model_config_from_hf_config
-from setdiff_megatron.checkpoint.hf_files import load_safetensors_dir
+from setdiff_megatron.sources.hf_config import model_config_from_hf_config
+from setdiff_megatron.sources.hf_files import load_safetensors_dir
 from setdiff_megatron.data.tokenizers import SetDiffTokenizer, load_tokenizer
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.models.config import ModelConfig

@@ -15,9 +15,8 @@ from typing import Any, Mapping
 from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.models.config import ModelConfig
 
-__all__ = ["HF_CONFIG_KEYS", "MOE_CONFIG_KEYS", "GENERATION_KEYS", "hf_config_from_model_config",
-           "model_config_from_hf_config", "rope_theta_of", "generation_config_from_decoding",
-           "decoding_config_from_generation"]
+__all__ = ["MOE_CONFIG_KEYS", "hf_config_from_model_config", "model_config_from_hf_config", "rope_theta_of",
+           "generation_config_from_decoding", "decoding_config_from_generation"]
 
 HF_CONFIG_KEYS: dict[str, str] = {
     # Hugging Face config key -> ModelConfig field
@@ -31,10 +30,14 @@ HF_CONFIG_KEYS: dict[str, str] = {
     "intermediate_size": "intermediate_size",
     "max_position_embeddings": "max_seq_len",
     "rope_theta": "rope_theta",
-    "rms_norm_eps": "norm_eps",
+    "norm": "norm",
+    "rms_norm_eps": "norm_eps",  # the eps of either norm kind
+    "mlp": "mlp",
+    "mlp_bias": "mlp_bias",
     "qk_norm": "qk_norm",
     "qkv_bias": "qkv_bias",
     "tie_word_embeddings": "tie_embeddings",
+    "output_bias": "output_bias",
     "attention_impl": "attention_impl",
     "initializer_range": "init_std",
 }

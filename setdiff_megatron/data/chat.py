@@ -1,0 +1,66 @@
+"""Chat conversations as text, through the tokenizer's own Jinja chat template.
+
+One renderer serves every consumer, so a model is prompted the way it was trained:
+- supervised preprocessing splits a conversation at its last assistant turn: the context is
+  everything the template writes before that turn's content (for Qwen's template this is the
+  reference's split at the last `<|im_start|>` plus two tokens, `assistant` and the newline),
+  the response is the content and whatever the template closes the turn with;
+- `setdiff eval generate` and `setdiff serve` render the conversation so far with the
+  generation prompt, which writes the same context.
+
+Templates run in jinja2's immutable sandbox: a tokenizer directory is data, not code. BOS and EOS
+render as empty strings; the recipe's `method.keep_clean_bos` and the EOS after every response
+are added as ids, never as text.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from setdiff_megatron.errors import require
+
+__all__ = ["ChatError", "check_messages", "render_chat", "split_conversation"]
+
+
+class ChatError(ValueError):
+    """A conversation that cannot be rendered or split, with the reason."""
+
+
+def check_messages(messages: Any) -> list[dict[str, str]]:
+    """The conversation as a list of {"role", "content"} strings, or ChatError saying why not."""
+    if not isinstance(messages, list) or not messages:
+        raise ChatError("'messages' must be a non-empty list of {role, content} turns")
+    turns = []
+    for i, turn in enumerate(messages):
+        if not (isinstance(turn, dict) and isinstance(turn.get("role"), str) and isinstance(turn.get("content"), str)):
+            raise ChatError(f"turn {i} of 'messages' needs a string 'role' and a string 'content'")
+        turns.append({"role": turn["role"], "content": turn["content"]})
+    return turns
+
+
+def render_chat(template: str, messages: list[dict[str, str]], *, add_generation_prompt: bool) -> str:
+    jinja2 = require("jinja2", "data", "Chat templates")
+    from jinja2 import sandbox
+
+    env = sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    try:
+        return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                bos_token="", eos_token="")
+    except jinja2.TemplateError as exc:
+        raise ChatError(f"the chat template failed on this conversation: {exc}") from None
+
+
+def split_conversation(template: str, messages: Any) -> tuple[str, str]:
+    """(context, response) texts of a conversation that ends with the assistant's turn."""
+    turns = check_messages(messages)
+    last = turns[-1]
+    if last["role"] != "assistant":
+        raise ChatError(f"the last turn of 'messages' must be the assistant's response, not {last['role']!r}")
+    if not last["content"]:
+        raise ChatError("the assistant's response is empty")
+    text = render_chat(template, turns, add_generation_prompt=False)
+    start = text.rfind(last["content"])
+    if start < 0:
+        raise ChatError("the chat template does not write the assistant's response verbatim, so the context "
+                        "cannot be split from it")
+    return text[:start], text[start:]

@@ -1,0 +1,62 @@
+"""torchrun for the local launcher, quiet about a failure that is the person's to fix.
+
+A worker that meets a UserError hands its message to the launcher (`errors.report`) and exits
+with code 2. torchrun then stops the other workers and reports the failure as log lines and a
+ChildFailedError traceback, which name the exit code but not the message. Once a message has been
+handed over, that report is noise (the launcher prints the message), so this runs torchrun's own
+`main` with it left out and exits with code 2. Every other failure is reported as torchrun reports it.
+
+    SETDIFF_ERROR_DIR=DIR python -m setdiff_megatron.launch.torchrun TORCHRUN_ARGS...
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+from torch.distributed import run
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+from setdiff_megatron.errors import ERROR_DIR_ENV, EXIT_USER_ERROR, handed_over
+
+
+class _UnlessHandedOver(logging.Filter):
+    """Lets a log record through only while no worker has handed over a UserError: a worker
+    writes its message before it exits, so it is there before torchrun logs the failure."""
+
+    def __init__(self, directory: Path):
+        super().__init__()
+        self.directory = directory
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return handed_over(self.directory) is None
+
+
+def _handlers_of(name: str) -> list[logging.Handler]:
+    """The handlers that the records of logger `name` reach, wherever torch installed them."""
+    logger: logging.Logger | None = logging.getLogger(name)
+    found: list[logging.Handler] = []
+    while logger is not None:
+        found += logger.handlers
+        logger = logger.parent if logger.propagate else None
+    return found or [logging.lastResort]
+
+
+def main() -> int:
+    """torchrun's exit code, or 2 without torchrun's report once a worker handed over a UserError."""
+    directory = Path(os.environ[ERROR_DIR_ENV])
+    for handler in _handlers_of("torch.distributed.elastic"):
+        handler.addFilter(_UnlessHandedOver(directory))
+    try:
+        run.main()
+    except ChildFailedError:
+        if handed_over(directory) is None:
+            raise
+        return EXIT_USER_ERROR
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

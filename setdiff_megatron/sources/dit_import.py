@@ -1,0 +1,176 @@
+"""The reference implementation's DiT checkpoints (the paper's OpenWebText and LM1B models) as
+weights of the set diffusion model family in its DiT layout (models/config.py `DIT_BODY`;
+docs/dit.md).
+
+  hub directory  config.json holding the backbone's constructor arguments (hidden_size, n_heads,
+                 num_layers, vocab_size, length, adaln, causal_attention, ...), as its
+                 PyTorchModelHubMixin writes them, model.safetensors (read by hf_files.py, never
+                 pickle), and the tokenizer beside them
+  composer .pt   a training checkpoint: state.model holds the denoiser's backbone under
+                 model.backbone. (with _orig_mod. when compiled), and state.integrations.huggingface
+                 the denoiser's config (its backbone_config) and the tokenizer's files, as
+                 composer's HuggingFaceModel records them; a config.json and a tokenizer beside the
+                 file stand in for what it lacks
+
+A .pt is a pickle. It is read with torch.load(weights_only=True) only; each class or function
+that loader refuses (composer pickles numpy RNG state, ...) is replaced by `_Inert`, which takes
+nothing from the file, so only tensors and plain containers come out and no code of the file runs
+(a pickle that would call what it built is refused, in one line).
+
+Refused with the reason: adaLN (time conditioning, which set diffusion models do not have),
+causal attention (the reference's autoregressive baseline), rotary frequencies other than theta
+10000's. The tokenizer's MASK must be a row of the checkpoint's embedding; token ids beyond its
+rows (tokens the tokenizer loader adds) get mean rows, as Llama/Qwen imports do (ar_import.py).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+
+from setdiff_megatron.data.tokenizers import SetDiffTokenizer, load_tokenizer
+from setdiff_megatron.errors import UserError
+from setdiff_megatron.models.config import DIT_BODY, ModelConfig
+from setdiff_megatron.models.torch_model import Rotary
+from setdiff_megatron.models.weight_maps import DIT_ROTARY, add_vocabulary_rows, dit_to_torch
+
+__all__ = ["DIT_KIND", "ComposerParts", "dit_state_dict", "is_dit_config", "read_composer_checkpoint"]
+
+DIT_KIND = "dit"
+_HUB_KEYS = frozenset({"hidden_size", "n_heads", "num_layers", "vocab_size", "length", "adaln", "causal_attention"})
+"""Constructor arguments of the reference's DIT that its config.json always holds."""
+_TOKENIZER_FILES = (".json", ".txt")
+
+
+def is_dit_config(config: Mapping[str, Any]) -> bool:
+    """Whether a config.json (or a denoiser's backbone_config) describes the reference's DiT."""
+    return _HUB_KEYS <= config.keys()
+
+
+def _model_config(backbone: Mapping[str, Any], where: Path, mask_token_id: int) -> ModelConfig:
+    if backbone.get("adaln"):
+        raise UserError(f"{where}: adaln: true (time conditioning) is not part of set diffusion models; the paper's "
+                        "set diffusion DiTs have adaln: false")
+    if backbone.get("causal_attention"):
+        raise UserError(f"{where}: causal_attention: true is the reference's autoregressive baseline, not a set "
+                        "diffusion model")
+    try:
+        return ModelConfig(vocab_size=int(backbone["vocab_size"]), mask_token_id=mask_token_id,
+                           hidden_size=int(backbone["hidden_size"]), num_layers=int(backbone["num_layers"]),
+                           num_heads=int(backbone["n_heads"]), max_seq_len=int(backbone["length"]), **DIT_BODY)
+    except (TypeError, ValueError) as exc:
+        raise UserError(f"{where}: not a valid DiT config: {exc}") from None
+
+
+def dit_state_dict(weights: Mapping[str, torch.Tensor], backbone: Mapping[str, Any], tokenizer: SetDiffTokenizer,
+                   where: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The ModelConfig and torch weights of a DiT's backbone weights (its own names) and config."""
+    rows = int(backbone["vocab_size"])
+    if not 0 <= tokenizer.mask_id < rows:
+        raise UserError(f"{where}: the tokenizer's MASK {tokenizer.special_tokens['mask']!r} (id {tokenizer.mask_id}) "
+                        f"is not one of the checkpoint's {rows} rows; use the tokenizer the model was trained with")
+    cfg = _model_config(backbone, where, tokenizer.mask_id)
+    stored = weights.get(DIT_ROTARY)
+    expected = Rotary(cfg.head_dim, cfg.rope_theta).inv_freq
+    if stored is not None and (stored.shape != expected.shape or not torch.allclose(stored.float(), expected)):
+        raise UserError(f"{where}: its rotary frequencies are not theta {cfg.rope_theta:g}'s at head dim "
+                        f"{cfg.head_dim}")
+    try:
+        state = dit_to_torch(weights, cfg)
+    except (KeyError, ValueError) as exc:
+        raise UserError(f"{where}: weights do not match its config: {exc}") from None
+    vocab = max(rows, tokenizer.vocab_size)
+    if vocab > rows:
+        state = add_vocabulary_rows(state, cfg, vocab)
+    return cfg.replace(vocab_size=vocab), state
+
+
+class _Inert:
+    """What a global the safe loader refuses stands for: built from any arguments and given any
+    state, it keeps nothing."""
+
+    def __new__(cls, *args, **kwargs):
+        return super().__new__(cls)
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+
+def _reason(exc: Exception) -> str:
+    """The line of a torch.load error that says what it refused."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    marked = [i + 1 for i, line in enumerate(lines) if "WeightsUnpickler error" in line and i + 1 < len(lines)]
+    return lines[marked[0]] if marked else lines[0] if lines else type(exc).__name__
+
+
+def _load_pickle(path: Path) -> Any:
+    """torch.load(weights_only=True) of `path`, every global it refuses read as `_Inert`."""
+    try:
+        refused = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
+        with torch.serialization.safe_globals([(_Inert, name) for name in refused]):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - the unpickler raises many types
+        raise UserError(f"cannot read {path} safely with torch.load(weights_only=True) ({_reason(exc)}); where the "
+                        "file is trusted, save its state['model'] tensors with safetensors.torch.save_file and read "
+                        "that") from None
+
+
+def _dig(obj: Any, *keys: str) -> Any:
+    """obj[k1][k2]..., or None where a level is missing or not a dict."""
+    for key in keys:
+        obj = obj.get(key) if isinstance(obj, dict) else None
+    return obj
+
+
+class ComposerParts:
+    """What a composer checkpoint of the reference's denoiser holds for an import."""
+
+    def __init__(self, path: Path):
+        ckpt = _load_pickle(path)
+        model = _dig(ckpt, "state", "model")
+        if not isinstance(model, dict):
+            raise UserError(f"{path} is not a composer checkpoint: it has no state.model")
+        self.weights: dict[str, torch.Tensor] = {}
+        for name, t in model.items():
+            key = str(name).replace("_orig_mod.", "").removeprefix("module.").removeprefix("model.")
+            if key.startswith("backbone.") and isinstance(t, torch.Tensor):
+                self.weights[key.removeprefix("backbone.")] = t
+        if not self.weights:
+            raise UserError(f"{path}: its state.model holds no backbone.* tensors (the denoiser's DiT)")
+        hf = _dig(ckpt, "state", "integrations", "huggingface")
+        backbone = _dig(hf, "model", "config", "content", "backbone_config")
+        self.backbone: dict | None = backbone if isinstance(backbone, dict) else None
+        files = _dig(hf, "tokenizer")
+        self.tokenizer_files: dict | None = files if isinstance(files, dict) and files else None
+
+    def tokenizer(self, path: Path) -> SetDiffTokenizer:
+        """The tokenizer from the files composer recorded (written to a scratch directory)."""
+        with tempfile.TemporaryDirectory() as scratch:
+            for stem, entry in self.tokenizer_files.items():
+                ext, content = _dig(entry, "file_extension"), _dig(entry, "content")
+                if Path(str(stem)).name != stem or ext not in _TOKENIZER_FILES or content is None:
+                    raise UserError(f"{path}: its recorded tokenizer file {stem!r} ({ext}) is not a tokenizer file")
+                text = json.dumps(content) if ext == ".json" else "\n".join(map(str, content))
+                (Path(scratch) / f"{stem}{ext}").write_text(text, encoding="utf-8")
+            return load_tokenizer(scratch)
+
+
+def read_composer_checkpoint(path: Path, beside_config: dict | None, beside_tokenizer: Callable[[], SetDiffTokenizer]
+                             ) -> tuple[ModelConfig, dict[str, torch.Tensor], SetDiffTokenizer]:
+    """(config, torch weights, tokenizer) of a composer .pt; `beside_config` (a config.json next
+    to it, or None) and `beside_tokenizer()` stand in for what the checkpoint does not record."""
+    parts = ComposerParts(path)
+    backbone = parts.backbone or beside_config
+    if backbone is None or not is_dit_config(backbone):
+        raise UserError(f"{path}: no DiT config, neither recorded by composer (integrations.huggingface) nor in a "
+                        "config.json beside it (the released model's)")
+    tokenizer = parts.tokenizer(path) if parts.tokenizer_files else beside_tokenizer()
+    cfg, state = dit_state_dict(parts.weights, backbone, tokenizer, path)
+    return cfg, state, tokenizer

@@ -1,0 +1,127 @@
+"""The training loop's checkpoint saves: synchronous, or in the background, one at a time.
+
+A save is checkpoint/publish.py's two halves around the files: `begin_publication` makes
+`step_N.tmp`; the engine writes its files and rank 0 train_state.json, the recipe and the
+tokenizer; `finish_publication` hashes them, verifies, renames to `step_N`, moves `latest` and
+applies retention. Synchronously all of it happens at the step boundary. With
+`checkpoint.async_save` the engine's shards are written by megatron-core's forked writer while
+training goes on, and the second half runs at the first step boundary where every rank's writer
+is done (`poll`, collective, every step), so `latest` never names a checkpoint whose files are
+not all on disk. At most one save is in flight: one that comes due while the previous one is
+still writing waits for it, and the log says how long.
+
+Each save logs `checkpoint/blocked_s` (how long the step loop stood still for it, the wait for
+an earlier save included) and `checkpoint/write_s` (from its start to its publication).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from setdiff_megatron.checkpoint.names import CHECKPOINTS, TOKENIZER_DIR
+from setdiff_megatron.checkpoint.publish import Retention, begin_publication, finish_publication, publish
+from setdiff_megatron.checkpoint.state import Progress, TrainState, write_train_state
+from setdiff_megatron.distributed import runtime
+from setdiff_megatron.distributed.signals import blocked
+from setdiff_megatron.recipes import Recipe, save_resolved_recipe
+from setdiff_megatron.training.engines import Engine
+from setdiff_megatron.training.metrics import MetricsLogger
+
+__all__ = ["Checkpointer", "save_checkpoint"]
+
+
+def _write_run_files(tmp: Path, recipe: Recipe, engine: Engine, progress: Progress, identity: dict, tokenizer,
+                     run_id: str) -> None:
+    """Rank 0's files of a checkpoint: the train state (progress as of the save), recipe, tokenizer."""
+    if runtime.rank() != 0:
+        return
+    write_train_state(tmp, TrainState(
+        progress=progress, scheduler=engine.scheduler_state(), layout=engine.layout_record(), model=identity,
+        tokenizer={"vocab_size": tokenizer.vocab_size, "mask_id": tokenizer.mask_id}, run_id=run_id))
+    save_resolved_recipe(recipe, tmp)
+    tokenizer.save(tmp / TOKENIZER_DIR)
+
+
+def save_checkpoint(recipe: Recipe, engine: Engine, progress: Progress, identity: dict, tokenizer,
+                    run_id: str) -> Path:
+    """Collective and synchronous: publish the engine's files and rank 0's under the recipe's
+    retention; returns the checkpoint directory."""
+    def write(tmp: Path) -> None:
+        engine.save(tmp)
+        _write_run_files(tmp, recipe, engine, progress, identity, tokenizer, run_id)
+
+    c = recipe.checkpoint
+    return publish(Path(c.dir) / CHECKPOINTS, progress.step, write, run_id=run_id,
+                   retention=Retention(c.keep_last_n, c.keep_every_n_steps))
+
+
+@dataclass
+class _InFlight:
+    step: int
+    started: float
+    blocked_s: float
+
+
+class Checkpointer:
+    """Saves of one run, each published once complete; `last` is the newest published."""
+
+    def __init__(self, recipe: Recipe, engine: Engine, identity: dict, tokenizer, run_id: str,
+                 logger: MetricsLogger, last: Path | None = None):
+        self.recipe, self.engine, self.identity, self.tokenizer, self.run_id = recipe, engine, identity, tokenizer, run_id
+        self.logger, self.last = logger, last
+        self.root = Path(recipe.checkpoint.dir) / CHECKPOINTS
+        self.retention = Retention(recipe.checkpoint.keep_last_n, recipe.checkpoint.keep_every_n_steps)
+        self._in_flight: _InFlight | None = None
+        self._published: Path | None = None
+
+    def save(self, progress: Progress, *, background: bool) -> None:
+        """Collective: save the state at `progress`, in the background if asked (after waiting for
+        a save still in flight) or now."""
+        start = time.perf_counter()
+        if self._in_flight is not None:
+            self.wait(because=f"the save of step {progress.step} came due")
+        if not background:
+            self.last = save_checkpoint(self.recipe, self.engine, progress, self.identity, self.tokenizer, self.run_id)
+            seconds = time.perf_counter() - start
+            self.logger.log(progress.step, {"checkpoint/step": progress.step, "checkpoint/blocked_s": seconds,
+                                            "checkpoint/write_s": seconds})
+            return
+        step = progress.step
+        with blocked():
+            tmp = begin_publication(self.root, step)
+        self.engine.start_save(tmp, lambda: self._publish(step, tmp))
+        _write_run_files(tmp, self.recipe, self.engine, replace(progress), self.identity, self.tokenizer, self.run_id)
+        self._in_flight = _InFlight(step, start, time.perf_counter() - start)
+
+    def poll(self, step: int) -> None:
+        """Collective, at a step boundary: publish the save in flight if every rank wrote it."""
+        self._finish(step, blocking=False)
+
+    def wait(self, *, because: str | None = None, step: int | None = None) -> None:
+        """Collective: finish the save in flight, if any, and say how long that took."""
+        if self._in_flight is None:
+            return
+        start, saving = time.perf_counter(), self._in_flight.step
+        self._finish(step if step is not None else saving, blocking=True)
+        if because is not None:
+            self.logger.message(f"{because} while the save of step {saving} was still writing: waited "
+                                f"{time.perf_counter() - start:.1f} s for it")
+
+    def _finish(self, step: int, *, blocking: bool) -> None:
+        if self._in_flight is None:
+            return
+        waited = time.perf_counter()
+        if not self.engine.finish_saves(blocking=blocking):
+            return
+        saving, self._in_flight = self._in_flight, None
+        now = time.perf_counter()
+        self.last = self._published
+        self.logger.log(step, {"checkpoint/step": saving.step,
+                               "checkpoint/blocked_s": saving.blocked_s + (now - waited if blocking else 0.0),
+                               "checkpoint/write_s": now - saving.started})
+
+    def _publish(self, step: int, tmp: Path) -> None:
+        """The second half of a background save, run on every rank by the engine's finalization."""
+        self._published = finish_publication(self.root, step, tmp, run_id=self.run_id, retention=self.retention)
