@@ -17,8 +17,8 @@ The project's own eval jobs then measure:
       stdlib function bodies by four models trained on the built-in code corpus), each model
       given the context its order can use.
 Results go to benchmarks/results/study/<setting>/ (results.json, results.md, plots). Reruns skip
-the models and points already done. `--quick` trains AR and d = 4 of the supervised setting for
-fewer steps and runs one point each.
+the models and points already done. `--quick` trains set diffusion d = 4 of the supervised setting
+as the full run does and decodes it at W = 1 and at the paper's default policy.
 
 Modules: `plan` (the models and decoding settings), `run` (training and evaluation through the
 project's commands and jobs), `report` (tables and plots).

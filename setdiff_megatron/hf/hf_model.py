@@ -31,9 +31,9 @@ from transformers.utils import ModelOutput
 
 from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.core.sampler import SampleOutput, SetSampler
-from setdiff_megatron.sources.hf_config import decoding_config_from_generation, model_config_from_hf_config
 from setdiff_megatron.hf.configuration_setdiff import SetDiffConfig
 from setdiff_megatron.models.torch_model import Rotary, SetDiffusionTransformer
+from setdiff_megatron.sources.hf_config import decoding_config_from_generation, model_config_from_hf_config
 
 __all__ = ["SetDiffConfig", "SetDiffModel", "SetDiffOutput", "SetDiffPreTrainedModel"]
 

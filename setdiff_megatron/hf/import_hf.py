@@ -22,10 +22,10 @@ from setdiff_megatron.errors import UserError, require
 from setdiff_megatron.hf import verify
 from setdiff_megatron.hf.export import DTYPES, ConversionReport
 from setdiff_megatron.hf.megatron_writer import write_megatron_checkpoint
-from setdiff_megatron.sources.hf_files import safetensors_dtype
-from setdiff_megatron.sources.read import AR_KINDS, Source, read_hf_dir, read_source
 from setdiff_megatron.hf.weights_io import staged_directory
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
+from setdiff_megatron.sources.hf_files import safetensors_dtype
+from setdiff_megatron.sources.read import AR_KINDS, Source, read_hf_dir, read_source
 
 __all__ = ["ar_comparison", "import_from_hf"]
 

@@ -13,8 +13,8 @@ from typing import Iterator, Mapping
 
 import torch
 
-from setdiff_megatron.sources.hf_files import INDEX, safetensors
 from setdiff_megatron.errors import UserError
+from setdiff_megatron.sources.hf_files import INDEX, safetensors
 
 __all__ = ["parse_size", "save_sharded", "staged_directory"]
 

@@ -12,10 +12,10 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from setdiff_megatron.sources.hf_config import decoding_config_from_generation
-from setdiff_megatron.sources.read import Source
 from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.recipes import Recipe
+from setdiff_megatron.sources.hf_config import decoding_config_from_generation
+from setdiff_megatron.sources.read import Source
 
 __all__ = ["default_decoding", "decoding_for_recipe"]
 

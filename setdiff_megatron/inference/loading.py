@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 
-from setdiff_megatron.sources.read import Source, read_source
 from setdiff_megatron.core.sampler import StepModel
 from setdiff_megatron.data.supervised import RowFormat
 from setdiff_megatron.data.tokenizers import SetDiffTokenizer
@@ -27,6 +26,7 @@ from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 from setdiff_megatron.recipes import Recipe
 from setdiff_megatron.runs.terms import prompt_format
+from setdiff_megatron.sources.read import Source, read_source
 
 __all__ = ["SamplingModel", "load_sampling_model", "DTYPES"]
 

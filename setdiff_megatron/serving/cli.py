@@ -86,8 +86,8 @@ def _process_replicas(args):
 
 def build_server(args):
     """(the Server, the worker processes or None) for parsed `setdiff serve` arguments."""
-    from setdiff_megatron.sources.read import read_source
     from setdiff_megatron.serving.app import Server
+    from setdiff_megatron.sources.read import read_source
 
     for name in ("batch_size", "nproc", "tp"):
         if getattr(args, name) < 1:

@@ -28,9 +28,9 @@ import torch
 
 from setdiff_megatron.data.tokenizers import SetDiffTokenizer
 from setdiff_megatron.errors import UserError
-from setdiff_megatron.sources.hf_config import rope_theta_of
 from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.weight_maps import add_vocabulary_rows, hf_to_torch
+from setdiff_megatron.sources.hf_config import rope_theta_of
 
 __all__ = ["SUPPORTED", "ar_model_config", "ar_state_dict", "unsupported_architecture"]
 

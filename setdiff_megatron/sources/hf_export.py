@@ -8,12 +8,12 @@ from pathlib import Path
 
 import torch
 
-from setdiff_megatron.sources.hf_config import model_config_from_hf_config
-from setdiff_megatron.sources.hf_files import load_safetensors_dir
 from setdiff_megatron.data.tokenizers import SetDiffTokenizer, load_tokenizer
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.weight_maps import hf_to_torch
+from setdiff_megatron.sources.hf_config import model_config_from_hf_config
+from setdiff_megatron.sources.hf_files import load_safetensors_dir
 
 __all__ = ["read_hf_config", "load_hf_export"]
 

@@ -21,13 +21,7 @@ from typing import Any
 
 import torch
 
-from setdiff_megatron.sources.ar_import import SUPPORTED, ar_model_config, ar_state_dict, unsupported_architecture
-from setdiff_megatron.sources.deepspeed import consolidated_state_dict, is_deepspeed_checkpoint
-from setdiff_megatron.sources.dit_import import DIT_KIND, dit_state_dict, is_dit_config, read_composer_checkpoint
-from setdiff_megatron.sources.hf_export import load_hf_export, read_hf_config
-from setdiff_megatron.sources.hf_files import load_safetensors_dir
 from setdiff_megatron.checkpoint.identity import config_from_identity
-from setdiff_megatron.sources.megatron import torch_weights
 from setdiff_megatron.checkpoint.names import TOKENIZER_DIR, is_checkpoint_path
 from setdiff_megatron.checkpoint.resolve import resolve_step_dir
 from setdiff_megatron.checkpoint.state import read_train_state
@@ -37,6 +31,12 @@ from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.weight_maps import torch_shapes
 from setdiff_megatron.recipes import Recipe, load_recipe
 from setdiff_megatron.recipes.loading import RESOLVED_NAME
+from setdiff_megatron.sources.ar_import import SUPPORTED, ar_model_config, ar_state_dict, unsupported_architecture
+from setdiff_megatron.sources.deepspeed import consolidated_state_dict, is_deepspeed_checkpoint
+from setdiff_megatron.sources.dit_import import DIT_KIND, dit_state_dict, is_dit_config, read_composer_checkpoint
+from setdiff_megatron.sources.hf_export import load_hf_export, read_hf_config
+from setdiff_megatron.sources.hf_files import load_safetensors_dir
+from setdiff_megatron.sources.megatron import torch_weights
 
 __all__ = ["Source", "read_source", "read_hf_dir", "fit_source", "AR_KINDS"]
 

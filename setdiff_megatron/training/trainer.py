@@ -30,15 +30,15 @@ import torch
 from setdiff_megatron.checkpoint.identity import model_identity
 from setdiff_megatron.checkpoint.publish import check_writable
 from setdiff_megatron.checkpoint.resolve import resume_target
-from setdiff_megatron.sources.read import fit_source, read_source
 from setdiff_megatron.checkpoint.state import Progress
 from setdiff_megatron.distributed import runtime
 from setdiff_megatron.distributed.signals import PreemptionHandler
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.recipes import Recipe, save_resolved_recipe
-from setdiff_megatron.training.checkpointer import Checkpointer
 from setdiff_megatron.recipes.validation import check_recipe
+from setdiff_megatron.sources.read import fit_source, read_source
 from setdiff_megatron.training import lr_schedule
+from setdiff_megatron.training.checkpointer import Checkpointer
 from setdiff_megatron.training.data_pipeline import DataLoaders, TrainingData, prepare_data
 from setdiff_megatron.training.engines import Engine, start_engine
 from setdiff_megatron.training.metrics import MetricsLogger, peak_flops, step_metrics, training_flops_per_token

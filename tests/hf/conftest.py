@@ -12,9 +12,9 @@ import torch
 
 from setdiff_megatron.data.tokenizers import load_tokenizer
 from setdiff_megatron.hf.export import write_export
-from setdiff_megatron.sources.read import Source
 from setdiff_megatron.models.config import DIT_BODY, ModelConfig
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
+from setdiff_megatron.sources.read import Source
 from tests.conftest import randomized
 from tests.hf.clean_env import make_clean_site
 from tests.hf.tiny_models import make_ar_model, make_tokenizer

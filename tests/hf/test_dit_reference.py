@@ -47,12 +47,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from setdiff_megatron.sources.read import read_source
 from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.core.loss import token_nll
 from setdiff_megatron.core.sampler import SetSampler
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
+from setdiff_megatron.sources.read import read_source
 from tests.hf.conftest import ROOT, convert_from_hf
 
 FIXTURES = ROOT / "tests" / "fixtures" / "dit"

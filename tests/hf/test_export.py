@@ -15,9 +15,9 @@ from setdiff_megatron.cli import main
 from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.core.sampler import SetSampler
 from setdiff_megatron.hf import verify
+from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.sources.hf_config import MOE_CONFIG_KEYS
 from setdiff_megatron.sources.hf_export import load_hf_export
-from setdiff_megatron.models.config import ModelConfig
 from tests.hf.clean_env import run_clean
 
 DECODING = dict(max_new_tokens=10, window=4, threshold=0.3)

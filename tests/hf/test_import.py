@@ -17,10 +17,9 @@ from setdiff_megatron.cli import main
 from setdiff_megatron.core.orders import Staggered
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.hf import verify
-from setdiff_megatron.sources.hf_files import load_safetensors_dir
 from setdiff_megatron.hf.import_hf import ar_comparison
-from setdiff_megatron.sources.read import read_hf_dir
-from setdiff_megatron.sources.read import read_source
+from setdiff_megatron.sources.hf_files import load_safetensors_dir
+from setdiff_megatron.sources.read import read_hf_dir, read_source
 from tests.hf.conftest import convert_from_hf
 from tests.hf.tiny_models import make_ar_model
 

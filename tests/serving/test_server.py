@@ -17,8 +17,8 @@ from setdiff_megatron.core.sampler import SetSampler  # noqa: E402
 from setdiff_megatron.distributed.runtime import Ranks  # noqa: E402
 from setdiff_megatron.inference.defaults import default_decoding  # noqa: E402
 from setdiff_megatron.inference.loading import load_sampling_model  # noqa: E402
-from setdiff_megatron.sources.read import read_source  # noqa: E402
 from setdiff_megatron.serving.local import LiveServer  # noqa: E402
+from setdiff_megatron.sources.read import read_source  # noqa: E402
 
 NAME = "tiny"
 

@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from setdiff_megatron.sources.deepspeed import consolidated_state_dict
 from setdiff_megatron.checkpoint.names import CHECKPOINTS, TOKENIZER_DIR
 from setdiff_megatron.checkpoint.publish import publish
 from setdiff_megatron.checkpoint.resolve import Resumed
@@ -26,6 +25,7 @@ from setdiff_megatron.checkpoint.state import Progress, TrainState, read_train_s
 from setdiff_megatron.core.loss import set_diffusion_loss
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 from setdiff_megatron.recipes import load_recipe
+from setdiff_megatron.sources.deepspeed import consolidated_state_dict
 from setdiff_megatron.training.engines.deepspeed import DeepSpeedEngine
 from setdiff_megatron.training.engines.deepspeed_config import build_optimizer
 from setdiff_megatron.training.lr_schedule import build_lr_scheduler
