@@ -12,9 +12,9 @@ from setdiff_megatron.data.corpus import is_heldout, stdlib_documents
 from setdiff_megatron.data.reasoning import char_tokenizer
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.evaluation.infilling import (InfillExample, _visible_right, code_examples, jsonl_examples,
-from setdiff_megatron.sources.read import read_source
                                                    rocstories_examples, score_samples)
 from setdiff_megatron.evaluation.scoring import rouge
+from setdiff_megatron.sources.read import read_source
 
 STORIES = [
     ["s1", "Tom had a dog.", "The dog was old.", "One day it ran away.", "Tom looked everywhere.",
