@@ -11,12 +11,13 @@ from benchmarks.study.__main__ import main
 def test_a_smoke_run_writes_the_tables_and_plots(tmp_path):
     results = main(["--quick", "--steps", "6", "--per-level", "2", "--out", str(tmp_path / "runs"),
                     "--results", str(tmp_path / "results")])
-    assert set(results["models"]) == {"ar", "sd-d4"}
-    for model in results["models"].values():
-        assert model["steps"] == 6 and model["valid_curve"][-1][0] == 6 and model["train_minutes"] > 0
-        (point,) = model["points"]
-        assert point["examples"] == 10 and point["tokens_per_step"] >= 1.0
-    assert results["models"]["ar"]["points"][0]["tokens_per_step"] == 1.0
+    assert set(results["models"]) == {"sd-d4"}
+    model = results["models"]["sd-d4"]
+    assert model["steps"] == 6 and model["valid_curve"][-1][0] == 6 and model["train_minutes"] > 0
+    one, parallel = model["points"]
+    assert one["examples"] == parallel["examples"] == 10
+    assert (one["window"], one["tokens_per_step"]) == (1, 1.0)
+    assert (parallel["window"], parallel["threshold"]) == (4, 0.9) and parallel["tokens_per_step"] >= 1.0
     assert 0 < results["trivial_baseline"] <= 1
     written = json.loads((tmp_path / "results" / "results.json").read_text())
     assert written["models"].keys() == results["models"].keys()

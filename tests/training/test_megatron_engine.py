@@ -59,6 +59,7 @@ def test_resume_continues_exactly(tmp_path, data_cache, async_save):
     assert [m["train/loss"] for m in again] == [losses[3], losses[4]]  # bitwise
 
 
+@pytest.mark.slow  # 45 s; document masks train in the default suite through packed supervised rows
 def test_document_mask_trains(tmp_path, data_cache):
     """data.document_mask end to end in one process, on the corpus of short documents (about four
     per window): document ids from its EOD tokens."""

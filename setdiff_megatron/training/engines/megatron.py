@@ -20,7 +20,10 @@ warning) plus each rank's RNG states, restored on an unchanged layout only.
 from __future__ import annotations
 
 import math
+import multiprocessing
+import signal
 from collections.abc import Callable
+from multiprocessing.managers import SyncManager
 from pathlib import Path
 
 import torch
@@ -31,6 +34,7 @@ from setdiff_megatron.checkpoint.names import RNG_FILE
 from setdiff_megatron.checkpoint.resolve import Resumed
 from setdiff_megatron.distributed import runtime
 from setdiff_megatron.distributed.layout import Layout
+from setdiff_megatron.distributed.signals import PREEMPTION_SIGNALS, blocked
 from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.recipes import Recipe
 from setdiff_megatron.training import lr_schedule
@@ -205,15 +209,21 @@ class MegatronEngine:
 
     def start_save(self, directory: Path, then: Callable[[], None]) -> None:
         """megatron-core's own async save: dist_checkpointing's request, run by its AsyncCallsQueue
-        (a forked writer per save); the RNG states are small and written now."""
+        (a forked writer per save); the RNG states are small and written now. The processes it
+        starts (the writer, its workers, the results queue's manager) inherit blocked preemption
+        signals, and the results queue's manager ignores them: a SIGTERM that SLURM sends every
+        process of the step must reach this one, which decides when the save is finished, and not
+        kill a writer half-way."""
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
-        request = save_shards(model_sharded_state(self._modules(), self.optimizer), directory, background=True)
-        request.add_finalize_fn(then)
-        self._save_rng(directory)
-        if self._async_saves is None:
-            self._async_saves = AsyncCallsQueue()
-        self._async_saves.schedule_async_request(request)
+        _start_results_queue()
+        with blocked():
+            request = save_shards(model_sharded_state(self._modules(), self.optimizer), directory, background=True)
+            request.add_finalize_fn(then)
+            self._save_rng(directory)
+            if self._async_saves is None:
+                self._async_saves = AsyncCallsQueue()
+            self._async_saves.schedule_async_request(request)
 
     def finish_saves(self, *, blocking: bool) -> bool:
         if self._async_saves is None:
@@ -350,3 +360,20 @@ def _load_optimizer(optimizer, loaded: dict) -> None:
             st.pop("step", None)
         opt.load_parameter_state_from_fully_reshardable(param_state)
     _restore_adam_steps(optimizer)
+
+
+def _ignore_preemption() -> None:
+    for s in PREEMPTION_SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+
+
+def _start_results_queue() -> None:
+    """Start dist_checkpointing's write-results queue ourselves, once: megatron-core starts its
+    manager as a fresh (spawned) interpreter, which unblocks SIGTERM, so its default action would
+    kill it under a preemption and lose the save in flight. Ours ignores the preemption signals."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+        manager.start(initializer=_ignore_preemption)
+        filesystem_async._results_queue = manager.Queue()
