@@ -1,5 +1,5 @@
-"""The inputs every set-causal attention takes, checked once: q/k/v shapes, L, padding rows, and
-the signature of a training implementation.
+"""The inputs every set-causal attention takes and their checks: q/k/v shapes, L, padding rows,
+and the signature of a training implementation.
 
 The token axis of k/v holds 2L tokens, [clean stream ; query stream], both in rank order; q holds
 the same 2L rows or only the L query rows. `valid_len[b]` ranks are real in each stream; ranks at
@@ -19,7 +19,7 @@ import torch
 __all__ = ["AttentionImpl", "check_qkv", "stream_length", "valid_row_mask"]
 
 AttentionImpl = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, "torch.Tensor | None"], torch.Tensor]
-"""A training implementation: (q, k, v, scale, valid_len) -> out, shapes checked by its caller."""
+"""A training implementation: (q, k, v, scale, valid_len) -> out."""
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, query_rows_only: bool = False) -> None:
@@ -43,7 +43,7 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, query_rows_o
 
 
 def valid_row_mask(valid_len: torch.Tensor, length: int, streams: int = 2) -> torch.Tensor:
-    """[B, 1, streams * L, 1] float mask of real rows in both streams (or the query stream)."""
+    """[B, 1, streams * L, 1] bool mask of real rows in both streams (or the query stream)."""
     ranks = torch.arange(length, device=valid_len.device)
     valid_BL = ranks[None, :] < valid_len[:, None]
     return valid_BL.repeat(1, streams)[:, None, :, None]

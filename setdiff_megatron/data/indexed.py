@@ -3,10 +3,10 @@
 A finished dataset with prefix P is three files: `P.bin` and `P.idx` written by megatron-core's
 `IndexedDatasetBuilder` (one sequence per document, EOS included; a supervised record's document
 is two, its prompt and its response), and `P.manifest.json` (tokenizer identity, counts, source
-checksum). Supervised datasets add `P.locations.npy`, each record's line or row in its input. The manifest is written last, so its presence is
-what "finished" means: `IndexedWriter` writes `P.bin.partial`/`P.idx.partial`, deletes any old
-manifest before it starts, renames the pair into place when complete and only then writes the
-manifest. An interrupted run therefore leaves either `.partial` files or a pair without a
+checksum). Supervised datasets add `P.locations.npy`, each record's line or row in its input.
+The manifest is written last, so its presence is what "finished" means: `IndexedWriter` writes
+`P.bin.partial`/`P.idx.partial`, deletes any old manifest before it starts, renames the pair into
+place when complete and only then writes the manifest. An interrupted run therefore leaves either `.partial` files or a pair without a
 manifest, and both preprocessing reruns and `open_indexed` treat those as unfinished.
 
 megatron-core is imported lazily (`megatron_datasets`) so that the tokenizer and the input

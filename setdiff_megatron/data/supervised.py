@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from setdiff_megatron.data.chat import ChatError, split_conversation
+from setdiff_megatron.data.chat import ChatError, render_chat, split_conversation
 from setdiff_megatron.data.sources import BadRecord
 from setdiff_megatron.data.tokenizers import SetDiffTokenizer
 from setdiff_megatron.errors import UserError
@@ -122,3 +122,12 @@ class RowFormat:
         if self.force_eos and length < len(ids) and length > 0:
             kept[-1] = eos_id
         return kept
+
+
+def chat_prompt(template: str, messages: list[dict[str, str]], tokenizer: SetDiffTokenizer,
+                fmt: RowFormat) -> list[int]:
+    """A conversation so far as a prompt: the chat template with its generation prompt, markup as
+    special tokens, formatted as training rows began (the context of a supervised chat record).
+    Raises ChatError."""
+    text = render_chat(template, messages, add_generation_prompt=True)
+    return fmt.prompt(tokenizer.encode_markup(text)).tolist()

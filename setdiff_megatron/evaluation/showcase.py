@@ -76,18 +76,18 @@ def showcase(recipe: Recipe) -> list[str]:
     lines.append(f"decoding: {row.num_decoded} tokens in {row.steps} steps, {row.tokens_per_step:.2f} tokens "
                  f"per step ({policy}, greedy)")
     if corpus == "reasoning":
-        def accuracy(rows) -> float:
-            texts = [sm.tokenizer.decode(row.completion, skip_special_tokens=True) for row in rows]
+        def accuracy(completions: list[str]) -> float:
             return sum(score_completion("gsm8k", t, [r["reference"]])["accuracy"]
-                       for t, r in zip(texts, records)) / len(records)
+                       for t, r in zip(completions, records)) / len(records)
 
         answers = Counter(gsm8k_answer(r["reference"]) for r in records)
         trivial = answers.most_common(1)[0][1] / len(records)
-        lines.append(f"held-out accuracy on {len(records)} test problems (#### answer): {accuracy(out.rows):.0%} at "
+        lines.append(f"held-out accuracy on {len(records)} test problems (#### answer): {accuracy(texts):.0%} at "
                      f"{out.metrics.tokens_per_step:.2f} tokens per step ({policy})")
         if cfg.window > 1:
             one = sampler.generate(ids, replace(cfg, window=1, threshold=None, block_size=None), batch_size=16)
-            lines.append(f"  the same model one token per step (window 1): {accuracy(one.rows):.0%}")
+            one_texts = [sm.tokenizer.decode(row.completion, skip_special_tokens=True) for row in one.rows]
+            lines.append(f"  the same model one token per step (window 1): {accuracy(one_texts):.0%}")
         lines.append(f"  trivial baseline (every problem given the most common answer): {trivial:.0%}; "
                      "setdiff eval generate measures more")
     return lines

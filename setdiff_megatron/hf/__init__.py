@@ -7,6 +7,6 @@
   hf_model.py        the PreTrainedModel wrapper bundled last; configuration_setdiff.py ships as is
   verify.py          the logit comparisons; weights_io.py safetensors shards and staged output
 
-Reading every format (our exports, Llama/Qwen models, the HF config tables) is checkpoint/'s:
+Reading every format (our exports, Llama/Qwen models, the HF config tables) is sources/'s:
 `sources.read_source` is the one reader for every consumer.
 """

@@ -6,8 +6,9 @@ A line holds one of
   template and its generation prompt (data/chat.py), as supervised chat records were at training;
 - `"segments": ["text", 12, "more text"]`, where an integer n is a span of n masked tokens to
   infill between the visible pieces.
-A prompt is formatted as the model's training rows began (`RowFormat.prompt`: BOS, a prompt EOS,
-truncation), so a model is scored on the distribution it learned. Other keys (an `id`,
+A text or chat prompt is formatted as the model's training rows began (`RowFormat.prompt`: BOS, a
+prompt EOS, truncation), so a model is scored on the distribution it learned; an infilling prompt
+gets the BOS only and is never cut. Other keys (an `id`,
 references, metadata) travel through to the output untouched. Blank lines are skipped; the index
 of a prompt is its rank among the non-blank lines, the key by which outputs are merged and
 resumed.
@@ -15,17 +16,18 @@ resumed.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from setdiff_megatron.data.chat import ChatError, check_messages, render_chat
-from setdiff_megatron.data.supervised import RowFormat
+from setdiff_megatron.data.chat import ChatError, check_messages
+from setdiff_megatron.data.supervised import RowFormat, chat_prompt
 from setdiff_megatron.data.tokenizers import SetDiffTokenizer
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.inference.jsonl import jsonl_records
 
-__all__ = ["PromptRecord", "read_prompts", "encode_prompt"]
+__all__ = ["PromptRecord", "read_prompts", "encode_prompt", "infill_prompt"]
 
 
 @dataclass(frozen=True)
@@ -91,13 +93,17 @@ def encode_prompt(record: PromptRecord, tokenizer: SetDiffTokenizer, fmt: RowFor
             raise UserError(f"line {record.line}: a 'messages' prompt needs the model's chat template, and its "
                             "tokenizer has none; give a 'prompt' instead")
         try:
-            text = render_chat(tokenizer.chat_template, list(record.messages), add_generation_prompt=True)
+            return chat_prompt(tokenizer.chat_template, list(record.messages), tokenizer, fmt)
         except ChatError as exc:
             raise UserError(f"line {record.line}: {exc}") from None
-        return fmt.prompt(tokenizer.encode_markup(text)).tolist()
     if len(record.segments) == 1 and isinstance(record.segments[0], str):
         return fmt.prompt(tokenizer.encode(record.segments[0])).tolist()
+    return infill_prompt(record.segments, tokenizer, fmt)
+
+
+def infill_prompt(segments: Sequence[str | int], tokenizer: SetDiffTokenizer, fmt: RowFormat) -> list[int]:
+    """The BOS, then each text segment's tokens or a span of n MASK tokens for an integer n."""
     ids = [fmt.bos_id] if fmt.bos_id is not None else []
-    for segment in record.segments:
+    for segment in segments:
         ids += tokenizer.encode(segment) if isinstance(segment, str) else [tokenizer.mask_id] * segment
     return ids

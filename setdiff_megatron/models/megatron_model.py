@@ -176,7 +176,7 @@ def _moe_fields(cfg: ModelConfig, ep: int) -> dict:
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    """The tanh-approximated GELU of the DiT's MLP (torch_model's MLP computes the same)."""
+    """The tanh-approximated GELU of the DiT's MLP (models/moe.py's MLP computes the same)."""
     return F.gelu(x, approximate="tanh")
 
 

@@ -166,9 +166,7 @@ class SetDiffusionTransformer(nn.Module):
 
     def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         hidden = self.norm(hidden)
-        if self.lm_head is None:
-            return F.linear(hidden, self.embed_tokens.weight)
-        return F.linear(hidden, self.lm_head.weight, self.lm_head.bias)
+        return F.linear(hidden, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(hidden)
 
     def forward(self, clean_tokens: torch.Tensor, query_tokens: torch.Tensor, position_ids: torch.Tensor,
                 valid_len: torch.Tensor | None = None, document_ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -97,7 +97,7 @@ _DIT_LAYER = {
 _DIT_QKV = "attn_qkv.weight"
 _DIT_GLOBAL = {"vocab_embed.embedding": _EMBED[0], "output_layer.norm_final.weight": _FINAL_NORM[0],
                "output_layer.linear.weight": _OUTPUT[0], "output_layer.linear.bias": _OUTPUT_BIAS[0]}
-DIT_ROTARY = "rotary_emb.inv_freq"
+DIT_ROTARY = _HF_IGNORED[0]
 """The reference DiT's stored rotary frequencies: no weight (its importer checks them against rope_theta)."""
 
 
@@ -258,7 +258,7 @@ def torch_to_megatron(
 
 def megatron_to_torch(state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig, *, backend: str = "local") -> StateDict:
     """The torch model's state dict from a whole megatron model's (TP = PP = EP = 1, the form
-    checkpoint/megatron.py reads). Every megatron weight must be consumed (`_extra_state` entries
+    sources/megatron.py reads). Every megatron weight must be consumed (`_extra_state` entries
     excepted) and every shape must match."""
     unused = {n for n in state_dict if not n.endswith("_extra_state")}
 

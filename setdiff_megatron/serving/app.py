@@ -24,10 +24,11 @@ from typing import AsyncIterator
 
 from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.core.sampler import SetSampler
-from setdiff_megatron.data.chat import ChatError, render_chat
-from setdiff_megatron.data.supervised import RowFormat
+from setdiff_megatron.data.chat import ChatError
+from setdiff_megatron.data.supervised import RowFormat, chat_prompt
 from setdiff_megatron.data.tokenizers import SetDiffTokenizer
 from setdiff_megatron.errors import require
+from setdiff_megatron.inference.prompts import infill_prompt
 from setdiff_megatron.serving.metrics import ServingStats, exposition, metrics_registry
 from setdiff_megatron.serving.protocol import ChatBody, CompletionBody, RequestError, decoding_of, validation_message
 from setdiff_megatron.serving.replicas import Job, Replica
@@ -142,10 +143,7 @@ class Server:
         max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         fmt = self.model.prompt_format
         if body.segments is not None:
-            ids = [] if fmt.bos_id is None else [fmt.bos_id]
-            for segment in body.segments:
-                ids += tok.encode(segment) if isinstance(segment, str) else [tok.mask_id] * segment
-            return ids, 0
+            return infill_prompt(body.segments, tok, fmt), 0
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             prompt = prompt[0]
@@ -165,10 +163,9 @@ class Server:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         if self.model.chat_template:
             try:
-                text = render_chat(self.model.chat_template, messages, add_generation_prompt=True)
+                return chat_prompt(self.model.chat_template, messages, self.model.tokenizer, self.model.prompt_format)
             except ChatError as exc:
                 raise RequestError(str(exc), param="messages") from None
-            return self.model.prompt_format.prompt(self.model.tokenizer.encode_markup(text)).tolist()
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
         return self.model.prompt_format.prompt(self.model.tokenizer.encode(text)).tolist()
 

@@ -109,7 +109,6 @@ def _check_port(port: int) -> None:
 
 def _run(args) -> int:
     _check_port(args.port)
-    require("fastapi", "serve", "setdiff serve")
     uvicorn = require("uvicorn", "serve", "setdiff serve")
     from setdiff_megatron.serving.app import create_app
 

@@ -29,6 +29,8 @@ _CHECKPOINT_NORMS = {"self_attention.linear_qkv.layer_norm_weight": "input_layer
 """megatron stores the norms under Transformer Engine's fused names whatever the backend."""
 _STACKED_EXPERTS = ".mlp.experts.experts."
 """An MoE layer's experts are stored as one tensor per weight, experts first."""
+
+
 def _global_tensors(path: Path) -> dict[str, torch.Tensor]:
     """Every model tensor of a checkpoint at its global shape (optimizer state and TE's
     `_extra_state` bytes are not read)."""

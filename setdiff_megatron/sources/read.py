@@ -177,8 +177,10 @@ def fit_source(source: Source, model_cfg: ModelConfig, tokenizer: SetDiffTokeniz
         if min(rows, want) < tokenizer.vocab_size:
             raise UserError(f"{where} {source.path} has {rows} vocabulary rows and the recipe {want}; both must cover "
                             f"the tokenizer's {tokenizer.vocab_size} tokens")
-        for name in ("embed_tokens.weight",) + (() if model_cfg.tie_embeddings else ("lm_head.weight",)):
+        names = (("embed_tokens.weight",) + (() if model_cfg.tie_embeddings else ("lm_head.weight",))
+                 + (("lm_head.bias",) if model_cfg.output_bias else ()))
+        for name in names:
             w = state[name]
             mean = w[: tokenizer.vocab_size].float().mean(0, keepdim=True).to(w.dtype)
-            state[name] = w[:want] if rows > want else torch.cat([w, mean.expand(want - rows, -1)])
+            state[name] = w[:want] if rows > want else torch.cat([w, mean.expand(want - rows, *w.shape[1:])])
     return state

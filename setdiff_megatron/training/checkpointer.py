@@ -17,7 +17,7 @@ an earlier save included) and `checkpoint/write_s` (from its start to its public
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from setdiff_megatron.checkpoint.names import CHECKPOINTS, TOKENIZER_DIR
@@ -29,7 +29,7 @@ from setdiff_megatron.recipes import Recipe, save_resolved_recipe
 from setdiff_megatron.training.engines import Engine
 from setdiff_megatron.training.metrics import MetricsLogger
 
-__all__ = ["Checkpointer", "save_checkpoint"]
+__all__ = ["Checkpointer"]
 
 
 def _write_run_files(tmp: Path, recipe: Recipe, engine: Engine, progress: Progress, identity: dict, tokenizer,
@@ -42,19 +42,6 @@ def _write_run_files(tmp: Path, recipe: Recipe, engine: Engine, progress: Progre
         tokenizer={"vocab_size": tokenizer.vocab_size, "mask_id": tokenizer.mask_id}, run_id=run_id))
     save_resolved_recipe(recipe, tmp)
     tokenizer.save(tmp / TOKENIZER_DIR)
-
-
-def save_checkpoint(recipe: Recipe, engine: Engine, progress: Progress, identity: dict, tokenizer,
-                    run_id: str) -> Path:
-    """Collective and synchronous: publish the engine's files and rank 0's under the recipe's
-    retention; returns the checkpoint directory."""
-    def write(tmp: Path) -> None:
-        engine.save(tmp)
-        _write_run_files(tmp, recipe, engine, progress, identity, tokenizer, run_id)
-
-    c = recipe.checkpoint
-    return publish(Path(c.dir) / CHECKPOINTS, progress.step, write, run_id=run_id,
-                   retention=Retention(c.keep_last_n, c.keep_every_n_steps))
 
 
 @dataclass
@@ -83,7 +70,8 @@ class Checkpointer:
         if self._in_flight is not None:
             self.wait(because=f"the save of step {progress.step} came due")
         if not background:
-            self.last = save_checkpoint(self.recipe, self.engine, progress, self.identity, self.tokenizer, self.run_id)
+            self.last = publish(self.root, progress.step, lambda tmp: self._write(tmp, progress), run_id=self.run_id,
+                                retention=self.retention)
             seconds = time.perf_counter() - start
             self.logger.log(progress.step, {"checkpoint/step": progress.step, "checkpoint/blocked_s": seconds,
                                             "checkpoint/write_s": seconds})
@@ -92,8 +80,13 @@ class Checkpointer:
         with blocked():
             tmp = begin_publication(self.root, step)
         self.engine.start_save(tmp, lambda: self._publish(step, tmp))
-        _write_run_files(tmp, self.recipe, self.engine, replace(progress), self.identity, self.tokenizer, self.run_id)
+        _write_run_files(tmp, self.recipe, self.engine, progress, self.identity, self.tokenizer, self.run_id)
         self._in_flight = _InFlight(step, start, time.perf_counter() - start)
+
+    def _write(self, tmp: Path, progress: Progress) -> None:
+        """A synchronous save's files: the engine's, then the run's."""
+        self.engine.save(tmp)
+        _write_run_files(tmp, self.recipe, self.engine, progress, self.identity, self.tokenizer, self.run_id)
 
     def poll(self, step: int) -> None:
         """Collective, at a step boundary: publish the save in flight if every rank wrote it."""

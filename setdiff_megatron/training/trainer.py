@@ -72,7 +72,9 @@ def preflight(recipe: Recipe) -> None:
 def check_resumable(recipe: Recipe) -> None:
     """For a launcher, before its processes start: the refusal `resume_target` would give them
     all (checkpoints none of which can be resumed, by any model), raised once here. Quiet: the run
-    itself reports the checkpoints it skips. `none` is the run's to do, as it moves checkpoints."""
+    itself reports the checkpoints it skips. `none` is the run's to do, as it moves checkpoints.
+    The newest checkpoint is hashed here in one process and again by the ranks: a second read of
+    its files, the price of refusing before any process starts."""
     c = recipe.checkpoint
     if c.resume != "none":
         with contextlib.redirect_stdout(io.StringIO()):

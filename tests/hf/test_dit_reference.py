@@ -40,7 +40,7 @@ import json
 import shutil
 import subprocess
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -53,7 +53,7 @@ from setdiff_megatron.core.loss import token_nll
 from setdiff_megatron.core.sampler import SetSampler
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
-from setdiff_megatron.sources.read import read_source
+from setdiff_megatron.sources.read import fit_source, read_source
 from tests.hf.conftest import ROOT, convert_from_hf
 
 FIXTURES = ROOT / "tests" / "fixtures" / "dit"
@@ -179,3 +179,15 @@ def test_convert_from_hf_takes_a_composer_checkpoint(tmp_path):
     converted, hub = read_source(out), read_source(HUB)
     assert converted.kind == "megatron" and asdict(converted.config) == asdict(hub.config)
     assert all(torch.equal(converted.state_dict[k], hub.state_dict[k]) for k in hub.state_dict)
+
+
+def test_a_dit_source_fits_a_recipe_with_more_vocabulary_rows():
+    """`model.init_from` a DiT into a padded vocabulary: the untied output layer's bias grows with
+    its weight, the new rows the mean of the tokenizer's."""
+    hub = read_source(HUB)
+    wider = replace(hub.config, vocab_size=hub.config.vocab_size + 16)
+    fitted = fit_source(hub, wider, hub.tokenizer)
+    SetDiffusionTransformer(wider).load_state_dict(fitted)
+    bias = fitted["lm_head.bias"]
+    assert bias.shape == (wider.vocab_size,)
+    torch.testing.assert_close(bias[-1], hub.state_dict["lm_head.bias"][: hub.tokenizer.vocab_size].mean())
