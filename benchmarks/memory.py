@@ -232,6 +232,7 @@ class GrowingCache:
         self.keys[layer] = keys = torch.cat([self.keys[layer], k], dim=2)
         self.values[layer] = values = torch.cat([self.values[layer], v], dim=2)
         if layer == 0:
+            self._num_commit = num_commit
             allowed = step_mask(num_commit, q.shape[2] - num_commit, self.length, device=q.device)
             self._bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(
                 ~allowed, torch.finfo(q.dtype).min)
@@ -240,9 +241,9 @@ class GrowingCache:
         scores = q @ keys.transpose(-1, -2) / math.sqrt(q.shape[-1]) + self._bias
         return scores.softmax(-1, dtype=torch.float32).to(q.dtype) @ values
 
-    def advance(self, num_commit: int, *, partial: bool = False) -> None:
-        """Crop to the commits; `partial` is always False (rows commit alike)."""
-        self.length += num_commit
+    def advance(self) -> None:
+        """Crop to the commits (rows commit alike)."""
+        self.length += self._num_commit
         self.keys = [k[:, :, :self.length] for k in self.keys]
         self.values = [v[:, :, :self.length] for v in self.values]
 

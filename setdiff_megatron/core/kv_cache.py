@@ -1,23 +1,28 @@
 """A preallocated KV cache of committed clean tokens, for the sampler.
 
 Only clean tokens enter the cache; query (MASK) tokens are scored against it and forgotten. A
-step's commits are written by each layer as it runs and become visible to later steps once the
-model calls `advance` after its last layer, so every layer of one step sees the same cache.
+step's commits become visible to later steps once the model calls `advance` after its last
+layer, which writes every layer's commits at once, so every layer of one step sees the same
+cache.
 
 Layout: padded, with per-row lengths. Row b holds its entries in slots [0, lengths[b]), in
-commit order. A step appends each row's commits at that row's own length, so a row that commits
-fewer tokens than the step's commit slots (the rest are dummies, `commit_valid` False) leaves no
-hole: dummies land past its length, masked, and are overwritten later. Attention reads slots
-[0, length), `length` being a host-side bound on every row's length (no device sync needed), and
-masks each row's unused tail once rows differ. The capacity must also hold one step's tokens
-(commits and queries) behind `length`: they are staged there for attention. The sampler admits
+commit order; `length` is a host-side bound on every row's length (no device sync needed), and
+attention masks each row's unused tail. One more slot per row, past `capacity`, takes the
+writes of dummy commits (rows that commit fewer tokens than the step's commit slots, padding
+rows and slots of a static step), so no dummy lands in any row's entries. The sampler admits
 rows into a running batch (`with_rows`, `with_capacity`), retires finished ones (`select_rows`)
 and drops entries from the middle of rows that outgrow the context (`drop`).
 
-Attention: masked SDPA over the staged slots with a dense step mask (the default), or, when
-`attention_impl` names a kernel step (core.step_attention.STEP_IMPLS: 'te', 'flash_attn'), a fused
-kernel reading the cache in place with per-row lengths instead of a mask (docs/method.md,
-"KV cache").
+A step's layout (core/step_layout.py, `plan`) says how the model's tokens map to B rows of K
+commit and Q query slots, packed or padded. Attention then reads the cache one of two ways. An
+eager step stages its K/V in the slots behind `length` and attends the cache in place; a static
+step (a fixed `span`, compiled by core/step_compiler.py) writes nothing during the forward and
+attends the first `span` slots with its own K/V appended, because a compiled graph that
+mutates its inputs copies them.
+
+Attention: masked SDPA with a dense step mask (the default), or, when `attention_impl` names a
+kernel step (core.step_attention.STEP_IMPLS: 'te', 'flash_attn'), a fused kernel reading the
+cache with per-row lengths instead of a mask (docs/method.md, "KV cache").
 
 Shapes: N layers, B batch, G key/value heads, C capacity, D head dim, T step tokens.
 """
@@ -34,33 +39,38 @@ from setdiff_megatron.core.step_attention import (
     staged_step_attention,
     step_attention_mask,
 )
+from setdiff_megatron.core.step_layout import StepLayout
 
 __all__ = ["KVCache"]
 
 
 @dataclass
 class KVCache:
-    keys: torch.Tensor  # [N, B, G, C, D]
-    values: torch.Tensor  # [N, B, G, C, D]
+    keys: torch.Tensor  # [N, B, G, C + 1, D]; the last slot takes dummy writes
+    values: torch.Tensor  # [N, B, G, C + 1, D]
     lengths: torch.Tensor  # [B] long: entries held by each row
     length: int = 0
     """Host-side bound: no row has an entry at slot `length` or beyond. Each step raises it by the
     step's commit slots; a caller that knows lengths.max() (the sampler) may lower it."""
     ragged: bool = False
-    """Set once rows may differ in length; until then attention needs no key mask."""
+    """Set once rows may differ in length; until then an eager step needs no key mask, and its
+    staged commits already sit at every row's end."""
     attention_impl: str = "sdpa"
     """Step attention: a name with a kernel step in core.step_attention.STEP_IMPLS ('te', 'flash_attn')
     runs that kernel over the cache with per-row lengths; any other name, masked SDPA. Models
     pass their attention_impl, 'auto' resolved for their device and dtype."""
-    _step: tuple | None = field(default=None, repr=False)
-    """(attention mask or None on the kernel path, commit slots of ragged rows, commit counts) of
-    the step in flight: computed by layer 0, shared by the other layers, consumed by `advance`."""
+    _layout: StepLayout | None = field(default=None, repr=False)
+    """The step in flight (set by `plan`, or by layer 0 from the model's arguments)."""
+    _mask: torch.Tensor | None = field(default=None, repr=False)
+    """The step's dense attention mask (None on the kernel path), built by layer 0."""
+    _commits: list = field(default_factory=list, repr=False)
+    """Each layer's commit K/V [B, G, K, D] of the step in flight, written by `advance`."""
 
     @classmethod
     def allocate(cls, *, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int,
                  capacity: int, dtype: torch.dtype = torch.float32, device=None,
                  attention_impl: str = "sdpa") -> "KVCache":
-        shape = (num_layers, batch_size, num_kv_heads, capacity, head_dim)
+        shape = (num_layers, batch_size, num_kv_heads, capacity + 1, head_dim)
         return cls(
             keys=torch.zeros(shape, dtype=dtype, device=device),
             values=torch.zeros(shape, dtype=dtype, device=device),
@@ -70,74 +80,120 @@ class KVCache:
 
     @property
     def capacity(self) -> int:
-        return self.keys.shape[3]
+        return self.keys.shape[3] - 1
+
+    @property
+    def rows(self) -> int:
+        return self.keys.shape[1]
 
     @property
     def uses_kernel(self) -> bool:
         """Whether attention runs a kernel step (lengths, no dense mask) rather than masked SDPA."""
         return self.attention_impl in STEP_IMPLS
 
-    def _plan_step(self, batch_size: int, num_commit: int, num_tokens: int,
-                   commit_valid: torch.Tensor | None) -> tuple:
-        device, key_mask, slots = self.lengths.device, None, None
-        counts = None if commit_valid is None else commit_valid.sum(1)
-        if self.ragged:
-            slots = self.lengths[:, None] + torch.arange(num_commit, device=device)
-        if self.uses_kernel:  # the kernel takes lengths (self.lengths, counts): no dense mask
-            return None, slots, counts
-        if self.ragged:
-            key_mask = torch.arange(self.length, device=device) < self.lengths[:, None]
-        mask = step_attention_mask(batch_size, num_commit, num_tokens - num_commit, self.length,
-                                   cache_mask=key_mask, commit_mask=commit_valid, device=device)
-        return mask, slots, counts
+    @property
+    def layout(self) -> StepLayout | None:
+        """The planned layout of the step about to run (None: the model's tokens are padded)."""
+        return self._layout
+
+    def plan(self, layout: StepLayout) -> None:
+        """The layout of the next step; without one, a step's tokens are its padded view."""
+        if layout.rows != self.rows:
+            raise ValueError(f"a step layout of {layout.rows} rows for a cache of {self.rows}")
+        self._layout = layout
+
+    def _start_step(self, q_BHTD: torch.Tensor, num_tokens: int, num_commit: int,
+                    commit_valid: torch.Tensor | None) -> StepLayout:
+        if self._layout is None:
+            self._layout = StepLayout.padded(q_BHTD.shape[0], num_commit, num_tokens - num_commit, commit_valid)
+        layout = self._layout
+        if layout.span is None:  # (a static step reads no host-side length: its graph would depend on it)
+            span = self.length
+            if span + layout.num_commit + layout.num_query > self.capacity:
+                raise ValueError(
+                    f"KV cache capacity {self.capacity} exceeded ({span} cached + "
+                    f"{layout.num_commit + layout.num_query} step tokens); allocate a larger capacity"
+                )
+        elif layout.span > self.capacity:
+            raise ValueError(f"a static step's span {layout.span} exceeds the KV cache capacity {self.capacity}")
+        else:
+            span = layout.span
+        self._mask = None
+        if not self.uses_kernel:  # the kernel takes lengths (self.lengths, counts): no dense mask
+            counts = layout.commit_count
+            keyed = self.ragged or layout.span is not None  # a static span reaches past some rows' ends
+            self._mask = step_attention_mask(
+                layout.rows, layout.num_commit, layout.num_query, span,
+                cache_mask=torch.arange(span, device=self.lengths.device) < self.lengths[:, None] if keyed else None,
+                commit_mask=None if counts is None else torch.arange(layout.num_commit, device=counts.device) < counts[:, None],
+                device=self.lengths.device)
+        return layout
 
     def attend(self, layer: int, q_BHTD: torch.Tensor, k_BGTD: torch.Tensor, v_BGTD: torch.Tensor, *,
                num_commit: int, commit_valid: torch.Tensor | None = None) -> torch.Tensor:
-        """Attention of one layer's step tokens; appends the commits' K/V to each row.
+        """Attention of one layer's step tokens (in the model's layout; module docstring).
 
-        The step's T tokens are staged in slots [length, length + T), behind every row's entries,
-        so attention reads the cache in place rather than a per-layer copy of it; then, where rows
-        differ in length, the valid commits (a prefix of each row) move to the row's own end. On
-        the kernel path the cache part is slots [0, length) with each row's real entries a prefix
-        of lengths[b] (once ragged), and the staged commits a prefix of commit_valid's counts.
+        On the kernel path the cache part is the first `span` slots with each row's real entries
+        a prefix of lengths[b], and the step's commits a prefix of the layout's commit counts.
         """
-        start, num_tokens = self.length, k_BGTD.shape[2]
-        if start + num_tokens > self.capacity:
-            raise ValueError(
-                f"KV cache capacity {self.capacity} exceeded ({start} cached + {num_tokens} step tokens); "
-                "allocate a larger capacity"
-            )
-        if layer == 0:
-            self._step = self._plan_step(q_BHTD.shape[0], num_commit, num_tokens, commit_valid)
-        mask, slots, counts = self._step
+        layout = self._start_step(q_BHTD, k_BGTD.shape[2], num_commit, commit_valid) if layer == 0 else self._layout
+        q, k, v = layout.to_padded(q_BHTD), layout.to_padded(k_BGTD), layout.to_padded(v_BGTD)
         keys, values = self.keys[layer], self.values[layer]
-        keys[:, :, start:start + num_tokens] = k_BGTD
-        values[:, :, start:start + num_tokens] = v_BGTD
-        if mask is None:
+        if layout.span is None:  # eager: stage the step behind every row's entries, attend in place
+            start, num_tokens = self.length, k.shape[2]
+            keys[:, :, start:start + num_tokens] = k
+            values[:, :, start:start + num_tokens] = v
+            k_cache, v_cache = keys[:, :, :start], values[:, :, :start]
+            staged_k, staged_v = keys[:, :, :start + num_tokens], values[:, :, :start + num_tokens]
+        else:  # static: read only
+            k_cache, v_cache = keys[:, :, :layout.span], values[:, :, :layout.span]
+            staged_k, staged_v = torch.cat([k_cache, k], 2), torch.cat([v_cache, v], 2)
+        if self._mask is None:
             out = set_causal_step_attention(
-                q_BHTD, keys[:, :, start:start + num_tokens], values[:, :, start:start + num_tokens],
-                keys[:, :, :start], values[:, :, :start], num_commit=num_commit, impl=self.attention_impl,
-                cache_len=self.lengths if self.ragged else None, commit_len=counts)
+                q, k, v, k_cache, v_cache, num_commit=layout.num_commit, impl=self.attention_impl,
+                cache_len=self.lengths, commit_len=layout.commit_count)
         else:
-            out = staged_step_attention(q_BHTD, keys[:, :, :start + num_tokens], values[:, :, :start + num_tokens],
-                                        mask)
-        if slots is not None:
-            index = slots[:, None, :, None].expand(-1, k_BGTD.shape[1], -1, k_BGTD.shape[3])
-            keys.scatter_(2, index, k_BGTD[:, :, :num_commit])
-            values.scatter_(2, index, v_BGTD[:, :, :num_commit])
-        return out
+            out = staged_step_attention(q, staged_k, staged_v, self._mask)
+        self._commits.append((k[:, :, :layout.num_commit], v[:, :, :layout.num_commit]))
+        return layout.to_model(out)
 
-    def advance(self, num_commit: int, *, partial: bool = False) -> None:
-        """Make this step's commits visible; `partial` says some rows' commits were dummies."""
-        self.lengths += self._step[2] if partial else num_commit
+    @torch.compiler.disable
+    def advance(self) -> None:
+        """Write the step's commits after each row's entries and make them visible.
+
+        Outside any compiled graph: a compiled step hands its commits over as outputs.
+        """
+        layout, commits = self._layout, self._commits
+        num_commit, device = layout.num_commit, self.lengths.device
+        counts = layout.commit_count if layout.commit_count is not None else torch.full_like(self.lengths, num_commit)
+        staged_in_place = layout.span is None and not self.ragged and layout.commit_count is None
+        if num_commit and not staged_in_place:
+            slot = torch.arange(num_commit, device=device)
+            target = torch.where(slot < counts[:, None], self.lengths[:, None] + slot, self.capacity)
+            for store, new in ((self.keys, [k for k, _ in commits]), (self.values, [v for _, v in commits])):
+                new = torch.stack(new)  # [N, B, G, K, D]
+                store.scatter_(3, target[None, :, None, :, None].expand_as(new), new)
+        self.lengths += counts
         self.length += num_commit
-        self.ragged = self.ragged or partial
-        self._step = None
+        self.ragged = self.ragged or layout.commit_count is not None
+        self.reset_step()
 
-    def select_rows(self, index: torch.Tensor) -> "KVCache":
-        """A cache holding only the rows `index` (a copy): how the sampler retires finished rows."""
-        return KVCache(keys=self.keys[:, index], values=self.values[:, index], lengths=self.lengths[index],
-                       length=self.length, ragged=self.ragged, attention_impl=self.attention_impl)
+    def reset_step(self) -> None:
+        """Forget a step that did not run to `advance`."""
+        self._layout, self._mask, self._commits = None, None, []
+
+    def select_rows(self, index: torch.Tensor, rows: int | None = None) -> "KVCache":
+        """A cache holding only the rows `index` (a copy), then empty rows up to `rows`: how the
+        sampler retires finished rows."""
+        pad = (rows or len(index)) - len(index)
+        if pad:
+            index = torch.cat([index, index.new_zeros(pad)])
+        lengths = self.lengths[index]
+        if pad:
+            lengths[len(index) - pad:] = 0
+        return KVCache(keys=self.keys[:, index], values=self.values[:, index], lengths=lengths,
+                       length=self.length, ragged=self.ragged or (pad > 0 and self.length > 0),
+                       attention_impl=self.attention_impl)
 
     def with_rows(self, count: int) -> "KVCache":
         """This cache plus `count` empty rows at the end (a copy): how rows join a running batch."""
@@ -165,9 +221,9 @@ class KVCache:
 
         One gather over the whole cache; the sampler calls it rarely (it drops in chunks).
         """
-        slot = torch.arange(self.capacity, device=self.lengths.device)
+        slot = torch.arange(self.keys.shape[3], device=self.lengths.device)
         source_BC = slot + torch.where(slot >= start_B[:, None], count_B[:, None], 0)
-        index = source_BC.clamp(max=self.capacity - 1)[None, :, None, :, None].expand_as(self.keys)
+        index = source_BC.clamp(max=self.capacity)[None, :, None, :, None].expand_as(self.keys)
         self.keys = self.keys.gather(3, index)
         self.values = self.values.gather(3, index)
         self.lengths = self.lengths - count_B

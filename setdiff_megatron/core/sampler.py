@@ -59,6 +59,8 @@ from setdiff_megatron.core.decoding import (
 )
 from setdiff_megatron.core.kv_cache import KVCache
 from setdiff_megatron.core.sample_output import BatchMetrics, RowResult, SampleOutput, StepTrace
+from setdiff_megatron.core.step_compiler import StepCompiler
+from setdiff_megatron.core.step_layout import StepLayout, bucket, pack
 
 __all__ = ["StepModel", "SetSampler", "Request", "SampleOutput", "RowResult"]
 
@@ -168,6 +170,18 @@ class _Batch:
         return _Batch(**out)
 
 
+def _pad_rows(t: torch.Tensor, count: int, value) -> torch.Tensor:
+    """`t` [B, ...] with `count` more rows of `value` (padding rows of a bucket)."""
+    return torch.cat([t, t.new_full((count, *t.shape[1:]), value)]) if count else t
+
+
+def _device_of(model) -> torch.device:
+    """Where a StepModel's weights live (the CPU for a model without parameters)."""
+    parameters = getattr(model, "parameters", None)
+    first = next(iter(parameters()), None) if callable(parameters) else None
+    return first.device if first is not None else torch.device("cpu")
+
+
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -180,13 +194,15 @@ class SetSampler:
     the model's max_seq_len. `max_rows` and `kv_budget` (cache slots per layer, rows x
     capacity) bound a step's batch; `prefill_chunk` caps the tokens a row prefills per step.
     `static` admits requests only into an empty batch, which then runs until its last row ends
-    (static batching, the baseline continuous batching is measured against). Use `generate` for
-    a list of prompts, or `submit` / `cancel` / `step` to serve requests as they come (serving/).
+    (static batching, the baseline continuous batching is measured against). `compile` runs
+    decode steps at bucketed static shapes through core/step_compiler.py ('off', 'auto': once a
+    bucket has paid for its compile, 'on'); `compiler` shares one between engines. Use `generate`
+    for a list of prompts, or `submit` / `cancel` / `step` to serve requests as they come (serving/).
     """
 
     def __init__(self, model: StepModel, *, mask_token_id: int, context_len: int, max_rows: int | None = None,
                  kv_budget: int | None = None, prefill_chunk: int | None = None, trace: bool = False,
-                 static: bool = False):
+                 static: bool = False, compile: str = "off", compiler: StepCompiler | None = None):
         if context_len < 2:
             raise ValueError(f"context_len must be >= 2 (one cached token and one query); got {context_len}")
         for name, value in (("max_rows", max_rows), ("kv_budget", kv_budget), ("prefill_chunk", prefill_chunk)):
@@ -195,6 +211,7 @@ class SetSampler:
         self.model, self.mask_token_id, self.context_len = model, mask_token_id, context_len
         self.max_rows, self.kv_budget, self.prefill_chunk, self.trace = max_rows, kv_budget, prefill_chunk, trace
         self.static = static
+        self.compiler = compiler if compiler is not None else StepCompiler(model, compile, _device_of(model))
         self.waiting: list[Request] = []
         self.rows: list[_Row] = []
         self.batch: _Batch | None = None
@@ -204,10 +221,11 @@ class SetSampler:
         self.metrics = BatchMetrics()
         self._cancelled: set[Hashable] = set()
         self._queries: torch.Tensor | None = None
-        self._all_commit = True
         self._firsts: list[int] = []
         self._num_queries: list[int] = []
         """Valid query slots of each live row for its next step (host copy)."""
+        self._num_commits: list[int] = []
+        """Valid commit slots of each live row for its next step (host copy)."""
 
     # ----------------------------------------------------------------------------------------
     # requests
@@ -272,7 +290,7 @@ class SetSampler:
                 raise ValueError(f"prompts[{i}] {problem}")
         engine = SetSampler(self.model, mask_token_id=self.mask_token_id, context_len=self.context_len,
                             max_rows=batch_size or len(prompts), kv_budget=self.kv_budget,
-                            prefill_chunk=self.prefill_chunk, trace=trace)
+                            prefill_chunk=self.prefill_chunk, trace=trace, compiler=self.compiler)
         for i, prompt in enumerate(prompts):
             engine.submit(Request(key=i, prompt=tuple(int(t) for t in prompt), cfg=cfg, seed=cfg.seed + i))
         results: list[RowResult | None] = [None] * len(prompts)
@@ -287,6 +305,22 @@ class SetSampler:
         metrics.row_steps = sum(r.steps for r in results)
         return SampleOutput(results, metrics)
 
+    def warm_up(self, cfg: DecodingConfig, prompt_len: int, progress=None) -> float:
+        """Compile, ahead of traffic, the decode buckets a full batch of `prompt_len`-token prompts
+        decoded under `cfg` runs through (a server's start-up); returns the seconds it took.
+        Other shapes compile when they come, as the compile mode says."""
+        if not self.compiler.enabled:
+            return 0.0
+        token = 1 if self.mask_token_id == 0 else 0
+        prompts = [[token] * prompt_len] * (self.max_rows or 1)
+        mode, self.compiler.mode, self.compiler.progress = self.compiler.mode, "on", progress
+        start = time.perf_counter()
+        try:
+            self.generate(prompts, replace(cfg, eos_token_ids=(), stop_sequences=()), batch_size=self.max_rows)
+        finally:
+            self.compiler.mode, self.compiler.progress = mode, None
+        return time.perf_counter() - start
+
     # ----------------------------------------------------------------------------------------
     # admission
 
@@ -294,8 +328,20 @@ class SetSampler:
         prefill = visible if self.prefill_chunk is None else min(visible, self.prefill_chunk)
         return min(length, self.context_len - 1) + max(prefill, cfg.window) + cfg.window
 
+    @property
+    def _bucketed(self) -> bool:
+        """Whether the cache keeps a bucket's rows and capacity: once a decode step may run compiled."""
+        return self.compiler.enabled and (self.compiler.mode == "on" or bool(self.compiler.compiled))
+
     def _capacity_for(self, rows: list[_Row]) -> int:
-        return max(self._reserve(r.length, len(r.prefill), r.request.cfg) for r in rows)
+        needed = max(self._reserve(r.length, len(r.prefill), r.request.cfg) for r in rows)
+        if self._bucketed and (self.kv_budget is None or bucket(needed) * len(rows) <= self.kv_budget):
+            return bucket(needed)  # compiled graphs: few capacities
+        return needed
+
+    def _cache_rows(self, rows: int) -> int:
+        """Rows the cache holds for `rows` live ones (padding rows beyond them are not in kv_budget)."""
+        return bucket(rows) if self._bucketed else rows
 
     def _new_row(self, request: Request) -> _Row:
         tokens = list(request.prompt) + [self.mask_token_id] * request.cfg.max_new_tokens
@@ -320,7 +366,7 @@ class SetSampler:
         if not joining:
             return
         if self.cache is None:
-            self.cache = self.model.new_cache(len(joining), self._capacity_for(joining))
+            self.cache = self.model.new_cache(self._cache_rows(len(joining)), self._capacity_for(joining))
         device = self.cache.keys.device
         mask = self.mask_token_id
         width = max(r.length for r in joining)
@@ -339,10 +385,9 @@ class SetSampler:
         # The first window, as alone: rows that prefill first score it at the step after their prefill.
         new.query_pos, new.query_valid = window_queries(todo, policy)
         self._num_queries += new.query_valid.sum(1).tolist()
+        self._num_commits += [0] * len(joining)
         generators = [torch.Generator(device=device).manual_seed(r.request.seed) if r.request.cfg.temperature > 0
                       else None for r in joining]
-        if self.batch is not None or any(not r.prefill for r in joining):
-            self._all_commit = False  # rows without commits join rows with some (or none prefill)
         if self.batch is None:
             self.batch, self.policy, self.generators = new, policy, generators
         else:
@@ -350,7 +395,9 @@ class SetSampler:
             self.batch.widen(width, mask)
             new.widen(width, mask)
             self.batch, self.policy = self.batch.cat(new), self.policy.cat(policy)
-            self.cache = self.cache.with_rows(len(joining)).with_capacity(self._capacity_for(self.rows))
+            extra = self._cache_rows(len(self.rows)) - self.cache.rows  # joining rows take the empty ones
+            self.cache = (self.cache.with_rows(extra) if extra > 0 else self.cache).with_capacity(
+                self._capacity_for(self.rows))
             self.generators += generators
 
     def _fits_after(self, row: _Row) -> bool:
@@ -359,7 +406,9 @@ class SetSampler:
             return False
         if self.kv_budget is None:
             return True
-        return len(self.rows) * self._capacity_for(self.rows) <= self.kv_budget
+        # A cache never shrinks while it has rows: what a retired row (or a bucket) reserved stays.
+        held = self.cache.capacity if self.cache is not None else 0
+        return len(self.rows) * max(held, self._capacity_for(self.rows)) <= self.kv_budget
 
     # ----------------------------------------------------------------------------------------
     # a step
@@ -374,12 +423,7 @@ class SetSampler:
         if not chunks:
             return
         b, device = self.batch, self.batch.canvas.device
-        before = b.commit_tok.shape[1]
-        k = max(before, max(len(c) for c in chunks.values()))
-        # Every row's commit slots are still all valid if each prefill chunk fills them and the
-        # other rows' commits did and still do.
-        others_full = self._all_commit and before == k
-        self._all_commit = all(len(c) == k for c in chunks.values()) and (len(chunks) == len(self.rows) or others_full)
+        k = max(b.commit_tok.shape[1], max(len(c) for c in chunks.values()))
         if k > b.commit_tok.shape[1]:
             extra = k - b.commit_tok.shape[1]
             b.commit_tok = torch.cat([b.commit_tok, b.commit_tok.new_zeros(len(self.rows), extra)], 1)
@@ -392,6 +436,7 @@ class SetSampler:
             b.commit_tok[i, :len(chunk)] = torch.tensor([t for _, t in chunk], dtype=torch.long, device=device)
             b.commit_valid[i] = False
             b.commit_valid[i, :len(chunk)] = True
+            self._num_commits[i] = len(chunk)
             self.rows[i].prefill_forwards += 1
 
     def _query_tokens(self, rows: int, width: int) -> torch.Tensor:
@@ -422,15 +467,12 @@ class SetSampler:
         self._evict_if_needed(num_commit)
         if cache.length + num_commit + num_query > cache.capacity:  # admission reserves this; kept as a guard
             cache = self.cache = cache.with_capacity(cache.length + num_commit + num_query + cache.capacity // 2)
+        queries = [0 if p else n for p, n in zip(prefilling, self._num_queries)]
         t_model = time.perf_counter()
-        logits = self.model.step(torch.cat([b.commit_tok, self._query_tokens(len(self.rows), num_query)], 1),
-                                 torch.cat([b.commit_pos, b.query_pos], 1), cache, num_commit,
-                                 None if self._all_commit else b.commit_valid)
-        _synchronize(device)
+        logits = self._forward(query_valid, self._num_commits, queries, decoding=not any(prefilling))
         self.metrics.forward_s += time.perf_counter() - t_model
         self.metrics.forwards += 1
-        new, tok = self._decide(logits, query_valid,
-                                [0 if p else n for p, n in zip(prefilling, self._num_queries)])
+        new, tok = self._decide(logits, query_valid, queries)
         for i, r in enumerate(self.rows):
             if prefilling[i]:
                 continue
@@ -439,14 +481,13 @@ class SetSampler:
             self._record(query_valid, new, tok, prefilling)
         b.query_pos, b.query_valid = window_queries(b.todo, self.policy)
         # The one sync of the step: the next step's sizes, who finished, and each row's decided prefix.
-        counts, num_queries = b.commit_valid.sum(1), b.query_valid.sum(1)
+        counts, num_queries, rows = b.commit_valid.sum(1), b.query_valid.sum(1), len(self.rows)
         first_B = torch.where(b.todo.any(1), b.todo.to(torch.uint8).argmax(1), b.stop_end.clamp(max=b.scratch) + 1)
-        host = torch.cat([torch.stack([counts, num_queries, cache.lengths]).amax(1), counts.amin(0, keepdim=True),
-                          num_queries, first_B]).tolist()
-        (num_commit, num_query, max_len, min_commit), rows = host[:4], len(self.rows)
-        queries_of, self._firsts = host[4:4 + rows], host[4 + rows:]
+        host = torch.cat([torch.stack([counts, num_queries, cache.lengths[:rows]]).amax(1), counts, num_queries,
+                          first_B]).tolist()
+        num_commit, num_query, max_len = host[:3]
+        self._num_commits, queries_of, self._firsts = host[3:3 + rows], host[3 + rows:3 + 2 * rows], host[3 + 2 * rows:]
         self._num_queries = list(queries_of)
-        self._all_commit = min_commit == num_commit
         elapsed = time.perf_counter() - t0
         if any(prefilling):
             self.metrics.prefill_s += elapsed
@@ -460,6 +501,61 @@ class SetSampler:
         if self.rows:
             self.batch.trim(num_commit, num_query)
         return cancelled + finished
+
+    def _forward(self, query_valid: torch.Tensor, commits: list[int], queries: list[int],
+                 decoding: bool) -> torch.Tensor:
+        """The model's step as [B, Q, V] query logits: compiled at its bucket's static shapes,
+        on the padded view when no row pads, or else packed (the ragged step, step_layout.py)."""
+        b, cache, rows = self.batch, self.cache, len(self.rows)
+        k, q = b.commit_tok.shape[1], b.query_pos.shape[1]
+        key = None
+        if decoding and self.compiler.enabled:
+            # Query slots: the widest window (they shrink only at a row's end); spans from 64 slots.
+            capacity = bucket(cache.capacity)
+            span = min(bucket(cache.length, 64), capacity)
+            key = (bucket(rows), bucket(k), bucket(self.policy.max_window), span, capacity)
+            if self.compiler.wants(key):
+                if (cache.rows, cache.capacity) != (key[0], capacity):  # the first compiled step: bucket the cache
+                    cache = self.cache = cache.select_rows(torch.arange(rows, device=cache.lengths.device),
+                                                           key[0]).with_capacity(capacity)
+                logits = self._static_step(key)
+                if logits is not None:
+                    return logits[:rows, :q]
+        start = time.perf_counter()
+        query_tok = self._query_tokens(cache.rows, q)
+        if cache.rows == rows and min(commits) == k and min(queries) == q:
+            logits = self.model.step(torch.cat([b.commit_tok, query_tok], 1), torch.cat([b.commit_pos, b.query_pos], 1),
+                                     cache, k)
+        else:
+            pad = cache.rows - rows
+            tokens, positions, layout = pack(
+                _pad_rows(b.commit_tok, pad, 0), _pad_rows(b.commit_pos, pad, 0), _pad_rows(b.commit_valid, pad, False),
+                query_tok, _pad_rows(b.query_pos, pad, 0), _pad_rows(query_valid, pad, False), sum(commits), sum(queries))
+            cache.plan(layout)
+            logits = layout.queries(self.model.step(tokens, positions, cache, layout.model_commits))[:rows]
+        _synchronize(b.canvas.device)
+        if key is not None:
+            self.compiler.note_eager(key, time.perf_counter() - start)
+        return logits
+
+    def _static_step(self, key: tuple[int, ...]) -> torch.Tensor | None:
+        """A decode step at the static shapes of `key` (rows, commit and query slots, span),
+        compiled; padding rows and slots are dummies. None if the model could not be compiled."""
+        rows, num_commit, num_query, span, _ = key
+        b, cache = self.batch, self.cache
+
+        def padded(t: torch.Tensor, width: int, value) -> torch.Tensor:
+            t = torch.cat([t, t.new_full((len(t), width - t.shape[1]), value)], 1)
+            return _pad_rows(t, rows - len(t), value)
+
+        commit_valid = padded(b.commit_valid, num_commit, False)
+        tokens = torch.cat([padded(b.commit_tok, num_commit, 0), self._query_tokens(rows, num_query)], 1)
+        positions = torch.cat([padded(b.commit_pos, num_commit, 0), padded(b.query_pos, num_query, 0)], 1)
+        cache.plan(StepLayout.padded(rows, num_commit, num_query, commit_valid, span=span))
+        logits = self.compiler.step(key, tokens, positions, cache, num_commit)
+        if logits is None:
+            cache.reset_step()
+        return logits
 
     def progress(self, keys: set[Hashable] | None = None) -> list[Progress]:
         """The live rows (of `keys`, or all) whose decided completion prefix grew since the last
@@ -501,12 +597,14 @@ class SetSampler:
         budget, b, cache = self.context_len - 1, self.batch, self.cache
         if cache.length + num_commit <= budget:
             return
-        need = cache.lengths + b.commit_valid.sum(1) - budget
+        lengths = cache.lengths[:len(self.rows)]
+        need = lengths + b.commit_valid.sum(1) - budget
         if int(need.max()) <= 0:  # the host-side bound was loose
             return
         chunk = ((budget - b.sink) // 8).clamp(min=1)
-        drop = torch.where(need > 0, torch.minimum(torch.maximum(need, chunk), cache.lengths - b.sink), 0)
-        cache.drop(b.sink, drop)
+        drop = torch.where(need > 0, torch.minimum(torch.maximum(need, chunk), lengths - b.sink), 0)
+        pad = cache.rows - len(self.rows)
+        cache.drop(_pad_rows(b.sink[:, None], pad, 0)[:, 0], _pad_rows(drop[:, None], pad, 0)[:, 0])
         cache.length = int(cache.lengths.max())
 
     def _retire_cancelled(self) -> list:
@@ -534,12 +632,13 @@ class SetSampler:
         self.rows = [self.rows[i] for i in keep]
         self.generators = [self.generators[i] for i in keep]
         self._num_queries = [self._num_queries[i] for i in keep]
+        self._num_commits = [self._num_commits[i] for i in keep]
         self._firsts = [self._firsts[i] for i in keep] if len(self._firsts) == len(keep) + len(index) else []
         if not keep:
             self.batch = self.cache = self.policy = None
         else:
             keep_t = torch.tensor(keep, device=b.canvas.device)
-            self.batch, self.cache = b.select(keep_t), self.cache.select_rows(keep_t)
+            self.batch, self.cache = b.select(keep_t), self.cache.select_rows(keep_t, self._cache_rows(len(keep)))
             self.policy = self.policy.select(keep_t, keep)
         return finished
 

@@ -8,6 +8,7 @@ import os
 import subprocess
 
 from setdiff_megatron.core.decoding import DecodingConfig
+from setdiff_megatron.core.step_compiler import COMPILE_MODES
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.inference.sharding import Placement
 
@@ -30,6 +31,9 @@ def add_job_arguments(parser: argparse.ArgumentParser, *, source: bool = True, b
     group.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"],
                        help="default: bf16 on GPUs, fp32 on CPUs")
     group.add_argument("--no-progress", action="store_true", help="no progress bar")
+    group.add_argument("--compile", default="auto", choices=list(COMPILE_MODES), help="decode steps at bucketed static shapes, compiled (TP=1, the torch model): auto compiles "
+                       "a bucket once its eager steps have taken what a compile costs, so a short job never does; "
+                       "on compiles at first use; off never (docs/sampling.md)")
 
 
 def add_decoding_arguments(parser: argparse.ArgumentParser, *, max_new_tokens: int = 64) -> None:
@@ -59,7 +63,8 @@ def add_decoding_arguments(parser: argparse.ArgumentParser, *, max_new_tokens: i
 
 def placement_from_args(args: argparse.Namespace, **changes) -> Placement:
     return Placement(batch_size=getattr(args, "batch_size", Placement.batch_size), tp=args.tp, shard=args.shard, num_shards=args.num_shards,
-                     device=args.device, dtype=args.dtype, progress=not args.no_progress, **changes)
+                     device=args.device, dtype=args.dtype, progress=not args.no_progress,
+                     compile=args.compile, **changes)
 
 
 def decoding_from_args(args: argparse.Namespace) -> DecodingConfig:

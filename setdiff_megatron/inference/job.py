@@ -98,7 +98,7 @@ def run_sample_job(job: SampleJob) -> int:
     if context_len > sm.config.max_seq_len:
         raise UserError(f"--context-len {context_len} exceeds the model's max_seq_len {sm.config.max_seq_len}")
     sampler = SetSampler(sm.model, mask_token_id=sm.tokenizer.mask_id, context_len=context_len,
-                         max_rows=place.batch_size)
+                         max_rows=place.batch_size, compile=place.compile if place.tp == 1 else "off")
     add_bos = sm.add_bos if job.add_bos is None else job.add_bos
     fmt = sm.prompt_format(add_bos)
     encoded = [encode_prompt(r, sm.tokenizer, fmt) for r in records]

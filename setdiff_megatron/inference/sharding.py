@@ -28,6 +28,8 @@ class Placement:
     device: str = "auto"
     dtype: str | None = None
     progress: bool = True
+    compile: str = "auto"
+    """Compiled static-shape decode steps (core/step_compiler.py COMPILE_MODES); TP=1 only."""
 
     def check(self) -> None:
         if self.batch_size < 1:

@@ -486,7 +486,7 @@ class SetDiffusionGPT(LanguageModule):
         hidden = self.embedding(input_ids=tokens, position_ids=None)
         hidden = self.decoder(hidden_states=hidden, attention_mask=StepContext(cache, num_commit, commit_valid),
                               rotary_pos_emb=self.rotary_freqs(position_ids))
-        cache.advance(num_commit, partial=commit_valid is not None)
+        cache.advance()
         return self._query_output(hidden, tokens.shape[1] - num_commit, None)
 
     def _query_output(self, hidden: torch.Tensor, num_queries: int, targets: torch.Tensor | None) -> torch.Tensor:

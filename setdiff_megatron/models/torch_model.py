@@ -239,5 +239,6 @@ class SetDiffusionTransformer(nn.Module):
         cos, sin = self.rotary(position_ids)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, partial(cache.attend, i, num_commit=num_commit, commit_valid=commit_valid))
-        cache.advance(num_commit, partial=commit_valid is not None)
-        return self.output_logits(x[:, num_commit:])
+        logits = self.output_logits(x[:, num_commit:])
+        cache.advance()  # after the logits: a compiled step ends its graph here
+        return logits

@@ -16,9 +16,13 @@ import time
 from multiprocessing.connection import Listener
 from pathlib import Path
 
+from setdiff_megatron.core.step_compiler import COMPILE_MODES
 from setdiff_megatron.errors import UserError, require
 
 __all__ = ["add_parser", "build_server"]
+
+WARM_UP_PROMPT_TOKENS = 32
+"""`--compile on` compiles, before serving, the buckets of a full batch of prompts this long."""
 
 
 def _served_model(args, source):
@@ -32,7 +36,7 @@ def _served_model(args, source):
                        kv_budget=args.kv_budget, prompt_format=prompt_format(source.recipe, source.tokenizer))
 
 
-def _local_replicas(args):
+def _local_replicas(args, defaults):
     from setdiff_megatron.core.sampler import SetSampler
     from setdiff_megatron.distributed.runtime import Ranks
     from setdiff_megatron.inference.loading import load_sampling_model
@@ -43,7 +47,11 @@ def _local_replicas(args):
     def make(on_event):
         sampler = SetSampler(sm.model, mask_token_id=sm.tokenizer.mask_id, context_len=sm.config.max_seq_len,
                              max_rows=args.batch_size, kv_budget=args.kv_budget, prefill_chunk=args.prefill_chunk,
-                             static=args.batching == "static")
+                             static=args.batching == "static", compile=args.compile)
+        if args.compile == "on":
+            seconds = sampler.warm_up(defaults, WARM_UP_PROMPT_TOKENS,
+                                      lambda line: print(f"setdiff: {line}", file=sys.stderr, flush=True))
+            print(f"setdiff: decode steps compiled in {seconds:.1f} s", file=sys.stderr, flush=True)
         return [LocalReplica(sampler, lambda event: on_event(event, 0))]
 
     return make
@@ -95,7 +103,7 @@ def build_server(args):
     source = read_source(args.source, weights=False)
     model = _served_model(args, source)
     if args.nproc == 1 and args.tp == 1:
-        return Server(model, _local_replicas(args)), None
+        return Server(model, _local_replicas(args, model.defaults)), None
     make, workers = _process_replicas(args)
     return Server(model, make), workers
 
@@ -144,6 +152,11 @@ def add_parser(sub) -> None:
     parser.add_argument("--batching", default="continuous", choices=["continuous", "static"],
                         help="continuous (requests join a running batch) or static (a batch runs until its last "
                         "row ends; the baseline of benchmarks/serving.py)")
+    parser.add_argument("--compile", default="auto", choices=list(COMPILE_MODES),
+                        help="decode steps at bucketed static shapes, compiled (one process, TP=1): auto compiles "
+                        "a bucket once its eager steps have taken what a compile costs; on compiles the buckets of a "
+                        f"full batch of {WARM_UP_PROMPT_TOKENS}-token prompts before serving, the others at first use; "
+                        "off never (docs/sampling.md)")
     parser.add_argument("--nproc", type=int, default=1, help="worker processes (torchrun); data-parallel replicas "
                         "of --tp ranks each")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per replica (megatron model)")

@@ -92,7 +92,9 @@ def test_sampler_on_kernel_step_matches_sdpa_cache(reference, monkeypatch, impl,
         real_drop(self, start, count)
 
     def noting_step(self, tokens, position_ids, cache, num_commit, commit_valid=None):
-        ragged_steps.append(cache.ragged or commit_valid is not None)
+        layout = cache.layout  # rows commit different numbers of tokens: the cache turns ragged
+        counts = commit_valid.sum(1) if commit_valid is not None else None if layout is None else layout.commit_count
+        ragged_steps.append(counts is not None and bool((counts != counts.max()).any()))
         return real_step(self, tokens, position_ids, cache, num_commit, commit_valid)
 
     monkeypatch.setattr(KVCache, "drop", counted_drop)
@@ -132,7 +134,7 @@ def test_cache_steps_with_dummy_commits_eviction_and_retired_rows(monkeypatch):
         q = torch.randn(b, h, num_commit + num_query, d, generator=gen)
         k, v = (torch.randn(b, g, num_commit + num_query, d, generator=gen) for _ in range(2))
         out = cache.attend(0, q, k, v, num_commit=num_commit, commit_valid=commit_valid)
-        cache.advance(num_commit, partial=commit_valid is not None)
+        cache.advance()
         return out
 
     outs = {}

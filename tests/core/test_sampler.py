@@ -8,6 +8,8 @@ import torch
 from setdiff_megatron.core.decoding import DecodingConfig, RowPolicy, process_logits
 from setdiff_megatron.core.orders import Staggered
 from setdiff_megatron.core.sampler import Request, SetSampler
+from setdiff_megatron.core.step_compiler import StepCompiler
+from setdiff_megatron.core.step_layout import bucket
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 from tests.conftest import debug_config
 
@@ -24,8 +26,9 @@ class Recorder:
         return self.model.new_cache(batch_size, capacity)
 
     def step(self, tokens, position_ids, cache, num_commit, commit_valid=None):
+        layout = cache.layout  # a packed step's logits, as [B, Q, V] in the batch's row order
         out = self.model.step(tokens, position_ids, cache, num_commit, commit_valid)
-        self.logits.append(out.clone())
+        self.logits.append((out if layout is None else layout.queries(out)).clone())
         return out
 
 
@@ -346,9 +349,19 @@ def test_parallel_policies_decode_sets_on_a_trained_model(copying_model, cfg, mi
     assert correct >= 0.95 * 13 * len(rows)
 
 
-def test_requests_joining_a_running_batch_decode_as_alone(debug_model):
+def eager_static(monkeypatch) -> None:
+    """Static steps run their bucketed shapes eagerly: what a compiled step computes, without the
+    compile (tests/core/test_static_steps.py compiles for real)."""
+    monkeypatch.setattr(StepCompiler, "_compile", lambda self: self._model.step)
+
+
+@pytest.mark.parametrize("compile", ["off", "on"])
+def test_requests_joining_a_running_batch_decode_as_alone(debug_model, monkeypatch, compile):
     """32 requests arriving at random steps, with mixed lengths, spans, windows, thresholds,
-    stops, a sampled one and chunked prefill: each decodes exactly as it does alone."""
+    stops, a sampled one and chunked prefill: each decodes exactly as it does alone, joining
+    rows' prefills packed with the others' decode steps; with compile on, decode steps run
+    bucketed (static shapes: padding rows and slots)."""
+    eager_static(monkeypatch)
     gen = torch.Generator().manual_seed(11)
     lengths = torch.randint(0, 24, (32,), generator=gen).tolist()
     prompts = random_prompts(gen, lengths, ((2, 3),))
@@ -362,7 +375,8 @@ def test_requests_joining_a_running_batch_decode_as_alone(debug_model):
         engine.submit(Request(key=i, prompt=tuple(prompt), cfg=cfg, seed=cfg.seed))
         (result,) = [row for _ in range(1000) if not engine.idle for _, row in engine.step()]
         alone.append(result)
-    engine, arrivals = make(max_rows=6, kv_budget=6 * 48), torch.randint(0, 40, (32,), generator=gen).tolist()
+    engine = make(max_rows=6, kv_budget=6 * 48, compile=compile)
+    arrivals = torch.randint(0, 40, (32,), generator=gen).tolist()
     together, step = {}, 0
     while len(together) < 32:
         for i in [i for i, a in enumerate(arrivals) if a == step]:
@@ -370,10 +384,13 @@ def test_requests_joining_a_running_batch_decode_as_alone(debug_model):
         together |= dict(engine.step())
         step += 1
         assert len(engine.rows) <= 6 and (engine.cache is None or len(engine.rows) * engine.cache.capacity <= 6 * 48)
+        if compile == "on" and engine.cache is not None:
+            assert engine.cache.rows == bucket(len(engine.rows))
     for i, row in enumerate(alone):
         assert together[i].tokens == row.tokens and together[i].finish_reason == row.finish_reason, i
         assert together[i].steps == row.steps and together[i].nfe == row.nfe
     assert {r.finish_reason for r in alone} == {"stop", "length"}
+    assert compile == "off" or len(engine.compiler.compiled) > 1
 
 
 def test_cancel_frees_the_row_and_a_request_over_the_budget_waits(debug_model):

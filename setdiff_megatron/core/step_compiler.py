@@ -1,0 +1,99 @@
+"""Compiled decode steps at static shapes, one graph per bucket, and when they pay.
+
+A decode step whose rows, commit slots, query slots and cache span are rounded up to a bucket
+(core/step_layout.py) has the same shapes as every other step of that bucket, so one compiled
+graph serves them all: `torch.compile(dynamic=False)` on the CPU, and on CUDA the same graphs
+captured as CUDA graphs (`mode="reduce-overhead"`, the cache marked as a static address). The
+CUDA path is GPU-unverified until benchmarks/gpu_check.sh has run it on a device.
+
+When: compiling costs seconds per bucket on a CPU, so `auto` compiles a bucket only once the
+eager steps of that bucket have taken as long as a compile is expected to take (rent until the
+rent paid equals the price), and a short job never compiles. `on` compiles every bucket at its
+first step (or ahead: SetSampler.warm_up); `off` never compiles. Compiled graphs live for the process.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from typing import Callable, Hashable
+
+import torch
+
+__all__ = ["COMPILE_MODES", "StepCompiler"]
+
+COMPILE_MODES = ("off", "auto", "on")
+
+COMPILE_COST_S = {"cpu": 10.0, "cuda": 5.0}
+"""What `auto` expects one bucket's compile to cost before it has measured one (seconds)."""
+
+_log = logging.getLogger(__name__)
+
+
+class StepCompiler:
+    """Which buckets run compiled, and the compiled step (model.step under torch.compile)."""
+
+    def __init__(self, model, mode: str, device: torch.device):
+        if mode not in COMPILE_MODES:
+            raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}; got {mode!r}")
+        self.mode, self.device = mode, device
+        self.compiled: set[Hashable] = set()
+        self.compile_s: dict[Hashable, float] = {}
+        self.eager_s: dict[Hashable, float] = defaultdict(float)
+        self.failed: str | None = None
+        self._step: Callable | None = None
+        self._model = model
+        self.progress: Callable[[str], None] | None = None
+        """Told a line per bucket compiled (a warm-up's progress)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off" and self.failed is None
+
+    def expected_cost(self) -> float:
+        measured = list(self.compile_s.values())
+        return max(measured) if measured else COMPILE_COST_S.get(self.device.type, 10.0)
+
+    def wants(self, key: Hashable) -> bool:
+        """Whether a step of bucket `key` should run compiled."""
+        if not self.enabled:
+            return False
+        return key in self.compiled or self.mode == "on" or self.eager_s[key] >= self.expected_cost()
+
+    def note_eager(self, key: Hashable, seconds: float) -> None:
+        self.eager_s[key] += seconds
+
+    def step(self, key: Hashable, *args) -> torch.Tensor | None:
+        """model.step(*args) compiled for `key` (compiling it now if new); None if compiling failed."""
+        if self._step is None:
+            self._step = self._compile()
+        first = key not in self.compiled
+        start = time.perf_counter()
+        try:
+            out = self._step(*args)
+        except Exception as error:  # a model the compiler cannot trace decodes eagerly
+            self.failed = f"{type(error).__name__}: {error}".splitlines()[0]
+            _log.warning("compiling the decode step failed (%s); decoding eagerly", self.failed)
+            return None
+        if first:
+            self.compiled.add(key)
+            self.compile_s[key] = time.perf_counter() - start
+            if self.progress is not None:
+                self.progress(f"compiled decode step {len(self.compiled)} (rows, commits, queries, span, capacity "
+                              f"= {key}) in {self.compile_s[key]:.1f} s")
+        return out
+
+    def _compile(self) -> Callable:
+        import torch._dynamo.config as dynamo_config
+
+        # One graph per bucket: more buckets than dynamo's default recompile limit of 8.
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 256)
+        if self.device.type == "cuda":
+            return torch.compile(self._model.step, dynamic=False, mode="reduce-overhead")
+        return torch.compile(self._model.step, dynamic=False)
+
+    def summary(self) -> dict:
+        """For logs and benchmarks: buckets compiled and what compiling them cost."""
+        return {"mode": self.mode, "buckets": len(self.compiled), "compile_s": sum(self.compile_s.values()),
+                "failed": self.failed}
