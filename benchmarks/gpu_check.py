@@ -24,10 +24,15 @@
    b. tokens/s at batch 1 and 16 on a random ~0.8B model (head dim 128, 16 prompts of 256-1024
       tokens, 64 new tokens each, set-size 2 in a window of 16): each kernel path against the
       SDPA path; greedy agreement is reported, not required (a random model's bf16 near ties).
+5. Compiled static-shape decode steps (core/step_compiler.py, CUDA graphs per bucket through
+   `mode="reduce-overhead"`) against eager steps, bf16: greedy tokens of the copying model of 4a
+   must be equal; ms per decode forward at batch 1 and 16 on the model of 4b, with the warm-up
+   (compile and capture) time. This is what takes the CUDA path off "GPU-unverified".
 
     bash benchmarks/gpu_check.sh                      # everything
     bash benchmarks/gpu_check.sh --sections kernels   # only part 3 (a minute or two)
     bash benchmarks/gpu_check.sh --sections sampler   # only part 4 (estimated: a few minutes)
+    bash benchmarks/gpu_check.sh --sections compiled  # only part 5
 """
 
 from __future__ import annotations
@@ -324,9 +329,8 @@ def sampler_parity(paths: list[str], device: str = "cuda", dtype: torch.dtype = 
     return result
 
 
-def sampler_timing(paths: list[str], device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
-                   batches: tuple[int, ...] = (1, 16)) -> list[dict]:
-    """Part 4b: tokens/s of each cache path at each batch size, same model, prompts and policy."""
+def timing_workload(device: str, dtype: torch.dtype) -> tuple:
+    """The random TIMING_MODEL, 16 prompts of mixed lengths and the policy parts 4b and 5 time."""
     from setdiff_megatron.models.config import ModelConfig
     from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 
@@ -335,7 +339,13 @@ def sampler_timing(paths: list[str], device: str = "cuda", dtype: torch.dtype = 
     mask, gen = TIMING_MODEL["mask_token_id"], torch.Generator().manual_seed(0)
     lengths = torch.randint(TIMING_MODEL["max_seq_len"] // 8, TIMING_MODEL["max_seq_len"] // 2, (16,), generator=gen)
     prompts = [torch.randint(0, mask, (int(n),), generator=gen).tolist() for n in lengths]
-    cfg = DecodingConfig(window=16, tokens_per_step=2, max_new_tokens=64)
+    return model, mask, prompts, DecodingConfig(window=16, tokens_per_step=2, max_new_tokens=64)
+
+
+def sampler_timing(paths: list[str], device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
+                   batches: tuple[int, ...] = (1, 16)) -> list[dict]:
+    """Part 4b: tokens/s of each cache path at each batch size, same model, prompts and policy."""
+    model, mask, prompts, cfg = timing_workload(device, dtype)
     sampler = {impl: SetSampler(_CachePath(model, impl), mask_token_id=mask, context_len=TIMING_MODEL["max_seq_len"])
                for impl in ["sdpa", *paths]}
     rows = []
@@ -369,10 +379,39 @@ def sampler_checks(variants: dict) -> dict:
     return {"skipped": skipped, "parity": sampler_parity(paths), "timing": sampler_timing(paths)}
 
 
+def compiled_checks(device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Part 5: compiled decode steps against eager ones (parity on the copier, then timing)."""
+    copier, _ = _copying_model(device)
+    copier, mask = copier.to(dtype), COPY_MODEL["mask_token_id"]
+    prompts = [[3 + i % 40] * (1 + i % 12) for i in range(16)]
+    cfg = DecodingConfig(window=8, threshold=0.5, max_new_tokens=16)
+    outs = {mode: SetSampler(copier, mask_token_id=mask, context_len=32, compile=mode).generate(prompts, cfg)
+            for mode in ("off", "on")}
+    equal = sum(a.tokens == b.tokens for a, b in zip(outs["on"].rows, outs["off"].rows))
+    result = {"parity": {"rows_equal": equal, "rows": len(prompts), "ok": equal == len(prompts)}, "timing": []}
+    print(f"compiled steps parity: {equal}/{len(prompts)} rows equal to eager", "OK" if equal == len(prompts) else "FAIL")
+    model, mask, prompts, cfg = timing_workload(device, dtype)
+    samplers = {mode: SetSampler(model, mask_token_id=mask, context_len=TIMING_MODEL["max_seq_len"], compile=mode)
+                for mode in ("off", "on")}
+    for batch in (1, 16):
+        start = time.perf_counter()
+        samplers["on"].generate(prompts[:max(batch, 2)], cfg, batch_size=batch)  # compile and capture
+        warm = time.perf_counter() - start
+        row = {"batch": batch, "warm_up_s": warm}
+        for mode, s in samplers.items():
+            out = s.generate(prompts[:max(batch, 2)], cfg, batch_size=batch)
+            row[f"ms_per_forward_{mode}"] = 1e3 * out.metrics.forward_s / out.metrics.forwards
+        row["speedup"] = row["ms_per_forward_off"] / row["ms_per_forward_on"]
+        result["timing"].append(row)
+        print(f"compiled steps batch {batch:>2}: {row['ms_per_forward_on']:.2f} ms/forward against "
+              f"{row['ms_per_forward_off']:.2f} eager ({row['speedup']:.2f}x), warm-up {warm:.1f} s")
+    return result
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sections", nargs="+", choices=["parity", "kernels", "sampler", "train"],
-                        default=["parity", "kernels", "sampler", "train"])
+    parser.add_argument("--sections", nargs="+", choices=["parity", "kernels", "sampler", "compiled", "train"],
+                        default=["parity", "kernels", "sampler", "compiled", "train"])
     sections = parser.parse_args(argv).sections
     if not torch.cuda.is_available():
         raise SystemExit("gpu_check needs a CUDA GPU")
@@ -384,6 +423,8 @@ def main(argv: list[str] | None = None) -> None:
         results["kernels"] = kernel_checks()
     if "sampler" in sections:
         results["sampler"] = sampler_checks(kernel_variants())
+    if "compiled" in sections:
+        results["compiled"] = compiled_checks()
     if "train" in sections:
         ours = train_step("fused")
         baseline = train_step("sdpa")

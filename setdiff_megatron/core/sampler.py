@@ -518,8 +518,12 @@ class SetSampler:
                 if (cache.rows, cache.capacity) != (key[0], capacity):  # the first compiled step: bucket the cache
                     cache = self.cache = cache.select_rows(torch.arange(rows, device=cache.lengths.device),
                                                            key[0]).with_capacity(capacity)
+                first, start = key not in self.compiler.compiled, time.perf_counter()
                 logits = self._static_step(key)
                 if logits is not None:
+                    _synchronize(b.canvas.device)
+                    if not first:
+                        self.compiler.note_compiled(key, time.perf_counter() - start)
                     return logits[:rows, :q]
         start = time.perf_counter()
         query_tok = self._query_tokens(cache.rows, q)

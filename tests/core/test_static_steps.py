@@ -6,7 +6,7 @@ import torch
 from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.core.kv_cache import KVCache
 from setdiff_megatron.core.sampler import SetSampler
-from setdiff_megatron.core.step_compiler import StepCompiler
+from setdiff_megatron.core.step_compiler import JUDGE_AFTER, StepCompiler
 from setdiff_megatron.core.step_layout import StepLayout, bucket, pack
 from tests.core.test_sampler import MASK, eager_static, random_prompts
 
@@ -92,6 +92,11 @@ def test_auto_compiles_a_bucket_once_its_eager_steps_have_paid_for_it(debug_mode
     assert not compiler.wants(key)
     compiler.note_eager(key, 0.5)
     assert compiler.wants(key) and not StepCompiler(debug_model, "off", torch.device("cpu")).wants(key)
+    compiler.compiled.add(key)  # compiled steps no faster than the eager ones: back to eager
+    for _ in range(JUDGE_AFTER):
+        assert compiler.wants(key)
+        compiler.note_compiled(key, compiler.eager_s[key] / compiler.eager_n[key])
+    assert not compiler.wants(key) and compiler.summary()["slower_than_eager"] == 1
     with pytest.raises(ValueError, match="compile must be one of off, auto, on"):
         StepCompiler(debug_model, "always", torch.device("cpu"))
 
