@@ -30,11 +30,15 @@ def preprocess_measured(megabytes, tmp_path, capsys):
     baseline = me.memory_info().rss
     peaks = {"main": baseline, "worker": 0}
     done = threading.Event()
+    # Processes that earlier tests left running (a background-save manager, say) are not workers.
+    earlier = {child.pid for child in me.children(recursive=True)}
 
     def sample_memory():
         while not done.is_set():
             peaks["main"] = max(peaks["main"], me.memory_info().rss)
             for child in me.children(recursive=True):
+                if child.pid in earlier:
+                    continue
                 try:
                     peaks["worker"] = max(peaks["worker"], child.memory_info().rss)
                 except psutil.Error:
