@@ -70,7 +70,8 @@ class StepModel(Protocol):
 
     def step(self, tokens: torch.Tensor, position_ids: torch.Tensor, cache: KVCache, num_commit: int,
              commit_valid: torch.Tensor | None = None) -> torch.Tensor:
-        """Commit the first num_commit tokens [B, T], return the other queries' logits [B, T - num_commit, V]."""
+        """Commit the first num_commit tokens [B, T] (or, packed, [1, N]: the layout planned on the
+        cache says), return the other queries' logits [B, T - num_commit, V] ([1, N - num_commit, V])."""
 
     def new_cache(self, batch_size: int, capacity: int) -> KVCache: ...
 
@@ -316,7 +317,8 @@ class SetSampler:
         mode, self.compiler.mode, self.compiler.progress = self.compiler.mode, "on", progress
         start = time.perf_counter()
         try:
-            self.generate(prompts, replace(cfg, eos_token_ids=(), stop_sequences=()), batch_size=self.max_rows)
+            self.generate(prompts, replace(cfg, eos_token_ids=(), stop_sequences=(), max_new_tokens=max(cfg.max_new_tokens, 1)),
+                          batch_size=self.max_rows)
         finally:
             self.compiler.mode, self.compiler.progress = mode, None
         return time.perf_counter() - start
@@ -335,13 +337,16 @@ class SetSampler:
 
     def _capacity_for(self, rows: list[_Row]) -> int:
         needed = max(self._reserve(r.length, len(r.prefill), r.request.cfg) for r in rows)
-        if self._bucketed and (self.kv_budget is None or bucket(needed) * len(rows) <= self.kv_budget):
+        if self._bucketed and self._within_budget(self._cache_rows(len(rows)), bucket(needed)):
             return bucket(needed)  # compiled graphs: few capacities
         return needed
 
     def _cache_rows(self, rows: int) -> int:
-        """Rows the cache holds for `rows` live ones (padding rows beyond them are not in kv_budget)."""
+        """Rows the cache holds for `rows` live ones: padding rows count in kv_budget too."""
         return bucket(rows) if self._bucketed else rows
+
+    def _within_budget(self, rows: int, capacity: int) -> bool:
+        return self.kv_budget is None or rows * capacity <= self.kv_budget
 
     def _new_row(self, request: Request) -> _Row:
         tokens = list(request.prompt) + [self.mask_token_id] * request.cfg.max_new_tokens
@@ -408,7 +413,7 @@ class SetSampler:
             return True
         # A cache never shrinks while it has rows: what a retired row (or a bucket) reserved stays.
         held = self.cache.capacity if self.cache is not None else 0
-        return len(self.rows) * max(held, self._capacity_for(self.rows)) <= self.kv_budget
+        return self._within_budget(self._cache_rows(len(self.rows)), max(held, self._capacity_for(self.rows)))
 
     # ----------------------------------------------------------------------------------------
     # a step
@@ -470,6 +475,7 @@ class SetSampler:
         queries = [0 if p else n for p, n in zip(prefilling, self._num_queries)]
         t_model = time.perf_counter()
         logits = self._forward(query_valid, self._num_commits, queries, decoding=not any(prefilling))
+        cache = self.cache  # the first compiled step of a bucket may have re-allocated it
         self.metrics.forward_s += time.perf_counter() - t_model
         self.metrics.forwards += 1
         new, tok = self._decide(logits, query_valid, queries)
@@ -510,11 +516,12 @@ class SetSampler:
         k, q = b.commit_tok.shape[1], b.query_pos.shape[1]
         key = None
         if decoding and self.compiler.enabled:
-            # Query slots: the widest window (they shrink only at a row's end); spans from 64 slots.
+            # Spans from 64 slots.
             capacity = bucket(cache.capacity)
             span = min(bucket(cache.length, 64), capacity)
-            key = (bucket(rows), bucket(k), bucket(self.policy.max_window), span, capacity)
-            if self.compiler.wants(key):
+            # Query slots: the widest window (slots still that wide after a cancel until the step trims them).
+            key = (bucket(rows), bucket(k), bucket(max(q, self.policy.max_window)), span, capacity)
+            if self.compiler.wants(key) and self._within_budget(key[0], capacity):
                 if (cache.rows, cache.capacity) != (key[0], capacity):  # the first compiled step: bucket the cache
                     cache = self.cache = cache.select_rows(torch.arange(rows, device=cache.lengths.device),
                                                            key[0]).with_capacity(capacity)
@@ -543,8 +550,9 @@ class SetSampler:
         return logits
 
     def _static_step(self, key: tuple[int, ...]) -> torch.Tensor | None:
-        """A decode step at the static shapes of `key` (rows, commit and query slots, span),
-        compiled; padding rows and slots are dummies. None if the model could not be compiled."""
+        """A decode step at the static shapes of `key` (rows, commit and query slots, span, cache
+        capacity), compiled; padding rows and slots are dummies. None if the model could not be
+        compiled."""
         rows, num_commit, num_query, span, _ = key
         b, cache = self.batch, self.cache
 

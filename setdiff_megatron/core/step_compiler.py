@@ -10,8 +10,9 @@ each replay, which a cache kept at fixed addresses would avoid.
 
 When: compiling costs seconds per bucket on a CPU, so `auto` compiles a bucket only once the
 eager steps of that bucket have taken as long as a compile is expected to take (rent until the
-rent paid equals the price), and a short job never compiles; a compiled bucket whose steps turn
-out no faster than its eager ones goes back to eager steps. `on` compiles every bucket at its
+rent paid equals the price), and a short job never compiles; a bucket whose first JUDGE_AFTER
+compiled steps turn out no faster on average than its eager steps goes back to eager steps (a
+bucket compiled before any eager step, under `on` or a warm-up, is kept). `on` compiles every bucket at its
 first step (or ahead: SetSampler.warm_up); `off` never compiles. Compiled graphs live for the process.
 """
 
@@ -93,6 +94,8 @@ class StepCompiler:
         try:
             out = self._step(*args)
         except Exception as error:  # a model the compiler cannot trace decodes eagerly
+            if not first:  # an error of a step that compiled before is the step's own
+                raise
             self.failed = f"{type(error).__name__}: {error}".splitlines()[0]
             _log.warning("compiling the decode step failed (%s); decoding eagerly", self.failed)
             return None
@@ -112,7 +115,7 @@ class StepCompiler:
         if self.device.type == "cuda":
             return torch.compile(self._model.step, dynamic=False, mode="reduce-overhead")
         # The C++ wrapper calls a graph's kernels without Python in between: a decode step's
-        # kernels are small enough for that to matter (1.87x eager at batch 1 against 1.57x).
+        # kernels are small enough for that to matter (benchmarks/PERFORMANCE.md, "Sampling").
         return torch.compile(self._model.step, dynamic=False, options={"cpp_wrapper": True})
 
     def summary(self) -> dict:

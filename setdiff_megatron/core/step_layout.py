@@ -8,9 +8,10 @@ only, packed into one row [1, N]: every row's commits in row order, then every r
 prefill widens the padded view for attention, but not the other rows' projections and MLPs,
 which are most of a step's work. `gather` and `scatter` move activations between the two views.
 
-Static shapes (`bucketed`): B, K, Q and the cache span round up to powers of two, so a compiled
-step (core/step_compiler.py) serves every step of its bucket; padding rows and slots are
-dummies, which produce no tokens and write nothing to any row's cache.
+Static shapes: the sampler rounds B, K, Q and the cache span up to powers of two (`bucket`) and
+runs such a step on the padded view with a fixed `span`, so a compiled step
+(core/step_compiler.py) serves every step of its bucket; padding rows and slots are dummies,
+which produce no tokens and write nothing to any row's cache.
 """
 
 from __future__ import annotations
@@ -56,10 +57,6 @@ class StepLayout:
         return cls(rows, num_commit, num_query, counts, span)
 
     @property
-    def packed(self) -> bool:
-        return self.gather is not None
-
-    @property
     def model_commits(self) -> int:
         """How many of the model's tokens (per row) are commits: they come first."""
         return self.num_commit if self.gather is None else self.scatter.shape[0] - self.packed_queries
@@ -69,9 +66,6 @@ class StepLayout:
         if self.gather is None:
             return x_BHND
         rows, width = self.rows, self.num_commit + self.num_query
-        if x_BHND.shape[2] < self.scatter.shape[0]:  # a layer that computed the query rows only
-            x_BHND = torch.cat([x_BHND.new_zeros(*x_BHND.shape[:2], self.scatter.shape[0] - x_BHND.shape[2],
-                                                 x_BHND.shape[3]), x_BHND], 2)
         out = x_BHND[0].index_select(1, self.gather)  # [H, B * (K + Q), D]
         return out.view(out.shape[0], rows, width, out.shape[2]).transpose(0, 1)
 

@@ -228,8 +228,8 @@ class SetDiffusionTransformer(nn.Module):
              commit_valid: torch.Tensor | None = None) -> torch.Tensor:
         """One sampling forward: commit `num_commit` clean tokens and score the remaining queries.
 
-        tokens/position_ids [B, T]; returns query logits [B, T - num_commit, V]. The commits'
-        K/V are appended to `cache`. With num_commit == T this is a prefill.
+        tokens/position_ids [B, T] (or [1, N], packed as the layout planned on `cache` says);
+        returns query logits [B, T - num_commit, V]. The commits' K/V are appended to `cache`. With num_commit == T this is a prefill.
         """
         if tokens.dim() != 2 or position_ids.shape != tokens.shape:
             raise ValueError(

@@ -5,7 +5,7 @@ import torch
 
 from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.core.kv_cache import KVCache
-from setdiff_megatron.core.sampler import SetSampler
+from setdiff_megatron.core.sampler import Request, SetSampler
 from setdiff_megatron.core.step_compiler import JUDGE_AFTER, StepCompiler
 from setdiff_megatron.core.step_layout import StepLayout, bucket, pack
 from tests.core.test_sampler import MASK, eager_static, random_prompts
@@ -84,6 +84,22 @@ def test_bucketed_static_steps_decode_as_the_eager_sampler_at_any_batch(debug_mo
     assert all(span == min(64, capacity) for *_, span, capacity in keys), "spans from 64, within the capacity"
 
 
+def test_a_static_step_after_the_widest_row_is_cancelled_decodes_the_others_as_alone(debug_model, monkeypatch):
+    """Cancelling the row of the widest window leaves query slots wider than the policy's widest
+    window until the next step trims them: the bucket must cover them."""
+    eager_static(monkeypatch)
+    narrow, wide = DecodingConfig(window=2, max_new_tokens=12), DecodingConfig(window=8, max_new_tokens=12)
+    alone = SetSampler(debug_model, mask_token_id=MASK, context_len=64).generate([[5, 9, 3]], narrow).rows[0]
+    engine = SetSampler(debug_model, mask_token_id=MASK, context_len=64, compile="on")
+    engine.submit(Request(key="narrow", prompt=(5, 9, 3), cfg=narrow))
+    engine.submit(Request(key="wide", prompt=(7, 1), cfg=wide))
+    done = dict(engine.step()) | dict(engine.step())
+    engine.cancel("wide")
+    while not engine.idle:
+        done |= dict(engine.step())
+    assert done["wide"].finish_reason == "cancelled" and done["narrow"].tokens == alone.tokens
+
+
 def test_auto_compiles_a_bucket_once_its_eager_steps_have_paid_for_it(debug_model):
     compiler = StepCompiler(debug_model, "auto", torch.device("cpu"))
     key = (1, 1, 4, 64, 64)
@@ -117,8 +133,7 @@ def test_a_model_that_does_not_compile_decodes_eagerly(debug_model, monkeypatch)
 
 @pytest.mark.slow
 def test_compiled_steps_decode_as_eager_ones(debug_model):
-    """torch.compile at static shapes (two buckets: one row, spans of 64): the same tokens as
-    eager decoding, and the same logits to float64 rounding."""
+    """torch.compile at static shapes (one row, spans of 64): the same tokens as eager decoding."""
     model = debug_model.float()
     prompts = [[5, 9, 3, 11], [8, 2]]
     cfg = DecodingConfig(window=4, max_new_tokens=10)
