@@ -18,12 +18,15 @@ commits only (its own forward, shared with the other rows' decode steps), in chu
 retire at once (compacted out by one index select) and waiting requests take their place, so a
 long job keeps its batch full. A step holds, per row, K commit slots then Q query slots (K, Q:
 maxima over the rows); a row with fewer pads with dummies (commit_valid False; dummy queries
-point at a scratch column). A row's logits depend only on its own entries, and its sampled
+point at a scratch column). The model computes over those slots as they stand when no row pads,
+over the real ones only, packed, when rows differ, or at a bucket's static shapes when a decode
+step runs compiled (core/step_layout.py, core/step_compiler.py). A row's logits depend only on its own entries, and its sampled
 tokens on its own generator, so every row decodes exactly as it would alone: whatever else
 shares the batch, and whenever it joined.
 
 Memory: the KV cache is padded with per-row lengths (kv_cache.py): B rows x a capacity that holds
-the longest row plus one step's staged tokens. `max_rows` bounds B and `kv_budget` (tokens per
+the longest row plus one step's staged tokens (once steps may run compiled, B and the capacity
+round up to powers of two, and kv_budget counts the padding rows). `max_rows` bounds B and `kv_budget` (tokens per
 layer, B x capacity) the cache; a request that does not fit waits for rows to retire, and one
 that could never fit is refused when submitted. Long outputs: a row's cache never holds more
 than context_len - 1 entries; when a step would overflow a row, the row keeps its sink (every
@@ -34,8 +37,8 @@ the output, and from then on the row's steps no longer equal a training forward 
 Stops: EOS ids and stop sequences match in the generated tail only (not in infill spans). A
 match ends the completion (kept in it); positions after it are no longer decoded.
 
-Host syncs: one small transfer per step (step sizes, finished rows, each row's decoded prefix),
-plus the tokens of retired rows; a trace adds one per step.
+Host syncs: one small transfer per step (step sizes, each row's commit and query counts, finished
+rows, each row's decoded prefix), plus the tokens of retired rows; a trace adds one per step.
 
 Shapes: B rows, L canvas positions (+1 scratch column), K commit slots, Q query slots.
 """
@@ -616,7 +619,7 @@ class SetSampler:
         chunk = ((budget - b.sink) // 8).clamp(min=1)
         drop = torch.where(need > 0, torch.minimum(torch.maximum(need, chunk), lengths - b.sink), 0)
         pad = cache.rows - len(self.rows)
-        cache.drop(_pad_rows(b.sink[:, None], pad, 0)[:, 0], _pad_rows(drop[:, None], pad, 0)[:, 0])
+        cache.drop(_pad_rows(b.sink, pad, 0), _pad_rows(drop, pad, 0))
         cache.length = int(cache.lengths.max())
 
     def _retire_cancelled(self) -> list:
