@@ -8,9 +8,12 @@ Each subcommand parses its arguments and calls one library function. Errors a us
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 from setdiff_megatron.errors import run_reporting
+from setdiff_megatron.sources.base_model import BASE_ENV, add_base_argument
 from setdiff_megatron.version import __version__
 
 
@@ -123,6 +126,12 @@ def _add_sample_parser(sub) -> None:
 
 
 def _convert_to_hf(args: argparse.Namespace) -> int:
+    if args.layout == "setdlm":
+        from setdiff_megatron.hf.release_export import export_release
+
+        lines = export_release(args.checkpoint, args.out_dir, base_name=args.base_name, overwrite=args.overwrite)
+        print("\n".join(f"setdiff: {line}" for line in lines))
+        return 0
     from setdiff_megatron.hf.export import export_to_hf
 
     report = export_to_hf(args.checkpoint, args.out_dir, dtype=args.dtype, shard_size=args.shard_size,
@@ -135,7 +144,7 @@ def _convert_from_hf(args: argparse.Namespace) -> int:
     from setdiff_megatron.hf.import_hf import import_from_hf
 
     report = import_from_hf(args.hf_dir, args.out_ckpt, dtype=args.dtype, overwrite=args.overwrite, check=args.check,
-                            tolerance=args.tolerance)
+                            tolerance=args.tolerance, base=args.base)
     print("\n".join(f"setdiff: {line}" for line in report.lines))
     return 0
 
@@ -154,17 +163,26 @@ def _add_convert_parser(sub) -> None:
     to_hf.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
                        help="weight precision (default: as saved)")
     to_hf.add_argument("--shard-size", default="5GB", help="largest safetensors shard, e.g. 5GB or 500MB")
+    to_hf.add_argument("--layout", default="setdiff", choices=["setdiff", "setdlm"],
+                       help="setdiff: our export (AutoModel, trust_remote_code); setdlm: the reference's release "
+                       "folder (pytorch_model.bin, SetDLM config; docs/huggingface.md)")
+    to_hf.add_argument("--base-name", default=None, help="--layout setdlm, Qwen3 layout: the base model the "
+                       "release names, e.g. Qwen/Qwen3-1.7B-Base")
+    add_base_argument(to_hf)
     from_hf = convert_sub.add_parser("from-hf", help="import a Llama/Qwen2/Qwen3/Qwen3-MoE model, an export or the "
-                                     "reference's DiT as a megatron checkpoint", description="Import a local Hugging "
-                                     "Face directory (safetensors) of a Llama, Qwen2, Qwen3 or Qwen3-MoE causal LM, to "
-                                     "adapt into a set diffusion model (model.init_from), one of our exports, or the "
-                                     "reference implementation's DiT (its Hub directory or a composer .pt, "
+                                     "reference's releases as a megatron checkpoint", description="Import a local "
+                                     "Hugging Face directory (safetensors) of a Llama, Qwen2, Qwen3 or Qwen3-MoE causal "
+                                     "LM, to adapt into a set diffusion model (model.init_from), one of our exports, "
+                                     "a SetDLM release of the reference implementation (pytorch_model.bin, Qwen3 or "
+                                     "DiT backbone; docs/huggingface.md) or its DiT (Hub directory or composer .pt, "
                                      "docs/dit.md), as a megatron checkpoint run directory, written in one process, "
                                      "that trains at any layout.")
-    from_hf.add_argument("hf_dir", help="a local Hugging Face model directory, or a composer .pt of the reference's DiT")
+    from_hf.add_argument("hf_dir", help="a local Hugging Face model directory or SetDLM release, or a composer .pt of "
+                         "the reference's DiT")
     from_hf.add_argument("out_ckpt", help="the run directory to write (checkpoints/step_00000000 inside)")
     from_hf.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
                          help="weight precision (default: the source's)")
+    add_base_argument(from_hf)
     for parser, handler in ((to_hf, _convert_to_hf), (from_hf, _convert_from_hf)):
         parser.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
         parser.add_argument("--check", action="store_true",
@@ -260,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     args.argv = argv
+    if getattr(args, "base", None):  # a Qwen3 release's base model, for this process and those it starts
+        os.environ[BASE_ENV] = str(Path(args.base).absolute())
     try:
         return run_reporting(lambda: args.func(args))
     except KeyboardInterrupt:

@@ -31,15 +31,17 @@ __all__ = ["ar_comparison", "import_from_hf"]
 
 
 def import_from_hf(hf_dir: str | Path, out: str | Path, *, dtype: str = "auto", overwrite: bool = False,
-                   check: bool = False, tolerance: float | None = None) -> ConversionReport:
-    """Convert, compare logits, and (with `check`) refuse a mismatch, leaving nothing at `out`."""
+                   check: bool = False, tolerance: float | None = None, base: str | Path | None = None
+                   ) -> ConversionReport:
+    """Convert, compare logits, and (with `check`) refuse a mismatch, leaving nothing at `out`;
+    `base`: a Qwen3 SetDLM release's base model (sources/setdlm_release.py)."""
     hf_dir, out = Path(hf_dir), Path(out).absolute()
     if out.exists() and not overwrite:
         raise UserError(f"{out} already exists; pass --overwrite to replace it")
     if hf_dir.is_file() and hf_dir.suffix == ".pt":
         source = read_source(hf_dir)  # a composer checkpoint of the reference's DiT
     elif hf_dir.is_dir():
-        source = read_hf_dir(hf_dir)
+        source = read_hf_dir(hf_dir, base=base)
     else:
         raise UserError(f"{hf_dir} is neither a directory nor a composer .pt checkpoint")
     if dtype == "auto":
@@ -57,7 +59,11 @@ def import_from_hf(hf_dir: str | Path, out: str | Path, *, dtype: str = "auto", 
         report.lines = [f"imported {source.describe()} into {out} (megatron, any layout, "
                         f"{str(target).removeprefix('torch.')}); vocabulary {rows}, MASK "
                         f"{source.tokenizer.special_tokens['mask']!r} id {source.tokenizer.mask_id}"]
-        report.lines += [c.line() for c in comparisons]
+        if source.recipe is not None:
+            m = source.recipe.method
+            report.lines.append(f"evaluation settings recorded in its recipe: L = {source.recipe.data.seq_len}, "
+                                f"staggered order d = {m.d}, m = {m.m}, clean BOS {m.keep_clean_bos}")
+        report.lines += source.notes + [c.line() for c in comparisons]
         if check and not report.ok:
             worst = max(comparisons, key=lambda c: c.max_diff)
             raise UserError(f"--check: {worst.what} differs by {worst.max_diff:.3e} > {worst.tolerance:.1e}; "

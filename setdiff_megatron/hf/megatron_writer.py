@@ -40,15 +40,18 @@ _PRECISION = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp1
 
 
 def import_recipe(source: Source, run_dir: Path, dtype: torch.dtype) -> Recipe:
-    """The recipe recorded with an imported checkpoint: its model, its tokenizer, its precision."""
-    from setdiff_megatron.recipes.schema import CheckpointSection, DataSection, ModelSection, TrainSection
+    """The recipe recorded with an imported checkpoint: its model, its tokenizer, its precision,
+    and where the source has them (a SetDLM release) its order law and sequence length."""
+    from setdiff_megatron.recipes.schema import CheckpointSection, DataSection, MethodSection, ModelSection, TrainSection
 
     tokenizer = run_dir / CHECKPOINTS / step_name(0) / TOKENIZER_DIR
+    seq_len = source.recipe.data.seq_len if source.recipe is not None else min(source.config.max_seq_len, 1024)
     return Recipe(
         name=f"import-{source.path.name}",
         description=f"{source.describe()}, imported by setdiff convert from-hf",
         model=ModelSection(**asdict(source.config)),
-        data=DataSection(tokenizer=str(tokenizer), seq_len=min(source.config.max_seq_len, 1024)),
+        method=source.recipe.method if source.recipe is not None else MethodSection(),
+        data=DataSection(tokenizer=str(tokenizer), seq_len=seq_len),
         train=TrainSection(precision=_PRECISION[dtype]),
         checkpoint=CheckpointSection(dir=str(run_dir)),
     )

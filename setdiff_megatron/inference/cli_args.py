@@ -11,6 +11,7 @@ from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.core.step_compiler import COMPILE_MODES
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.inference.sharding import Placement
+from setdiff_megatron.sources.base_model import add_base_argument
 
 __all__ = ["add_job_arguments", "add_decoding_arguments", "decoding_from_args", "placement_from_args", "relaunch"]
 
@@ -18,7 +19,9 @@ __all__ = ["add_job_arguments", "add_decoding_arguments", "decoding_from_args", 
 def add_job_arguments(parser: argparse.ArgumentParser, *, source: bool = True, batch_size: bool = True) -> None:
     """The options of `Placement` (and the model source, unless the job names its own)."""
     if source:
-        parser.add_argument("source", help="checkpoint run directory, step_* directory, or Hugging Face export")
+        parser.add_argument("source", help="checkpoint run directory, step_* directory, Hugging Face export or "
+                            "SetDLM release")
+    add_base_argument(parser)
     group = parser.add_argument_group("processes")
     group.add_argument("--nproc", type=int, default=1, help="start this many local processes (torchrun)")
     group.add_argument("--tp", type=int, default=1, help="tensor-parallel size (megatron model); "

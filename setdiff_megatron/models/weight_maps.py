@@ -45,7 +45,7 @@ from setdiff_megatron.models.config import ModelConfig
 
 __all__ = ["BACKENDS", "DIT_ROTARY", "add_vocabulary_rows", "check_backend", "check_ep_split", "check_tp_split",
            "dit_to_torch", "hf_to_torch", "megatron_to_torch", "padded_vocab_size", "stage_layers", "torch_shapes",
-           "torch_to_hf", "torch_to_megatron"]
+           "torch_to_dit", "torch_to_hf", "torch_to_megatron"]
 
 BACKENDS = ("local", "te")
 VOCAB_PAD_MULTIPLE = 128
@@ -403,6 +403,23 @@ def dit_to_torch(state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig) -> St
     if unknown:
         raise KeyError(f"reference DiT weights not mapped: {sorted(unknown)}")
     _check_shapes(out, cfg)
+    return out
+
+
+def torch_to_dit(state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig) -> StateDict:
+    """The reference DiT's names for the torch model's weights (q, k and v fused into attn_qkv);
+    `dit_to_torch` inverts it."""
+    _check_shapes(state_dict, cfg)
+    to_dit = {torch_name: dit for dit, torch_name in _DIT_GLOBAL.items()}
+    out: StateDict = {}
+    for name, t in state_dict.items():
+        layer, _, rest = name.removeprefix("layers.").partition(".")
+        if name in to_dit:
+            out[to_dit[name]] = t
+        elif rest in _DIT_LAYER.values():
+            out[f"blocks.{layer}." + next(k for k, v in _DIT_LAYER.items() if v == rest)] = t
+        elif rest == _QKV[0]:
+            out[f"blocks.{layer}.{_DIT_QKV}"] = torch.cat([state_dict[TORCH_LAYER.format(layer) + n] for n in _QKV])
     return out
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from setdiff_megatron.core.step_compiler import COMPILE_MODES
 from setdiff_megatron.errors import UserError, require
+from setdiff_megatron.sources.base_model import add_base_argument
 
 __all__ = ["add_parser", "build_server"]
 
@@ -140,7 +141,8 @@ def _run(args) -> int:
 def add_parser(sub) -> None:
     parser = sub.add_parser("serve", help="serve a model behind an OpenAI-compatible HTTP API",
                             description=__doc__.split("\n\n")[0].replace("\n", " "))
-    parser.add_argument("source", help="a run directory, step_* directory or Hugging Face export")
+    parser.add_argument("source", help="a run directory, step_* directory, Hugging Face export or SetDLM release")
+    add_base_argument(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--model-name", default=None, help="the name clients ask for (default: the source's "

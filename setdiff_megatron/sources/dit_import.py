@@ -12,10 +12,8 @@ docs/dit.md).
                  composer's HuggingFaceModel records them; a config.json and a tokenizer beside the
                  file stand in for what it lacks
 
-A .pt is a pickle. It is read with torch.load(weights_only=True) only; each class or function
-that loader refuses (composer pickles numpy RNG state, ...) is replaced by `_Inert`, which takes
-nothing from the file, so only tensors and plain containers come out and no code of the file runs
-(a pickle that would call what it built is refused, in one line).
+A .pt is a pickle, read by safe_pickle.py: tensors and plain containers come out, no code of the
+file runs.
 
 Refused with the reason: adaLN (time conditioning, which set diffusion models do not have),
 causal attention (the reference's autoregressive baseline), rotary frequencies other than theta
@@ -37,6 +35,7 @@ from setdiff_megatron.errors import UserError
 from setdiff_megatron.models.config import DIT_BODY, ModelConfig
 from setdiff_megatron.models.torch_model import Rotary
 from setdiff_megatron.models.weight_maps import DIT_ROTARY, add_vocabulary_rows, dit_to_torch
+from setdiff_megatron.sources.safe_pickle import load_pickle
 
 __all__ = ["DIT_KIND", "ComposerParts", "dit_state_dict", "is_dit_config", "read_composer_checkpoint"]
 
@@ -89,39 +88,6 @@ def dit_state_dict(weights: Mapping[str, torch.Tensor], backbone: Mapping[str, A
     return cfg.replace(vocab_size=vocab), state
 
 
-class _Inert:
-    """What a global the safe loader refuses stands for: built from any arguments and given any
-    state, it keeps nothing."""
-
-    def __new__(cls, *args, **kwargs):
-        return super().__new__(cls)
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def __setstate__(self, state: Any) -> None:
-        pass
-
-
-def _reason(exc: Exception) -> str:
-    """The line of a torch.load error that says what it refused."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    marked = [i + 1 for i, line in enumerate(lines) if "WeightsUnpickler error" in line and i + 1 < len(lines)]
-    return lines[marked[0]] if marked else lines[0] if lines else type(exc).__name__
-
-
-def _load_pickle(path: Path) -> Any:
-    """torch.load(weights_only=True) of `path`, every global it refuses read as `_Inert`."""
-    try:
-        refused = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
-        with torch.serialization.safe_globals([(_Inert, name) for name in refused]):
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - the unpickler raises many types
-        raise UserError(f"cannot read {path} safely with torch.load(weights_only=True) ({_reason(exc)}); where the "
-                        "file is trusted, save its state['model'] tensors with safetensors.torch.save_file and read "
-                        "that") from None
-
-
 def _dig(obj: Any, *keys: str) -> Any:
     """obj[k1][k2]..., or None where a level is missing or not a dict."""
     for key in keys:
@@ -133,7 +99,8 @@ class ComposerParts:
     """What a composer checkpoint of the reference's denoiser holds for an import."""
 
     def __init__(self, path: Path):
-        ckpt = _load_pickle(path)
+        ckpt = load_pickle(path, "where the file is trusted, save its state['model'] tensors with "
+                           "safetensors.torch.save_file and read that")
         model = _dig(ckpt, "state", "model")
         if not isinstance(model, dict):
             raise UserError(f"{path} is not a composer checkpoint: it has no state.model")

@@ -6,6 +6,8 @@
   llama, qwen2, qwen3, qwen3_moe   a Hugging Face causal LM to adapt (ar_import.py)
   dit        the reference implementation's DiT (dit_import.py): its PyTorchModelHubMixin
              directory, or a composer .pt checkpoint of its training
+  setdlm     the reference's released models (setdlm_release.py): a SetDLM folder with
+             pytorch_model.bin, on a Qwen3 (whose base model's config.json `base` names) or a DiT
 
 Sampling, the evaluation jobs (infilling included), `setdiff convert`, `model.init_from` and the
 lm-eval adapter all read through it, so a new source format is one reader here. A run directory
@@ -15,7 +17,8 @@ from a source's weights (`model.init_from`): the same tokenizer, the same archit
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import os
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +40,8 @@ from setdiff_megatron.sources.dit_import import DIT_KIND, dit_state_dict, is_dit
 from setdiff_megatron.sources.hf_export import load_hf_export, read_hf_config
 from setdiff_megatron.sources.hf_files import load_safetensors_dir
 from setdiff_megatron.sources.megatron import torch_weights
+from setdiff_megatron.sources.base_model import BASE_ENV
+from setdiff_megatron.sources.setdlm_release import RELEASE_KIND, is_release_config, read_release
 
 __all__ = ["Source", "read_source", "read_hf_dir", "fit_source", "AR_KINDS"]
 
@@ -55,9 +60,11 @@ class Source:
     """Torch model names (models/torch_model.py), in the saved dtype; None when read without weights."""
     tokenizer: SetDiffTokenizer
     recipe: Recipe | None = None
-    """The training recipe (runs), else None."""
+    """The training recipe (runs), the settings a SetDLM release is evaluated with, else None."""
     step: int | None = None
     layout: dict[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)
+    """What the reader ignored, one line each (a release's source files, its attention backend)."""
 
     @property
     def add_bos(self) -> bool:
@@ -67,7 +74,7 @@ class Source:
     def describe(self) -> str:
         what = {"megatron": "megatron checkpoint", "deepspeed": "DeepSpeed checkpoint",
                 "setdiff": "set diffusion Hugging Face export",
-                DIT_KIND: "reference DiT checkpoint"}.get(self.kind, f"{self.kind} causal LM")
+                DIT_KIND: "reference DiT checkpoint", RELEASE_KIND: "reference SetDLM release"}.get(self.kind, f"{self.kind} causal LM")
         extra = f", step {self.step}" if self.step is not None else ""
         if self.layout and self.kind == "megatron":
             extra += f", saved at tp {self.layout.get('tp')} pp {self.layout.get('pp')}"
@@ -105,14 +112,21 @@ def _hf_tokenizer(directory: Path) -> SetDiffTokenizer:
     return load_tokenizer(directory, add_missing_tokens=True)
 
 
-def read_hf_dir(directory: str | Path, *, weights: bool = True) -> Source:
-    """A Hugging Face directory: our export, a Llama/Qwen2/Qwen3/Qwen3-MoE causal LM, or the
-    reference's DiT (its PyTorchModelHubMixin config.json and model.safetensors)."""
+def read_hf_dir(directory: str | Path, *, weights: bool = True, base: str | Path | None = None) -> Source:
+    """A Hugging Face directory: our export, a Llama/Qwen2/Qwen3/Qwen3-MoE causal LM, the
+    reference's DiT (its PyTorchModelHubMixin config.json and model.safetensors) or one of its
+    SetDLM releases (`base`, else $SETDIFF_BASE_MODEL: the local base model a Qwen3 release names)."""
     directory = Path(directory)
     config = read_hf_config(directory)
     if config.get("model_type") == "setdiff":
         cfg, state, tokenizer = load_hf_export(directory)
         return Source("setdiff", directory, cfg, state if weights else None, tokenizer)
+    if is_release_config(config):
+        tokenizer = _hf_tokenizer(directory)
+        base = base or os.environ.get(BASE_ENV) or None
+        cfg, state, release = read_release(directory, config, tokenizer, base=Path(base) if base else None)
+        return Source(RELEASE_KIND, directory, cfg, state if weights else None, tokenizer, release.recipe(cfg),
+                      notes=release.notes)
     if is_dit_config(config):
         tokenizer = _hf_tokenizer(directory)
         cfg, state = dit_state_dict(load_safetensors_dir(directory), config, tokenizer, directory)
@@ -126,15 +140,16 @@ def read_hf_dir(directory: str | Path, *, weights: bool = True) -> Source:
     return Source(config["model_type"], directory, cfg, state if weights else None, tokenizer)
 
 
-def read_source(path: str | Path, *, weights: bool = True) -> Source:
-    """Weights (unless not `weights`), config and tokenizer from any source in the module docstring."""
+def read_source(path: str | Path, *, weights: bool = True, base: str | Path | None = None) -> Source:
+    """Weights (unless not `weights`), config and tokenizer from any source in the module docstring
+    (`base`: see read_hf_dir)."""
     path = Path(path)
     if not path.exists():
         raise UserError(f"model source {path} does not exist")
     if is_checkpoint_path(path):
         return _read_run(path, weights)
     if (path / "config.json").is_file():
-        return read_hf_dir(path, weights=weights)
+        return read_hf_dir(path, weights=weights, base=base)
     if path.is_file() and path.suffix == ".pt":
         return _read_composer(path, weights)
     raise UserError(f"{path} is neither a setdiff checkpoint (a run directory with checkpoints/latest, or a step_* "

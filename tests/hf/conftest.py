@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from setdiff_megatron.core.decoding import DecodingConfig
+from setdiff_megatron.core.loss import token_nll
+from setdiff_megatron.core.sampler import SetSampler
 from setdiff_megatron.data.tokenizers import load_tokenizer
 from setdiff_megatron.hf.export import write_export
 from setdiff_megatron.models.config import DIT_BODY, ModelConfig
@@ -21,6 +24,23 @@ from tests.hf.tiny_models import make_ar_model, make_tokenizer
 
 ROOT = Path(__file__).parents[2]
 TINY_RECIPE = ROOT / "recipes" / "tiny-cpu.yaml"
+
+
+def rank_nll(model: SetDiffusionTransformer, batch: list, perm: list, mask: int) -> torch.Tensor:
+    """Per-rank NLL under a given order, as the reference's eval forward scores it: the clean
+    stream x[perm], all-MASK queries, rotary ids perm."""
+    perm = torch.tensor(perm)
+    clean = torch.tensor(batch).gather(1, perm)
+    with torch.no_grad():
+        return token_nll(model(clean, torch.full_like(clean, mask), perm), clean, mask).double()
+
+
+def greedy_trace(model: SetDiffusionTransformer, decode: dict, mask: int):
+    """(row, its steps as the reference fixtures record them) of the set sampler's greedy decode
+    of a fixture's prompt at its window and threshold."""
+    cfg = DecodingConfig(window=decode["window"], threshold=decode["threshold"], max_new_tokens=decode["max_new_tokens"])
+    (row,) = SetSampler(model, mask_token_id=mask, context_len=32).generate([decode["prompt"]], cfg, trace=True).rows
+    return row, [{"queried": s.queried, "decoded": [list(d) for d in s.decoded]} for s in row.trace]
 
 
 def convert_from_hf(hf_dir: Path, out: Path, *args: str) -> subprocess.CompletedProcess:

@@ -48,13 +48,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from setdiff_megatron.core.decoding import DecodingConfig
-from setdiff_megatron.core.loss import token_nll
-from setdiff_megatron.core.sampler import SetSampler
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 from setdiff_megatron.sources.read import fit_source, read_source
-from tests.hf.conftest import ROOT, convert_from_hf
+from tests.hf.conftest import ROOT, convert_from_hf, greedy_trace, rank_nll
 
 FIXTURES = ROOT / "tests" / "fixtures" / "dit"
 HUB, COMPOSER = FIXTURES / "hub", FIXTURES / "composer.pt"
@@ -75,25 +72,17 @@ def test_the_reference_orders_score_as_the_reference_scores_them(impl):
     """The imported model's per-rank NLL under the orders the reference's forward drew (clean
     stream x[perm], all-MASK queries, rotary ids perm) is the reference's."""
     model = _model(read_source(HUB), impl)
-    batch = torch.tensor(REFERENCE["batch"])
     for perm, expected in zip(REFERENCE["orders"], REFERENCE["nll"]):
-        perm = torch.tensor(perm)
-        clean = batch.gather(1, perm)
-        with torch.no_grad():
-            nll = token_nll(model(clean, torch.full_like(clean, MASK), perm), clean, MASK)
-        assert (nll.double() - torch.tensor(expected)).abs().max() < NLL_TOLERANCE
+        nll = rank_nll(model, REFERENCE["batch"], perm, MASK)
+        assert (nll - torch.tensor(expected)).abs().max() < NLL_TOLERANCE
 
 
 def test_greedy_decoding_follows_the_reference_trace():
     """The set sampler on the imported model queries and decodes what the reference's generate
     did, step by step (window 4, threshold 0.3, greedy)."""
     decode = REFERENCE["decode"]
-    cfg = DecodingConfig(window=decode["window"], threshold=decode["threshold"],
-                         max_new_tokens=decode["max_new_tokens"])
-    (row,) = SetSampler(_model(read_source(HUB)), mask_token_id=MASK, context_len=32).generate(
-        [decode["prompt"]], cfg, trace=True).rows
-    assert row.tokens == decode["tokens"]
-    assert [{"queried": s.queried, "decoded": [list(d) for d in s.decoded]} for s in row.trace] == decode["steps"]
+    row, steps = greedy_trace(_model(read_source(HUB)), decode, MASK)
+    assert row.tokens == decode["tokens"] and steps == decode["steps"]
     assert row.tokens_per_step == pytest.approx(decode["parallelism_factor"])
 
 

@@ -1,0 +1,215 @@
+"""The reference's released models as they are published (SetDLM folders, Qwen3 and DiT
+backbones): the numbers of the reference's own loader, the settings it evaluates them with, the
+way back (`convert to-hf --layout setdlm`), and what is refused.
+
+How tests/fixtures/setdlm/ was made, once (the tests need neither the reference nor a network):
+
+  reference    github.com/kuleshov-group/setdlms at commit 549f0bbe35d3653c0d70c7e20e52a29523dcf0a9
+  environment  Python 3.11 in a throwaway venv: torch 2.13.0 (CPU), transformers 4.52.4,
+               huggingface_hub 0.36.2, hydra-core 1.3.2, einops 0.8.1, tokenizers 0.21.4, rich; a
+               stand-in for composer.utils.dist, which the loader's module imports but never calls
+  command      a one-off script, run with the reference's checkout on PYTHONPATH and kept out of
+               this repository (which holds none of the reference's code, nor anything that runs
+               it). For each backbone it built the reference's SetDLM denoiser (BD3LMConfig:
+               L = 32, block size 32, StaggeredNoise d = 4, m = 8, keep_clean_bos, sdpa), added
+               random noise to every backbone weight (norms too), wrote the folder with the
+               reference's own src/utils.py::save_pretrained_or_push_to_hub(local=True), loaded it
+               back with scripts/eval/model_loading.py::load_eval_model, and recorded its numbers
+  backbones    qwen3: AutoModelFromPreTrained over a tiny random Qwen3 base (`tiny-qwen3-base`:
+               3 layers x 32, 4 heads, 2 KV heads, head dim 8, tied embeddings, rope theta 1e6),
+               cut to num_layers 2; dit: the DIT as the released OpenWebText/LM1B models build it
+               (adaln false, 2 layers x 24, 4 heads). Vocabulary 64 (EOS 60, BOS 61, PAD 62, MASK
+               63), the word-level tokenizer of tests/fixtures/dit/hub.
+
+  tiny-*-setdlm-smax8/   the release folders as written, less the python sources the save copies
+                         beside them (the reference's code; the tests add a stand-in)
+  tiny-qwen3-base/       the base model's config.json (its weights are not needed: the release
+                         holds every weight)
+  *-reference.json       a batch of 2 rows (BOS first); for seeds 11 and 12 the order the
+                         loaded model's eval forward drew (other_loss_terms.permutation_order) and
+                         its -log p of each rank's target (log_p_theta, BOS dropped); the greedy
+                         decode of its generate as the paper's evaluation runs it (predict_and_noise,
+                         first_hitting false, max_window_size 4, confidence_threshold 0.15, 14 new
+                         tokens after a 5-token prompt), each step's queried positions and the
+                         (position, token) pairs it decoded, recorded around _generate_unconditional
+
+Measured: the largest |NLL difference| is 2.9e-6 (Qwen3) and 2.4e-6 (DiT) in float32; the decode
+traces are equal step for step.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from setdiff_megatron.errors import UserError
+from setdiff_megatron.hf.release_export import export_release
+from setdiff_megatron.models.torch_model import SetDiffusionTransformer
+from setdiff_megatron.sources.read import read_source
+from setdiff_megatron.sources.setdlm_release import static_attention_mask
+from tests.hf.conftest import ROOT, convert_from_hf, greedy_trace, rank_nll
+
+FIXTURES = ROOT / "tests" / "fixtures" / "setdlm"
+BASE = FIXTURES / "tiny-qwen3-base"
+RELEASES = {"qwen3": FIXTURES / "tiny-qwen3-setdlm-smax8", "dit": FIXTURES / "tiny-dit-setdlm-smax8"}
+REFERENCE = {kind: json.loads((FIXTURES / f"{kind}-reference.json").read_text()) for kind in RELEASES}
+NLL_TOLERANCE = 1e-5
+"""float32 on both sides: measured 2.9e-6."""
+
+
+def _read(kind: str, folder: Path | None = None, **kwargs):
+    return read_source(folder or RELEASES[kind], base=BASE if kind == "qwen3" else None, **kwargs)
+
+
+def _model(source, impl: str = "fused") -> SetDiffusionTransformer:
+    model = SetDiffusionTransformer(source.config.replace(attention_impl=impl))
+    model.load_state_dict(source.state_dict)
+    return model.eval()
+
+
+@pytest.mark.parametrize("impl", ["fused", "dense"])
+@pytest.mark.parametrize("kind", list(RELEASES))
+def test_the_reference_loaders_nll_under_its_orders(kind, impl):
+    """Per-rank NLL of the release read here, under the orders the reference's loaded model drew
+    (clean stream x[perm], all-MASK queries, rotary ids perm), against its log_p_theta."""
+    ref = REFERENCE[kind]
+    model = _model(_read(kind), impl)
+    for perm, expected in zip(ref["orders"], ref["nll"]):
+        nll = rank_nll(model, ref["batch"], perm, ref["settings"]["mask"])
+        assert (nll[:, 1:] - torch.tensor(expected)).abs().max() < NLL_TOLERANCE
+
+
+@pytest.mark.parametrize("kind", list(RELEASES))
+def test_greedy_decoding_follows_the_reference_trace(kind):
+    """Token ids, queried and decoded positions per step and the number of decode forwards are
+    the reference's (window 4, threshold 0.15, greedy)."""
+    source, decode = _read(kind), REFERENCE[kind]["decode"]
+    row, steps = greedy_trace(_model(source), decode, source.tokenizer.mask_id)
+    assert row.tokens == decode["tokens"] and steps == decode["steps"]
+    assert row.steps == decode["nfe"] and row.tokens_per_step == pytest.approx(decode["parallelism_factor"])
+
+
+@pytest.mark.parametrize("kind", list(RELEASES))
+def test_the_evaluation_settings_are_the_reference_loaders(kind):
+    source = _read(kind)
+    loaded, recipe = REFERENCE[kind]["loaded"], source.recipe
+    assert source.kind == "setdlm" and source.add_bos == loaded["keep_clean_bos"] is True
+    assert (recipe.method.order, recipe.method.d, recipe.method.m) == (
+        "staggered", loaded["desired_block_size"], loaded["max_block_size"])
+    assert recipe.data.seq_len == loaded["length"] == 32
+    assert source.tokenizer.mask_id == REFERENCE[kind]["settings"]["mask"]
+
+
+def _copy(kind: str, tmp_path: Path, config: dict | None = None) -> Path:
+    out = tmp_path / RELEASES[kind].name
+    shutil.copytree(RELEASES[kind], out)
+    if config:
+        (out / "config.json").write_text(json.dumps(json.loads((out / "config.json").read_text()) | config))
+    return out
+
+
+def test_the_python_sources_beside_the_weights_never_run(tmp_path):
+    """The save copies the reference's modules beside the weights; reading the folder imports
+    none of them, and says so in one line."""
+    folder = _copy("dit", tmp_path)
+    sentinel = tmp_path / "ran"
+    for name in ("setdlm.py", "backbone_dit.py", "__init__.py"):
+        (folder / name).write_text(f"open({str(sentinel)!r}, 'w').close()\n")
+    source = read_source(folder)
+    assert not sentinel.exists()
+    assert any("python source files" in note and "never executed" in note for note in source.notes)
+
+
+def test_an_m_equal_to_the_block_size_means_two_d_as_in_the_reference_loader(tmp_path):
+    """Exported configs can carry max_block_size == length; the reference's loader then uses 2d."""
+    noise = json.loads((RELEASES["dit"] / "config.json").read_text())["noise_config"] | {"max_block_size": 32}
+    assert read_source(_copy("dit", tmp_path, {"noise_config": noise})).recipe.method.m == 8
+
+
+@pytest.mark.parametrize("kind", list(RELEASES))
+def test_ours_to_a_release_and_back_is_bitwise(kind, tmp_path):
+    """A model read here, written as a release, reads back with the same config, tokenizer and
+    weights, bit for bit; the folder holds what the reference's loader reads."""
+    source = _read(kind)
+    out = tmp_path / "release"
+    lines = export_release(source.path, out, base_name="Qwen/Qwen3-1.7B-Base", base=BASE)
+    assert "bit for bit" in lines[-1]
+    back = read_source(out)  # a Qwen3 release written here names every architecture number: no base needed
+    assert back.config == source.config and back.tokenizer.sha256 == source.tokenizer.sha256
+    assert all(torch.equal(back.state_dict[k], source.state_dict[k]) for k in source.state_dict)
+    assert (back.recipe.method, back.recipe.data.seq_len) == (source.recipe.method, source.recipe.data.seq_len)
+    written = torch.load(out / "pytorch_model.bin", weights_only=True)
+    assert torch.equal(written["static_attention_mask"], torch.load(RELEASES[kind] / "pytorch_model.bin",
+                                                                    weights_only=True)["static_attention_mask"])
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["SetDLM"] and config["model_type"] == "bd3lm"
+    if kind == "qwen3":  # tied, as the reference saves it: one storage under both names
+        assert written["backbone.model.lm_head.weight"].data_ptr() == \
+            written["backbone.model.model.embed_tokens.weight"].data_ptr()
+
+
+def test_the_static_mask_is_the_reference_buffer():
+    saved = torch.load(RELEASES["dit"] / "pytorch_model.bin", weights_only=True)["static_attention_mask"]
+    assert torch.equal(static_attention_mask(32), saved)
+
+
+def test_convert_from_hf_records_the_evaluation_settings(tmp_path):
+    """`setdiff convert from-hf` of a Qwen3 release with --base: a megatron run whose recipe holds
+    L, d, m and the clean BOS, and whose weights are the release's."""
+    out = tmp_path / "run"
+    proc = convert_from_hf(RELEASES["qwen3"], out, "--check", "--base", str(BASE))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ignored attn_backend 'sdpa'" in proc.stdout and proc.stdout.count(" ok") == 2, proc.stdout
+    run, release = read_source(out), _read("qwen3")
+    assert run.config == release.config and run.recipe.method == release.recipe.method
+    assert run.recipe.data.seq_len == 32 and run.add_bos
+    assert all(torch.equal(run.state_dict[k], release.state_dict[k]) for k in release.state_dict)
+
+
+def test_sample_reads_a_release_directly(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "w33 w33 w1 w47"}) + "\n")
+    cmd = [sys.executable, "-m", "setdiff_megatron.cli", "sample", str(RELEASES["qwen3"]), "--base", str(BASE),
+           "--prompts", str(prompts), "--out", str(tmp_path / "out.jsonl"), "--max-new-tokens", "6", "--window", "4",
+           "--no-progress"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (result,) = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert result["num_decoded"] == 6
+
+
+def _truncated(folder: Path) -> None:
+    data = (folder / "pytorch_model.bin").read_bytes()
+    (folder / "pytorch_model.bin").write_bytes(data[: len(data) // 2])
+
+
+@pytest.mark.parametrize("kind,edit,message", [
+    ("dit", _truncated, "pytorch_model.bin safely"),
+    ("dit", {"length": 16}, "length is 16, but pytorch_model.bin's static_attention_mask is (64, 64)"),
+    ("qwen3", {}, "pass --base DIR"),
+    ("dit", {"backbone_config": {"_target_": "backbone_dit_legacy.DITLegacy"}}, "is not a released backbone"),
+    ("dit", {"noise_config": {"_target_": "noise_schedule_noise_schedules.LinearNoise"}}, "a BD3-LM or MDLM release"),
+    ("dit", {"mask_token_id": 5, "tokenization_config": {"mask_token_id": 5}}, "mask_token_id is 5"),
+])
+def test_bad_releases_are_one_line_and_convert_writes_nothing(tmp_path, kind, edit, message):
+    folder = _copy(kind, tmp_path, edit if isinstance(edit, dict) else None)
+    if callable(edit):
+        edit(folder)
+    with pytest.raises(UserError) as err:
+        read_source(folder)  # no base given: the Qwen3 case
+    assert message in str(err.value) and "\n" not in str(err.value)
+    out = tmp_path / "out"
+    proc = convert_from_hf(folder, out)
+    assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert not out.exists() and not out.with_name("out.partial").exists()
+
+
+def test_a_missing_base_directory_is_one_line(tmp_path):
+    with pytest.raises(UserError, match="--base .*: no config.json there"):
+        read_source(RELEASES["qwen3"], base=tmp_path)
