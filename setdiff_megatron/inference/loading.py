@@ -12,6 +12,7 @@ logits over TP, so every rank of a TP group decides the same tokens.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,6 +91,9 @@ def load_sampling_model(path: str | Path, ranks: Ranks, *, device: str = "auto",
     source = read_source(path, weights=not sharded)
     if sharded and source.kind != "megatron":  # only megatron shards load rank by rank
         source = read_source(path)
+    if ranks.rank == 0:
+        for note in source.notes:  # what a release's reader ignored (its source files, ...)
+            print(f"setdiff: {note}", file=sys.stderr)
     if sharded:
         model = _megatron_shard(source, ranks.tp, torch_dtype, where)
     else:
