@@ -11,9 +11,11 @@ import pytest
 
 ROOT = Path(__file__).parents[2]
 RECIPE = ROOT / "recipes" / "tiny-reasoning.yaml"
-# 3 steps of 8 rows in fp32, a loss at every step: the parity tolerances are fp32's.
+# 3 steps of 8 rows in fp32, a loss at every step: the parity tolerances are fp32's. The showcase
+# scores 20 held-out problems instead of 250.
 SMALL = ("train.steps=3", "parallel.micro_batch_size=4", "parallel.global_batch_size=8", "log.interval=1",
-         "eval.interval=3", "eval.batches=2", "checkpoint.interval=3", "log.tensorboard=false", "train.warmup_steps=1")
+         "eval.interval=3", "eval.batches=2", "checkpoint.interval=3", "log.tensorboard=false", "train.warmup_steps=1",
+         "eval.showcase_problems=20")
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +26,7 @@ def data_cache(tmp_path_factory) -> Path:
 def train(run_dir: Path, data_cache: Path, *overrides: str, recipe: Path = RECIPE) -> list[dict]:
     cmd = [sys.executable, "-m", "setdiff_megatron.cli", "train", str(recipe), f"checkpoint.dir={run_dir}",
            f"data.cache_dir={data_cache}", *SMALL, *overrides]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)  # init_from: assets/...
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     return [json.loads(line) for line in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
 
@@ -34,6 +36,7 @@ def losses(metrics: list[dict], key: str = "train/loss") -> list[float]:
 
 
 def test_packed_supervised_rows_train_in_one_process(tmp_path, data_cache):
+    """The main job's recipe, from its shipped AR base (assets/reasoning-ar-base)."""
     metrics = train(tmp_path / "run", data_cache, "launch.nproc_per_node=1")
     assert len(losses(metrics)) == 3 and all(0 < v < 10 for v in losses(metrics))
     assert len(losses(metrics, "valid/loss")) == 2  # steps 0 and 3, on response tokens only
@@ -65,7 +68,7 @@ def test_supervised_rows_train_as_one_megatron_process(tmp_path, data_cache, sta
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_an_imported_ar_model_adapts_to_set_diffusion(tmp_path, data_cache):
-    """recipes/tiny-adapt-reasoning.yaml's pipeline on a smoke budget: an AR model pretrained on
+    """The main job's pipeline with a base made here on a smoke budget: an AR model pretrained on
     packed windows, exported to Hugging Face format, starts the supervised set diffusion run."""
     ar = tmp_path / "ar"
     train(ar, data_cache, "launch.nproc_per_node=1", recipe=ROOT / "recipes" / "study" / "packed" / "ar.yaml")
@@ -73,9 +76,10 @@ def test_an_imported_ar_model_adapts_to_set_diffusion(tmp_path, data_cache):
     convert = subprocess.run([sys.executable, "-m", "setdiff_megatron.cli", "convert", "to-hf", str(ar), str(hf)],
                              capture_output=True, text=True, timeout=600)
     assert convert.returncode == 0, convert.stderr[-3000:]
-    cmd = [sys.executable, "-m", "setdiff_megatron.cli", "train", str(ROOT / "recipes" / "tiny-adapt-reasoning.yaml"),
-           f"checkpoint.dir={tmp_path / 'adapt'}", f"data.cache_dir={data_cache}", f"model.init_from={hf}", *SMALL]
+    cmd = [sys.executable, "-m", "setdiff_megatron.cli", "train", str(RECIPE), f"checkpoint.dir={tmp_path / 'adapt'}",
+           f"data.cache_dir={data_cache}", f"model.init_from={hf}", *SMALL]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
     assert f"initialised from set diffusion Hugging Face export {hf}" in out.stdout
-    assert "held-out accuracy on 50 test problems" in out.stdout
+    assert f"its initial weights: set diffusion Hugging Face export {hf} (4 x 128)" in out.stdout
+    assert "held-out accuracy on 20 test problems" in out.stdout
