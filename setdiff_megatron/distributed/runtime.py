@@ -25,11 +25,19 @@ __all__ = ["Ranks", "init_process_group", "init_model_parallel", "model_parallel
            "world_size", "rank", "torchrun_argv", "free_port", "barrier", "gather_objects", "broadcast_object"]
 
 
+RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+"""For torchrun's workers: with the rendezvous store shared (torch's default), workers restarted by
+--max-restarts read the dead attempt's keys and hang in init_process_group (pytorch#135712)."""
+
+
 def torchrun_argv(nproc: int, cli_args: list[str], module: str = "setdiff_megatron.cli",
-                  launcher: str = "torch.distributed.run") -> list[str]:
+                  launcher: str = "torch.distributed.run", max_restarts: int = 0) -> list[str]:
     """`python -m MODULE CLI_ARGS` (default: the `setdiff` command) as `nproc` local processes
-    under torchrun (`launcher`: torchrun's module, or one that runs torchrun's `main`)."""
-    return [sys.executable, "-m", launcher, "--standalone", f"--nproc_per_node={nproc}", "-m", module, *cli_args]
+    under torchrun (`launcher`: torchrun's module, or one that runs torchrun's `main`), restarted
+    together up to `max_restarts` times when one of them fails."""
+    restarts = [f"--max-restarts={max_restarts}"] if max_restarts else []
+    return [sys.executable, "-m", launcher, "--standalone", f"--nproc_per_node={nproc}", *restarts, "-m", module,
+            *cli_args]
 
 
 def check_port(name: str, value: str) -> None:

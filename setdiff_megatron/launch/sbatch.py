@@ -19,6 +19,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from setdiff_megatron.distributed.runtime import RESTART_ENV
 from setdiff_megatron.distributed.signals import EXIT_REQUEUE, PREEMPTED_FILE
 
 __all__ = ["Resources", "recipe_lines", "render_train", "render_array", "render_command", "templates"]
@@ -145,12 +146,13 @@ def _title(title: list[str]) -> list[str]:
 
 def render_train(r: Resources, *, run: list[str], launcher: str = "srun", nproc_per_node: int = 1,
                  run_dir: str | None = None, setup: list[str] = (), env: dict[str, str] | None = None,
-                 srun_args: list[str] = (), requeue: bool = True, title: list[str] = ()) -> str:
+                 srun_args: list[str] = (), requeue: bool = True, title: list[str] = (), max_restarts: int = 0) -> str:
     """The pretraining job: every node runs `nproc_per_node` processes of `setdiff train`.
 
     `run` sets RECIPE and the OVERRIDES array (`recipe_lines`). launcher 'srun': one task per
-    process; 'torchrun': one task per node running torchrun, which turns a preempted worker into
-    exit code 1, so the run directory's PREEMPTED_FILE says 75 instead."""
+    process; 'torchrun': one task per node running torchrun, which restarts the job's processes
+    up to `max_restarts` times and turns a preempted worker into exit code 1, so the run
+    directory's PREEMPTED_FILE says 75 instead."""
     lines = ["#!/bin/bash", *_title(title), *_header(r), "",
              "set -uo pipefail  # not -e: the exit code of training decides what happens next", "",
              TRAP, *run, ""]
@@ -163,9 +165,12 @@ def render_train(r: Resources, *, run: list[str], launcher: str = "srun", nproc_
             "# One torchrun per node; it starts this node's processes and forwards SIGUSR1 to them.",
             "export TORCHELASTIC_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
             "export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=300  # time for the workers' checkpoint",
+            *(f"export {k}={v}  # restarted workers must not read the dead attempt's rendezvous keys"
+              for k, v in RESTART_ENV.items()),
             f"rm -f {shlex.quote(f'{run_dir}/{PREEMPTED_FILE}')}",
             " ".join([*srun, "torchrun", "--nnodes=$SLURM_NNODES",
-                      f"--nproc_per_node={nproc_per_node}", "--rdzv_id=$SLURM_JOB_ID", "--rdzv_backend=c10d",
+                      f"--nproc_per_node={nproc_per_node}", f"--max-restarts={max_restarts}",
+                      "--rdzv_id=$SLURM_JOB_ID", "--rdzv_backend=c10d",
                       '--rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT"', "\\"]),
             '    -m setdiff_megatron.cli train "$RECIPE" "${OVERRIDES[@]}" &',
         ]

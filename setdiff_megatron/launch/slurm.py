@@ -103,6 +103,9 @@ def plan_training(recipe: Recipe, recipe_path: str | Path, overrides: list[str],
     per_node = launch.nproc_per_node
     cpus = _setting(slurm, cluster, "cpus_per_task")
     torchrun = slurm.launcher == "torchrun"
+    if launch.max_restarts and not torchrun:
+        raise UserError(f"launch.max_restarts = {launch.max_restarts} needs launch.slurm.launcher: torchrun "
+                        "(under srun nothing restarts the processes; launch.slurm.requeue requeues the job)")
     resources = Resources(
         job_name=recipe.name, nodes=launch.nnodes, ntasks_per_node=1 if torchrun else per_node,
         gpus_per_node=per_node if device == "cuda" else 0, gpu_request=cluster.gpu_request,
@@ -122,7 +125,8 @@ def plan_training(recipe: Recipe, recipe_path: str | Path, overrides: list[str],
     text = render_train(resources, run=recipe_lines(str(Path(recipe_path).resolve()), list(overrides)),
                         launcher=slurm.launcher, nproc_per_node=per_node, run_dir=str(run_dir),
                         setup=[*cluster.setup, *slurm.setup], env=env,
-                        srun_args=[*cluster.srun_args, *slurm.srun_args], requeue=slurm.requeue, title=title)
+                        srun_args=[*cluster.srun_args, *slurm.srun_args], requeue=slurm.requeue, title=title,
+                        max_restarts=launch.max_restarts)
     return Planned(text, script, resources.output, resources.gpus_per_node)
 
 

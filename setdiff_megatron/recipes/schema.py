@@ -147,6 +147,21 @@ class ParallelSection(Section):
     host memory and step it on the CPU; needs zero_stage >= 1."""
 
 
+class SpikePolicy(Section):
+    """A loss more than `threshold` robust deviations above the median of the last `window`
+    losses (training/spikes.py) is a spike. `warn` logs it; `skip` drops the step's update;
+    `rollback` reloads the newest checkpoint and goes on with the data after the spike's batch,
+    and a spike again before the run is past the step that caused a rollback stops the run."""
+    action: Literal["warn", "skip", "rollback"] = "warn"
+    window: PositiveInt = 100
+    threshold: PositiveFloat = 6.0
+    min_history: PositiveInt = 20
+    """Losses seen before any is judged."""
+    max_rollbacks: PositiveInt = 3
+    """Rollbacks in one run before a spike stops it; the data has this many checkpoint intervals of
+    spare samples."""
+
+
 class TrainSection(Section):
     steps: PositiveInt | None = 1000
     """Optimizer steps; exactly one of steps and tokens is set."""
@@ -181,6 +196,14 @@ class TrainSection(Section):
     and so checkpoints, do not change."""
     nan_policy: Literal["stop", "skip"] = "stop"
     """On a NaN/Inf loss: stop the run, or skip the step and report it."""
+    spike_policy: SpikePolicy = Field(default_factory=SpikePolicy)
+    hang_timeout_s: NonNegativeFloat = 1800.0
+    """A rank that starts no step for this long logs where it is stuck and exits with code 76, on
+    which torchrun restarts the job (launch.max_restarts); 0 turns the watchdog off."""
+    straggler_factor: NonNegativeFloat = 1.5
+    """At each log step, one line names a rank whose own compute time (forward-backward less its
+    waits in the gradient and loss reductions) is this many times the median rank's or more; 0
+    turns the warning off (the per-rank times are logged regardless)."""
 
 
 class CheckpointSection(Section):
@@ -204,6 +227,9 @@ class CheckpointSection(Section):
 class EvalSection(Section):
     interval: PositiveInt = 200
     batches: PositiveInt = 8
+    showcase_problems: NonNegativeInt = 250
+    """Held-out problems `setdiff train` decodes at the end of a run on the built-in reasoning corpus
+    for its accuracy line (evaluation/showcase.py); 250 give about +-3 points. 0: no accuracy line."""
 
 
 class WandbSection(Section):
@@ -260,6 +286,9 @@ class LaunchSection(Section):
     """'cpu' runs on CPUs over gloo even where GPUs exist (a SLURM job then asks for no GPUs);
     'auto' under SLURM means cuda unless the cluster file says gpus_per_node: 0."""
     env: dict[str, str] = Field(default_factory=dict)
+    max_restarts: NonNegativeInt = 0
+    """torchrun restarts of the whole job after a process dies or the hang watchdog ends it; the
+    restarted processes resume from the newest complete checkpoint (checkpoint.resume: auto)."""
     slurm: SlurmSection = Field(default_factory=SlurmSection)
 
     @property

@@ -211,6 +211,16 @@ def _train_rules(r: Recipe, has_gpu: bool) -> list[str]:
         errors.append("train.steps: set exactly one of train.steps and train.tokens")
     if t.min_lr > t.lr:
         errors.append(f"train.min_lr: {t.min_lr} exceeds train.lr ({t.lr})")
+    spikes = t.spike_policy
+    if spikes.min_history > spikes.window:
+        errors.append(f"train.spike_policy.min_history: {spikes.min_history} exceeds train.spike_policy.window "
+                      f"({spikes.window}), so no loss would ever be judged")
+    if spikes.action == "skip" and r.engine == "deepspeed" and r.parallel.zero_stage > 0:
+        errors.append("train.spike_policy.action: skip cannot drop a step under ZeRO (DeepSpeed applies finite "
+                      "gradients from its own partitions); use action rollback, or warn")
+    if 0 < t.straggler_factor <= 1:
+        errors.append(f"train.straggler_factor: {t.straggler_factor} would call the median rank a straggler; "
+                      "use a factor above 1 (1.5 is the default), or 0 to turn the warning off")
     if t.fp8 is not None and r.model.backend != "te":
         errors.append("train.fp8: FP8 needs model.backend: te (Transformer Engine, GPU only)")
     try:

@@ -87,7 +87,7 @@ class MetricsLogger:
         self._jsonl.flush()
         if self._tb is not None:
             for key, value in metrics.items():
-                if isinstance(value, list):  # per-expert token counts
+                if isinstance(value, list):  # per-expert token counts, per-rank compute times
                     self._tb.add_histogram(key, torch.tensor(value), step)
                 else:
                     self._tb.add_scalar(key, value, step)

@@ -7,6 +7,11 @@
 What the loop decides, whatever the engine:
   NaN policy    a non-finite loss, or gradients the engine finds non-finite before applying them:
                 `stop` raises (the last checkpoint is intact), `skip` drops the step and counts it
+  spike policy  a loss far above its recent window (spikes.py): `warn`, `skip` the update, or
+                `rollback` to the newest checkpoint with the data moved past the bad batch
+  faults        a heartbeat per step for the hang watchdog (watchdog.py), per-rank
+                forward-backward times and a straggler warning (stragglers.py), and the drills
+                SETDIFF_INJECT asks for (distributed/fault_injection.py)
   logging       metrics.jsonl, TensorBoard, wandb and the console (metrics.py) on rank 0
   validation    the same held-out micro-batches and orders at every `eval.interval`
   checkpoints   every `checkpoint.interval`, at the end, and at a preemption signal's step
@@ -32,6 +37,7 @@ from setdiff_megatron.checkpoint.publish import check_writable
 from setdiff_megatron.checkpoint.resolve import resume_target
 from setdiff_megatron.checkpoint.state import Progress
 from setdiff_megatron.distributed import runtime
+from setdiff_megatron.distributed.fault_injection import Faults
 from setdiff_megatron.distributed.signals import PreemptionHandler
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.recipes import Recipe, save_resolved_recipe
@@ -42,6 +48,9 @@ from setdiff_megatron.training.checkpointer import Checkpointer
 from setdiff_megatron.training.data_pipeline import DataLoaders, TrainingData, prepare_data
 from setdiff_megatron.training.engines import Engine, start_engine
 from setdiff_megatron.training.metrics import MetricsLogger, peak_flops, step_metrics, training_flops_per_token
+from setdiff_megatron.training.spikes import SpikeDetector
+from setdiff_megatron.training.stragglers import StragglerMonitor
+from setdiff_megatron.training.watchdog import Watchdog
 
 __all__ = ["train", "TrainResult", "preflight", "check_resumable"]
 
@@ -97,12 +106,21 @@ class _Run:
         self.run_dir = Path(recipe.checkpoint.dir)
         self.first = runtime.rank() == 0
         self.total_steps = lr_schedule.total_steps(recipe)
+        spikes = recipe.train.spike_policy
+        self.spikes = SpikeDetector(spikes.window, spikes.threshold, spikes.min_history)
+        self.rollbacks: list[int] = []
+        """The steps whose spikes rolled the run back."""
+        self.stragglers = StragglerMonitor(recipe.train.straggler_factor)
+        self.faults = Faults.from_env(runtime.rank())
 
     # ---- set-up ----------------------------------------------------------------------------
 
     def _data(self) -> TrainingData:
         r = self.recipe
-        return prepare_data(r, num_train_samples=self.total_steps * r.parallel.global_batch_size,
+        steps = self.total_steps
+        if r.train.spike_policy.action == "rollback":  # the steps replayed after rollbacks take new samples
+            steps += r.train.spike_policy.max_rollbacks * r.checkpoint.interval
+        return prepare_data(r, num_train_samples=steps * r.parallel.global_batch_size,
                             num_valid_samples=r.eval.batches * r.parallel.micro_batch_size * self.engine.dp_size,
                             is_first_rank=self.first, barrier=runtime.barrier)
 
@@ -141,15 +159,25 @@ class _Run:
         nll, count = self.engine.evaluate(batches)
         return nll / max(count, 1)
 
-    def _step(self, logger: MetricsLogger) -> tuple[float, float | None]:
-        """One optimizer step under the NaN policy; returns the loss and the gradient norm."""
+    def _step(self, logger: MetricsLogger, saves: Checkpointer) -> tuple[float, float | None] | None:
+        """One optimizer step under the NaN and spike policies: the loss and the gradient norm, or
+        None after a rollback, which leaves `progress` at the checkpoint's step."""
         engine, step = self.engine, self.progress.step + 1
+        self.faults.at_step_start(step)
+        start = time.perf_counter()
         nll, count = engine.forward_backward(self.loaders.next_step())
-        loss, grad_norm, problem, skipped = nll / max(count, 1), None, None, True
+        self.faults.in_forward_backward()
+        self.stragglers.add(time.perf_counter() - start - engine.sync_seconds)  # this rank's own work
+        loss, grad_norm, problem, skipped = self.faults.loss(step, nll / max(count, 1)), None, None, True
         if not math.isfinite(loss):
             problem = f"loss is {loss}"
             skipped = engine.discard()
+        elif (action := self._spiked(step, loss, logger, saves)) == "rolled back":
+            return None
+        elif action == "skipped":
+            return loss, None
         else:
+            self.spikes.accept(loss)
             outcome = engine.optimizer_step()
             grad_norm, problem = outcome.grad_norm, outcome.problem
         if problem is not None:
@@ -160,6 +188,41 @@ class _Run:
             logger.message(f"step {step}: {problem}, {what} (train.nan_policy=skip)")
             self.progress.skipped_steps += 1
         return loss, grad_norm
+
+    def _spiked(self, step: int, loss: float, logger: MetricsLogger, saves: Checkpointer) -> str | None:
+        """What the spike policy did to this step ("skipped", "rolled back"), or None: go on. The
+        loss is the global batch's, equal on every rank, so every rank decides alike."""
+        policy = self.recipe.train.spike_policy
+        spike = self.spikes.check(loss)
+        if spike is None:
+            return None
+        what = f"step {step}: {spike.describe()} (train.spike_policy.action={policy.action})"
+        if policy.action == "warn":
+            logger.message(f"{what}; update applied")
+            return None
+        if self.rollbacks and step <= self.rollbacks[-1]:
+            raise UserError(f"{what}: a spike again at step {step} after rolling back for the one at step "
+                            f"{self.rollbacks[-1]}, on other data: it comes from the model's state, not a batch; "
+                            "stopping. Lower train.lr or resume from an earlier checkpoint (checkpoint.resume)")
+        if policy.action == "skip" or saves.last is None:
+            self.engine.discard()
+            self.progress.skipped_steps += 1
+            logger.message(f"{what}; update skipped" + (" (no checkpoint to roll back to yet)" if saves.last is None else ""))
+            return "skipped"
+        if len(self.rollbacks) >= policy.max_rollbacks:
+            raise UserError(f"{what}: train.spike_policy.max_rollbacks = {policy.max_rollbacks} rollbacks already "
+                            "done; stopping. Lower train.lr or raise train.spike_policy.max_rollbacks")
+        saves.wait(step=self.progress.step)
+        self.engine.discard()
+        target = resume_target(self.run_dir, str(saves.last), None)
+        self.engine.load(target)
+        self.rollbacks.append(step)
+        self.progress.step = target.state.progress.step
+        self.progress.consumed_samples = self.loaders.consumed_samples  # past the bad batch
+        logger.message(f"{what}; rolled back to the checkpoint of step {self.progress.step}, its data order "
+                       f"moved past the batches up to step {step} (rollback {len(self.rollbacks)} of "
+                       f"{policy.max_rollbacks})")
+        return "rolled back"
 
     def loop(self) -> TrainResult:
         self._start()
@@ -189,36 +252,45 @@ class _Run:
         saves = Checkpointer(r, engine, self.identity, self.data.tokenizer, self.run_id, logger,
                              last=self.resumed and self.resumed.path)
         try:
-            while progress.step < self.total_steps:
-                start = time.perf_counter()
-                loss, grad_norm = self._step(logger)
-                progress.step += 1
-                progress.consumed_samples = self.loaders.consumed_samples
-                elapsed = time.perf_counter() - start
-                tokens_seen += gbs * seq_len
-                train_time += elapsed
-                result.final_train_loss = loss
-                logger.advance()
-                last = progress.step == self.total_steps
-                if progress.step % r.log.interval == 0 or last:
-                    metrics = step_metrics(loss=loss, lr=engine.lr(), step_time_s=elapsed, tokens=gbs * seq_len,
-                                           flops_per_token=flops_per_token, world_size=runtime.world_size(),
-                                           peak=peak)
-                    if grad_norm is not None:
-                        metrics["train/grad_norm"] = grad_norm
-                    logger.log(progress.step, metrics | engine.router_metrics())
-                if progress.step % r.eval.interval == 0 or last:
-                    validate()
-                saves.poll(progress.step)
-                if progress.step % r.checkpoint.interval == 0 or last:
-                    saves.save(progress, background=r.checkpoint.async_save and not last)
-                    saved_step = progress.step
-                if not last and self.preemption.agreed():  # every rank, every step boundary
-                    if saved_step != progress.step:
-                        saves.save(progress, background=False)
-                    saves.wait(step=progress.step)
-                    raise self.preemption.stop(progress.step, saves.last)
-            saves.wait(step=progress.step)
+            with Watchdog(r.train.hang_timeout_s, runtime.rank(), self.run_dir / "logs") as watchdog:
+                while progress.step < self.total_steps:
+                    watchdog.beat(progress.step + 1)
+                    start = time.perf_counter()
+                    stepped = self._step(logger, saves)
+                    if stepped is None:  # rolled back
+                        saved_step = progress.step
+                        continue
+                    loss, grad_norm = stepped
+                    progress.step += 1
+                    progress.consumed_samples = self.loaders.consumed_samples
+                    elapsed = time.perf_counter() - start
+                    tokens_seen += gbs * seq_len
+                    train_time += elapsed
+                    result.final_train_loss = loss
+                    logger.advance()
+                    last = progress.step == self.total_steps
+                    if progress.step % r.log.interval == 0 or last:
+                        metrics = step_metrics(loss=loss, lr=engine.lr(), step_time_s=elapsed, tokens=gbs * seq_len,
+                                               flops_per_token=flops_per_token, world_size=runtime.world_size(),
+                                               peak=peak)
+                        if grad_norm is not None:
+                            metrics["train/grad_norm"] = grad_norm
+                        ranks, straggler = self.stragglers.report()  # collective
+                        logger.log(progress.step, metrics | ranks | engine.router_metrics())
+                        if straggler is not None:
+                            logger.message(f"step {progress.step}: {straggler}")
+                    if progress.step % r.eval.interval == 0 or last:
+                        validate()
+                    saves.poll(progress.step)
+                    if progress.step % r.checkpoint.interval == 0 or last:
+                        saves.save(progress, background=r.checkpoint.async_save and not last)
+                        saved_step = progress.step
+                    if not last and self.preemption.agreed():  # every rank, every step boundary
+                        if saved_step != progress.step:
+                            saves.save(progress, background=False)
+                        saves.wait(step=progress.step)
+                        raise self.preemption.stop(progress.step, saves.last)
+                saves.wait(step=progress.step)
         finally:
             logger.close()
         result.checkpoint = saves.last

@@ -73,10 +73,11 @@ def test_gpu_recipe_takes_cluster_settings_and_the_recipe_wins(capsys, tmp_path,
 
 def test_torchrun_launcher_runs_one_task_per_node_and_maps_its_exit_code(capsys, tmp_path):
     script = dry_run(capsys, str(TINY), f"checkpoint.dir={tmp_path}", "launch.slurm.launcher=torchrun",
-                     "launch.slurm.cpus_per_task=1")
+                     "launch.slurm.cpus_per_task=1", "launch.max_restarts=2")
     bash_syntax_ok(script)
     assert "#SBATCH --ntasks-per-node=1" in script and "#SBATCH --cpus-per-task=2" in script
-    assert "torchrun --nnodes=$SLURM_NNODES --nproc_per_node=2 --rdzv_id=$SLURM_JOB_ID" in script
+    assert "torchrun --nnodes=$SLURM_NNODES --nproc_per_node=2 --max-restarts=2 --rdzv_id=$SLURM_JOB_ID" in script
+    assert "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in script  # or restarted workers hang at rendezvous
     assert f"[ -f {tmp_path}/preempted.json ] && code=75" in script
 
 
@@ -87,6 +88,11 @@ def test_cluster_file_from_the_default_location(capsys, tmp_path, monkeypatch):
     script = dry_run(capsys, str(TINY), "launch.device=auto", "launch.slurm.requeue=false")
     assert "#SBATCH --partition=cpu" in script and "--gres" not in script  # auto + gpus_per_node 0: cpu
     assert "--requeue" not in script and "scontrol requeue" not in script
+
+
+def test_restarts_without_torchrun_are_one_line(capsys, tmp_path):
+    err = error(capsys, str(TINY), f"checkpoint.dir={tmp_path}/run", "launch.max_restarts=1")
+    assert "launch.max_restarts = 1 needs launch.slurm.launcher: torchrun" in err
 
 
 def test_sbatch_missing_is_one_line(capsys, tmp_path, monkeypatch):

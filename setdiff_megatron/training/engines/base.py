@@ -36,6 +36,9 @@ class Engine(Protocol):
     dp_rank: int
     dp_size: int
     device: torch.device
+    sync_seconds: float
+    """How long the last forward_backward waited in collectives for other ranks (gradient and loss
+    reductions), which the straggler report subtracts to get the rank's own work."""
 
     def build(self, model_cfg: ModelConfig, total_steps: int) -> None:
         """Build this rank's model, optimizer and LR scheduler (weights from the recipe's seed)."""

@@ -26,6 +26,7 @@ import importlib
 import logging
 import math
 import os
+import time
 import warnings
 from functools import partial
 from pathlib import Path
@@ -130,6 +131,8 @@ class DeepSpeedEngine:
         self.layout = Layout.of(runtime.world_size())
         self.dp_rank, self.dp_size = dist.get_rank(), self.layout.dp
         self.device = torch.device(accelerator.device_name(int(os.environ.get("LOCAL_RANK", "0"))))
+        self.sync_seconds = 0.0
+        """The token-count and loss reductions only: DeepSpeed reduces gradients inside backward."""
 
     # ---- building --------------------------------------------------------------------------
 
@@ -179,8 +182,9 @@ class DeepSpeedEngine:
         divides each micro-batch's loss by the accumulation steps and averages gradients over the
         data-parallel ranks. So a micro-batch contributes its NLL sum x (micro-batches x dp) / the
         global batch's target tokens, and the gradient is megatron's."""
-        engine = self.engine
+        engine, start = self.engine, time.perf_counter()
         tokens = _all_sum(sum(b.loss_mask.sum() for b in batches).double().reshape(1).to(engine.device))
+        self.sync_seconds = time.perf_counter() - start
         scale = len(batches) * self.dp_size / max(tokens.item(), 1.0)
         local = torch.zeros(2, dtype=torch.float64, device=engine.device)
         if self.expert_load is not None:
@@ -191,7 +195,9 @@ class DeepSpeedEngine:
             nll, count, router_loss = self._nll(batch)
             engine.backward((nll + router_loss) * scale)
             local += torch.stack([nll.detach().double(), count.double()])
+        start = time.perf_counter()
         nll, count = _all_sum(local).cpu().tolist()
+        self.sync_seconds += time.perf_counter() - start
         return nll, count
 
     def _stage0_grad_norm(self) -> float:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import multiprocessing
 import signal
+import time
 from collections.abc import Callable
 from multiprocessing.managers import SyncManager
 from pathlib import Path
@@ -76,6 +77,7 @@ class MegatronEngine:
         runtime.init_model_parallel(self.layout, recipe.train.seed)
         self.dp_rank, self.dp_size = parallel_state.get_data_parallel_rank(), self.layout.dp
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.sync_seconds = 0.0
         self._async_saves = None  # megatron's AsyncCallsQueue, made by the first background save
 
     # ---- building --------------------------------------------------------------------------
@@ -93,7 +95,7 @@ class MegatronEngine:
             model_cfg, tp=r.parallel.tp, pp=r.parallel.pp, vpp=r.parallel.vpp, ep=r.parallel.ep, cp=r.parallel.cp,
             sequence_parallel=r.parallel.sequence_parallel, recompute=t.recompute,
             params_dtype=PRECISION[t.precision], **overrides)
-        config.finalize_model_grads_func = finalize_model_grads
+        config.finalize_model_grads_func = self._timed(finalize_model_grads)  # the DP gradient all-reduce
         chunks = build_model_chunks(model_cfg, config, backend=r.model.backend)
         if torch.cuda.is_available():
             chunks = [c.cuda() for c in chunks]
@@ -142,11 +144,20 @@ class MegatronEngine:
         total = torch.zeros(2, dtype=torch.float64)
         for report in reports or []:
             total += report["lm loss"].detach().double().cpu()
-        dist.all_reduce(total)
+        self._timed(dist.all_reduce)(total)
         nll, count = (total / parallel_state.get_tensor_model_parallel_world_size()).tolist()
         return nll, count
 
+    def _timed(self, collective: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            out = collective(*args, **kwargs)
+            self.sync_seconds += time.perf_counter() - start
+            return out
+        return timed
+
     def forward_backward(self, batches) -> tuple[float, float]:
+        self.sync_seconds = 0.0
         for c in self.chunks:
             c.zero_grad_buffer()
         self.optimizer.zero_grad()

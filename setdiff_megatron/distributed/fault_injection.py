@@ -1,0 +1,107 @@
+"""Faults on purpose, for fire drills and tests: SETDIFF_INJECT names what to break and where.
+
+A recovery path that never ran is a guess; this lets a test (or an operator before a long job)
+break a run the way large jobs break and watch it recover. Comma-separated faults:
+
+    kill:rank=1:step=25                SIGKILL the rank at the start of step 25 (a dead process)
+    hang:rank=1:step=25:seconds=300    sleep there, before the step's collectives (a hung rank)
+    slow:rank=1:seconds=0.2            sleep after every step's forward-backward (a straggler)
+    spike:step=25:factor=50            multiply step 25's loss as the spike policy sees it
+    spike:step=25:factor=50:always     ... every time step 25 runs, rollbacks included
+    kill:rank=0:step=30:attempt=1      in the first restart (attempt 1) instead of the first run
+
+kill, hang and spike fire once, in one attempt (0 unless `attempt=`; the attempt is
+TORCHELASTIC_RESTART_COUNT + SLURM_RESTART_COUNT), unless `always`: a restarted run then meets
+what a transient fault leaves behind, `always` what a deterministic one does. A fault without
+`rank=` fires on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+from setdiff_megatron.errors import UserError
+
+__all__ = ["INJECT_ENV", "Fault", "Faults"]
+
+INJECT_ENV = "SETDIFF_INJECT"
+KINDS = ("kill", "hang", "slow", "spike")
+
+
+@dataclass
+class Fault:
+    kind: str
+    rank: int | None = None
+    step: int | None = None
+    seconds: float = 0.0
+    factor: float = 1.0
+    attempt: int = 0
+    always: bool = False
+    fired: bool = False
+
+    def due(self, rank: int, step: int | None) -> bool:
+        return ((self.rank is None or self.rank == rank) and (self.step is None or self.step == step)
+                and (self.always or not self.fired))
+
+
+def _parse(spec: str) -> Fault:
+    kind, *fields = spec.strip().split(":")
+    if kind not in KINDS:
+        raise UserError(f"{INJECT_ENV}: unknown fault {kind!r} in {spec!r}; one of {', '.join(KINDS)}")
+    fault = Fault(kind)
+    for item in fields:
+        key, _, value = item.partition("=")
+        try:
+            if key == "always" and not value:
+                fault.always = True
+            elif key in ("rank", "step", "attempt"):
+                setattr(fault, key, int(value))
+            elif key in ("seconds", "factor"):
+                setattr(fault, key, float(value))
+            else:
+                raise ValueError(key)
+        except ValueError:
+            raise UserError(f"{INJECT_ENV}: cannot read {item!r} in {spec!r}; "
+                            "use rank=N, step=N, attempt=N, seconds=S, factor=F or always") from None
+    fault.always = fault.always or kind == "slow"  # a straggler is slow at every step
+    if kind in ("kill", "hang", "spike") and fault.step is None:
+        raise UserError(f"{INJECT_ENV}: {spec!r} needs step=N")
+    return fault
+
+
+class Faults:
+    """The faults SETDIFF_INJECT names for this process; no-ops when it is unset."""
+
+    def __init__(self, faults: list[Fault], rank: int):
+        attempt = sum(int(os.environ.get(v, "0") or 0) for v in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
+        self.faults, self.rank = [f for f in faults if f.always or f.attempt == attempt], rank
+
+    @classmethod
+    def from_env(cls, rank: int) -> Faults:
+        spec = os.environ.get(INJECT_ENV, "").strip()
+        return cls([_parse(s) for s in spec.split(",") if s.strip()], rank)
+
+    def _due(self, kind: str, step: int | None) -> list[Fault]:
+        due = [f for f in self.faults if f.kind == kind and f.due(self.rank, step)]
+        for f in due:
+            f.fired = True
+        return due
+
+    def at_step_start(self, step: int) -> None:
+        if self._due("kill", step):
+            print(f"setdiff: {INJECT_ENV}: killing rank {self.rank} at step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        for fault in self._due("hang", step):
+            time.sleep(fault.seconds)
+
+    def in_forward_backward(self) -> None:
+        for fault in self._due("slow", None):
+            time.sleep(fault.seconds)
+
+    def loss(self, step: int, loss: float) -> float:
+        for fault in self._due("spike", step):
+            loss *= fault.factor
+        return loss

@@ -1,0 +1,97 @@
+"""Real runs that meet the faults of large jobs (distributed/fault_injection.py drills them):
+a rank killed and a rank hung mid-run under torchrun restarts, a straggler, loss spikes under
+each spike policy. Every run is `setdiff train recipes/tiny-cpu.yaml` with overrides; the
+dead and hung ranks' run must end where the uninterrupted one (`trained_launch`) did.
+"""
+
+import hashlib
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from setdiff_megatron.checkpoint.manifest import verify
+from setdiff_megatron.distributed.fault_injection import INJECT_ENV
+from tests.training.test_checkpoint_runs import command, losses
+
+pytestmark = pytest.mark.multiproc
+
+
+def snapshot(directory: Path) -> dict[str, tuple[int, int, str]]:
+    """Every file's inode, modification time and sha256: what an overwrite would change."""
+    return {str(p.relative_to(directory)): (p.stat().st_ino, p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_a_killed_rank_and_a_hung_rank_restart_from_the_newest_checkpoint(trained_launch, data_cache, tmp_path):
+    """trained_launch's run (TP=2, 20 steps) with checkpoints every 5 steps: rank 1 is SIGKILLed at
+    step 7, and in the restarted attempt it hangs at step 12. torchrun restarts the job twice; it
+    ends with the uninterrupted run's final loss, bit for bit, and the checkpoint of step 5 that the
+    first restart resumed from is never rewritten."""
+    baseline = dict(losses(trained_launch[0]))[20]
+    run = tmp_path / "run"
+    argv = command(run, data_cache, "parallel.tp=2", "train.steps=20", "checkpoint.interval=5",
+                   "checkpoint.keep_last_n=10", "launch.max_restarts=2", "train.hang_timeout_s=5")
+    env = {**os.environ, INJECT_ENV: "kill:rank=1:step=7,hang:rank=1:step=12:seconds=600:attempt=1"}
+    step5 = run / "checkpoints" / "step_00000005"
+    with (tmp_path / "out.txt").open("w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        deadline = time.monotonic() + 600
+        while not (step5 / "manifest.json").is_file() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        before = snapshot(step5)
+        code = proc.wait(timeout=600)
+    text = (tmp_path / "out.txt").read_text()
+    assert code == 0, text[-3000:]
+    assert "killing rank 1 at step 7" in text and f"resumed from {step5} at step 5" in text
+    assert "rank 1: no progress for" in text and "at step 12 (train.hang_timeout_s = 5)" in text
+    assert "exiting with code 76" in text and "at_step_start" in (run / "logs" / "hang-rank1.txt").read_text()
+    assert f"resumed from {run / 'checkpoints' / 'step_00000010'} at step 10" in text
+    assert before and snapshot(step5) == before
+    assert [verify(run / "checkpoints" / f"step_{s:08d}") for s in (5, 10, 15, 20)] == [None] * 4
+    assert dict(losses(run))[20] == baseline
+
+
+def test_a_straggler_is_named_and_a_spike_skipped(data_cache, tmp_path):
+    """Two data-parallel ranks, rank 1 half a second slower per step: the metrics carry every
+    rank's compute time and the log names rank 1. A loss spike at step 6 skips that update."""
+    run = tmp_path / "run"
+    env = {**os.environ, INJECT_ENV: "slow:rank=1:seconds=0.5,spike:step=6:factor=50"}
+    out = subprocess.run(command(run, data_cache, "parallel.micro_batch_size=4", "train.steps=8", "log.interval=4",
+                                 "checkpoint.interval=8",
+                                 "train.spike_policy.action=skip", "train.spike_policy.window=8",
+                                 "train.spike_policy.min_history=4"),
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout + out.stderr
+    assert "step 4: rank 1 is a straggler" in text and "train.straggler_factor = 1.5" in text
+    assert "step 6: loss" in text and "update skipped" in text
+    logged = [json.loads(line) for line in (run / "logs" / "metrics.jsonl").read_text().splitlines()]
+    ranks = [m for m in logged if "ranks/compute_s" in m]
+    assert [m["step"] for m in ranks] == [4, 8] and all(m["ranks/slowest"] == 1 for m in ranks)
+    assert all(m["ranks/compute_s"][1] > m["ranks/compute_s"][0] + 0.4 for m in ranks)
+
+
+def test_a_spike_rolls_back_past_its_batch_and_a_recurring_one_stops_the_run(data_cache, tmp_path):
+    """One process. A one-off spike at step 6 rolls back to step 4 and replays steps 5 and 6 on
+    the batches after the bad one; a spike at step 10 that comes back after its rollback to step
+    8 (a deterministic one) stops the run with one line."""
+    run = tmp_path / "run"
+    env = {**os.environ, INJECT_ENV: "spike:step=6:factor=50,spike:step=10:factor=50:always"}
+    out = subprocess.run(command(run, data_cache, "launch.nproc_per_node=1", "train.steps=12",
+                                 "checkpoint.interval=4", "checkpoint.keep_last_n=10", "checkpoint.async_save=false",
+                                 "train.spike_policy.action=rollback", "train.spike_policy.window=8",
+                                 "train.spike_policy.min_history=3"),
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "rolled back to the checkpoint of step 4, its data order moved past the batches up to step 6" in out.stdout
+    assert "rolled back to the checkpoint of step 8" in out.stdout
+    error = [line for line in out.stderr.splitlines() if line.startswith("setdiff: error:")]
+    assert len(error) == 1 and "a spike again at step 10 after rolling back for the one at step 10" in error[0]
+    logged = losses(run)
+    assert [s for s, _ in logged] == [1, 2, 3, 4, 5, 5, 6, 7, 8, 9, 9]  # no spiked step is logged
+    for replayed in ([loss for s, loss in logged if s == 5], [loss for s, loss in logged if s == 9]):
+        assert replayed[0] != replayed[1]  # the same step on other data
