@@ -1,20 +1,29 @@
 #!/usr/bin/env bash
-# local_slurm.sh - a real single-node SLURM cluster on this machine, for the tests/slurm suite and
-# for trying `setdiff launch --slurm` by hand. Debian 12 (slurm 22.05) as root, without systemd.
+# local_slurm.sh - a real SLURM cluster on this machine, for the tests/slurm suite and for trying
+# `setdiff launch --slurm` by hand: this host as one node, plus two more nodes, each a slurmd in
+# its own network and hostname namespaces (its own address on a bridge), for multi-node jobs.
+# Debian 12 (slurm 22.05) as root, without systemd.
 #
-#   tools/local_slurm.sh start     install munge/slurm if missing, start munged + slurmctld + slurmd,
-#                                  wait until the node is idle (about 15 s from nothing, 2 s after)
+#   tools/local_slurm.sh start     install munge/slurm if missing, start munged + slurmctld + the
+#                                  slurmds, wait until the nodes are idle (about 15 s from nothing)
 #   tools/local_slurm.sh status    are our daemons alive, and what sinfo says
 #   tools/local_slurm.sh stop      cancel jobs, stop exactly the daemons `start` started (by pid)
 #
 # What it touches: /etc/slurm/slurm.conf (written with a marker line; a file without the marker,
 # i.e. a real cluster's, is never overwritten and makes `start` refuse), /etc/munge/munge.key (only
-# created if missing), /run/munge, and its state directory $SETDIFF_SLURM_DIR (default
-# /tmp/setdiff-local-slurm: spool directories, daemon logs, and `pids` with "name pid exe" lines).
-# Knobs: SETDIFF_SLURM_DIR, SETDIFF_SLURM_WAIT_S (default 60).
+# created if missing), /run/munge, its state directory $SETDIFF_SLURM_DIR (default
+# /tmp/setdiff-local-slurm: spool directories, daemon logs, and `pids` with "name pid exe" lines),
+# and for the extra nodes a bridge `sdslurm0` ($SUBNET.1/24), network namespaces `sdnode1`,
+# `sdnode2` ($SUBNET.2, .3) and their lines in /etc/hosts (marked; `stop` removes all three).
+# Knobs: SETDIFF_SLURM_DIR, SETDIFF_SLURM_WAIT_S (default 60), SETDIFF_SLURM_NODES (namespace nodes,
+# default 2; 0 for this host alone), SETDIFF_SLURM_SUBNET (default 10.77.0).
 #
-# The node is this host with NodeAddr 127.0.0.1, all its CPUs and 95% of its memory, in partition
-# `debug`; no accounting (sacct does not work; use `scontrol show job`). Facts worth knowing:
+# Nodes: this host with NodeAddr 127.0.0.1, all its CPUs and 95% of its memory, alone in partition
+# `debug` (the default); sdnode1 and sdnode2 in partition `multi`, each with all CPUs and a quarter
+# of the memory, sharing this host's filesystem (so a run directory is shared, as on a cluster with
+# a network filesystem) but nothing else. Without the rights to make namespaces, `start` says so
+# and brings up `debug` alone. No accounting (sacct does not work; use `scontrol show job`). Facts
+# worth knowing:
 # a job requeued with `scontrol requeue` waits about 120 s before it may start again (its BeginTime)
 # unless released with `scontrol update jobid=ID StartTime=now`; `scancel --signal=USR1 --batch ID`
 # delivers USR1 to the batch shell within about a second.
@@ -25,6 +34,10 @@ PIDS=$STATE/pids
 CONF=/etc/slurm/slurm.conf
 MARK="# written by setdiff-megatron tools/local_slurm.sh"
 WAIT_S=${SETDIFF_SLURM_WAIT_S:-60}
+NODES=${SETDIFF_SLURM_NODES:-2}
+SUBNET=${SETDIFF_SLURM_SUBNET:-10.77.0}
+BRIDGE=sdslurm0
+HOSTS_MARK="# setdiff-local-slurm node"
 
 say() { echo "[local_slurm] $*"; }
 die() { echo "[local_slurm] error: $*" >&2; exit 1; }
@@ -58,8 +71,37 @@ install_packages() {
   apt-get install -y -qq --no-install-recommends -o Dpkg::Options::=--force-confold "${need[@]}" >/dev/null
 }
 
+# The namespace nodes: sdnode<i> at $SUBNET.<i+1>, a veth pair from the bridge to its eth0.
+net_up() {
+  local i n
+  command -v ip >/dev/null || { say "no ip command"; return 1; }
+  if ! ip link show "$BRIDGE" >/dev/null 2>&1; then
+    ip link add "$BRIDGE" type bridge 2>/dev/null && ip addr add "$SUBNET.1/24" dev "$BRIDGE" && ip link set "$BRIDGE" up \
+      || { ip link del "$BRIDGE" 2>/dev/null; return 1; }
+  fi
+  for i in $(seq 1 "$NODES"); do
+    n=sdnode$i
+    ip netns list | grep -qw "$n" || ip netns add "$n" || return 1
+    if ! ip netns exec "$n" ip link show eth0 >/dev/null 2>&1; then
+      ip link add "v$n" type veth peer name eth0 netns "$n" && ip link set "v$n" master "$BRIDGE" up \
+        && ip netns exec "$n" ip addr add "$SUBNET.$((i + 1))/24" dev eth0 && ip netns exec "$n" ip link set eth0 up \
+        && ip netns exec "$n" ip link set lo up || return 1
+    fi
+    grep -q "^$SUBNET.$((i + 1)) $n " /etc/hosts || echo "$SUBNET.$((i + 1)) $n $HOSTS_MARK" >> /etc/hosts
+  done
+}
+
+net_down() {
+  local n
+  for n in $(ip netns list 2>/dev/null | awk '$1 ~ /^sdnode[0-9]+$/ {print $1}'); do ip netns del "$n"; done
+  if ip link show "$BRIDGE" >/dev/null 2>&1; then ip link del "$BRIDGE"; fi
+  if grep -qF "$HOSTS_MARK" /etc/hosts 2>/dev/null; then # rewritten in place: /etc/hosts may be a mount
+    grep -vF "$HOSTS_MARK" /etc/hosts > "$STATE/hosts.tmp"; cat "$STATE/hosts.tmp" > /etc/hosts; rm -f "$STATE/hosts.tmp"
+  fi
+}
+
 write_conf() {
-  local node=$1 cpus mem
+  local node=$1 multi=$2 cpus mem ctld=127.0.0.1 i
   cpus=$(nproc)
   # 5% below MemTotal: slurmd drains a node that reports less memory than configured.
   mem=$(awk '/^MemTotal:/ {printf "%d", $2 / 1024 * 0.95}' /proc/meminfo)
@@ -67,10 +109,11 @@ write_conf() {
     die "$CONF exists and was not written by this script (a real cluster's?); not touching it"
   fi
   install -d -m 0755 /etc/slurm "$STATE/ctld" "$STATE/d" "$STATE/log"
+  if [ "$multi" -gt 0 ]; then ctld=$SUBNET.1; fi # reachable from the namespaces too
   cat > "$CONF.tmp" <<EOF
 $MARK
 ClusterName=setdiff-local
-SlurmctldHost=$node(127.0.0.1)
+SlurmctldHost=$node($ctld)
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -94,14 +137,20 @@ Waittime=0
 SlurmctldTimeout=30
 SlurmdTimeout=60
 StateSaveLocation=$STATE/ctld
-SlurmdSpoolDir=$STATE/d
+SlurmdSpoolDir=$STATE/d/%n
 SlurmctldPidFile=$STATE/ctld/slurmctld.pid
-SlurmdPidFile=$STATE/d/slurmd.pid
+SlurmdPidFile=$STATE/d/%n.pid
 SlurmctldLogFile=$STATE/log/slurmctld.log
-SlurmdLogFile=$STATE/log/slurmd.log
+SlurmdLogFile=$STATE/log/slurmd-%n.log
 NodeName=$node NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$mem State=UNKNOWN
 PartitionName=debug Nodes=$node Default=YES MaxTime=INFINITE State=UP
 EOF
+  if [ "$multi" -gt 0 ]; then
+    for i in $(seq 1 "$multi"); do
+      echo "NodeName=sdnode$i NodeAddr=$SUBNET.$((i + 1)) CPUs=$cpus RealMemory=$((mem / 4)) State=UNKNOWN" >> "$CONF.tmp"
+    done
+    echo "PartitionName=multi Nodes=sdnode[1-$multi] MaxTime=INFINITE State=UP" >> "$CONF.tmp"
+  fi
   mv -f "$CONF.tmp" "$CONF"
   chmod 0644 "$CONF"
 }
@@ -137,6 +186,18 @@ start_daemon() { # name pidfile port args...
   wait_pidfile "$name" "$pidfile" "$exe" || { tail -n 20 "$STATE/log/$name.log" >&2; die "$name did not stay up"; }
 }
 
+start_node() { # a slurmd in network namespace $1 (nsenter: `ip netns exec` would hide the cgroup mounts),
+  # under hostname $1, so that its jobs resolve and bind its address
+  local exe; exe=$(readlink -f /usr/sbin/slurmd)
+  if running "slurmd-$1"; then say "slurmd-$1 already running (ours)"; return 0; fi
+  install -d -m 0755 "$STATE/d/$1"
+  rm -f "$STATE/d/$1.pid"
+  nsenter --net="/run/netns/$1" unshare --uts sh -c "hostname $1 && exec $exe -N $1" \
+    || die "slurmd of $1 did not start; see $STATE/log/slurmd-$1.log"
+  wait_pidfile "slurmd-$1" "$STATE/d/$1.pid" "$exe" \
+    || { tail -n 20 "$STATE/log/slurmd-$1.log" >&2; die "slurmd of $1 did not stay up"; }
+}
+
 wait_idle() { # node
   local deadline=$(( $(date +%s) + WAIT_S )) state="" resumed=0
   while [ "$(date +%s)" -lt "$deadline" ]; do
@@ -149,7 +210,7 @@ wait_idle() { # node
     sleep 0.5
   done
   sinfo -R >&2 || true
-  tail -n 15 "$STATE/log/slurmctld.log" "$STATE/log/slurmd.log" >&2 || true
+  tail -n 15 "$STATE/log/slurmctld.log" "$STATE/log/slurmd-$1.log" >&2 || true
   die "node $1 not idle after ${WAIT_S}s (state '${state:-no answer}'); daemons left up, stop them with $0 stop"
 }
 
@@ -163,13 +224,22 @@ cmd_start() {
     mv -f "$PIDS.tmp" "$PIDS"
   fi
   node=$(hostname -s 2>/dev/null || true); node=${node:-localhost}
-  write_conf "$node"
+  local multi=0 i where
+  if [ "$NODES" -gt 0 ]; then
+    if net_up; then multi=$NODES; else
+      net_down; say "could not make network namespaces here; partition debug only, no multi-node jobs"; fi
+  fi
+  write_conf "$node" "$multi"
   start_munge
   start_daemon slurmctld "$STATE/ctld/slurmctld.pid" 6817
-  start_daemon slurmd "$STATE/d/slurmd.pid" 6818 -N "$node"
+  start_daemon slurmd "$STATE/d/$node.pid" 6818 -N "$node"
+  for i in $(seq 1 "$multi"); do start_node "sdnode$i"; done
   wait_idle "$node"
+  for i in $(seq 1 "$multi"); do wait_idle "sdnode$i"; done
   sinfo
-  say "up in $(( $(date +%s) - t0 )) s: node $node, partition debug; stop with: $0 stop"
+  where="node $node in partition debug"
+  if [ "$multi" -gt 0 ]; then where="$where, sdnode[1-$multi] in partition multi"; fi
+  say "up in $(( $(date +%s) - t0 )) s: $where; stop with: $0 stop"
 }
 
 cmd_stop() {
@@ -183,7 +253,7 @@ cmd_stop() {
     fi
   fi
   local rc=0 name line pid exe
-  for name in slurmd slurmctld munged; do # reverse start order
+  for name in $(awk '{print $1}' "$PIDS" | tac | awk '!seen[$0]++'); do # reverse start order
     line=$(recorded "$name"); [ -n "$line" ] || continue
     read -r _ pid exe <<<"$line"
     alive "$pid" "$exe" || continue
@@ -196,19 +266,20 @@ cmd_stop() {
   if [ $rc -eq 0 ]; then
     rm -f "$PIDS"
     [ -f "$CONF" ] && grep -qxF "$MARK" "$CONF" && rm -f "$CONF"
+    net_down
     say "stopped"
   fi
   return $rc
 }
 
 cmd_status() {
-  local name up=0
-  for name in munged slurmctld slurmd; do
-    if running "$name"; then say "$name: running ($(recorded "$name" | cut -d' ' -f2))"; up=$((up + 1))
-    else say "$name: not running (as started by this script)"; fi
+  local name down=0
+  for name in munged slurmctld slurmd $([ -f "$PIDS" ] && awk '$1 ~ /^slurmd-/ {print $1}' "$PIDS" | sort -u); do
+    if running "$name"; then say "$name: running ($(recorded "$name" | cut -d' ' -f2))"
+    else say "$name: not running (as started by this script)"; down=$((down + 1)); fi
   done
   command -v sinfo >/dev/null && timeout 10 sinfo 2>/dev/null || true
-  [ $up -eq 3 ]
+  [ $down -eq 0 ]
 }
 
 case "${1:-}" in

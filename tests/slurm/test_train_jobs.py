@@ -1,5 +1,5 @@
-"""`setdiff launch RECIPE --slurm` on a real cluster: training through srun, preemption, and
-sampling from the result as a job array.
+"""`setdiff launch RECIPE --slurm` on a real cluster: training through srun, preemption, two
+nodes, and sampling from the result as a job array.
 
 A short tiny-cpu run (20 steps, 2 tasks) is the reference; a second one gets SIGUSR1 in its
 batch shell mid-run, must checkpoint, exit 75, requeue itself and resume to the same losses; a
@@ -12,7 +12,9 @@ checkpoint is then sampled by a 2-shard array and a merge job, and locally.
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -21,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from setdiff_megatron.launch.slurm import submit_sharded
-from tests.slurm.jobs import TINY, cancel, finished, isolated_env, job, losses, setdiff, wait_for_file_line, wait_until
+from tests.slurm.jobs import REPO, TINY, cancel, finished, isolated_env, job, losses, setdiff, wait_for_file_line, wait_until
 
 pytestmark = pytest.mark.slurm
 
@@ -107,6 +109,84 @@ def test_a_signal_checkpoints_requeues_and_resumes_to_the_same_losses(shared, re
     assert f"setdiff: job {job_id} (restart 1)" in text
     assert f"resumed from {run_dir}/checkpoints/step_{stopped:08d} at step {stopped}" in text
     assert losses(run_dir) == losses(reference[1])  # every train and validation loss, exactly
+
+
+def multi_node_problem() -> str | None:
+    out = subprocess.run(["sinfo", "-N", "-h", "-p", "multi", "-o", "%T"], capture_output=True, text=True, timeout=30)
+    idle = [s for s in out.stdout.split() if s.rstrip("*~#") in ("idle", "mixed")]
+    return None if len(idle) >= 2 else (f"no partition `multi` with two idle nodes ({out.stdout.split() or out.stderr.strip()}); "
+                                         "tools/local_slurm.sh start makes one where network namespaces can be made")
+
+
+def test_two_nodes_train_as_one_and_their_checkpoint_resumes_on_one_node(shared, reference, tmp_path):
+    """launch.nnodes=2 on partition `multi` (tools/local_slurm.sh: two slurmds, each in its own
+    network namespace with its own address and hostname), one process per node under torchrun,
+    c10d rendezvous on the first node: the reference's global batch over the same 2 ranks, so its
+    losses, bit for bit. The checkpoint of step 10 written across the nodes then resumes in a
+    one-node job (2 processes) to the reference's losses."""
+    if problem := multi_node_problem():
+        pytest.skip(problem)
+    cache, env = shared
+    two = tmp_path / "two"
+    job_id, log = submit(two, cache, env, "launch.nnodes=2", "launch.nproc_per_node=1",
+                         "launch.slurm.launcher=torchrun", "launch.slurm.partition=multi")
+    try:
+        state = wait_until(job_id, finished, timeout=420, what="finished", log=log)
+    finally:
+        cancel(job_id)
+    text = log.read_text(errors="replace")
+    assert (state["JobState"], state["ExitCode"]) == ("COMPLETED", "0:0"), text[-3000:]
+    assert state["NodeList"] == "sdnode[1-2]" and "rendezvous sdnode1:" in text
+    assert any(line.startswith("1: ") for line in text.splitlines())  # srun --label: the second node's torchrun
+    assert losses(two) == losses(reference[1])
+
+    step10 = two / "checkpoints" / "step_00000010"
+    one = tmp_path / "one"
+    job_id, log = submit(one, cache, env, f"checkpoint.resume={step10}")
+    try:
+        state = wait_until(job_id, finished, timeout=420, what="finished", log=log)
+    finally:
+        cancel(job_id)
+    text = log.read_text(errors="replace")
+    assert (state["JobState"], state["ExitCode"]) == ("COMPLETED", "0:0"), text[-3000:]
+    assert "sdnode" not in state["NodeList"] and f"resumed from {step10} at step 10" in text
+    resumed, expected = losses(one), losses(reference[1])
+    assert min(step for step, _ in resumed) == 11 and resumed == {k: expected[k] for k in resumed}
+
+
+@pytest.mark.slow
+def test_a_node_lost_mid_run_requeues_and_resumes_to_the_same_losses(shared, reference, tmp_path):
+    """The two-node job of the test above, with torchrun allowed a restart: at step 12 every process
+    of sdnode2 is SIGKILLed, its slurmd included (a node gone). The first node's torchrun waits to
+    re-rendezvous; slurmctld marks the node down (SlurmdTimeout, up to about 90 s), fails the job
+    over to a requeue (#SBATCH --requeue); the node comes back (its slurmd restarted, as after a
+    reboot) and the requeued job resumes from step 10 to the reference's losses."""
+    if problem := multi_node_problem():
+        pytest.skip(problem)
+    cache, env = shared
+    run_dir = tmp_path / "lost"
+    job_id, log = submit(run_dir, cache, env, "launch.nnodes=2", "launch.nproc_per_node=1",
+                         "launch.slurm.launcher=torchrun", "launch.slurm.partition=multi", "launch.max_restarts=1")
+    try:
+        wait_for_file_line(run_dir / "logs" / "metrics.jsonl", lambda line: '"step": 12,' in line,
+                           timeout=300, job_id=job_id)
+        pids = subprocess.run(["ip", "netns", "pids", "sdnode2"], capture_output=True, text=True, timeout=30).stdout
+        for pid in map(int, pids.split()):
+            os.kill(pid, signal.SIGKILL)
+        wait_until(job_id, lambda s: s.get("Restarts") == "1" and s.get("JobState") == "PENDING",
+                   timeout=240, what="requeued after the node failure", log=log)
+        back = subprocess.run([str(REPO / "tools" / "local_slurm.sh"), "start"], capture_output=True, text=True, timeout=120)
+        assert back.returncode == 0, back.stdout + back.stderr
+        time.sleep(5)  # see the preemption test: a credential from the second the job ended is refused
+        subprocess.run(["scontrol", "update", f"jobid={job_id}", "StartTime=now"], check=True, timeout=30)
+        state = wait_until(job_id, finished, timeout=420, what="finished", log=log)
+    finally:
+        cancel(job_id)
+        subprocess.run([str(REPO / "tools" / "local_slurm.sh"), "start"], capture_output=True, timeout=120)
+    text = log.read_text(errors="replace")
+    assert (state["JobState"], state["ExitCode"], state["Restarts"]) == ("COMPLETED", "0:0", "1"), text[-3000:]
+    assert f"resumed from {run_dir}/checkpoints/step_00000010 at step 10" in text
+    assert losses(run_dir) == losses(reference[1])
 
 
 def test_sample_array_of_two_shards_then_merge_equals_a_local_run(reference, shared, tmp_path):
