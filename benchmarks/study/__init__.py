@@ -2,11 +2,15 @@
 
 Seven models of one size train on the same data, tokens and steps through the project's own
 recipes (recipes/study/) and megatron engine: AR, set diffusion with d in {2, 4, 8}, MDLM and
-block diffusion with blocks of 4 and 8. Two settings (`--setting`):
+block diffusion with blocks of 4 and 8, once or once per training seed (`--seeds 1,2,3`: every
+figure then a mean with its spread and standard errors). Three settings (`--setting`):
 - supervised (the default, the paper's format for its GSM8K models): one problem per row, its
   expression line pinned as clean context and only the solution in the loss;
 - packed (recipes/study/packed/): pretraining windows across problems, every token a target, the
-  right models for likelihood and infilling as the paper uses its OpenWebText models for those.
+  right models for likelihood and infilling as the paper uses its OpenWebText models for those;
+- adapted (recipes/study/adapted/, the paper's pipeline): every model starts from one AR base
+  pretrained here on packed windows (assets/reasoning-ar-base) and is adapted on the supervised
+  records with the same budget, as the paper adapts Qwen3-1.7B-Base.
 The project's own eval jobs then measure:
   (a) test accuracy against tokens per step and tokens/s at batch 16 over a decoding grid
       (window x threshold, k = 1; W = 1 for every model): the analogue of the paper's GSM8K

@@ -1,9 +1,10 @@
-"""`python -m benchmarks.study [--setting supervised|packed] [--quick]`: train the study's
-models, evaluate them, report.
+"""`python -m benchmarks.study [--setting supervised|packed|adapted] [--seeds 1,2,3] [--quick]`:
+train the study's models, evaluate them, report.
 
-See benchmarks/study/__init__.py for what is measured. Each setting takes under 2 hours on 2
-CPU cores; --quick (set diffusion d = 4 of the supervised setting, as the full run trains it,
-decoded at W = 1 and at the paper's default policy) under 15 minutes.
+See benchmarks/study/__init__.py for what is measured. The supervised and packed settings take
+under 2 hours on 2 CPU cores for one seed; the adapted one about 2.5 minutes a model and seed;
+--quick (set diffusion d = 4 of the supervised setting, as the full run trains it, decoded at
+W = 1 and at the paper's default policy) under 15 minutes.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import argparse
 import shlex
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from benchmarks.machine import RESULTS_DIR, machine_info
@@ -24,6 +26,13 @@ def _model_entry(out: Path, model: plan.Model, steps: int | None) -> dict:
     return {"label": model.label, "family": model.family, "recipe": str(model.recipe.relative_to(plan.RECIPES.parents[1])),
             "steps": recipe.train.steps, "seed": recipe.train.seed,
             "train_minutes": run.train_minutes(out, model), "valid_curve": run.valid_curve(out, model)}
+
+
+def _seeds(text: str) -> list[int]:
+    seeds = [int(s) for s in text.split(",") if s.strip()]
+    if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"--seeds wants distinct non-negative integers, e.g. 1,2,3; got {text!r}")
+    return seeds
 
 
 def _points(rows: list[dict]) -> list[dict]:
@@ -47,6 +56,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--code-examples", type=int, default=200, help="stdlib function bodies to infill")
     parser.add_argument("--steps", type=int, default=None, help="train every model this many steps instead of "
                         "its recipe's (a smoke run of the pipeline; the figures mean nothing then)")
+    parser.add_argument("--seeds", type=_seeds, default=None,
+                        help="train every model once per training seed (train.seed), e.g. 1,2,3, and report the mean "
+                        "and spread over them; default: one run at the recipe's seed")
+    parser.add_argument("--models", default=None,
+                        help=f"comma-separated subset of the reasoning models ({', '.join(m.name for m in plan.REASONING_MODELS)})")
     args = parser.parse_args(argv)
     for flag in ("per_level", "code_examples", "steps"):
         value = getattr(args, flag)
@@ -60,18 +74,27 @@ def main(argv: list[str] | None = None) -> dict:
     steps = args.steps
     start, started = time.perf_counter(), time.strftime("%Y-%m-%d %H:%M %Z")
     reasoning, code = plan.models(args.quick, args.setting)
+    if args.models:
+        wanted = args.models.split(",")
+        if unknown := sorted(set(wanted) - {m.name for m in reasoning}):
+            parser.error(f"--models: unknown {', '.join(unknown)}; choose from {', '.join(m.name for m in reasoning)}")
+        reasoning = [m for m in reasoning if m.name in wanted]
+    seeded = [[replace(m, seed=s) for s in args.seeds] if args.seeds else [m] for m in reasoning]
 
-    for m in [*reasoning, *code]:
+    for m in [*(r for runs in seeded for r in runs), *code]:
         run.train(out, m, steps)
     corpus, tasks, docs = run.prepare_tasks(out, args.per_level)
     models = {}
-    for m in reasoning:
-        entry = _model_entry(out, m, steps)
-        if args.setting == "packed":  # whole-document models: likelihood and infilling
-            entry |= run.likelihood(out, m, docs)
-            entry["infill_jsonl"] = run.infill(out, m, "jsonl", corpus.infill_tasks, None)
-        entry["points"] = _points(run.sweep(out, m, tasks, args.quick))
-        models[m.name] = entry
+    for runs in seeded:
+        entries = {}
+        for m in runs:
+            entry = _model_entry(out, m, steps)
+            if args.setting == "packed":  # whole-document models: likelihood and infilling
+                entry |= run.likelihood(out, m, docs)
+                entry["infill_jsonl"] = run.infill(out, m, "jsonl", corpus.infill_tasks, None)
+            entry["points"] = _points(run.sweep(out, m, tasks, args.quick))
+            entries[m.seed] = entry
+        models[runs[0].name] = report.over_seeds(entries) if args.seeds else entries[None]
     code_models = {}
     for m in code:
         code_models[m.name] = _model_entry(out, m, steps) | {
@@ -82,7 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
         "machine": machine_info(),
         "wall_minutes": (time.perf_counter() - start) / 60,
         "command": "python -m benchmarks.study" + "".join(f" {shlex.quote(a)}" for a in (argv or sys.argv[1:])),
-        "seeds": {"corpus": 0, "training": "recipe train.seed (1234)", "decoding": "greedy"},
+        "seeds": {"corpus": 0, "training": args.seeds or "recipe train.seed (1234)", "decoding": "greedy"},
         "test_problems": sum(1 for _ in tasks.open()), "per_level": args.per_level,
         "trivial_baseline": run.trivial_baseline(tasks),
         "models": models, "code_models": code_models,

@@ -7,16 +7,21 @@ from pathlib import Path
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes" / "study"
 
-SETTINGS = ("supervised", "packed")
+SETTINGS = ("supervised", "packed", "adapted")
 """The paper's format for its reasoning models first (one problem per padded row, the expression
 pinned as the prompt, the solution the target), then packed pretraining windows: the right models
-for likelihood and infilling, as the paper uses its OpenWebText models for those."""
+for likelihood and infilling, as the paper uses its OpenWebText models for those; then the paper's
+pipeline, every model adapted from one pretrained AR base (recipes/study/adapted/)."""
 
 WINDOWS = (4, 8, 16)
 THRESHOLDS = (0.5, 0.7, 0.9, 0.99)
 QUICK_POINT = {"window": 4, "threshold": 0.9}
 """The paper's default policy for d = 4: with W = 1, the points of --quick, where its test reads
 its thresholds."""
+ADAPTED_POINTS = ({"name": "w4-t0.9", "window": 4, "threshold": 0.9}, {"name": "w4-t0.7", "window": 4, "threshold": 0.7},
+                  {"name": "w8-t0.9", "window": 8, "threshold": 0.9})
+"""The adapted setting decodes at W = 1 and these points, not the whole grid: it runs every model
+over seeds, and the paper's question there is the gap to AR at 2.5 tokens per step and beyond."""
 
 
 @dataclass(frozen=True)
@@ -27,12 +32,20 @@ class Model:
     label: str
     block_size: int | None = None
     setting: str = "supervised"
+    seed: int | None = None
+    """train.seed of this run; None: the recipe's."""
 
     @property
     def recipe(self) -> Path:
-        """recipes/study/<name>.yaml; the packed setting's reasoning models are under packed/."""
-        packed = self.setting == "packed" and not self.name.startswith("code-")
-        return RECIPES / ("packed" if packed else "") / f"{self.name}.yaml"
+        """recipes/study/<name>.yaml; the packed and adapted settings' reasoning models are under
+        packed/ and adapted/."""
+        folder = "" if self.setting == "supervised" or self.name.startswith("code-") else self.setting
+        return RECIPES / folder / f"{self.name}.yaml"
+
+    @property
+    def key(self) -> str:
+        """The name of its run and evaluation directories: one per training seed."""
+        return self.name if self.seed is None else f"{self.name}-seed{self.seed}"
 
     def decoding_defaults(self) -> dict:
         """Sweep settings every point of this model shares: BD3 decodes block by block."""
@@ -47,6 +60,8 @@ class Model:
         one = {"name": "w1", "window": 1}
         if quick:
             return [one, dict(QUICK_POINT)], {}
+        if self.setting == "adapted":
+            return [one, *map(dict, ADAPTED_POINTS)], {}
         return [one], {"window": list(WINDOWS), "threshold": list(THRESHOLDS)}
 
     def infill(self) -> dict:

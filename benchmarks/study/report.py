@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import statistics
 from collections import defaultdict
 from pathlib import Path
 
@@ -18,6 +20,60 @@ def level_accuracy(point_dir: Path) -> dict[str, float]:
     return {level: sum(v) / len(v) for level, v in sorted(hits.items())}
 
 
+def _mean(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def over_seeds(entries: dict[int, dict]) -> dict:
+    """One model's runs over training seeds as one entry. Each point's accuracy is the mean over
+    seeds, with the seeds' standard deviation, the standard error of that mean from the seed spread,
+    and the standard error from the test problems (binomial: the same problems serve every seed, so
+    the spread over seeds does not contain it); speeds and per-level accuracies are means, the
+    validation curve the mean at the steps every run logged. `by_seed` keeps each run's figures."""
+    runs = list(entries.values())
+    points = []
+    for p in runs[0]["points"]:
+        same = [next(q for q in r["points"] if q["point"] == p["point"]) for r in runs]
+        acc = [q["accuracy"] for q in same]
+        mean, std = statistics.fmean(acc), statistics.stdev(acc) if len(acc) > 1 else 0.0
+        levels = {lv: _mean([q["levels"].get(lv) for q in same]) for lv in p["levels"]}
+        points.append(p | {
+            "accuracy": mean, "accuracy_std": std, "accuracy_se_seeds": std / math.sqrt(len(acc)),
+            "accuracy_se_problems": math.sqrt(mean * (1 - mean) / p["examples"]), "accuracy_by_seed": acc,
+            "tokens_per_step": _mean([q["tokens_per_step"] for q in same]),
+            "tokens_per_s": _mean([q["tokens_per_s"] for q in same]), "mean_nfe": _mean([q["mean_nfe"] for q in same]),
+            "tokens_per_step_by_seed": [q["tokens_per_step"] for q in same], "levels": levels})
+    curves = [dict(r["valid_curve"]) for r in runs]
+    steps = sorted(set.intersection(*(set(c) for c in curves)))
+    return {k: runs[0][k] for k in ("label", "family", "recipe", "steps")} | {
+        "seeds": list(entries), "train_minutes": sum(r["train_minutes"] for r in runs),
+        "valid_curve": [(s, statistics.fmean(c[s] for c in curves)) for s in steps], "points": points,
+        "by_seed": {str(seed): {k: r[k] for k in ("train_minutes", "valid_curve", "points")} for seed, r in entries.items()}}
+
+
+def _accuracy(p: dict) -> str:
+    """The accuracy cell: over seeds, the mean ± the seeds' standard deviation, each seed's figure,
+    and the two standard errors of the mean."""
+    if "accuracy_by_seed" not in p:
+        return f"{p['accuracy']:.3f}"
+    return (f"{p['accuracy']:.3f} ± {p['accuracy_std']:.3f} [{', '.join(f'{a:.3f}' for a in p['accuracy_by_seed'])}]; "
+            f"SE {p['accuracy_se_seeds']:.3f} seeds, {p['accuracy_se_problems']:.3f} problems")
+
+
+SETTING_TEXT = {
+    "supervised": "Supervised setting: one problem per row, padded to 64 characters, the expression line pinned as "
+                  "clean context and only the solution (plus EOS) in the loss, as the paper trains its GSM8K models. "
+                  "Packed setting: pretraining windows of 64 characters across problems, every token a target.",
+    "packed": "Packed setting: pretraining windows of 64 characters across problems, every token a target (the "
+              "supervised setting, the paper's format, is in ../supervised).",
+    "adapted": "Adapted setting, the paper's pipeline: every model starts from one AR base pretrained here on packed "
+               "windows of 128 characters (assets/reasoning-ar-base) and is adapted for the same 400 steps on the "
+               "supervised records (expression pinned, solution the target), rows of 128 packing about three "
+               "problems each. Decoded at W = 1 and at three parallel points.",
+}
+
+
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -30,12 +86,13 @@ def markdown(results: dict) -> str:
     """The tables of results.md: likelihood, every decoding point, per-level accuracy, infilling."""
     models = results["models"]
     setting = results.get("setting", "packed")
-    out = [f"# Study results ({results['mode']} run, {setting} setting)", "",
-           "Supervised setting: one problem per row, padded to 64 characters, the expression line pinned as "
-           "clean context and only the solution (plus EOS) in the loss, as the paper trains its GSM8K models. "
-           "Packed setting: pretraining windows of 64 characters across problems, every token a target."
-           if setting == "supervised" else "Packed setting: pretraining windows of 64 characters across problems, "
-           "every token a target (the supervised setting, the paper's format, is in ../supervised).", "",
+    seeded = any("seeds" in m for m in models.values())
+    out = [f"# Study results ({results['mode']} run, {setting} setting)", "", SETTING_TEXT[setting], "",
+           *(["Every model trained once per training seed (corpus and test problems fixed). Accuracy: the mean "
+              "over seeds ± the seeds' standard deviation, each seed's figure in brackets, and the standard error "
+              "of the mean from the seed spread and from the test problems (binomial); speeds are means. Two "
+              "figures whose difference is within about twice the combined standard error are within noise.", ""]
+             if seeded else []),
            f"Machine: {results['machine']}. Training: {_train_minutes(results):.0f} minutes for all models (their "
            f"logged step times). This invocation started {results['started']} and took {results['wall_minutes']:.1f} "
            "minutes (a rerun skips the models and points already done). "
@@ -60,7 +117,7 @@ def markdown(results: dict) -> str:
     for name, m in models.items():
         for p in m["points"]:
             out.append(f"| {m['label']} | {p['point']} | {p['window']} | {_fmt(p['threshold'], 'g')} | "
-                       f"{p['accuracy']:.3f} | {p['tokens_per_step']:.2f} | {_fmt(p['tokens_per_s'], '.0f')} | "
+                       f"{_accuracy(p)} | {p['tokens_per_step']:.2f} | {_fmt(p['tokens_per_s'], '.0f')} | "
                        f"{p['mean_nfe']:.1f} |")
     levels = sorted({lv for m in models.values() for p in m["points"] for lv in p["levels"]})
     out += ["", "## Accuracy by difficulty level (each model's most accurate point)", "",
@@ -110,6 +167,9 @@ def plot_pareto(results: dict, path: Path) -> None:
                 continue
             xs, ys = [p[key] for p in pts], [p["accuracy"] for p in pts]
             line = ax.scatter(xs, ys, marker="os^Dv<>"[n % 7], s=22, alpha=0.6)
+            if "accuracy_std" in pts[0]:  # over seeds: the seeds' standard deviation
+                ax.errorbar(xs, ys, yerr=[p["accuracy_std"] for p in pts], fmt="none", alpha=0.5,
+                            ecolor=line.get_facecolor()[0], capsize=2)
             front = pareto_front(xs, ys)
             ax.plot([xs[i] for i in front], [ys[i] for i in front], "-", color=line.get_facecolor()[0],
                     marker="os^Dv<>"[n % 7], label=m["label"])
@@ -117,8 +177,10 @@ def plot_pareto(results: dict, path: Path) -> None:
         ax.set_ylabel("test accuracy (#### answer)")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
+    seeds = results["seeds"]["training"]
     fig.suptitle(f"Reasoning corpus, {results.get('setting', 'packed')} setting: accuracy against decoding speed "
-                 "(W x tau grid, k = 1; lines: each model's frontier)")
+                 "(W x tau grid, k = 1; lines: each model's frontier"
+                 + (f"; means over training seeds {seeds}, bars: their standard deviation)" if isinstance(seeds, list) else ")"))
     _save(fig, path)
 
 

@@ -32,15 +32,18 @@ MAX_NEW_TOKENS = 52
 """Room for the longest solution of the training levels (42 characters) and its EOS, within the
 models' 64 positions."""
 PLACEMENT = Placement(batch_size=BATCH_SIZE, device="cpu", progress=False)
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_dir(out: Path, model: Model) -> Path:
-    return out / "runs" / model.name
+    return out / "runs" / model.key
 
 
 def overrides(out: Path, model: Model, steps: int | None) -> list[str]:
-    """Recipe overrides of a study run: where it goes, the shared data cache, a smoke run's steps."""
+    """Recipe overrides of a study run: where it goes, the shared data cache, its training seed, a
+    smoke run's steps."""
     return [f"checkpoint.dir={run_dir(out, model)}", f"data.cache_dir={out / 'data'}",
+            *([f"train.seed={model.seed}"] if model.seed is not None else []),
             *([f"train.steps={steps}", f"checkpoint.interval={steps}"] if steps else [])]
 
 
@@ -54,16 +57,16 @@ def trained(out: Path, model: Model, steps: int | None) -> bool:
 def train(out: Path, model: Model, steps: int | None) -> None:
     """Train `model` unless done."""
     if trained(out, model, steps):
-        print(f"study: {model.name} is trained", flush=True)
+        print(f"study: {model.key} is trained", flush=True)
         return
-    log = out / "logs" / f"{model.name}.train.log"
+    log = out / "logs" / f"{model.key}.train.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "setdiff_megatron.cli", "train", str(model.recipe), *overrides(out, model, steps)]
-    print(f"study: training {model.name}: {' '.join(cmd[2:])} (log {log})", flush=True)
-    with open(log, "ab") as stream:
-        code = subprocess.call(cmd, stdout=stream, stderr=subprocess.STDOUT)
+    print(f"study: training {model.key}: {' '.join(cmd[2:])} (log {log})", flush=True)
+    with open(log, "ab") as stream:  # from the checkout: adapted recipes name assets/ relative to it
+        code = subprocess.call(cmd, stdout=stream, stderr=subprocess.STDOUT, cwd=ROOT)
     if code != 0:
-        raise SystemExit(f"study: training {model.name} failed with exit code {code}; see {log}")
+        raise SystemExit(f"study: training {model.key} failed with exit code {code}; see {log}")
 
 
 def prepare_tasks(out: Path, per_level: int) -> tuple[ReasoningCorpus, Path, Path]:
@@ -97,7 +100,7 @@ def likelihood(out: Path, model: Model, docs: Path) -> dict:
     results = {}
     for key, order, num_orders in (("nll_left_to_right", "left_to_right", 1), ("nelbo_own_policy", "training", 4)):
         summary = run_likelihood_job(LikelihoodJob(
-            source=str(run_dir(out, model)), data=str(docs), out=str(out / "eval" / model.name / key),
+            source=str(run_dir(out, model)), data=str(docs), out=str(out / "eval" / model.key / key),
             order=order, num_orders=num_orders, placement=PLACEMENT))
         results[key] = summary
     return results
@@ -109,11 +112,11 @@ def sweep(out: Path, model: Model, tasks: Path, quick: bool) -> list[dict]:
 
     points, grid = model.grid(quick)
     spec = {
-        "task": str(tasks), "metric": "gsm8k", "checkpoints": {model.name: str(run_dir(out, model))},
-        "out": str(out / "eval" / model.name / "sweep"), "batch_size": BATCH_SIZE,
+        "task": str(tasks), "metric": "gsm8k", "checkpoints": {model.key: str(run_dir(out, model))},
+        "out": str(out / "eval" / model.key / "sweep"), "batch_size": BATCH_SIZE,
         "decoding": {"max_new_tokens": MAX_NEW_TOKENS, **model.decoding_defaults()}, "points": points, "grid": grid,
     }
-    path = out / "specs" / f"{model.name}.yaml"
+    path = out / "specs" / f"{model.key}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(spec, sort_keys=False), encoding="utf-8")
     return run_sweep(path, placement=PLACEMENT)
@@ -125,7 +128,7 @@ def infill(out: Path, model: Model, task: str, data: Path | None, max_examples: 
     decoding = DecodingConfig(window=settings["window"], block_size=settings.get("block_size"), max_new_tokens=0)
     return run_infill_job(InfillJob(
         source=str(run_dir(out, model)), task=task, data=None if data is None else str(data),
-        out=str(out / "eval" / model.name / f"infill-{task}"), decoding=decoding, max_examples=max_examples,
+        out=str(out / "eval" / model.key / f"infill-{task}"), decoding=decoding, max_examples=max_examples,
         placement=replace(PLACEMENT, batch_size=BATCH_SIZE), context=settings["context"]))
 
 
