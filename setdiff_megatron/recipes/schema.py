@@ -202,7 +202,7 @@ class TrainSection(Section):
     which torchrun restarts the job (launch.max_restarts); 0 turns the watchdog off."""
     straggler_factor: NonNegativeFloat = 1.5
     """At each log step, one line names a rank whose own compute time (forward-backward less its
-    waits in the gradient and loss reductions) is this many times the median rank's or more; 0
+    waits in the gradient and loss reductions) is this many times the other ranks' median or more; 0
     turns the warning off (the per-rank times are logged regardless)."""
 
 

@@ -219,7 +219,7 @@ def _train_rules(r: Recipe, has_gpu: bool) -> list[str]:
         errors.append("train.spike_policy.action: skip cannot drop a step under ZeRO (DeepSpeed applies finite "
                       "gradients from its own partitions); use action rollback, or warn")
     if 0 < t.straggler_factor <= 1:
-        errors.append(f"train.straggler_factor: {t.straggler_factor} would call the median rank a straggler; "
+        errors.append(f"train.straggler_factor: {t.straggler_factor} would call every run's slowest rank a straggler; "
                       "use a factor above 1 (1.5 is the default), or 0 to turn the warning off")
     if t.fp8 is not None and r.model.backend != "te":
         errors.append("train.fp8: FP8 needs model.backend: te (Transformer Engine, GPU only)")

@@ -29,7 +29,9 @@ class StragglerMonitor:
 
     def report(self) -> tuple[dict[str, float | list[float]], str | None]:
         """Metrics of every rank's mean forward-backward time since the last report, and a
-        warning naming the slowest rank if it is `factor` times the median or more. Collective."""
+        warning naming the slowest rank if it is `factor` times the other ranks' median or more:
+        the median over all ranks would include the straggler itself, and with two ranks it is
+        their mean, which caps the ratio below 2. Collective."""
         mine = self.seconds / max(self.steps, 1)
         self.seconds, self.steps = 0.0, 0
         times = [float(t) for t in runtime.gather_objects(mine)]
@@ -38,8 +40,11 @@ class StragglerMonitor:
             "ranks/compute_s_median": median, "ranks/compute_s_max": times[slowest],
             "ranks/slowest": float(slowest), "ranks/compute_s": times}
         warning = None
-        if len(times) > 1 and self.factor > 0 and times[slowest] >= self.factor * median > 0:
+        if len(times) == 1 or self.factor == 0:
+            return metrics, warning
+        others = statistics.median(t for rank, t in enumerate(times) if rank != slowest)
+        if times[slowest] >= self.factor * others > 0:
             warning = (f"rank {slowest} is a straggler: {times[slowest]:.3f} s of forward-backward per step against "
-                       f"the median rank's {median:.3f} s ({times[slowest] / median:.1f}x; "
+                       f"the other ranks' median of {others:.3f} s ({times[slowest] / others:.1f}x; "
                        f"train.straggler_factor = {self.factor:g})")
         return metrics, warning

@@ -73,9 +73,9 @@ def test_launch_slurm_trains_two_ranks_through_srun(reference):
     assert (STEPS, "train/loss") in losses(run_dir)
 
 
-@pytest.mark.parametrize("signal,overrides", [("USR1", ()), ("TERM", ("checkpoint.async_save=true",
-                                                                      "checkpoint.interval=3"))],
-                         ids=["usr1-batch-shell", "sigterm-async-saves"])
+@pytest.mark.parametrize("signal,overrides", [
+    pytest.param("USR1", (), id="usr1-batch-shell", marks=pytest.mark.slow),  # 50 s; the requeue path is shared
+    pytest.param("TERM", ("checkpoint.async_save=true", "checkpoint.interval=3"), id="sigterm-async-saves")])
 def test_a_signal_checkpoints_requeues_and_resumes_to_the_same_losses(shared, reference, tmp_path, signal, overrides):
     cache, env = shared
     run_dir = tmp_path / "preempted"
@@ -118,6 +118,18 @@ def multi_node_problem() -> str | None:
                                          "tools/local_slurm.sh start makes one where network namespaces can be made")
 
 
+def completed(run_dir: Path, cache: Path, env: dict[str, str], *overrides: str) -> tuple[dict[str, str], str]:
+    """Submit a training job, wait for it, and check it completed: its final state and log."""
+    job_id, log = submit(run_dir, cache, env, *overrides)
+    try:
+        state = wait_until(job_id, finished, timeout=420, what="finished", log=log)
+    finally:
+        cancel(job_id)
+    text = log.read_text(errors="replace")
+    assert (state["JobState"], state["ExitCode"]) == ("COMPLETED", "0:0"), text[-3000:]
+    return state, text
+
+
 def test_two_nodes_train_as_one_and_their_checkpoint_resumes_on_one_node(shared, reference, tmp_path):
     """launch.nnodes=2 on partition `multi` (tools/local_slurm.sh: two slurmds, each in its own
     network namespace with its own address and hostname), one process per node under torchrun,
@@ -128,27 +140,15 @@ def test_two_nodes_train_as_one_and_their_checkpoint_resumes_on_one_node(shared,
         pytest.skip(problem)
     cache, env = shared
     two = tmp_path / "two"
-    job_id, log = submit(two, cache, env, "launch.nnodes=2", "launch.nproc_per_node=1",
-                         "launch.slurm.launcher=torchrun", "launch.slurm.partition=multi")
-    try:
-        state = wait_until(job_id, finished, timeout=420, what="finished", log=log)
-    finally:
-        cancel(job_id)
-    text = log.read_text(errors="replace")
-    assert (state["JobState"], state["ExitCode"]) == ("COMPLETED", "0:0"), text[-3000:]
+    state, text = completed(two, cache, env, "launch.nnodes=2", "launch.nproc_per_node=1",
+                            "launch.slurm.launcher=torchrun", "launch.slurm.partition=multi")
     assert state["NodeList"] == "sdnode[1-2]" and "rendezvous sdnode1:" in text
     assert any(line.startswith("1: ") for line in text.splitlines())  # srun --label: the second node's torchrun
     assert losses(two) == losses(reference[1])
 
     step10 = two / "checkpoints" / "step_00000010"
     one = tmp_path / "one"
-    job_id, log = submit(one, cache, env, f"checkpoint.resume={step10}")
-    try:
-        state = wait_until(job_id, finished, timeout=420, what="finished", log=log)
-    finally:
-        cancel(job_id)
-    text = log.read_text(errors="replace")
-    assert (state["JobState"], state["ExitCode"]) == ("COMPLETED", "0:0"), text[-3000:]
+    state, text = completed(one, cache, env, f"checkpoint.resume={step10}")
     assert "sdnode" not in state["NodeList"] and f"resumed from {step10} at step 10" in text
     resumed, expected = losses(one), losses(reference[1])
     assert min(step for step, _ in resumed) == 11 and resumed == {k: expected[k] for k in resumed}

@@ -56,10 +56,11 @@ def test_a_killed_rank_and_a_hung_rank_restart_from_the_newest_checkpoint(traine
 
 
 def test_a_straggler_is_named_and_a_spike_skipped(data_cache, tmp_path):
-    """Two data-parallel ranks, rank 1 half a second slower per step: the metrics carry every
-    rank's compute time and the log names rank 1. A loss spike at step 6 skips that update."""
+    """Two data-parallel ranks, rank 1 a second slower per step (named while the other rank's
+    compute stays under 2 s per step, also on a loaded machine): the metrics carry every rank's
+    compute time and the log names rank 1. A loss spike at step 6 skips that update."""
     run = tmp_path / "run"
-    env = {**os.environ, INJECT_ENV: "slow:rank=1:seconds=0.5,spike:step=6:factor=50"}
+    env = {**os.environ, INJECT_ENV: "slow:rank=1:seconds=1.0,spike:step=6:factor=50"}
     out = subprocess.run(command(run, data_cache, "parallel.micro_batch_size=4", "train.steps=8", "log.interval=4",
                                  "checkpoint.interval=8",
                                  "train.spike_policy.action=skip", "train.spike_policy.window=8",
@@ -72,7 +73,7 @@ def test_a_straggler_is_named_and_a_spike_skipped(data_cache, tmp_path):
     logged = [json.loads(line) for line in (run / "logs" / "metrics.jsonl").read_text().splitlines()]
     ranks = [m for m in logged if "ranks/compute_s" in m]
     assert [m["step"] for m in ranks] == [4, 8] and all(m["ranks/slowest"] == 1 for m in ranks)
-    assert all(m["ranks/compute_s"][1] > m["ranks/compute_s"][0] + 0.4 for m in ranks)
+    assert all(m["ranks/compute_s"][1] > m["ranks/compute_s"][0] + 0.8 for m in ranks)
 
 
 def test_a_spike_rolls_back_past_its_batch_and_a_recurring_one_stops_the_run(data_cache, tmp_path):

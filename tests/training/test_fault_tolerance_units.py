@@ -1,5 +1,6 @@
 """The parts of fault tolerance that need no training run: the spike rule, the drill
-specifications of SETDIFF_INJECT, the hang watchdog in a process of its own, and the recipe keys."""
+specifications of SETDIFF_INJECT, the hang watchdog in a process of its own, the straggler
+rule, and the recipe keys."""
 
 import random
 import subprocess
@@ -13,6 +14,7 @@ from setdiff_megatron.distributed.fault_injection import Faults
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.recipes import load_recipe
 from setdiff_megatron.recipes.validation import validate_recipe
+from setdiff_megatron.training import stragglers
 from setdiff_megatron.training.spikes import SpikeDetector
 from setdiff_megatron.training.watchdog import EXIT_HANG
 
@@ -91,3 +93,18 @@ def test_fault_tolerance_keys_are_checked(override, fragment):
 def test_skipping_a_spike_under_zero_is_refused():
     recipe = load_recipe(RECIPES / "tiny-cpu-deepspeed.yaml", ["train.spike_policy.action=skip"])
     assert any("use action rollback" in e for e in validate_recipe(recipe, world_size=2, has_gpu=False))
+
+
+@pytest.mark.parametrize("times, named", [([1.0, 1.6], 1), ([1.0, 1.4], None), ([2.0, 0.9, 1.0, 1.1], 0),
+                                          ([1.0, 1.0, 1.0, 1.4], None)])
+def test_a_straggler_is_measured_against_the_other_ranks(monkeypatch, times, named):
+    """With two ranks the median of all is their mean, which would hide a rank 1.6x slower than
+    the other; the rule compares the slowest rank to the median of the rest."""
+    monitor = stragglers.StragglerMonitor(1.5)
+    monitor.add(0.0)
+    monkeypatch.setattr(stragglers.runtime, "gather_objects", lambda mine: times)
+    metrics, warning = monitor.report()
+    assert metrics["ranks/slowest"] == times.index(max(times)) and metrics["ranks/compute_s"] == times
+    assert (warning is None) == (named is None)
+    if named is not None:
+        assert warning.startswith(f"rank {named} is a straggler")
