@@ -16,7 +16,7 @@ import torch.distributed as dist
 from setdiff_megatron.checkpoint.names import MANIFEST
 from setdiff_megatron.distributed.runtime import broadcast_object, gather_objects
 
-__all__ = ["write_manifest", "verify"]
+__all__ = ["write_manifest", "verify", "sha256_file"]
 
 
 def sha256_file(path: Path) -> str:

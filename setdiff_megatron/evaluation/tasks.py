@@ -20,7 +20,6 @@ with the number of processes; tokens per step excludes the prefill, NFE includes
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
@@ -28,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from setdiff_megatron.checkpoint.manifest import sha256_file
 from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.evaluation import scoring
@@ -138,16 +138,12 @@ def summarize(records: list[dict], metric: str) -> dict[str, Any]:
     }
 
 
-def _sha256(path: str | Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
 
 def _settings(job: GenerateJob) -> dict[str, Any]:
     """What the results depend on: a rerun under equal settings is finished work."""
     return json.loads(json.dumps({
         "source": str(Path(job.source).resolve()), "tasks": str(Path(job.tasks).resolve()),
-        "tasks_sha256": _sha256(job.tasks), "metric": job.metric, "stop": list(job.stop),
+        "tasks_sha256": sha256_file(Path(job.tasks)), "metric": job.metric, "stop": list(job.stop),
         "decoding": asdict(job.decoding), "batch_size": job.placement.batch_size, "add_bos": job.add_bos,
         "context_len": job.context_len, "stop_at_eos": job.stop_at_eos, "dtype": job.placement.dtype,
     }))

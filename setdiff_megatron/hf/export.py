@@ -24,16 +24,15 @@ from setdiff_megatron.hf import verify
 from setdiff_megatron.hf.bundle import modeling_source
 from setdiff_megatron.hf.weights_io import parse_size, save_sharded, staged_directory
 from setdiff_megatron.models.config import ModelConfig
+from setdiff_megatron.models.dtypes import dtype_named
 from setdiff_megatron.models.weight_maps import torch_to_hf
 from setdiff_megatron.sources.hf_config import generation_config_from_decoding, hf_config_from_model_config
 from setdiff_megatron.sources.hf_files import safetensors_dtype
 from setdiff_megatron.sources.read import AR_KINDS, Source, read_source
 from setdiff_megatron.version import __version__
 
-__all__ = ["ConversionReport", "export_to_hf", "write_export", "DTYPES"]
+__all__ = ["ConversionReport", "export_to_hf", "write_export", "target_dtype"]
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}
 _GPU_ONLY_IMPLS = ("te", "flash_attn")
 _AUTO_MAP = {"AutoConfig": "configuration_setdiff.SetDiffConfig", "AutoModel": "modeling_setdiff.SetDiffModel",
              "AutoModelForCausalLM": "modeling_setdiff.SetDiffModel"}
@@ -50,12 +49,15 @@ class ConversionReport:
         return all(c.ok for c in self.comparisons)
 
 
-def _target_dtype(source: Source, dtype: str) -> torch.dtype:
+def _hf_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def target_dtype(source: Source, dtype: str) -> torch.dtype:
+    """The weights' dtype of a conversion: `auto` keeps the source's."""
     if dtype == "auto":
         return safetensors_dtype(source.state_dict)
-    if dtype not in DTYPES:
-        raise UserError(f"--dtype must be auto, {' or '.join(DTYPES)}; got {dtype!r}")
-    return DTYPES[dtype]
+    return dtype_named(dtype, allowed=("auto", "bf16", "fp32"))
 
 
 def _portable_impl(cfg):
@@ -78,7 +80,7 @@ def write_export(source: Source, out: Path, dtype: torch.dtype, max_shard_bytes:
         "architectures": ["SetDiffModel"], "model_type": "setdiff", "auto_map": _AUTO_MAP,
         **hf_config_from_model_config(cfg), "hidden_act": "silu" if cfg.mlp == "swiglu" else "gelu_pytorch_tanh",
         "bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id,
-        "dtype": _DTYPE_NAMES[dtype], "torch_dtype": _DTYPE_NAMES[dtype],
+        "dtype": _hf_name(dtype), "torch_dtype": _hf_name(dtype),
         "transformers_version": transformers.__version__, "setdiff_megatron_version": __version__,
     }
     _write_json(out / "config.json", config)
@@ -120,7 +122,7 @@ setdiff-megatron {__version__} from the {source.describe()}.
   head dim {cfg.head_dim}, MLP {cfg.intermediate_size}, vocabulary {cfg.vocab_size}, MASK id {cfg.mask_token_id},
   trained length {cfg.max_seq_len}, rope theta {cfg.rope_theta:g}, q/k norm {cfg.qk_norm}, q/k/v bias {cfg.qkv_bias},
   {cfg.norm}, {cfg.mlp} MLP (bias {cfg.mlp_bias}), tied embeddings {cfg.tie_embeddings}, output bias {cfg.output_bias};
-  {_DTYPE_NAMES[dtype]} weights in {num_shards} safetensors shard(s).{moe}
+  {_hf_name(dtype)} weights in {num_shards} safetensors shard(s).{moe}
 
 ## Use
 
@@ -173,11 +175,11 @@ def export_to_hf(checkpoint: str | Path, out_dir: str | Path, *, dtype: str = "a
     if source.kind in AR_KINDS:
         raise UserError(f"{checkpoint} is already a Hugging Face {source.kind} model; to adapt it, import it with "
                         "`setdiff convert from-hf`")
-    target = _target_dtype(source, dtype)
+    target = target_dtype(source, dtype)
     with staged_directory(out_dir, overwrite=overwrite) as stage:
         write_export(source, stage, target, max_shard_bytes)
         report = ConversionReport(out_dir, _verify_export(source, stage, target, tolerance or verify.DEFAULT_TOLERANCE))
-        report.lines = [f"exported {source.describe()} to {out_dir} ({_DTYPE_NAMES[target]})"]
+        report.lines = [f"exported {source.describe()} to {out_dir} ({_hf_name(target)})"]
         report.lines += [c.line() for c in report.comparisons]
         if check and not report.ok:
             worst = max(report.comparisons, key=lambda c: c.max_diff)
@@ -199,6 +201,6 @@ def _verify_export(source: Source, directory: Path, dtype: torch.dtype, toleranc
     out = [verify.compare("exported model (transformers AutoModel) vs source", logits, reference, tolerance)]
     if any(t.dtype != dtype for t in source.state_dict.values() if t.is_floating_point()):
         unrounded = verify.query_logits(verify.torch_model(source.config, source.state_dict), batch)
-        shift = verify.compare(f"rounding to {_DTYPE_NAMES[dtype]} (information)", reference, unrounded, float("inf"))
+        shift = verify.compare(f"rounding to {_hf_name(dtype)} (information)", reference, unrounded, float("inf"))
         out.append(shift)
     return out

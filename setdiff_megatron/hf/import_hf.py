@@ -20,7 +20,7 @@ import torch
 
 from setdiff_megatron.errors import UserError, require
 from setdiff_megatron.hf import verify
-from setdiff_megatron.hf.export import DTYPES, ConversionReport
+from setdiff_megatron.hf.export import ConversionReport, target_dtype
 from setdiff_megatron.hf.megatron_writer import write_megatron_checkpoint
 from setdiff_megatron.hf.weights_io import staged_directory
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
@@ -44,12 +44,7 @@ def import_from_hf(hf_dir: str | Path, out: str | Path, *, dtype: str = "auto", 
         source = read_hf_dir(hf_dir, base=base)
     else:
         raise UserError(f"{hf_dir} is neither a directory nor a composer .pt checkpoint")
-    if dtype == "auto":
-        target = safetensors_dtype(source.state_dict)
-    elif dtype in DTYPES:
-        target = DTYPES[dtype]
-    else:
-        raise UserError(f"--dtype must be auto, {' or '.join(DTYPES)}; got {dtype!r}")
+    target = target_dtype(source, dtype)
     tolerance = tolerance or verify.DEFAULT_TOLERANCE
     with staged_directory(out, overwrite=overwrite) as stage:
         megatron_logits = write_megatron_checkpoint(source, stage, out, dtype=target)

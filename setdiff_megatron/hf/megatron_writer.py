@@ -31,12 +31,12 @@ from setdiff_megatron.checkpoint.state import Progress, TrainState, write_train_
 from setdiff_megatron.distributed.layout import Layout
 from setdiff_megatron.distributed.runtime import init_model_parallel, shutdown
 from setdiff_megatron.hf import verify
+from setdiff_megatron.models.dtypes import name_of
 from setdiff_megatron.recipes import Recipe, save_resolved_recipe
 from setdiff_megatron.sources.read import Source
 
 __all__ = ["write_megatron_checkpoint"]
 
-_PRECISION = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def import_recipe(source: Source, run_dir: Path, dtype: torch.dtype) -> Recipe:
@@ -52,7 +52,7 @@ def import_recipe(source: Source, run_dir: Path, dtype: torch.dtype) -> Recipe:
         model=ModelSection(**asdict(source.config)),
         method=source.recipe.method if source.recipe is not None else MethodSection(),
         data=DataSection(tokenizer=str(tokenizer), seq_len=seq_len),
-        train=TrainSection(precision=_PRECISION[dtype]),
+        train=TrainSection(precision=name_of(dtype)),
         checkpoint=CheckpointSection(dir=str(run_dir)),
     )
 

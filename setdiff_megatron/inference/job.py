@@ -12,12 +12,12 @@ resumable and merged by `ShardedResults`.
 
 from __future__ import annotations
 
-import hashlib
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from setdiff_megatron.checkpoint.manifest import sha256_file
 from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.core.sample_output import RowResult
 from setdiff_megatron.core.sampler import Request, SetSampler
@@ -48,10 +48,6 @@ class SampleJob:
     it). Best effort, since a string may tokenize otherwise in context; callers that need an exact
     cut also cut the text."""
 
-
-def _sha256(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _span_texts(record: PromptRecord, row: RowResult, prompt_ids: list[int], sm: SamplingModel) -> list[str]:
@@ -108,7 +104,7 @@ def run_sample_job(job: SampleJob) -> int:
             raise UserError(f"{job.prompts}:{record.line}: the prompt {problem}")
 
     results = ShardedResults(job.out, {
-        "source": str(Path(job.source).resolve()), "prompts_sha256": _sha256(job.prompts),
+        "source": str(Path(job.source).resolve()), "prompts_sha256": sha256_file(Path(job.prompts)),
         "decoding": asdict(decoding), "batch_size": place.batch_size, "context_len": context_len,
         "add_bos": add_bos, "dtype": str(next(sm.model.parameters()).dtype),
     })

@@ -24,14 +24,13 @@ from setdiff_megatron.data.tokenizers import SetDiffTokenizer
 from setdiff_megatron.distributed.runtime import Ranks
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.models.config import ModelConfig
+from setdiff_megatron.models.dtypes import dtype_named
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 from setdiff_megatron.recipes import Recipe
 from setdiff_megatron.runs.terms import prompt_format
 from setdiff_megatron.sources.read import Source, read_source
 
-__all__ = ["SamplingModel", "load_sampling_model", "DTYPES"]
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+__all__ = ["SamplingModel", "load_sampling_model"]
 
 
 @dataclass
@@ -84,9 +83,7 @@ def _megatron_shard(source: Source, tp: int, dtype: torch.dtype, device: torch.d
 def load_sampling_model(path: str | Path, ranks: Ranks, *, device: str = "auto",
                         dtype: str | None = None) -> SamplingModel:
     where = _device(device)
-    if dtype is not None and dtype not in DTYPES:
-        raise UserError(f"--dtype must be one of {sorted(DTYPES)}; got {dtype!r}")
-    torch_dtype = DTYPES[dtype or ("bf16" if where.type == "cuda" else "fp32")]
+    torch_dtype = dtype_named(dtype or ("bf16" if where.type == "cuda" else "fp32"))
     sharded = ranks.tp > 1
     source = read_source(path, weights=not sharded)
     if sharded and source.kind != "megatron":  # only megatron shards load rank by rank

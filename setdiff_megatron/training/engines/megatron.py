@@ -37,15 +37,14 @@ from setdiff_megatron.distributed import runtime
 from setdiff_megatron.distributed.layout import Layout
 from setdiff_megatron.distributed.signals import PREEMPTION_SIGNALS, blocked
 from setdiff_megatron.models.config import ModelConfig
+from setdiff_megatron.models.dtypes import DTYPES
 from setdiff_megatron.recipes import Recipe
 from setdiff_megatron.training import lr_schedule
 from setdiff_megatron.training.engines.base import StepOutcome
 from setdiff_megatron.training.expert_load import ExpertLoad
 from setdiff_megatron.training.engines.rng import host_rng_state, set_host_rng_state
 
-__all__ = ["MegatronEngine", "build_optimizer", "PRECISION"]
-
-PRECISION = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+__all__ = ["MegatronEngine", "build_optimizer"]
 
 
 def _say(text: str) -> None:
@@ -94,7 +93,7 @@ class MegatronEngine:
         config = transformer_config_from(
             model_cfg, tp=r.parallel.tp, pp=r.parallel.pp, vpp=r.parallel.vpp, ep=r.parallel.ep, cp=r.parallel.cp,
             sequence_parallel=r.parallel.sequence_parallel, recompute=t.recompute,
-            params_dtype=PRECISION[t.precision], **overrides)
+            params_dtype=DTYPES[t.precision], **overrides)
         config.finalize_model_grads_func = self._timed(finalize_model_grads)  # the DP gradient all-reduce
         chunks = build_model_chunks(model_cfg, config, backend=r.model.backend)
         if torch.cuda.is_available():
@@ -311,7 +310,7 @@ def build_optimizer(recipe: Recipe, chunks, total_steps: int):
         optimizer="adam" if t.optimizer == "adamw" else "sgd", lr=t.lr, min_lr=t.min_lr,
         weight_decay=t.weight_decay, adam_beta1=t.betas[0], adam_beta2=t.betas[1], adam_eps=t.eps,
         clip_grad=t.clip_grad, bf16=t.precision == "bf16", fp16=t.precision == "fp16",
-        params_dtype=PRECISION[t.precision], use_distributed_optimizer=recipe.parallel.distributed_optimizer)
+        params_dtype=DTYPES[t.precision], use_distributed_optimizer=recipe.parallel.distributed_optimizer)
     optimizer = get_megatron_optimizer(opt_config, chunks)
     return optimizer, lr_schedule.build_lr_scheduler(recipe, optimizer, total_steps)
 
