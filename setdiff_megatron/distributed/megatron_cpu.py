@@ -17,13 +17,30 @@ writers) does not see it.
 from __future__ import annotations
 
 import contextlib
+import importlib
+import importlib.metadata
 import warnings
 from typing import Any, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode, redispatch_function
 
-__all__ = ["auto_cpu_mode", "dist_backend", "enable_cpu_mode", "model_parallel_seed"]
+__all__ = ["auto_cpu_mode", "compatibility_problems", "dist_backend", "enable_cpu_mode", "model_parallel_seed"]
+
+WRITTEN_FOR = ((0, 16), (0, 17))
+"""The megatron-core releases this layer and the engine's private patches were written against
+(at least the first, below the second), as setup.py pins them."""
+PRIVATE_NAMES = {
+    "megatron.core.tensor_parallel.random": (
+        "_get_cuda_rng_state", "_set_cuda_rng_state", "_CUDA_RNG_STATE_TRACKER", "_CUDA_RNG_STATE_TRACKER_INITIALIZED",
+        "CudaRNGStatesTracker", "_MODEL_PARALLEL_RNG_TRACKER_NAME", "_DATA_PARALLEL_RNG_TRACKER_NAME",
+        "_EXPERT_PARALLEL_RNG_TRACKER_NAME", "model_parallel_cuda_manual_seed", "get_cuda_rng_tracker"),
+    "megatron.core.tensor_parallel.mappings": ("_gather_along_first_dim", "_reduce_scatter_along_first_dim"),
+    "megatron.core.transformer.moe.token_dispatcher": ("maybe_move_tensor_to_cpu",),
+    "megatron.core.dist_checkpointing.strategies.filesystem_async": ("_results_queue",),  # training/engines/megatron.py
+}
+"""Every megatron-core name this package replaces or reads that is not public API: a release
+that renames one breaks the CPU mode (or the engine's save queue) silently, so they are checked."""
 
 _CPU = torch.device("cpu")
 _STATE: dict[str, Any] = {"mode": None}
@@ -207,12 +224,30 @@ def _enable_moe_shims() -> None:
         moe_utils.te_general_gemm = None
 
 
+def compatibility_problems() -> list[str]:
+    """One line per way the installed megatron-core differs from the one the patches were
+    written for: its version outside WRITTEN_FOR, or a private name gone."""
+    version = importlib.metadata.version("megatron-core")
+    release = tuple(int(part) for part in version.split(".")[:2] if part.isdigit())
+    low, high = WRITTEN_FOR
+    problems = [] if low <= release < high else [
+        f"megatron-core {version} is installed; the CPU layer and the engine's patches were written for "
+        f"{'.'.join(map(str, low))}.x (pip install 'megatron-core>={low[0]}.{low[1]},<{high[0]}.{high[1]}')"]
+    for module_name, names in PRIVATE_NAMES.items():
+        module = importlib.import_module(module_name)
+        problems += [f"megatron-core {version}: {module_name}.{name} is gone, which megatron_cpu.py relies on"
+                     for name in names if not hasattr(module, name)]
+    return problems
+
+
 def enable_cpu_mode() -> None:
     """Install every CPU shim; idempotent. Call before megatron builds a model or an optimizer."""
     if _STATE["mode"] is not None:
         return
     if torch.cuda.is_available():
         raise RuntimeError("CPU mode is for machines without a GPU; this one has CUDA devices")
+    for problem in compatibility_problems():
+        warnings.warn(problem, stacklevel=2)
     from megatron.core.tensor_parallel import random as mp_random
 
     # Megatron allocates on torch.cuda.current_device(); the CPU device makes those calls work as is.
