@@ -178,9 +178,10 @@ def plot_pareto(results: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     seeds = results["seeds"]["training"]
-    fig.suptitle(f"Reasoning corpus, {results.get('setting', 'packed')} setting: accuracy against decoding speed "
+    fig.suptitle(f"Reasoning corpus, {results.get('setting', 'packed')} setting: accuracy against decoding speed\n"
                  "(W x tau grid, k = 1; lines: each model's frontier"
-                 + (f"; means over training seeds {seeds}, bars: their standard deviation)" if isinstance(seeds, list) else ")"))
+                 + (f"; means over training seeds {seeds}, bars: their standard deviation)" if isinstance(seeds, list) else ")"),
+                 fontsize=10)
     _save(fig, path)
 
 
