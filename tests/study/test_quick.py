@@ -1,46 +1,67 @@
-"""`python -m benchmarks.study --quick`: set diffusion d = 4 of the supervised setting, trained
-from scratch with the full study's recipe and seed (1,750 steps), decoded on its 250 test
-problems at W = 1 and at the paper's default policy (W = 4, threshold 0.9): 9.1 minutes on 2 idle
-cores (2026-12-02), within the 15-minute goal. On the machine the full study ran on it reproduced
-the full run's figures exactly (validation loss 0.3163 at step 1,000; 0.596 and 0.604 accuracy).
+"""`python -m benchmarks.study --quick --setting adapted --seeds 1`: set diffusion d = 4 adapted
+from the shipped AR base with the full study's recipe (400 steps), decoded on its 250 test
+problems at W = 1 and at the paper's default policy (W = 4, threshold 0.9); about 3 minutes on 2
+cores.
 
-Thresholds, from the full study (benchmarks/results/study/supervised/results.json, 2026-12-02),
-with margins for another CPU's float order over 1,750 steps; accuracies are fractions:
-- at W = 4, threshold 0.9, d = 4 scored 0.604 there; a quick run must reach ACCURACY_MIN =
-  0.604 - 0.15, twelve times the trivial baseline of 0.036 (every problem given the most common
-  answer). At half the steps it scored 0.048: the bound fails if the model stops learning the task.
-- it decoded 2.60 tokens per step there; a quick run must reach TPS_MIN = 2.60 - 0.3. The
-  half-trained model decoded 1.83.
-- parallel decoding cost it nothing there (0.604 against 0.596 at W = 1); a quick run may lose at
-  most COST_MAX = 0.10 to it, the claim the study checks.
-"""
+The thresholds are read from the full run over training seeds 1, 2 and 3
+(benchmarks/results/study/adapted/results.json), as the seed mean less SPREADS standard
+deviations of the seeds. Three seeds estimate a spread poorly (with two degrees of freedom the
+true deviation may be four times the measured one), and another CPU's float order moves a run
+about as far as another seed does, so the margin is wide; it still sits far above what a model
+that has not learned the task scores (the trivial baseline is 0.036). Measured 2026-12-04: accuracy 0.585 +- 0.018 (bound 0.495), 2.49
++- 0.02 tokens per step (bound 2.39), and 0.092 +- 0.028 lost to parallel decoding against W = 1
+(bound 0.23)."""
 
 from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
 
 import pytest
 
 from benchmarks.study import plan
 from benchmarks.study.__main__ import main
 
-ACCURACY_MIN = 0.604 - 0.15
-TPS_MIN = 2.60 - 0.3
-COST_MAX = 0.10
+FULL_RUN = Path(__file__).parents[2] / "benchmarks" / "results" / "study" / "adapted" / "results.json"
+SPREADS = 5
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
-
-
-def _point(results: dict, model: str, **decoding) -> dict:
-    (point,) = [p for p in results["models"][model]["points"]
-                if all(p[key] == value for key, value in decoding.items())]
+def _point(model: dict, **decoding) -> dict:
+    (point,) = [p for p in model["points"] if all(p[key] == value for key, value in decoding.items())]
     return point
 
 
+def _bounds() -> dict[str, float]:
+    """Lowest accuracy and tokens per step, highest cost of parallel decoding, from the seeds."""
+    model = json.loads(FULL_RUN.read_text())["models"]["sd-d4"]
+    one, parallel = _point(model, window=1), _point(model, **plan.QUICK_POINT)
+    costs = [a - b for a, b in zip(one["accuracy_by_seed"], parallel["accuracy_by_seed"])]
+
+    def low(values: list[float]) -> float:
+        return statistics.mean(values) - SPREADS * statistics.stdev(values)
+
+    return {"accuracy": low(parallel["accuracy_by_seed"]), "tokens_per_step": low(parallel["tokens_per_step_by_seed"]),
+            "cost": statistics.mean(costs) + SPREADS * statistics.stdev(costs)}
+
+
+def test_the_bounds_come_from_three_seeds_and_mean_something():
+    model = json.loads(FULL_RUN.read_text())["models"]["sd-d4"]
+    assert model["seeds"] == [1, 2, 3]
+    bounds = _bounds()
+    assert bounds["accuracy"] > 10 * json.loads(FULL_RUN.read_text())["trivial_baseline"]
+    assert bounds["tokens_per_step"] > 2.0 and bounds["cost"] < 0.25
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_quick_study_keeps_the_full_runs_trade_off(tmp_path):
-    results = main(["--quick", "--out", str(tmp_path / "runs"), "--results", str(tmp_path / "results")])
-    one = _point(results, "sd-d4", window=1)
-    parallel = _point(results, "sd-d4", **plan.QUICK_POINT)
+    bounds = _bounds()
+    results = main(["--quick", "--setting", "adapted", "--seeds", "1", "--out", str(tmp_path / "runs"),
+                    "--results", str(tmp_path / "results")])
+    model = results["models"]["sd-d4"]
+    one, parallel = _point(model, window=1), _point(model, **plan.QUICK_POINT)
     assert one["examples"] == parallel["examples"] == 250
-    assert parallel["accuracy"] >= ACCURACY_MIN
-    assert parallel["tokens_per_step"] >= TPS_MIN
-    assert parallel["accuracy"] >= one["accuracy"] - COST_MAX
+    assert parallel["accuracy"] >= bounds["accuracy"]
+    assert parallel["tokens_per_step"] >= bounds["tokens_per_step"]
+    assert one["accuracy"] - parallel["accuracy"] <= bounds["cost"]
     assert (tmp_path / "results" / "results.md").is_file()
