@@ -35,6 +35,7 @@ def records(path: Path) -> list[dict]:
             for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow  # 34 s; the subcommands run in their own tests
 def test_one_run_each_equals_the_subcommand(trained_run, tmp_path):
     cli = ["-m", "setdiff_megatron.cli"]
     for name, argv in (("tool", [str(TOOLS / "convert_checkpoint.py")]), ("cli", [*cli, "convert"])):

@@ -172,6 +172,7 @@ def test_bounded_load_stops_by_itself(server):
     assert not failures and len(done) >= 8 and not any(t.is_alive() for t in threads)
 
 
+@pytest.mark.slow  # 24 s; one replica's answers are tested by default
 @pytest.mark.multiproc
 def test_data_parallel_replicas_and_a_tp_model_answer_alike(trained_run, server):
     kwargs = dict(model=NAME, prompt="def fibonacci(n):\n", max_tokens=12, temperature=0)

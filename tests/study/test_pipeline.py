@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks.study.__main__ import main
 
 
@@ -31,6 +33,7 @@ def test_a_smoke_run_writes_the_tables_and_plots(tmp_path):
     assert again["wall_minutes"] < results["wall_minutes"] / 3
 
 
+@pytest.mark.slow  # 45 s; the committed three-seed run is what test_quick reads
 def test_over_seeds_every_model_trains_per_seed_and_reports_mean_and_spread(tmp_path):
     results = main(["--quick", "--steps", "2", "--per-level", "1", "--seeds", "1,2", "--out", str(tmp_path / "runs"),
                     "--results", str(tmp_path / "results")])

@@ -97,6 +97,7 @@ def test_sigterm_and_sigusr1_checkpoint_exit_75_and_the_run_resumes(tmp_path, da
     assert verify(checkpoint_of(run, resumed[-1][0])) is None
 
 
+@pytest.mark.slow  # 38 s; test_checkpoint_safety.py skips each kind of damage
 def test_broken_or_foreign_checkpoints_are_named_and_skipped(tmp_path, data_cache):
     run, args = tmp_path / "run", ("launch.nproc_per_node=1", "train.steps=4", "checkpoint.interval=1",
                                    "checkpoint.keep_last_n=4")

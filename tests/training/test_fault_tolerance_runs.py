@@ -26,6 +26,7 @@ def snapshot(directory: Path) -> dict[str, tuple[int, int, str]]:
             for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.slow  # 50 s; the watchdog and the drills have unit tests
 def test_a_killed_rank_and_a_hung_rank_restart_from_the_newest_checkpoint(trained_launch, data_cache, tmp_path):
     """trained_launch's run (TP=2, 20 steps) with checkpoints every 5 steps: rank 1 is SIGKILLed at
     step 7, and in the restarted attempt it hangs at step 12. torchrun restarts the job twice; it
@@ -55,6 +56,7 @@ def test_a_killed_rank_and_a_hung_rank_restart_from_the_newest_checkpoint(traine
     assert dict(losses(run))[20] == baseline
 
 
+@pytest.mark.slow  # 24 s; the straggler and spike rules have unit tests
 def test_a_straggler_is_named_and_a_spike_skipped(data_cache, tmp_path):
     """Two data-parallel ranks, rank 1 a second slower per step (named while the other rank's
     compute stays under 2 s per step, also on a loaded machine): the metrics carry every rank's

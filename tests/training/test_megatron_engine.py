@@ -26,6 +26,7 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow  # 30 s; two-process runs train in the checkpoint and SLURM tests
 @pytest.mark.multiproc
 def test_two_process_run_lowers_validation_loss(tmp_path, data_cache):
     out = run_train(tmp_path / "run", data_cache, "train.steps=40", "eval.interval=40", "checkpoint.interval=40")
@@ -35,7 +36,8 @@ def test_two_process_run_lowers_validation_loss(tmp_path, data_cache):
     assert "checkpoint:" in out.stdout and (tmp_path / "run" / "checkpoints" / "latest").is_file()
 
 
-@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("async_save", [False, pytest.param(True, marks=pytest.mark.slow)],  # async: 18 s
+                         ids=["sync", "async"])
 def test_resume_continues_exactly(tmp_path, data_cache, async_save):
     """Resuming from the step-2 checkpoint of a 4-step run reproduces its steps 3 and 4 bit for
     bit, also when that checkpoint was written in the background while step 3 trained."""
