@@ -138,7 +138,6 @@ def summarize(records: list[dict], metric: str) -> dict[str, Any]:
     }
 
 
-
 def _settings(job: GenerateJob) -> dict[str, Any]:
     """What the results depend on: a rerun under equal settings is finished work."""
     return json.loads(json.dumps({

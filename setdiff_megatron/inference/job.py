@@ -49,7 +49,6 @@ class SampleJob:
     cut also cut the text."""
 
 
-
 def _span_texts(record: PromptRecord, row: RowResult, prompt_ids: list[int], sm: SamplingModel) -> list[str]:
     """The decoded text of each infilled span, in order."""
     masked = [i for i, t in enumerate(prompt_ids) if t == sm.tokenizer.mask_id]

@@ -1,7 +1,7 @@
 """`python -m benchmarks.study --quick --setting adapted --seeds 1`: set diffusion d = 4 adapted
 from the shipped AR base with the full study's recipe (400 steps), decoded on its 250 test
-problems at W = 1 and at the paper's default policy (W = 4, threshold 0.9); about 3 minutes on 2
-cores.
+problems at W = 1 and at the paper's default policy (W = 4, threshold 0.9); 7.6 minutes on 2 cores
+shared with a training run (2026-12-04), its training alone about 2.
 
 The thresholds are read from the full run over training seeds 1, 2 and 3
 (benchmarks/results/study/adapted/results.json), as the seed mean less SPREADS standard
