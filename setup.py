@@ -38,8 +38,19 @@ EXTRAS = {
 }
 # The test suite exercises every CPU engine and format, so `dev` pulls in their extras (`serve`
 # brings the `openai` client the serving tests drive the server with).
-EXTRAS["dev"] = sorted({"pytest>=8", "pytest-timeout>=2.3", *EXTRAS["megatron"], *EXTRAS["deepspeed"],
-                        *EXTRAS["hf"], *EXTRAS["data"], *EXTRAS["tensorboard"], *EXTRAS["eval"], *EXTRAS["serve"]})
+EXTRAS["dev"] = sorted(
+    {
+        "pytest>=8",
+        "pytest-timeout>=2.3",
+        *EXTRAS["megatron"],
+        *EXTRAS["deepspeed"],
+        *EXTRAS["hf"],
+        *EXTRAS["data"],
+        *EXTRAS["tensorboard"],
+        *EXTRAS["eval"],
+        *EXTRAS["serve"],
+    }
+)
 
 setup(
     name="setdiff-megatron",

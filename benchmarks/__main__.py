@@ -12,8 +12,17 @@ from __future__ import annotations
 
 import argparse
 
-from benchmarks import (attention, context_parallel, long_context, memory, moe_step, parallel_scaling, sampling,
-                        supervised_packing, train_throughput)
+from benchmarks import (
+    attention,
+    context_parallel,
+    long_context,
+    memory,
+    moe_step,
+    parallel_scaling,
+    sampling,
+    supervised_packing,
+    train_throughput,
+)
 from benchmarks.machine import machine_info, save_results
 
 # name -> (module, extra arguments of a --quick run). Each module has main(argv) -> result and
@@ -32,9 +41,15 @@ BENCHMARKS = {
 
 
 def verdicts(rows: list[tuple[str, float | None, str, float]]) -> list[dict]:
-    return [{"target": name, "value": value, "goal": f"{op} {goal}",
-             "met": None if value is None else (value >= goal if op == ">=" else value <= goal)}
-            for name, value, op, goal in rows]
+    return [
+        {
+            "target": name,
+            "value": value,
+            "goal": f"{op} {goal}",
+            "met": None if value is None else (value >= goal if op == ">=" else value <= goal),
+        }
+        for name, value, op, goal in rows
+    ]
 
 
 def main(argv: list[str] | None = None) -> dict:

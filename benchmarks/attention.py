@@ -70,18 +70,32 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
 
     print("machine:", machine_info())
-    print(f"shape: batch {args.batch}, heads {args.heads}, kv heads {args.kv_heads or args.heads}, "
-          f"head dim {args.head_dim}; forward + backward, best of {args.repeats}")
+    print(
+        f"shape: batch {args.batch}, heads {args.heads}, kv heads {args.kv_heads or args.heads}, "
+        f"head dim {args.head_dim}; forward + backward, best of {args.repeats}"
+    )
     print(f"{'L':>6} {'sdpa masked (s)':>16} {'fused (s)':>10} {'ratio':>7} {'kernel causal skip':>19}")
     rows = []
     for length in args.lengths:
-        t = best_times({"sdpa": set_causal_fwd_bwd("sdpa", length, args),
-                        "fused": set_causal_fwd_bwd("fused", length, args),
-                        "kernel full": stacked_kernel_fwd_bwd(False, length, args),
-                        "kernel causal": stacked_kernel_fwd_bwd(True, length, args)}, repeats=args.repeats)
+        t = best_times(
+            {
+                "sdpa": set_causal_fwd_bwd("sdpa", length, args),
+                "fused": set_causal_fwd_bwd("fused", length, args),
+                "kernel full": stacked_kernel_fwd_bwd(False, length, args),
+                "kernel causal": stacked_kernel_fwd_bwd(True, length, args),
+            },
+            repeats=args.repeats,
+        )
         baseline, ours, skip = t["sdpa"], t["fused"], t["kernel full"] / t["kernel causal"]
-        rows.append({"L": length, "sdpa_masked_s": baseline, "fused_s": ours, "ratio": baseline / ours,
-                     "kernel_causal_skip": skip})
+        rows.append(
+            {
+                "L": length,
+                "sdpa_masked_s": baseline,
+                "fused_s": ours,
+                "ratio": baseline / ours,
+                "kernel_causal_skip": skip,
+            }
+        )
         print(f"{length:>6} {baseline:>16.4f} {ours:>10.4f} {baseline / ours:>6.2f}x {skip:>18.2f}x")
     path = save_results("attention", {"args": vars(args), "rows": rows})
     print(f"results: {path}")

@@ -32,17 +32,29 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     work = Workload(length=args.length, micro_batch=1, num_microbatches=2, model=MODEL)
     print("machine:", machine_info())
-    print(f"model: hidden {HIDDEN_SIZE}, {dict(MODEL)}, L={args.length} (2L = {2 * args.length} tokens); "
-          f"2 micro-batches of 1; fp32 AdamW step, 1 thread per process, best of {args.repeats}; ideal = T1 / 2")
+    print(
+        f"model: hidden {HIDDEN_SIZE}, {dict(MODEL)}, L={args.length} (2L = {2 * args.length} tokens); "
+        f"2 micro-batches of 1; fp32 AdamW step, 1 thread per process, best of {args.repeats}; ideal = T1 / 2"
+    )
     t1, mem1 = layout_run(1, {}, HIDDEN_SIZE, args.repeats, work)
     t2, mem2 = layout_run(2, {"cp": 2}, HIDDEN_SIZE, args.repeats, work)
-    rows = [{"layout": "T1 (1 process)", "seconds": t1, "ideal_seconds": t1, "ratio": 1.0, "peak_growth_bytes": mem1},
-            {"layout": "CP=2", "seconds": t2, "ideal_seconds": t1 / 2, "ratio": t2 / (t1 / 2),
-             "peak_growth_bytes": mem2, "memory_ratio": mem1 / max(mem2, 1)}]
+    rows = [
+        {"layout": "T1 (1 process)", "seconds": t1, "ideal_seconds": t1, "ratio": 1.0, "peak_growth_bytes": mem1},
+        {
+            "layout": "CP=2",
+            "seconds": t2,
+            "ideal_seconds": t1 / 2,
+            "ratio": t2 / (t1 / 2),
+            "peak_growth_bytes": mem2,
+            "memory_ratio": mem1 / max(mem2, 1),
+        },
+    ]
     print(f"{'layout':<16} {'ideal s':>9} {'ours s':>9} {'ratio':>7} {'peak growth MB':>15}")
     for r in rows:
-        print(f"{r['layout']:<16} {r['ideal_seconds']:>9.3f} {r['seconds']:>9.3f} {r['ratio']:>6.2f}x "
-              f"{r['peak_growth_bytes'] / 2**20:>15.1f}")
+        print(
+            f"{r['layout']:<16} {r['ideal_seconds']:>9.3f} {r['seconds']:>9.3f} {r['ratio']:>6.2f}x "
+            f"{r['peak_growth_bytes'] / 2**20:>15.1f}"
+        )
     print(f"peak memory growth per rank: CP=1 / CP=2 = {rows[1]['memory_ratio']:.2f}x")
     name = "context_parallel" if args.length == 8192 else f"context_parallel_L{args.length}"
     path = save_results(name, {"args": vars(args), "hidden_size": HIDDEN_SIZE, "model": dict(MODEL), "rows": rows})
@@ -51,8 +63,9 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def targets(result: dict) -> list[tuple[str, float | None, str, float]]:
-    return [(f"CP=2 step time vs ideal split at L={result['length']}, CPU gloo", result["rows"][1]["ratio"], "<=",
-             TARGET)]
+    return [
+        (f"CP=2 step time vs ideal split at L={result['length']}, CPU gloo", result["rows"][1]["ratio"], "<=", TARGET)
+    ]
 
 
 if __name__ == "__main__":

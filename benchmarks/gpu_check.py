@@ -59,8 +59,13 @@ BF16_TOL, FP8_TOL = {"out": 2e-2, "grad": 2e-2}, {"out": 0.15, "grad": 0.35}
 
 def attention_parity() -> list[dict]:
     rows = []
-    for length, heads, kv_heads, padded in [(1, 8, 8, False), (7, 8, 2, True), (256, 16, 8, False),
-                                            (1024, 16, 4, True), (2048, 16, 16, False)]:
+    for length, heads, kv_heads, padded in [
+        (1, 8, 8, False),
+        (7, 8, 2, True),
+        (256, 16, 8, False),
+        (1024, 16, 4, True),
+        (2048, 16, 16, False),
+    ]:
         gen = torch.Generator(device="cuda").manual_seed(length)
         shape = (2, heads, 2 * length, 128)
         q = torch.randn(shape, generator=gen, device="cuda", dtype=torch.bfloat16)
@@ -74,12 +79,25 @@ def attention_parity() -> list[dict]:
             out = set_causal_attention(*args, impl=impl, valid_len=valid)
             grads = torch.autograd.grad(out, args, dout.to(dtype))
             results[impl] = [out.float(), *(g.float() for g in grads)]
-        errors = {name: (a - b).abs().max().item() / max(b.abs().max().item(), 1e-6)
-                  for name, a, b in zip(["out", "dq", "dk", "dv"], results["fused"], results["dense"])}
-        rows.append({"L": length, "heads": heads, "kv_heads": kv_heads, "padded": padded, "rel_max_err": errors,
-                     "ok": all(e < 2e-2 for e in errors.values())})
-        print(f"attention L={length:>5} heads {heads}/{kv_heads} pad={padded}: "
-              + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()), "OK" if rows[-1]["ok"] else "FAIL")
+        errors = {
+            name: (a - b).abs().max().item() / max(b.abs().max().item(), 1e-6)
+            for name, a, b in zip(["out", "dq", "dk", "dv"], results["fused"], results["dense"])
+        }
+        rows.append(
+            {
+                "L": length,
+                "heads": heads,
+                "kv_heads": kv_heads,
+                "padded": padded,
+                "rel_max_err": errors,
+                "ok": all(e < 2e-2 for e in errors.values()),
+            }
+        )
+        print(
+            f"attention L={length:>5} heads {heads}/{kv_heads} pad={padded}: "
+            + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()),
+            "OK" if rows[-1]["ok"] else "FAIL",
+        )
     return rows
 
 
@@ -90,10 +108,20 @@ def train_step(attention_impl: str, *, steps: int = 6) -> dict:
 
     seq_len, micro = 2048, 4
     recipe = {
-        "model": dict(hidden_size=2048, num_layers=16, num_heads=16, num_kv_heads=8, intermediate_size=5632,
-                      max_seq_len=seq_len, attention_impl=attention_impl, qk_norm=True),
-        "data": {"seq_len": seq_len}, "train": {"precision": "bf16", "steps": 100, "warmup_steps": 0},
-        "parallel": {"micro_batch_size": micro, "global_batch_size": micro}, "launch": {"device": "cuda"},
+        "model": dict(
+            hidden_size=2048,
+            num_layers=16,
+            num_heads=16,
+            num_kv_heads=8,
+            intermediate_size=5632,
+            max_seq_len=seq_len,
+            attention_impl=attention_impl,
+            qk_norm=True,
+        ),
+        "data": {"seq_len": seq_len},
+        "train": {"precision": "bf16", "steps": 100, "warmup_steps": 0},
+        "parallel": {"micro_batch_size": micro, "global_batch_size": micro},
+        "launch": {"device": "cuda"},
     }
     gen = torch.Generator(device="cuda").manual_seed(0)
     tokens = torch.randint(0, 31999, (micro, seq_len), device="cuda", generator=gen)
@@ -109,9 +137,15 @@ def train_step(attention_impl: str, *, steps: int = 6) -> dict:
     tps = micro * seq_len / seconds
     flops = training_flops_per_token(cfg, seq_len) * tps
     peak = peak_flops(torch.cuda.get_device_name())
-    row = {"attention": attention_impl, "params": cfg.num_params(), "step_s": seconds, "tokens_per_s": tps,
-           "tflops": flops / 1e12, "mfu": flops / peak if peak else None,
-           "max_memory_gb": torch.cuda.max_memory_allocated() / 2**30}
+    row = {
+        "attention": attention_impl,
+        "params": cfg.num_params(),
+        "step_s": seconds,
+        "tokens_per_s": tps,
+        "tflops": flops / 1e12,
+        "mfu": flops / peak if peak else None,
+        "max_memory_gb": torch.cuda.max_memory_allocated() / 2**30,
+    }
     print(json.dumps(row))
     torch.cuda.empty_cache()
     return row
@@ -127,8 +161,15 @@ def kernel_variants() -> dict[str, tuple]:
         from transformer_engine.pytorch import fp8_autocast
 
         variants["te"] = ("te", nullcontext)
-        variants["te_fp8"] = ("te", lambda: fp8_autocast(enabled=True, fp8_recipe=DelayedScaling(
-            fp8_format=Format.HYBRID, amax_history_len=1, amax_compute_algo="most_recent")))
+        variants["te_fp8"] = (
+            "te",
+            lambda: fp8_autocast(
+                enabled=True,
+                fp8_recipe=DelayedScaling(
+                    fp8_format=Format.HYBRID, amax_history_len=1, amax_compute_algo="most_recent"
+                ),
+            ),
+        )
     else:
         variants["te"] = variants["te_fp8"] = f"skipped: {te_why}"
     fa_ok, fa_why = flash_attn.flash_status()
@@ -137,14 +178,20 @@ def kernel_variants() -> dict[str, tuple]:
 
 
 def _rel_errors(got, expected) -> dict:
-    return {name: (a.float() - b).abs().max().item() / max(b.abs().max().item(), 1e-6)
-            for name, a, b in zip(["out", "dq", "dk", "dv"], got, expected)}
+    return {
+        name: (a.float() - b).abs().max().item() / max(b.abs().max().item(), 1e-6)
+        for name, a, b in zip(["out", "dq", "dk", "dv"], got, expected)
+    }
 
 
 def kernel_parity(variants: dict) -> list[dict]:
     rows = []
-    for length, heads, kv_heads, padded in [(7, 8, 2, True), (256, 16, 8, False), (1024, 16, 4, True),
-                                            (2048, 16, 16, False)]:
+    for length, heads, kv_heads, padded in [
+        (7, 8, 2, True),
+        (256, 16, 8, False),
+        (1024, 16, 4, True),
+        (2048, 16, 16, False),
+    ]:
         gen = torch.Generator(device="cuda").manual_seed(length)
         q = torch.randn((2, heads, 2 * length, 128), generator=gen, device="cuda", dtype=torch.bfloat16)
         k = torch.randn((2, kv_heads, 2 * length, 128), generator=gen, device="cuda", dtype=torch.bfloat16)
@@ -172,8 +219,11 @@ def kernel_parity(variants: dict) -> list[dict]:
             errors = _rel_errors([out, *grads], reference)
             ok = errors["out"] < tol["out"] and all(errors[g] < tol["grad"] for g in ("dq", "dk", "dv"))
             rows.append({**row, "rel_max_err": errors, "tolerance": tol, "ok": ok})
-            print(f"{name:>10} L={length:>5} heads {heads}/{kv_heads} pad={padded}: "
-                  + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()), "OK" if ok else "FAIL")
+            print(
+                f"{name:>10} L={length:>5} heads {heads}/{kv_heads} pad={padded}: "
+                + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()),
+                "OK" if ok else "FAIL",
+            )
         del ref_args, ref_out, reference
         torch.cuda.empty_cache()
     return rows
@@ -185,12 +235,17 @@ def step_parity(variants: dict) -> list[dict]:
     gen = torch.Generator(device="cuda").manual_seed(0)
     b, heads, kv_heads, d, cached, commits, queries = 3, 16, 4, 128, 300, 4, 8
     q = torch.randn((b, heads, commits + queries, d), generator=gen, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn((b, kv_heads, commits + queries, d), generator=gen, device="cuda", dtype=torch.bfloat16)
-            for _ in range(2))
-    kc, vc = (torch.randn((b, kv_heads, cached, d), generator=gen, device="cuda", dtype=torch.bfloat16)
-              for _ in range(2))
-    lengths = {"cache_len": torch.tensor([cached, 120, 0], device="cuda"),
-               "commit_len": torch.tensor([commits, 3, 0], device="cuda")}
+    k, v = (
+        torch.randn((b, kv_heads, commits + queries, d), generator=gen, device="cuda", dtype=torch.bfloat16)
+        for _ in range(2)
+    )
+    kc, vc = (
+        torch.randn((b, kv_heads, cached, d), generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(2)
+    )
+    lengths = {
+        "cache_len": torch.tensor([cached, 120, 0], device="cuda"),
+        "commit_len": torch.tensor([commits, 3, 0], device="cuda"),
+    }
     expected = set_causal_step_attention(*(t.float() for t in (q, k, v, kc, vc)), num_commit=commits, **lengths)
     rows = []
     for name in ("te", "flash_attn"):
@@ -232,8 +287,10 @@ def kernel_timing(variants: dict, *, repeats: int = 5) -> list[dict]:
                 print(f"timing {name} L={length}: unsupported: {exc}")
         row = {"L": length, "seconds": timings, "speedup_vs_sdpa": {n: timings["sdpa"] / t for n, t in timings.items()}}
         rows.append(row)
-        print(f"fwd+bwd L={length}: " + ", ".join(f"{n} {t * 1e3:.2f} ms ({timings['sdpa'] / t:.2f}x)"
-                                                   for n, t in timings.items()))
+        print(
+            f"fwd+bwd L={length}: "
+            + ", ".join(f"{n} {t * 1e3:.2f} ms ({timings['sdpa'] / t:.2f}x)" for n, t in timings.items())
+        )
         torch.cuda.empty_cache()
     return rows
 
@@ -241,15 +298,35 @@ def kernel_timing(variants: dict, *, repeats: int = 5) -> list[dict]:
 def kernel_checks() -> dict:
     variants = kernel_variants()
     print("auto picks:", choose_attention_impl("cuda", torch.bfloat16, 128))
-    return {"auto": choose_attention_impl("cuda", torch.bfloat16, 128)._asdict(),
-            "parity": kernel_parity(variants), "step": step_parity(variants), "timing": kernel_timing(variants)}
+    return {
+        "auto": choose_attention_impl("cuda", torch.bfloat16, 128)._asdict(),
+        "parity": kernel_parity(variants),
+        "step": step_parity(variants),
+        "timing": kernel_timing(variants),
+    }
 
 
 # The sampler check's models: a copier for parity (trained on the spot) and a ~0.8B timing model.
-COPY_MODEL = dict(hidden_size=256, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=768, vocab_size=512,
-                  mask_token_id=511, max_seq_len=64)
-TIMING_MODEL = dict(hidden_size=2048, num_layers=16, num_heads=16, num_kv_heads=8, intermediate_size=5632,
-                    vocab_size=32000, mask_token_id=31999, max_seq_len=2048)
+COPY_MODEL = dict(
+    hidden_size=256,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    intermediate_size=768,
+    vocab_size=512,
+    mask_token_id=511,
+    max_seq_len=64,
+)
+TIMING_MODEL = dict(
+    hidden_size=2048,
+    num_layers=16,
+    num_heads=16,
+    num_kv_heads=8,
+    intermediate_size=5632,
+    vocab_size=32000,
+    mask_token_id=31999,
+    max_seq_len=2048,
+)
 
 
 class _CachePath:
@@ -310,22 +387,40 @@ def sampler_parity(paths: list[str], device: str = "cuda", dtype: torch.dtype = 
         runs[impl] = (out, recorder.logits)
     (ref, ref_logits) = runs["sdpa"]
     copied = sum(t == p[0] for r, p in zip(ref.rows, prompts) for t in r.tokens) / sum(len(r.tokens) for r in ref.rows)
-    result = {"train_loss": loss, "copied_share": copied, "tokens_per_step": ref.metrics.tokens_per_step,
-              "max_row_len": max(len(r.tokens) for r in ref.rows), "context_len": 32}
-    print(f"sampler parity: copier loss {loss:.3f}, {copied:.1%} of tokens copied, "
-          f"{ref.metrics.tokens_per_step:.2f} tokens/step (sdpa cache path)")
+    result = {
+        "train_loss": loss,
+        "copied_share": copied,
+        "tokens_per_step": ref.metrics.tokens_per_step,
+        "max_row_len": max(len(r.tokens) for r in ref.rows),
+        "context_len": 32,
+    }
+    print(
+        f"sampler parity: copier loss {loss:.3f}, {copied:.1%} of tokens copied, "
+        f"{ref.metrics.tokens_per_step:.2f} tokens/step (sdpa cache path)"
+    )
     for impl in paths:
         out, logits = runs[impl]
         equal = [a.tokens == b.tokens for a, b in zip(out.rows, ref.rows)]
         err = None
         if all(equal) and len(logits) == len(ref_logits):
-            err = max(((a - b).abs().max() / b.abs().max().clamp(min=1e-6)).item()
-                      for a, b in zip(logits, ref_logits) if b.numel())
+            err = max(
+                ((a - b).abs().max() / b.abs().max().clamp(min=1e-6)).item()
+                for a, b in zip(logits, ref_logits)
+                if b.numel()
+            )
         ok = all(equal) and err is not None and err < BF16_TOL["out"]
-        result[impl] = {"tokens_equal": sum(equal), "rows": len(equal), "step_logits_rel_err": err,
-                        "tolerance": BF16_TOL["out"], "ok": ok}
-        print(f"sampler parity {impl}: {sum(equal)}/{len(equal)} rows equal, step logits rel err "
-              f"{'n/a' if err is None else f'{err:.1e}'}", "OK" if ok else "FAIL")
+        result[impl] = {
+            "tokens_equal": sum(equal),
+            "rows": len(equal),
+            "step_logits_rel_err": err,
+            "tolerance": BF16_TOL["out"],
+            "ok": ok,
+        }
+        print(
+            f"sampler parity {impl}: {sum(equal)}/{len(equal)} rows equal, step logits rel err "
+            f"{'n/a' if err is None else f'{err:.1e}'}",
+            "OK" if ok else "FAIL",
+        )
     return result
 
 
@@ -342,12 +437,15 @@ def timing_workload(device: str, dtype: torch.dtype) -> tuple:
     return model, mask, prompts, DecodingConfig(window=16, tokens_per_step=2, max_new_tokens=64)
 
 
-def sampler_timing(paths: list[str], device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
-                   batches: tuple[int, ...] = (1, 16)) -> list[dict]:
+def sampler_timing(
+    paths: list[str], device: str = "cuda", dtype: torch.dtype = torch.bfloat16, batches: tuple[int, ...] = (1, 16)
+) -> list[dict]:
     """Part 4b: tokens/s of each cache path at each batch size, same model, prompts and policy."""
     model, mask, prompts, cfg = timing_workload(device, dtype)
-    sampler = {impl: SetSampler(_CachePath(model, impl), mask_token_id=mask, context_len=TIMING_MODEL["max_seq_len"])
-               for impl in ["sdpa", *paths]}
+    sampler = {
+        impl: SetSampler(_CachePath(model, impl), mask_token_id=mask, context_len=TIMING_MODEL["max_seq_len"])
+        for impl in ["sdpa", *paths]
+    }
     rows = []
     for batch in batches:
         outs = {}
@@ -355,14 +453,23 @@ def sampler_timing(paths: list[str], device: str = "cuda", dtype: torch.dtype = 
             s.generate(prompts[:batch], cfg, batch_size=batch)  # warm-up (kernels, allocator)
             outs[impl] = s.generate(prompts, cfg, batch_size=batch)
         base = outs["sdpa"].metrics.tokens_per_s
-        row = {"batch": batch, "tokens_per_s": {k: o.metrics.tokens_per_s for k, o in outs.items()},
-               "speedup_vs_sdpa": {k: o.metrics.tokens_per_s / base for k, o in outs.items()},
-               "rows_equal_to_sdpa": {k: sum(a.tokens == b.tokens for a, b in zip(o.rows, outs["sdpa"].rows))
-                                      for k, o in outs.items()}}
+        row = {
+            "batch": batch,
+            "tokens_per_s": {k: o.metrics.tokens_per_s for k, o in outs.items()},
+            "speedup_vs_sdpa": {k: o.metrics.tokens_per_s / base for k, o in outs.items()},
+            "rows_equal_to_sdpa": {
+                k: sum(a.tokens == b.tokens for a, b in zip(o.rows, outs["sdpa"].rows)) for k, o in outs.items()
+            },
+        }
         rows.append(row)
-        print(f"sampler batch {batch:>2}: " + ", ".join(
-            f"{k} {row['tokens_per_s'][k]:.0f} tok/s ({row['speedup_vs_sdpa'][k]:.2f}x, "
-            f"{row['rows_equal_to_sdpa'][k]}/16 rows equal)" for k in outs))
+        print(
+            f"sampler batch {batch:>2}: "
+            + ", ".join(
+                f"{k} {row['tokens_per_s'][k]:.0f} tok/s ({row['speedup_vs_sdpa'][k]:.2f}x, "
+                f"{row['rows_equal_to_sdpa'][k]}/16 rows equal)"
+                for k in outs
+            )
+        )
         if device == "cuda":
             torch.cuda.empty_cache()
     return rows
@@ -385,33 +492,45 @@ def compiled_checks(device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -
     copier, mask = copier.to(dtype), COPY_MODEL["mask_token_id"]
     prompts = [[3 + i % 40] * (1 + i % 12) for i in range(16)]
     cfg = DecodingConfig(window=8, threshold=0.5, max_new_tokens=16)
-    outs = {mode: SetSampler(copier, mask_token_id=mask, context_len=32, compile=mode).generate(prompts, cfg)
-            for mode in ("off", "on")}
+    outs = {
+        mode: SetSampler(copier, mask_token_id=mask, context_len=32, compile=mode).generate(prompts, cfg)
+        for mode in ("off", "on")
+    }
     equal = sum(a.tokens == b.tokens for a, b in zip(outs["on"].rows, outs["off"].rows))
     result = {"parity": {"rows_equal": equal, "rows": len(prompts), "ok": equal == len(prompts)}, "timing": []}
-    print(f"compiled steps parity: {equal}/{len(prompts)} rows equal to eager", "OK" if equal == len(prompts) else "FAIL")
+    print(
+        f"compiled steps parity: {equal}/{len(prompts)} rows equal to eager", "OK" if equal == len(prompts) else "FAIL"
+    )
     model, mask, prompts, cfg = timing_workload(device, dtype)
-    samplers = {mode: SetSampler(model, mask_token_id=mask, context_len=TIMING_MODEL["max_seq_len"], compile=mode)
-                for mode in ("off", "on")}
+    samplers = {
+        mode: SetSampler(model, mask_token_id=mask, context_len=TIMING_MODEL["max_seq_len"], compile=mode)
+        for mode in ("off", "on")
+    }
     for batch in (1, 16):
         start = time.perf_counter()
-        samplers["on"].generate(prompts[:max(batch, 2)], cfg, batch_size=batch)  # compile and capture
+        samplers["on"].generate(prompts[: max(batch, 2)], cfg, batch_size=batch)  # compile and capture
         warm = time.perf_counter() - start
         row = {"batch": batch, "warm_up_s": warm}
         for mode, s in samplers.items():
-            out = s.generate(prompts[:max(batch, 2)], cfg, batch_size=batch)
+            out = s.generate(prompts[: max(batch, 2)], cfg, batch_size=batch)
             row[f"ms_per_forward_{mode}"] = 1e3 * out.metrics.forward_s / out.metrics.forwards
         row["speedup"] = row["ms_per_forward_off"] / row["ms_per_forward_on"]
         result["timing"].append(row)
-        print(f"compiled steps batch {batch:>2}: {row['ms_per_forward_on']:.2f} ms/forward against "
-              f"{row['ms_per_forward_off']:.2f} eager ({row['speedup']:.2f}x), warm-up {warm:.1f} s")
+        print(
+            f"compiled steps batch {batch:>2}: {row['ms_per_forward_on']:.2f} ms/forward against "
+            f"{row['ms_per_forward_off']:.2f} eager ({row['speedup']:.2f}x), warm-up {warm:.1f} s"
+        )
     return result
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sections", nargs="+", choices=["parity", "kernels", "sampler", "compiled", "train"],
-                        default=["parity", "kernels", "sampler", "compiled", "train"])
+    parser.add_argument(
+        "--sections",
+        nargs="+",
+        choices=["parity", "kernels", "sampler", "compiled", "train"],
+        default=["parity", "kernels", "sampler", "compiled", "train"],
+    )
     sections = parser.parse_args(argv).sections
     if not torch.cuda.is_available():
         raise SystemExit("gpu_check needs a CUDA GPU")
@@ -428,12 +547,12 @@ def main(argv: list[str] | None = None) -> None:
     if "train" in sections:
         ours = train_step("fused")
         baseline = train_step("sdpa")
-        print(f"fused vs dense-mask sdpa training step: {baseline['step_s'] / ours['step_s']:.2f}x; "
-              f"MFU {ours['mfu']}")
+        print(f"fused vs dense-mask sdpa training step: {baseline['step_s'] / ours['step_s']:.2f}x; MFU {ours['mfu']}")
         results["train"] = [ours, baseline]
     te_ok, te_why = te_fused.te_status()
-    results["fp8"] = "see kernels.parity te_fp8 rows" if te_ok and "kernels" in sections else (
-        f"not verified ({te_why})")
+    results["fp8"] = (
+        "see kernels.parity te_fp8 rows" if te_ok and "kernels" in sections else (f"not verified ({te_why})")
+    )
     print("FP8 attention:", results["fp8"])
     save_results("gpu_check", results)
 

@@ -32,8 +32,15 @@ VOCAB = 4097
 
 def _model(context: int) -> SetDiffusionTransformer:
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=VOCAB, mask_token_id=VOCAB - 1, hidden_size=64, num_layers=2, num_heads=2,
-                      num_kv_heads=1, max_seq_len=context)
+    cfg = ModelConfig(
+        vocab_size=VOCAB,
+        mask_token_id=VOCAB - 1,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        max_seq_len=context,
+    )
     return SetDiffusionTransformer(cfg).eval()
 
 
@@ -53,10 +60,17 @@ def run(context: int, new_tokens: int, prefill_chunk: int) -> dict:
     cache = caches[0]
     cache_bytes = cache.keys.nbytes + cache.values.nbytes
     m = out.metrics
-    return {"context": context, "new_tokens": out.rows[0].num_decoded, "prefill_s": m.prefill_s,
-            "decode_s": seconds - m.prefill_s, "decode_tokens_per_s": out.rows[0].num_decoded / (seconds - m.prefill_s),
-            "forwards": m.forwards, "cache_slots": cache.capacity, "cache_bytes_per_token": cache_bytes / cache.capacity,
-            "peak_growth_bytes_per_token": growth / context}
+    return {
+        "context": context,
+        "new_tokens": out.rows[0].num_decoded,
+        "prefill_s": m.prefill_s,
+        "decode_s": seconds - m.prefill_s,
+        "decode_tokens_per_s": out.rows[0].num_decoded / (seconds - m.prefill_s),
+        "forwards": m.forwards,
+        "cache_slots": cache.capacity,
+        "cache_bytes_per_token": cache_bytes / cache.capacity,
+        "peak_growth_bytes_per_token": growth / context,
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -67,10 +81,14 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     print("machine:", machine_info())
     rows = [run(c, args.new_tokens, args.prefill_chunk) for c in args.contexts]
-    print(f"{'context':>8} {'prefill s':>10} {'decode s':>9} {'tok/s':>7} {'cache B/token':>14} {'peak growth B/token':>20}")
+    print(
+        f"{'context':>8} {'prefill s':>10} {'decode s':>9} {'tok/s':>7} {'cache B/token':>14} {'peak growth B/token':>20}"
+    )
     for r in rows:
-        print(f"{r['context']:>8} {r['prefill_s']:>10.2f} {r['decode_s']:>9.2f} {r['decode_tokens_per_s']:>7.2f} "
-              f"{r['cache_bytes_per_token']:>14.0f} {r['peak_growth_bytes_per_token']:>20.0f}")
+        print(
+            f"{r['context']:>8} {r['prefill_s']:>10.2f} {r['decode_s']:>9.2f} {r['decode_tokens_per_s']:>7.2f} "
+            f"{r['cache_bytes_per_token']:>14.0f} {r['peak_growth_bytes_per_token']:>20.0f}"
+        )
     path = save_results("long_context", {"args": vars(args), "rows": rows})
     print(f"results: {path}")
     return {"rows": rows}

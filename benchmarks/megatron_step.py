@@ -13,8 +13,9 @@ from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.recipes import Recipe
 
 
-def megatron_step(recipe_dict: dict, *, vocab_size: int, mask_token_id: int,
-                  batches: list[TwoStreamBatch]) -> tuple[Callable[[], None], ModelConfig]:
+def megatron_step(
+    recipe_dict: dict, *, vocab_size: int, mask_token_id: int, batches: list[TwoStreamBatch]
+) -> tuple[Callable[[], None], ModelConfig]:
     """(a closure running one optimizer step over `batches`, the model config). The process
     joins the job's group as `setdiff train` does (a world of one without a launcher)."""
     from setdiff_megatron.training.engines.megatron import MegatronEngine

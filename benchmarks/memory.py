@@ -52,7 +52,7 @@ from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 IMPLS = ("dense", "sdpa", "fused")
 TRAIN_TOKENS = 1024  # sequence tokens per training batch: batch = TRAIN_TOKENS // L
 SAMPLE_BATCH, WINDOW, COMMITS = 16, 8, 2  # a decode step: COMMITS commits then WINDOW queries
-MIB = 2 ** 20
+MIB = 2**20
 
 
 # --------------------------------------------------------------------------------------------
@@ -149,8 +149,13 @@ def in_fresh_process(jobs: list[tuple]) -> list[dict]:
 # training
 
 
-def forward_backward(model: SetDiffusionTransformer, clean: torch.Tensor, query: torch.Tensor,
-                     positions: torch.Tensor, targets: torch.Tensor) -> None:
+def forward_backward(
+    model: SetDiffusionTransformer,
+    clean: torch.Tensor,
+    query: torch.Tensor,
+    positions: torch.Tensor,
+    targets: torch.Tensor,
+) -> None:
     logits = model(clean, query, positions)
     F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
 
@@ -191,13 +196,19 @@ def training_rows(lengths: list[int], device: str) -> list[dict]:
     for length, batch in shapes:
         peaks = {impl: next(results) for impl in IMPLS}
         for impl, p in peaks.items():
-            rows.append({
-                "workload": "training", "L": length, "batch": batch, "attention": impl, **p,
-                "bytes_per_token": p["step_bytes"] / (batch * length),
-                "ratio_vs_dense": peaks["dense"]["step_bytes"] / p["step_bytes"],
-                "ratio_vs_sdpa": peaks["sdpa"]["step_bytes"] / p["step_bytes"],
-                "dense_scores_bytes_per_layer": batch * MODEL["num_heads"] * (2 * length) ** 2 * 4,
-            })
+            rows.append(
+                {
+                    "workload": "training",
+                    "L": length,
+                    "batch": batch,
+                    "attention": impl,
+                    **p,
+                    "bytes_per_token": p["step_bytes"] / (batch * length),
+                    "ratio_vs_dense": peaks["dense"]["step_bytes"] / p["step_bytes"],
+                    "ratio_vs_sdpa": peaks["sdpa"]["step_bytes"] / p["step_bytes"],
+                    "dense_scores_bytes_per_layer": batch * MODEL["num_heads"] * (2 * length) ** 2 * 4,
+                }
+            )
     return rows
 
 
@@ -227,15 +238,24 @@ class GrowingCache:
         shape = (batch_size, cfg.num_kv_heads, 0, cfg.head_dim)
         return cls(*([p.new_empty(shape) for _ in range(cfg.num_layers)] for _ in ("keys", "values")))
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, num_commit: int,
-               commit_valid: None = None) -> torch.Tensor:
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        num_commit: int,
+        commit_valid: None = None,
+    ) -> torch.Tensor:
         self.keys[layer] = keys = torch.cat([self.keys[layer], k], dim=2)
         self.values[layer] = values = torch.cat([self.values[layer], v], dim=2)
         if layer == 0:
             self._num_commit = num_commit
             allowed = step_mask(num_commit, q.shape[2] - num_commit, self.length, device=q.device)
             self._bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(
-                ~allowed, torch.finfo(q.dtype).min)
+                ~allowed, torch.finfo(q.dtype).min
+            )
         groups = q.shape[1] // k.shape[1]
         keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
         scores = q @ keys.transpose(-1, -2) / math.sqrt(q.shape[-1]) + self._bias
@@ -244,8 +264,8 @@ class GrowingCache:
     def advance(self) -> None:
         """Crop to the commits (rows commit alike)."""
         self.length += self._num_commit
-        self.keys = [k[:, :, :self.length] for k in self.keys]
-        self.values = [v[:, :, :self.length] for v in self.values]
+        self.keys = [k[:, :, : self.length] for k in self.keys]
+        self.values = [v[:, :, : self.length] for v in self.values]
 
     def held(self) -> tuple[int, int]:
         """(bytes, token slots) of the storage the cache keeps alive, all rows."""
@@ -277,9 +297,14 @@ def sampling_peak(kind: str, context: int, device: str) -> dict:
             model.step(prompt, positions[:, :cached], cache, cached)
             held, slots = our_cache_held(cache) if ours else cache.held()
             with m.window("step"):
-                logits = model.step(tokens, positions[:, cached:cached + tokens.shape[1]], cache, COMMITS)
-    return {"cached_tokens": SAMPLE_BATCH * cached, "cache_bytes": held, "cache_slots": slots,
-            "step_bytes": m.peaks()["step"], "logits": logits.cpu().numpy()}
+                logits = model.step(tokens, positions[:, cached : cached + tokens.shape[1]], cache, COMMITS)
+    return {
+        "cached_tokens": SAMPLE_BATCH * cached,
+        "cache_bytes": held,
+        "cache_slots": slots,
+        "step_bytes": m.peaks()["step"],
+        "logits": logits.cpu().numpy(),
+    }
 
 
 def sampling_rows(contexts: list[int], device: str) -> list[dict]:
@@ -288,15 +313,22 @@ def sampling_rows(contexts: list[int], device: str) -> list[dict]:
     rows = []
     for context in contexts:
         ref, ours = next(results), next(results)
-        torch.testing.assert_close(torch.from_numpy(ours.pop("logits")), torch.from_numpy(ref.pop("logits")),
-                                   atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            torch.from_numpy(ours.pop("logits")), torch.from_numpy(ref.pop("logits")), atol=1e-4, rtol=1e-4
+        )
         for kind, p in zip(kinds, (ref, ours)):
-            rows.append({
-                "workload": "sampling", "context": context, "batch": SAMPLE_BATCH, "cache": kind, **p,
-                "cache_bytes_per_slot": p["cache_bytes"] / p["cache_slots"],
-                "step_bytes_per_cached_token": p["step_bytes"] / p["cached_tokens"],
-                "decode_bytes_per_cached_token": (p["cache_bytes"] + p["step_bytes"]) / p["cached_tokens"],
-            })
+            rows.append(
+                {
+                    "workload": "sampling",
+                    "context": context,
+                    "batch": SAMPLE_BATCH,
+                    "cache": kind,
+                    **p,
+                    "cache_bytes_per_slot": p["cache_bytes"] / p["cache_slots"],
+                    "step_bytes_per_cached_token": p["step_bytes"] / p["cached_tokens"],
+                    "decode_bytes_per_cached_token": (p["cache_bytes"] + p["step_bytes"]) / p["cached_tokens"],
+                }
+            )
         per_token = [r["decode_bytes_per_cached_token"] for r in rows[-2:]]
         rows[-1]["ratio_vs_reference"] = per_token[0] / per_token[1]
     return rows
@@ -308,23 +340,33 @@ def sampling_rows(contexts: list[int], device: str) -> list[dict]:
 
 def print_training(rows: list[dict]) -> None:
     print(f"\ntraining, forward + backward, {TRAIN_TOKENS} sequence tokens per batch; peak above weights and grads")
-    print(f"{'L':>5} {'batch':>5} {'attention':>9} {'peak MiB':>9} {'KiB/token':>9} {'dense/this':>10} "
-          f"{'sdpa/this':>9} {'scores/layer MiB':>16} {'RSS MiB':>8}")
+    print(
+        f"{'L':>5} {'batch':>5} {'attention':>9} {'peak MiB':>9} {'KiB/token':>9} {'dense/this':>10} "
+        f"{'sdpa/this':>9} {'scores/layer MiB':>16} {'RSS MiB':>8}"
+    )
     for r in rows:
-        print(f"{r['L']:>5} {r['batch']:>5} {r['attention']:>9} {r['step_bytes'] / MIB:>9.1f} "
-              f"{r['bytes_per_token'] / 1024:>9.1f} {r['ratio_vs_dense']:>9.2f}x {r['ratio_vs_sdpa']:>8.2f}x "
-              f"{r['dense_scores_bytes_per_layer'] / MIB:>16.1f} {r['rss_bytes'] / MIB:>8.1f}")
+        print(
+            f"{r['L']:>5} {r['batch']:>5} {r['attention']:>9} {r['step_bytes'] / MIB:>9.1f} "
+            f"{r['bytes_per_token'] / 1024:>9.1f} {r['ratio_vs_dense']:>9.2f}x {r['ratio_vs_sdpa']:>8.2f}x "
+            f"{r['dense_scores_bytes_per_layer'] / MIB:>16.1f} {r['rss_bytes'] / MIB:>8.1f}"
+        )
 
 
 def print_sampling(rows: list[dict]) -> None:
-    print(f"\nsampling, one decode step ({COMMITS} commits, {WINDOW} queries) at batch {SAMPLE_BATCH} "
-          f"over context - {2 * WINDOW} cached tokens; reference = growing DynamicCache + eager float mask")
-    print(f"{'context':>7} {'cache':>9} {'cache B/slot':>12} {'step B/cached':>13} {'decode B/cached':>15} "
-          f"{'ref/ours':>8}")
+    print(
+        f"\nsampling, one decode step ({COMMITS} commits, {WINDOW} queries) at batch {SAMPLE_BATCH} "
+        f"over context - {2 * WINDOW} cached tokens; reference = growing DynamicCache + eager float mask"
+    )
+    print(
+        f"{'context':>7} {'cache':>9} {'cache B/slot':>12} {'step B/cached':>13} {'decode B/cached':>15} "
+        f"{'ref/ours':>8}"
+    )
     for r in rows:
         ratio = f"{r['ratio_vs_reference']:>7.2f}x" if "ratio_vs_reference" in r else ""
-        print(f"{r['context']:>7} {r['cache']:>9} {r['cache_bytes_per_slot']:>12.0f} "
-              f"{r['step_bytes_per_cached_token']:>13.0f} {r['decode_bytes_per_cached_token']:>15.0f} {ratio:>8}")
+        print(
+            f"{r['context']:>7} {r['cache']:>9} {r['cache_bytes_per_slot']:>12.0f} "
+            f"{r['step_bytes_per_cached_token']:>13.0f} {r['decode_bytes_per_cached_token']:>15.0f} {ratio:>8}"
+        )
 
 
 def targets(result: dict) -> list[tuple[str, float | None, str, float]]:
@@ -332,11 +374,19 @@ def targets(result: dict) -> list[tuple[str, float | None, str, float]]:
     out = []
     for r in result["rows"]:
         if r.get("attention") == "fused":
-            out += [(f"peak training memory per token, dense-mask / fused, L={r['L']}", r["ratio_vs_dense"], ">=", 1.0),
-                    (f"peak training memory per token, masked SDPA / fused, L={r['L']}", r["ratio_vs_sdpa"], ">=", 1.0)]
+            out += [
+                (f"peak training memory per token, dense-mask / fused, L={r['L']}", r["ratio_vs_dense"], ">=", 1.0),
+                (f"peak training memory per token, masked SDPA / fused, L={r['L']}", r["ratio_vs_sdpa"], ">=", 1.0),
+            ]
         if "ratio_vs_reference" in r:
-            out.append((f"peak decode memory per cached token, reference cache / ours, context {r['context']}",
-                        r["ratio_vs_reference"], ">=", 1.0))
+            out.append(
+                (
+                    f"peak decode memory per cached token, reference cache / ours, context {r['context']}",
+                    r["ratio_vs_reference"],
+                    ">=",
+                    1.0,
+                )
+            )
     return out
 
 
@@ -347,8 +397,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args(argv)
     print("machine:", machine_info())
-    print(f"model: {MODEL}; each configuration in a fresh process; "
-          f"{'torch.cuda.max_memory_allocated' if args.device == 'cuda' else 'profiler allocator events'}")
+    print(
+        f"model: {MODEL}; each configuration in a fresh process; "
+        f"{'torch.cuda.max_memory_allocated' if args.device == 'cuda' else 'profiler allocator events'}"
+    )
     training, sampling = training_rows(args.lengths, args.device), sampling_rows(args.contexts, args.device)
     print_training(training)
     print_sampling(sampling)

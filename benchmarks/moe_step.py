@@ -39,16 +39,30 @@ from typing import Callable
 import torch
 
 from benchmarks.machine import machine_info, save_results
-from benchmarks.parallel_scaling import (LENGTH, MASK_TOKEN_ID, MICRO_BATCH, MODEL, NUM_MICROBATCHES, VOCAB_SIZE,
-                                         global_batch, recipe_dict)
+from benchmarks.parallel_scaling import (
+    LENGTH,
+    MASK_TOKEN_ID,
+    MICRO_BATCH,
+    MODEL,
+    NUM_MICROBATCHES,
+    VOCAB_SIZE,
+    global_batch,
+    recipe_dict,
+)
 from setdiff_megatron.distributed.runtime import torchrun_argv
 
 ROOT = Path(__file__).parents[1]
 HIDDEN_SIZE = 128
 DENSE = {"intermediate_size": 512}
 MOE = DENSE | {"num_experts": 8, "moe_top_k": 2, "moe_intermediate_size": 256}
-DISPATCH_METHODS = ("dispatch_preprocess", "token_dispatch", "dispatch_postprocess",
-                    "combine_preprocess", "token_combine", "combine_postprocess")
+DISPATCH_METHODS = (
+    "dispatch_preprocess",
+    "token_dispatch",
+    "dispatch_postprocess",
+    "combine_preprocess",
+    "token_combine",
+    "combine_postprocess",
+)
 
 
 class DispatcherClock:
@@ -127,8 +141,10 @@ def median_steps(steps: dict[str, Callable[[], None]], clock: DispatcherClock, c
             step()
             seconds = time.perf_counter() - start
             runs[name].append((seconds, clock.seconds / seconds))
-    return {name: {"seconds": statistics.median(s for s, _ in r),
-                   "dispatcher_share": statistics.median(d for _, d in r)} for name, r in runs.items()}
+    return {
+        name: {"seconds": statistics.median(s for s, _ in r), "dispatcher_share": statistics.median(d for _, d in r)}
+        for name, r in runs.items()
+    }
 
 
 def synced(step: Callable[[], None]) -> Callable[[], None]:
@@ -153,7 +169,7 @@ def _worker(out: Path, ep: int, count: int) -> None:
     from setdiff_megatron.distributed.runtime import rank, shutdown, world_size
 
     models = {"MoE": MOE} if ep > 1 else {"dense": DENSE, "MoE": MOE}
-    batches = global_batch()[rank()::world_size()]
+    batches = global_batch()[rank() :: world_size()]
     steps, params = {}, {}
     for name, model in models.items():
         recipe = recipe_dict({"ep": ep}, HIDDEN_SIZE)
@@ -163,8 +179,9 @@ def _worker(out: Path, ep: int, count: int) -> None:
         params[name] = {"active_params": cfg.num_params(active=True), "total_params": cfg.num_params()}
     results = median_steps(steps, time_dispatchers(), count)
     if rank() == 0:
-        out.write_text(json.dumps({f"{name} EP={ep}" if name == "MoE" else name: results[name] | params[name]
-                                   for name in models}))
+        out.write_text(
+            json.dumps({f"{name} EP={ep}" if name == "MoE" else name: results[name] | params[name] for name in models})
+        )
     shutdown()
 
 
@@ -172,8 +189,9 @@ def run_workers(ep: int, count: int, directory: Path) -> dict[str, dict]:
     """The worker's results at expert parallelism `ep`, in `ep` fresh processes (megatron's CPU
     mode and parallel state are per process)."""
     out = directory / f"ep{ep}.json"
-    argv = torchrun_argv(ep, ["--worker", str(out), "--ep", str(ep), "--steps", str(count)],
-                         module="benchmarks.moe_step")
+    argv = torchrun_argv(
+        ep, ["--worker", str(out), "--ep", str(ep), "--steps", str(count)], module="benchmarks.moe_step"
+    )
     subprocess.run(argv, cwd=ROOT, env=os.environ | {"OMP_NUM_THREADS": "1"}, check=True)
     return json.loads(out.read_text())
 
@@ -185,18 +203,29 @@ def rows_from(results: dict[str, dict]) -> list[dict]:
     rows = []
     for name, (baseline, seconds) in against.items():
         r = results[name]
-        rows.append({"workload": name, "processes": 2 if name == "MoE EP=2" else 1, **r,
-                     "baseline": baseline, "ratio": r["seconds"] / seconds})
+        rows.append(
+            {
+                "workload": name,
+                "processes": 2 if name == "MoE EP=2" else 1,
+                **r,
+                "baseline": baseline,
+                "ratio": r["seconds"] / seconds,
+            }
+        )
     return rows
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'workload':<10} {'procs':>5} {'active':>9} {'total':>9} {'step s':>7} {'against':>13} {'ratio':>7} "
-          f"{'dispatcher':>10}")
+    print(
+        f"{'workload':<10} {'procs':>5} {'active':>9} {'total':>9} {'step s':>7} {'against':>13} {'ratio':>7} "
+        f"{'dispatcher':>10}"
+    )
     for r in rows:
         share = f"{r['dispatcher_share']:>10.1%}" if r["workload"] != "dense" else f"{'-':>10}"
-        print(f"{r['workload']:<10} {r['processes']:>5} {r['active_params']:>9,} {r['total_params']:>9,} "
-              f"{r['seconds']:>7.3f} {r['baseline']:>13} {r['ratio']:>6.2f}x {share}")
+        print(
+            f"{r['workload']:<10} {r['processes']:>5} {r['active_params']:>9,} {r['total_params']:>9,} "
+            f"{r['seconds']:>7.3f} {r['baseline']:>13} {r['ratio']:>6.2f}x {share}"
+        )
 
 
 def targets(result: dict) -> list[tuple[str, float | None, str, float]]:
@@ -214,15 +243,26 @@ def main(argv: list[str] | None = None) -> dict:
         _worker(args.worker, args.ep, args.steps)
         return {}
     print("machine:", machine_info())
-    print(f"model: hidden {HIDDEN_SIZE}, {MODEL['num_layers']} layers, vocab {VOCAB_SIZE}, L={LENGTH}; "
-          f"dense {DENSE}, MoE {MOE}; {NUM_MICROBATCHES} micro-batches of {MICRO_BATCH}; fp32 AdamW step, "
-          f"1 thread per process, median of {args.steps}")
+    print(
+        f"model: hidden {HIDDEN_SIZE}, {MODEL['num_layers']} layers, vocab {VOCAB_SIZE}, L={LENGTH}; "
+        f"dense {DENSE}, MoE {MOE}; {NUM_MICROBATCHES} micro-batches of {MICRO_BATCH}; fp32 AdamW step, "
+        f"1 thread per process, median of {args.steps}"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         results = run_workers(1, args.steps, Path(tmp)) | run_workers(2, args.steps, Path(tmp))
     rows = rows_from(results)
     print_table(rows)
-    path = save_results("moe_step", {"args": {"steps": args.steps}, "hidden_size": HIDDEN_SIZE, "dense": DENSE,
-                                     "moe": MOE, "threads_per_process": 1, "rows": rows})
+    path = save_results(
+        "moe_step",
+        {
+            "args": {"steps": args.steps},
+            "hidden_size": HIDDEN_SIZE,
+            "dense": DENSE,
+            "moe": MOE,
+            "threads_per_process": 1,
+            "rows": rows,
+        },
+    )
     print(f"results: {path}")
     return {"rows": rows}
 

@@ -62,9 +62,13 @@ def recipe_dict(parallel: dict, hidden_size: int, work: Workload = Workload()) -
     """The benchmark's recipe under one layout; everything but the layout is shared."""
     return {
         "model": MODEL | dict(work.model) | {"hidden_size": hidden_size, "max_seq_len": work.length},
-        "data": {"seq_len": work.length}, "train": {"precision": "fp32", "steps": 10, "warmup_steps": 0},
-        "parallel": {"micro_batch_size": work.micro_batch,
-                     "global_batch_size": work.micro_batch * work.num_microbatches, **parallel},
+        "data": {"seq_len": work.length},
+        "train": {"precision": "fp32", "steps": 10, "warmup_steps": 0},
+        "parallel": {
+            "micro_batch_size": work.micro_batch,
+            "global_batch_size": work.micro_batch * work.num_microbatches,
+            **parallel,
+        },
     }
 
 
@@ -79,12 +83,14 @@ def global_batch(work: Workload = Workload()) -> list:
     return [sample_two_stream_batch(t, Staggered(d=4), mask_token_id=MASK_TOKEN_ID, generator=gen) for t in tokens]
 
 
-def _rank(rank: int, world: int, port: int, parallel: dict, hidden_size: int, repeats: int, out: SimpleQueue,
-          work: Workload) -> None:
+def _rank(
+    rank: int, world: int, port: int, parallel: dict, hidden_size: int, repeats: int, out: SimpleQueue, work: Workload
+) -> None:
     """One rank of a layout: join the group as `setdiff train` does, time best-of-N steps, and
     report the step time and rank 0's peak memory growth over the steps (bytes)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world)
+    )
     torch.set_num_threads(1)
     from setdiff_megatron.distributed.megatron_cpu import quiet_known_warnings
 
@@ -111,14 +117,20 @@ def _rank(rank: int, world: int, port: int, parallel: dict, hidden_size: int, re
     shutdown()
 
 
-def layout_run(world: int, parallel: dict, hidden_size: int, repeats: int,
-               work: Workload = Workload()) -> tuple[float, int]:
+def layout_run(
+    world: int, parallel: dict, hidden_size: int, repeats: int, work: Workload = Workload()
+) -> tuple[float, int]:
     """(best step time, peak memory growth of rank 0 over the steps) of one layout, in `world`
     fresh spawned processes of one thread each."""
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
-    mp.start_processes(_rank, args=(world, free_port(), parallel, hidden_size, repeats, out, work), nprocs=world,
-                       join=True, start_method="spawn")
+    mp.start_processes(
+        _rank,
+        args=(world, free_port(), parallel, hidden_size, repeats, out, work),
+        nprocs=world,
+        join=True,
+        start_method="spawn",
+    )
     return out.get()
 
 
@@ -139,16 +151,21 @@ def rows_from(seconds: dict[str, float]) -> list[dict]:
 def print_table(rows: list[dict]) -> None:
     print(f"{'layout':<16} {'ideal s':>9} {'ours s':>9} {'ratio':>7} {'bubble-adj ideal s':>19} {'ratio':>7}")
     for r in rows:
-        bubble = (f"{r['bubble_ideal_seconds']:>19.3f} {r['ratio_vs_bubble_ideal']:>6.2f}x"
-                  if "bubble_ideal_seconds" in r else "")
+        bubble = (
+            f"{r['bubble_ideal_seconds']:>19.3f} {r['ratio_vs_bubble_ideal']:>6.2f}x"
+            if "bubble_ideal_seconds" in r
+            else ""
+        )
         print(f"{r['layout']:<16} {r['ideal_seconds']:>9.3f} {r['seconds']:>9.3f} {r['ratio']:>6.2f}x {bubble}")
 
 
 def targets(result: dict) -> list[tuple[str, float | None, str, float]]:
     """The suite's targets: TP=2 and PP=2 step time within TARGET x of the ideal split."""
     ratio = {r["layout"]: r["ratio"] for r in result["rows"]}
-    return [("TP=2 step time vs ideal split, CPU gloo", ratio.get("TP=2"), "<=", TARGET),
-            ("PP=2 step time vs ideal split, CPU gloo", ratio.get("PP=2"), "<=", TARGET)]
+    return [
+        ("TP=2 step time vs ideal split, CPU gloo", ratio.get("TP=2"), "<=", TARGET),
+        ("PP=2 step time vs ideal split, CPU gloo", ratio.get("PP=2"), "<=", TARGET),
+    ]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -158,16 +175,28 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     model = MODEL | {"hidden_size": args.hidden_size}
     print("machine:", machine_info())
-    print(f"model: {model}, vocab {VOCAB_SIZE}, L={LENGTH}; {NUM_MICROBATCHES} micro-batches of {MICRO_BATCH}; "
-          f"fp32 AdamW step, 1 thread per process, best of {args.repeats}; ideal = T1 / ranks")
-    seconds = {name: layout_run(world, parallel, args.hidden_size, args.repeats)[0]
-               for name, (world, parallel) in LAYOUTS.items()}
+    print(
+        f"model: {model}, vocab {VOCAB_SIZE}, L={LENGTH}; {NUM_MICROBATCHES} micro-batches of {MICRO_BATCH}; "
+        f"fp32 AdamW step, 1 thread per process, best of {args.repeats}; ideal = T1 / ranks"
+    )
+    seconds = {
+        name: layout_run(world, parallel, args.hidden_size, args.repeats)[0]
+        for name, (world, parallel) in LAYOUTS.items()
+    }
     rows = rows_from(seconds)
     print_table(rows)
     name = "parallel_scaling" if args.hidden_size == MODEL["hidden_size"] else f"parallel_scaling_h{args.hidden_size}"
-    path = save_results(name, {
-        "args": vars(args), "model": model | {"vocab_size": VOCAB_SIZE, "seq_len": LENGTH},
-        "micro_batch_size": MICRO_BATCH, "num_microbatches": NUM_MICROBATCHES, "threads_per_process": 1, "rows": rows})
+    path = save_results(
+        name,
+        {
+            "args": vars(args),
+            "model": model | {"vocab_size": VOCAB_SIZE, "seq_len": LENGTH},
+            "micro_batch_size": MICRO_BATCH,
+            "num_microbatches": NUM_MICROBATCHES,
+            "threads_per_process": 1,
+            "rows": rows,
+        },
+    )
     print(f"results: {path}")
     return {"rows": rows}
 

@@ -62,8 +62,14 @@ def run_clients(url: str, model: str, requests: list[dict], clients: int) -> dic
                     return
                 i, req = todo.pop(0)
             start, first, tokens = time.perf_counter(), None, 0
-            stream = client.completions.create(model=model, prompt=req["prompt"], max_tokens=req["max_tokens"],
-                                               temperature=0, stream=True, stream_options={"include_usage": True})
+            stream = client.completions.create(
+                model=model,
+                prompt=req["prompt"],
+                max_tokens=req["max_tokens"],
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
             for chunk in stream:
                 if chunk.choices and chunk.choices[0].text and first is None:
                     first = time.perf_counter() - start
@@ -71,8 +77,9 @@ def run_clients(url: str, model: str, requests: list[dict], clients: int) -> dic
                     tokens = chunk.usage.completion_tokens
             end = time.perf_counter() - start
             with lock:
-                records.append({"index": i, "latency_s": end, "ttft_s": first if first is not None else end,
-                                "tokens": tokens})
+                records.append(
+                    {"index": i, "latency_s": end, "ttft_s": first if first is not None else end, "tokens": tokens}
+                )
 
     start = time.perf_counter()
     threads = [threading.Thread(target=worker) for _ in range(clients)]
@@ -83,10 +90,17 @@ def run_clients(url: str, model: str, requests: list[dict], clients: int) -> dic
     wall = time.perf_counter() - start
     latency, ttft = [r["latency_s"] for r in records], [r["ttft_s"] for r in records]
     tokens = sum(r["tokens"] for r in records)
-    return {"requests": len(records), "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
-            "latency_p50_s": percentile(latency, 0.5), "latency_p99_s": percentile(latency, 0.99),
-            "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
-            "mean_tokens": statistics.mean(r["tokens"] for r in records)}
+    return {
+        "requests": len(records),
+        "tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+        "latency_p50_s": percentile(latency, 0.5),
+        "latency_p99_s": percentile(latency, 0.99),
+        "ttft_p50_s": percentile(ttft, 0.5),
+        "ttft_p99_s": percentile(ttft, 0.99),
+        "mean_tokens": statistics.mean(r["tokens"] for r in records),
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -98,41 +112,57 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--compile", default="off", choices=["off", "auto", "on"])
     args = parser.parse_args(argv)
     if not args.source.exists():
-        raise SystemExit(f"benchmarks.serving: no model at {args.source}; train the README's main job first "
-                         "(setdiff train recipes/tiny-reasoning.yaml) or pass --source")
+        raise SystemExit(
+            f"benchmarks.serving: no model at {args.source}; train the README's main job first "
+            "(setdiff train recipes/tiny-reasoning.yaml) or pass --source"
+        )
     from setdiff_megatron.serving.local import LiveServer
 
     requests = request_set(args.requests)
     print("machine:", machine_info())
-    print(f"source {args.source}; {len(requests)} requests (max_tokens 8-48, EOS after the answer), "
-          f"{args.clients} concurrent streaming clients, batch size {args.batch_size}")
+    print(
+        f"source {args.source}; {len(requests)} requests (max_tokens 8-48, EOS after the answer), "
+        f"{args.clients} concurrent streaming clients, batch size {args.batch_size}"
+    )
     rows = {}
     for batching in ("continuous", "static"):
-        live = LiveServer(args.source, "--batch-size", str(args.batch_size), "--batching", batching,
-                          "--compile", args.compile)
+        live = LiveServer(
+            args.source, "--batch-size", str(args.batch_size), "--batching", batching, "--compile", args.compile
+        )
         try:
-            run_clients(live.url, live.model_name, requests[:args.clients], args.clients)  # warm-up
+            run_clients(live.url, live.model_name, requests[: args.clients], args.clients)  # warm-up
             rows[batching] = run_clients(live.url, live.model_name, requests, args.clients)
         finally:
             live.stop()
-    print(f"{'batching':>10} {'tokens/s':>9} {'lat p50':>8} {'lat p99':>8} {'ttft p50':>8} {'ttft p99':>8} "
-          f"{'tok/req':>7}")
+    print(
+        f"{'batching':>10} {'tokens/s':>9} {'lat p50':>8} {'lat p99':>8} {'ttft p50':>8} {'ttft p99':>8} {'tok/req':>7}"
+    )
     for name, r in rows.items():
-        print(f"{name:>10} {r['tokens_per_s']:>9.1f} {r['latency_p50_s']:>8.2f} {r['latency_p99_s']:>8.2f} "
-              f"{r['ttft_p50_s']:>8.2f} {r['ttft_p99_s']:>8.2f} {r['mean_tokens']:>7.1f}")
+        print(
+            f"{name:>10} {r['tokens_per_s']:>9.1f} {r['latency_p50_s']:>8.2f} {r['latency_p99_s']:>8.2f} "
+            f"{r['ttft_p50_s']:>8.2f} {r['ttft_p99_s']:>8.2f} {r['mean_tokens']:>7.1f}"
+        )
     ratio = rows["continuous"]["tokens_per_s"] / rows["static"]["tokens_per_s"]
     ttft = rows["continuous"]["ttft_p99_s"] / rows["static"]["ttft_p99_s"]
-    print(f"continuous / static throughput: {ratio:.2f}x (target >= 1.0x); p99 time to first token: "
-          f"{ttft:.2f} of static's (target <= 0.5)")
-    result = {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows, "continuous_vs_static": ratio,
-              "ttft_p99_vs_static": ttft}
+    print(
+        f"continuous / static throughput: {ratio:.2f}x (target >= 1.0x); p99 time to first token: "
+        f"{ttft:.2f} of static's (target <= 0.5)"
+    )
+    result = {
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "rows": rows,
+        "continuous_vs_static": ratio,
+        "ttft_p99_vs_static": ttft,
+    }
     print(f"results: {save_results('serving', result)}")
     return result
 
 
 def targets(result: dict) -> list[tuple[str, float | None, str, float]]:
-    return [("serving throughput, continuous vs static batching", result["continuous_vs_static"], ">=", 1.0),
-            ("serving p99 time to first token, continuous / static", result["ttft_p99_vs_static"], "<=", 0.5)]
+    return [
+        ("serving throughput, continuous vs static batching", result["continuous_vs_static"], ">=", 1.0),
+        ("serving p99 time to first token, continuous / static", result["ttft_p99_vs_static"], "<=", 0.5),
+    ]
 
 
 if __name__ == "__main__":

@@ -42,10 +42,15 @@ def batches(length: int, batch: int, count: int) -> list:
 class ReferenceForm(SetDiffusionTransformer):
     """The baseline's formulation: every layer, the last included, runs over both streams."""
 
-    def forward(self, clean_tokens: torch.Tensor, query_tokens: torch.Tensor, position_ids: torch.Tensor,
-                valid_len: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        clean_tokens: torch.Tensor,
+        query_tokens: torch.Tensor,
+        position_ids: torch.Tensor,
+        valid_len: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         hidden = self.hidden_states(clean_tokens, query_tokens, position_ids, valid_len, clean_rows=True)
-        return self.output_logits(hidden[:, clean_tokens.shape[1]:])
+        return self.output_logits(hidden[:, clean_tokens.shape[1] :])
 
 
 def build_model(impl: str, length: int) -> SetDiffusionTransformer:
@@ -84,47 +89,68 @@ def megatron_train_step(length: int, batch: int):
 
     recipe = {
         "model": {k: v for k, v in MODEL.items() if k not in ("vocab_size", "mask_token_id")} | {"max_seq_len": length},
-        "data": {"seq_len": length}, "train": {"precision": "fp32", "steps": 10, "warmup_steps": 0},
+        "data": {"seq_len": length},
+        "train": {"precision": "fp32", "steps": 10, "warmup_steps": 0},
         "parallel": {"micro_batch_size": batch, "global_batch_size": batch},
     }
-    step, _ = megatron_step(recipe, vocab_size=MODEL["vocab_size"], mask_token_id=MODEL["mask_token_id"],
-                            batches=batches(length, batch, 1))
+    step, _ = megatron_step(
+        recipe, vocab_size=MODEL["vocab_size"], mask_token_id=MODEL["mask_token_id"], batches=batches(length, batch, 1)
+    )
     return step
 
 
 def targets(result: dict) -> list[tuple[str, float | None, str, float]]:
-    return [(f"training tokens/s vs dense-mask two-stream, {r['body']} L={r['L']}", r["ratio_vs_dense"], ">=", 2.0)
-            for r in result["rows"] if r["attention"] == "fused"]
+    return [
+        (f"training tokens/s vs dense-mask two-stream, {r['body']} L={r['L']}", r["ratio_vs_dense"], ">=", 2.0)
+        for r in result["rows"]
+        if r["attention"] == "fused"
+    ]
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-megatron", action="store_true", help="skip the megatron body")
-    parser.add_argument("--compile", action="store_true",
-                        help="torch.compile every torch model, baselines included (minutes of compilation)")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile every torch model, baselines included (minutes of compilation)",
+    )
     args = parser.parse_args(argv)
     print("machine:", machine_info())
     compiled = ", torch models compiled" if args.compile else ""
-    print(f"model: {MODEL}; full AdamW step, best of {args.repeats}{compiled}; "
-          "tokens/s counts sequence tokens (L per example)")
+    print(
+        f"model: {MODEL}; full AdamW step, best of {args.repeats}{compiled}; "
+        "tokens/s counts sequence tokens (L per example)"
+    )
     header = f"{'L':>5} {'batch':>5} {'body':>9} {'attention':>10} {'tokens/s':>10} {'vs dense':>9} {'vs sdpa':>8}"
     print(header)
     rows = []
     for length, batch in SHAPES:
         tokens = length * batch
-        steps = {("torch", impl): torch_step(impl, length, batch, args.compile)
-                 for impl in ("dense", "sdpa", "fused", "free")}
+        steps = {
+            ("torch", impl): torch_step(impl, length, batch, args.compile)
+            for impl in ("dense", "sdpa", "fused", "free")
+        }
         if not args.no_megatron:
             steps[("megatron", "fused")] = megatron_train_step(length, batch)
         measured = best_times(steps, repeats=args.repeats)
         dense, sdpa = measured[("torch", "dense")], measured[("torch", "sdpa")]
         for (body, impl), seconds in measured.items():
-            row = {"L": length, "batch": batch, "body": body, "attention": impl, "tokens_per_s": tokens / seconds,
-                   "ratio_vs_dense": dense / seconds, "ratio_vs_sdpa": sdpa / seconds}
+            row = {
+                "L": length,
+                "batch": batch,
+                "body": body,
+                "attention": impl,
+                "tokens_per_s": tokens / seconds,
+                "ratio_vs_dense": dense / seconds,
+                "ratio_vs_sdpa": sdpa / seconds,
+            }
             rows.append(row)
-            print(f"{length:>5} {batch:>5} {body:>9} {impl:>10} {row['tokens_per_s']:>10.0f} "
-                  f"{row['ratio_vs_dense']:>8.2f}x {row['ratio_vs_sdpa']:>7.2f}x")
+            print(
+                f"{length:>5} {batch:>5} {body:>9} {impl:>10} {row['tokens_per_s']:>10.0f} "
+                f"{row['ratio_vs_dense']:>8.2f}x {row['ratio_vs_sdpa']:>7.2f}x"
+            )
     name = "train_throughput_compiled" if args.compile else "train_throughput"
     path = save_results(name, {"args": vars(args), "model": MODEL, "rows": rows})
     print(f"results: {path}")

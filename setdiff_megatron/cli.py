@@ -51,8 +51,13 @@ def _load_checked(args: argparse.Namespace):
 
     recipe = load_recipe(args.recipe, args.overrides)
     portable = getattr(args, "portable", False)
-    check_recipe(recipe, args.recipe, world_size=getattr(args, "world_size", None),
-                 check_paths=not portable, **({"has_gpu": True} if portable else {}))
+    check_recipe(
+        recipe,
+        args.recipe,
+        world_size=getattr(args, "world_size", None),
+        check_paths=not portable,
+        **({"has_gpu": True} if portable else {}),
+    )
     return recipe
 
 
@@ -66,8 +71,10 @@ def _recipe_show(args: argparse.Namespace) -> int:
 def _recipe_validate(args: argparse.Namespace) -> int:
     recipe = _load_checked(args)
     p = recipe.parallel
-    print(f"ok: {args.recipe} ({recipe.name}): engine {recipe.engine}, {recipe.launch.world_size} processes, "
-          f"tp {p.tp} pp {p.pp}, global batch {p.global_batch_size} x {recipe.data.seq_len} tokens")
+    print(
+        f"ok: {args.recipe} ({recipe.name}): engine {recipe.engine}, {recipe.launch.world_size} processes, "
+        f"tp {p.tp} pp {p.pp}, global batch {p.global_batch_size} x {recipe.data.seq_len} tokens"
+    )
     return 0
 
 
@@ -103,21 +110,31 @@ def _sample(args: argparse.Namespace) -> int:
     code = relaunch(args)
     if code is not None:
         return code
-    return run_sample_job(SampleJob(
-        source=args.source, prompts=args.prompts, out=args.out, decoding=decoding_from_args(args),
-        placement=placement_from_args(args), add_bos=args.add_bos, context_len=args.context_len,
-        stop_at_eos=not args.ignore_eos))
+    return run_sample_job(
+        SampleJob(
+            source=args.source,
+            prompts=args.prompts,
+            out=args.out,
+            decoding=decoding_from_args(args),
+            placement=placement_from_args(args),
+            add_bos=args.add_bos,
+            context_len=args.context_len,
+            stop_at_eos=not args.ignore_eos,
+        )
+    )
 
 
 def _add_sample_parser(sub) -> None:
     from setdiff_megatron.inference.cli_args import add_decoding_arguments, add_job_arguments
 
     sample = sub.add_parser(
-        "sample", help="decode a JSONL file of prompts with the cached set sampler",
-        description="Decode prompts ({\"prompt\": text} or {\"segments\": [text, span length, text, ...]} per "
+        "sample",
+        help="decode a JSONL file of prompts with the cached set sampler",
+        description='Decode prompts ({"prompt": text} or {"segments": [text, span length, text, ...]} per '
         "line) from a checkpoint (a run directory or step_* directory) or a Hugging Face export. Prompts are "
         "sharded over processes (--nproc, torchrun or a SLURM array via --shard/--num-shards) and the results "
-        "merged into OUT in prompt order; a rerun skips prompts already written.")
+        "merged into OUT in prompt order; a rerun skips prompts already written.",
+    )
     add_job_arguments(sample)
     sample.add_argument("--prompts", required=True, help="JSONL file of prompts")
     sample.add_argument("--out", required=True, help="JSONL results, one per prompt, in prompt order")
@@ -134,8 +151,15 @@ def _convert_to_hf(args: argparse.Namespace) -> int:
         return 0
     from setdiff_megatron.hf.export import export_to_hf
 
-    report = export_to_hf(args.checkpoint, args.out_dir, dtype=args.dtype, shard_size=args.shard_size,
-                          overwrite=args.overwrite, check=args.check, tolerance=args.tolerance)
+    report = export_to_hf(
+        args.checkpoint,
+        args.out_dir,
+        dtype=args.dtype,
+        shard_size=args.shard_size,
+        overwrite=args.overwrite,
+        check=args.check,
+        tolerance=args.tolerance,
+    )
     print("\n".join(f"setdiff: {line}" for line in report.lines))
     return 0
 
@@ -143,59 +167,99 @@ def _convert_to_hf(args: argparse.Namespace) -> int:
 def _convert_from_hf(args: argparse.Namespace) -> int:
     from setdiff_megatron.hf.import_hf import import_from_hf
 
-    report = import_from_hf(args.hf_dir, args.out_ckpt, dtype=args.dtype, overwrite=args.overwrite, check=args.check,
-                            tolerance=args.tolerance, base=args.base)
+    report = import_from_hf(
+        args.hf_dir,
+        args.out_ckpt,
+        dtype=args.dtype,
+        overwrite=args.overwrite,
+        check=args.check,
+        tolerance=args.tolerance,
+        base=args.base,
+    )
     print("\n".join(f"setdiff: {line}" for line in report.lines))
     return 0
 
 
 def _add_convert_parser(sub) -> None:
-    convert = sub.add_parser("convert", help="convert checkpoints to and from Hugging Face format",
-                             description="Both directions finish by comparing the logits of the source and the "
-                             "converted model on a fixed batch and print the largest difference.")
+    convert = sub.add_parser(
+        "convert",
+        help="convert checkpoints to and from Hugging Face format",
+        description="Both directions finish by comparing the logits of the source and the "
+        "converted model on a fixed batch and print the largest difference.",
+    )
     convert_sub = convert.add_subparsers(dest="convert_command", metavar="DIRECTION", required=True)
-    to_hf = convert_sub.add_parser("to-hf", help="export a checkpoint as a Hugging Face directory (trust_remote_code)",
-                                   description="Export a megatron checkpoint (any TP/PP layout; a run directory "
-                                   "takes its newest) as a directory that AutoModel.from_pretrained(dir, "
-                                   "trust_remote_code=True) loads with only torch and transformers installed.")
+    to_hf = convert_sub.add_parser(
+        "to-hf",
+        help="export a checkpoint as a Hugging Face directory (trust_remote_code)",
+        description="Export a megatron checkpoint (any TP/PP layout; a run directory "
+        "takes its newest) as a directory that AutoModel.from_pretrained(dir, "
+        "trust_remote_code=True) loads with only torch and transformers installed.",
+    )
     to_hf.add_argument("checkpoint", help="run directory, checkpoints/ folder or step_* directory")
     to_hf.add_argument("out_dir", help="the Hugging Face directory to write")
-    to_hf.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
-                       help="weight precision (default: as saved)")
+    to_hf.add_argument(
+        "--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="weight precision (default: as saved)"
+    )
     to_hf.add_argument("--shard-size", default="5GB", help="largest safetensors shard, e.g. 5GB or 500MB")
-    to_hf.add_argument("--layout", default="setdiff", choices=["setdiff", "setdlm"],
-                       help="setdiff: our export (AutoModel, trust_remote_code); setdlm: the reference's release "
-                       "folder (pytorch_model.bin, SetDLM config; docs/huggingface.md)")
-    to_hf.add_argument("--base-name", default=None, help="--layout setdlm, Qwen3 layout: the base model the "
-                       "release names, e.g. Qwen/Qwen3-1.7B-Base")
+    to_hf.add_argument(
+        "--layout",
+        default="setdiff",
+        choices=["setdiff", "setdlm"],
+        help="setdiff: our export (AutoModel, trust_remote_code); setdlm: the reference's release "
+        "folder (pytorch_model.bin, SetDLM config; docs/huggingface.md)",
+    )
+    to_hf.add_argument(
+        "--base-name",
+        default=None,
+        help="--layout setdlm, Qwen3 layout: the base model the release names, e.g. Qwen/Qwen3-1.7B-Base",
+    )
     add_base_argument(to_hf)
-    from_hf = convert_sub.add_parser("from-hf", help="import a Llama/Qwen2/Qwen3/Qwen3-MoE model, an export or the "
-                                     "reference's releases as a megatron checkpoint", description="Import a local "
-                                     "Hugging Face directory (safetensors) of a Llama, Qwen2, Qwen3 or Qwen3-MoE causal "
-                                     "LM, to adapt into a set diffusion model (model.init_from), one of our exports, "
-                                     "a SetDLM release of the reference implementation (pytorch_model.bin, Qwen3 or "
-                                     "DiT backbone; docs/huggingface.md) or its DiT (Hub directory or composer .pt, "
-                                     "docs/dit.md), as a megatron checkpoint run directory, written in one process, "
-                                     "that trains at any layout.")
-    from_hf.add_argument("hf_dir", help="a local Hugging Face model directory or SetDLM release, or a composer .pt of "
-                         "the reference's DiT")
+    from_hf = convert_sub.add_parser(
+        "from-hf",
+        help="import a Llama/Qwen2/Qwen3/Qwen3-MoE model, an export or the "
+        "reference's releases as a megatron checkpoint",
+        description="Import a local "
+        "Hugging Face directory (safetensors) of a Llama, Qwen2, Qwen3 or Qwen3-MoE causal "
+        "LM, to adapt into a set diffusion model (model.init_from), one of our exports, "
+        "a SetDLM release of the reference implementation (pytorch_model.bin, Qwen3 or "
+        "DiT backbone; docs/huggingface.md) or its DiT (Hub directory or composer .pt, "
+        "docs/dit.md), as a megatron checkpoint run directory, written in one process, "
+        "that trains at any layout.",
+    )
+    from_hf.add_argument(
+        "hf_dir",
+        help="a local Hugging Face model directory or SetDLM release, or a composer .pt of the reference's DiT",
+    )
     from_hf.add_argument("out_ckpt", help="the run directory to write (checkpoints/step_00000000 inside)")
-    from_hf.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
-                         help="weight precision (default: the source's)")
+    from_hf.add_argument(
+        "--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="weight precision (default: the source's)"
+    )
     add_base_argument(from_hf)
     for parser, handler in ((to_hf, _convert_to_hf), (from_hf, _convert_from_hf)):
         parser.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
-        parser.add_argument("--check", action="store_true",
-                            help="fail (exit code 2, nothing written) when the logits differ beyond the tolerance")
-        parser.add_argument("--tolerance", type=float, default=None, help="largest |logit difference| --check "
-                            "accepts (default 1e-4, against the source rounded to the output precision)")
+        parser.add_argument(
+            "--check",
+            action="store_true",
+            help="fail (exit code 2, nothing written) when the logits differ beyond the tolerance",
+        )
+        parser.add_argument(
+            "--tolerance",
+            type=float,
+            default=None,
+            help="largest |logit difference| --check "
+            "accepts (default 1e-4, against the source rounded to the output precision)",
+        )
         parser.set_defaults(func=handler)
 
 
 def _add_recipe_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", help="a YAML recipe, e.g. recipes/tiny-cpu.yaml")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                        help="dotted overrides applied after the recipe, e.g. train.lr=3e-4 parallel.tp=2")
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="dotted overrides applied after the recipe, e.g. train.lr=3e-4 parallel.tp=2",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -206,41 +270,60 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"setdiff-megatron {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    train = sub.add_parser("train", help="train a model from a recipe",
-                           description="Train from a YAML recipe. Started by hand with a recipe that asks for "
-                           "several processes, it launches them itself (as `setdiff launch` does). Exit code 75: "
-                           "stopped by SIGTERM/SIGUSR1 after writing a checkpoint; requeue to resume.")
+    train = sub.add_parser(
+        "train",
+        help="train a model from a recipe",
+        description="Train from a YAML recipe. Started by hand with a recipe that asks for "
+        "several processes, it launches them itself (as `setdiff launch` does). Exit code 75: "
+        "stopped by SIGTERM/SIGUSR1 after writing a checkpoint; requeue to resume.",
+    )
     _add_recipe_args(train)
     train.set_defaults(func=_train)
 
-    recipe = sub.add_parser("recipe", help="print or check a recipe",
-                            description="Resolve a recipe (base: inheritance, overrides, ${env:...}) "
-                            "and print it, or check it against the schema and the cross-field rules.")
+    recipe = sub.add_parser(
+        "recipe",
+        help="print or check a recipe",
+        description="Resolve a recipe (base: inheritance, overrides, ${env:...}) "
+        "and print it, or check it against the schema and the cross-field rules.",
+    )
     recipe_sub = recipe.add_subparsers(dest="recipe_command", metavar="ACTION", required=True)
     show = recipe_sub.add_parser("show", help="print the fully resolved recipe as YAML")
     _add_recipe_args(show)
     show.set_defaults(func=_recipe_show)
     validate = recipe_sub.add_parser("validate", help="check a recipe; exit code 2 with one line if it is wrong")
     _add_recipe_args(validate)
-    validate.add_argument("--world-size", type=int, default=None,
-                          help="check against this many processes instead of the launch section's")
-    validate.add_argument("--portable", action="store_true",
-                          help="check only the recipe itself: not its files on this machine, nor this machine's GPUs")
+    validate.add_argument(
+        "--world-size", type=int, default=None, help="check against this many processes instead of the launch section's"
+    )
+    validate.add_argument(
+        "--portable",
+        action="store_true",
+        help="check only the recipe itself: not its files on this machine, nor this machine's GPUs",
+    )
     validate.set_defaults(func=_recipe_validate)
 
     # Listed for --help; `main` hands its arguments to the preprocessing tool's own parser.
     sub.add_parser("preprocess", add_help=False, help="tokenize corpora into megatron indexed datasets (.bin/.idx)")
 
-    launch = sub.add_parser("launch", help="start the processes of a recipe's launch section (torchrun, SLURM)",
-                            description="Validate a recipe, then start launch.nproc_per_node local processes "
-                            "with torchrun, each running `setdiff train RECIPE`; or, with --slurm, write an "
-                            "sbatch script for launch.nnodes x launch.nproc_per_node processes next to the run "
-                            "(checkpoint.dir) and submit it (see slurm/README.md).")
+    launch = sub.add_parser(
+        "launch",
+        help="start the processes of a recipe's launch section (torchrun, SLURM)",
+        description="Validate a recipe, then start launch.nproc_per_node local processes "
+        "with torchrun, each running `setdiff train RECIPE`; or, with --slurm, write an "
+        "sbatch script for launch.nnodes x launch.nproc_per_node processes next to the run "
+        "(checkpoint.dir) and submit it (see slurm/README.md).",
+    )
     _add_recipe_args(launch)
-    launch.add_argument("--slurm", action="store_true",
-                        help="submit a SLURM job rendered from the recipe's launch section and the cluster file")
-    launch.add_argument("--dry-run", action="store_true",
-                        help="print the command (with --slurm: the sbatch script) instead of running it")
+    launch.add_argument(
+        "--slurm",
+        action="store_true",
+        help="submit a SLURM job rendered from the recipe's launch section and the cluster file",
+    )
+    launch.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the command (with --slurm: the sbatch script) instead of running it",
+    )
     launch.set_defaults(func=_launch)
 
     _add_sample_parser(sub)
@@ -254,8 +337,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     checkpoint = sub.add_parser("checkpoint", help="look at a run's checkpoints")
     checkpoint_sub = checkpoint.add_subparsers(dest="checkpoint_command", metavar="ACTION", required=True)
-    inspect = checkpoint_sub.add_parser("inspect", help="step, validity, recipe, parallel layout and tokenizer "
-                                        "of each checkpoint, and which one `latest` names")
+    inspect = checkpoint_sub.add_parser(
+        "inspect",
+        help="step, validity, recipe, parallel layout and tokenizer of each checkpoint, and which one `latest` names",
+    )
     inspect.add_argument("run_dir", help="a run's checkpoint.dir (or its checkpoints/ folder)")
     inspect.set_defaults(func=_checkpoint_inspect)
     return parser

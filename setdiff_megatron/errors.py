@@ -28,9 +28,7 @@ class MissingExtraError(UserError):
     """An optional dependency is not installed; the message names the pip extra to add."""
 
     def __init__(self, package: str, extra: str, purpose: str):
-        super().__init__(
-            f"{purpose} needs the '{package}' package: pip install 'setdiff-megatron[{extra}]'"
-        )
+        super().__init__(f"{purpose} needs the '{package}' package: pip install 'setdiff-megatron[{extra}]'")
         self.package = package
         self.extra = extra
 

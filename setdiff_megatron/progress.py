@@ -32,9 +32,19 @@ class LineProgress:
     """tqdm's calls used here (update, set_postfix, set_postfix_str, write, close, iteration),
     printed as plain lines."""
 
-    def __init__(self, iterable: Iterable | None = None, *, total: int | None = None, desc: str = "",
-                 unit: str = "it", initial: int = 0, file: TextIO | None = None, interval_s: float = 30.0,
-                 disable: bool = False, **_: Any):
+    def __init__(
+        self,
+        iterable: Iterable | None = None,
+        *,
+        total: int | None = None,
+        desc: str = "",
+        unit: str = "it",
+        initial: int = 0,
+        file: TextIO | None = None,
+        interval_s: float = 30.0,
+        disable: bool = False,
+        **_: Any,
+    ):
         self.iterable, self.desc, self.unit, self.disable = iterable, desc, unit, disable
         self.total = total if total is not None or iterable is None else _len(iterable)
         self.n, self.start_n, self.file, self.interval_s = initial, initial, file, interval_s
@@ -76,8 +86,10 @@ class LineProgress:
         done = f"{self.n}/{self.total}" if self.total is not None else f"{self.n}"
         eta = f", ETA {clock((self.total - self.n) / rate)}" if self.total is not None and rate > 0 else ""
         extra = f", {self.postfix}" if self.postfix else ""
-        return f"{self.desc + ': ' if self.desc else ''}{done} {self.unit}, {rate:.3g} {self.unit}/s, " \
-               f"elapsed {clock(elapsed)}{eta}{extra}"
+        return (
+            f"{self.desc + ': ' if self.desc else ''}{done} {self.unit}, {rate:.3g} {self.unit}/s, "
+            f"elapsed {clock(elapsed)}{eta}{extra}"
+        )
 
     def _emit(self) -> None:
         if not self.disable and self.printed_n != self.n:

@@ -25,8 +25,10 @@ def randomized(state_dict: dict[str, torch.Tensor], seed: int = 0) -> dict[str, 
     """`state_dict` with its 1-D tensors (norm weights, biases) drawn at random: a fresh model's
     ones and zeros would hide a bias or norm mapped to the wrong place."""
     gen = torch.Generator().manual_seed(seed)
-    return {k: v + 0.1 * torch.randn(v.shape, generator=gen, dtype=v.dtype) if v.dim() == 1 else v
-            for k, v in state_dict.items()}
+    return {
+        k: v + 0.1 * torch.randn(v.shape, generator=gen, dtype=v.dtype) if v.dim() == 1 else v
+        for k, v in state_dict.items()
+    }
 
 
 @pytest.fixture
@@ -43,10 +45,26 @@ def trained_launch(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]
     run = tmp_path_factory.mktemp("trained") / "run"
     data = tmp_path_factory.getbasetemp() / "checkpoint-tests-data"
     recipe = Path(__file__).parents[1] / "recipes" / "tiny-cpu.yaml"
-    proc = subprocess.run([sys.executable, "-m", "setdiff_megatron.cli", "train", str(recipe), f"checkpoint.dir={run}",
-                           f"data.cache_dir={data}", "parallel.tp=2", "parallel.global_batch_size=8",
-                           "train.steps=20", "checkpoint.interval=20", "eval.interval=1000",
-                           "log.tensorboard=false"], capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "setdiff_megatron.cli",
+            "train",
+            str(recipe),
+            f"checkpoint.dir={run}",
+            f"data.cache_dir={data}",
+            "parallel.tp=2",
+            "parallel.global_batch_size=8",
+            "train.steps=20",
+            "checkpoint.interval=20",
+            "eval.interval=1000",
+            "log.tensorboard=false",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run, proc
 

@@ -38,7 +38,9 @@ def test_a_launch_reports_the_user_error_of_the_lowest_rank_once(tmp_path, monke
         assert report(UserError(text)) == 2
     assert capsys.readouterr() == ("", "")  # a worker leaves its message to the launcher
     assert handed_over(tmp_path) == "rank 0 says" and sorted(p.name for p in tmp_path.iterdir()) == [
-        "rank-000000", "rank-000001"]
+        "rank-000000",
+        "rank-000001",
+    ]
     monkeypatch.delenv(ERROR_DIR_ENV)
     assert report(UserError("alone")) == 2 and capsys.readouterr().err == "setdiff: error: alone\n"
 
@@ -55,8 +57,13 @@ def test_a_user_error_of_one_rank_reaches_the_person_once(capfd):
 
 @pytest.mark.parametrize("port", ["0", "65536", "http", ""])
 def test_a_master_port_that_is_not_a_port_is_one_line(port, monkeypatch):
-    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", port), ("RANK", "0"), ("LOCAL_RANK", "0"),
-                       ("WORLD_SIZE", "1")):
+    for key, value in (
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", port),
+        ("RANK", "0"),
+        ("LOCAL_RANK", "0"),
+        ("WORLD_SIZE", "1"),
+    ):
         monkeypatch.setenv(key, value)
     with pytest.raises(UserError, match=f"^MASTER_PORT='{port}' is not a TCP port"):
         init_process_group()

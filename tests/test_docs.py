@@ -49,8 +49,9 @@ def scanned_files() -> tuple[Path, ...]:
     out = []
     for here, dirs, files in os.walk(ROOT):
         top = Path(here) == ROOT
-        dirs[:] = [d for d in dirs if d not in SKIP_DIRS and not d.endswith(".egg-info")
-                   and not (top and d in SKIP_TOP)]
+        dirs[:] = [
+            d for d in dirs if d not in SKIP_DIRS and not d.endswith(".egg-info") and not (top and d in SKIP_TOP)
+        ]
         out += [Path(here) / f for f in files if Path(f).suffix in SUFFIXES]
     return tuple(sorted(out))
 
@@ -111,8 +112,10 @@ def test_no_document_outside_the_repository_is_cited():
         text = text_of(path)
         if not any(f"{name}.md" in text for name in OUTSIDE) and OUTSIDE_PHRASE not in text:
             continue  # a plain search first: the regex is slow
-        problems += [f"{where(path, text, m.start())}: {m.group(0)} is not in the repository; cite a docs/ page"
-                     for m in OUTSIDE_RE.finditer(text)]
+        problems += [
+            f"{where(path, text, m.start())}: {m.group(0)} is not in the repository; cite a docs/ page"
+            for m in OUTSIDE_RE.finditer(text)
+        ]
     assert not problems, "\n".join(problems)
 
 
@@ -126,7 +129,7 @@ def test_docs_pages_and_sections_that_are_mentioned_exist():
             page, section = ROOT / m.group(1), m.group(3) and WRAP_RE.sub(" ", m.group(3)).strip()
             problem = target_problem(page, (m.group(2) or "#")[1:])
             if problem is None and section and section not in headings(page)[0]:
-                problem = f"has no section \"{section}\""
+                problem = f'has no section "{section}"'
             if problem:
                 problems.append(f"{where(path, text, m.start())}: {m.group(1)} {problem}")
     assert not problems, "\n".join(problems)
@@ -166,6 +169,9 @@ def test_source_paths_named_in_markdown_exist():
         if path.suffix != ".md":
             continue
         text = text_of(path)
-        problems += [f"{where(path, text, m.start())}: {m.group(1)} does not exist"
-                     for m in PATH_RE.finditer(text) if not (ROOT / m.group(1)).exists()]
+        problems += [
+            f"{where(path, text, m.start())}: {m.group(1)} does not exist"
+            for m in PATH_RE.finditer(text)
+            if not (ROOT / m.group(1)).exists()
+        ]
     assert not problems, "\n".join(problems)

@@ -18,7 +18,9 @@ ROOT = Path(__file__).parents[1]
 
 def spelled_extras() -> set[str]:
     readme = (ROOT / "README.md").read_text()
-    names = {n for group in re.findall(r"(?:setdiff-megatron|\.)\[([A-Za-z0-9_,-]+)\]", readme) for n in group.split(",")}
+    names = {
+        n for group in re.findall(r"(?:setdiff-megatron|\.)\[([A-Za-z0-9_,-]+)\]", readme) for n in group.split(",")
+    }
     for path in (ROOT / "setdiff_megatron").rglob("*.py"):
         names |= set(re.findall(r'require\("[^"]+", "([^"]+)"', path.read_text()))
     from setdiff_megatron.recipes.validation import ENGINE_EXTRAS
@@ -38,8 +40,20 @@ def test_a_fresh_environments_pip_accepts_every_spelling(tmp_path):
     matches the extras (an unknown one is a warning: 'does not provide the extra')."""
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(tmp_path / "venv")], check=True)
     extras = ",".join(sorted(spelled_extras()))
-    out = subprocess.run([str(tmp_path / "venv" / "bin" / "python"), "-m", "pip", "install", "--dry-run",
-                          "--no-index", "--disable-pip-version-check", f"setdiff-megatron[{extras}]"],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            str(tmp_path / "venv" / "bin" / "python"),
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--no-index",
+            "--disable-pip-version-check",
+            f"setdiff-megatron[{extras}]",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert "does not provide the extra" not in out.stdout + out.stderr, out.stdout + out.stderr
     assert "setdiff-megatron" in out.stdout + out.stderr

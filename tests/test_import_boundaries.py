@@ -14,11 +14,17 @@ LAYERS = {
     "core": 1,
     "kernels": 2,
     "models": 3,
-    "data": 4, "recipes": 4, "distributed": 4,
-    "checkpoint": 5, "runs": 5,
+    "data": 4,
+    "recipes": 4,
+    "distributed": 4,
+    "checkpoint": 5,
+    "runs": 5,
     "sources": 6,
-    "training": 7, "hf": 7, "inference": 7,
-    "evaluation": 8, "serving": 8,
+    "training": 7,
+    "hf": 7,
+    "inference": 7,
+    "evaluation": 8,
+    "serving": 8,
     "launch": 9,
     "cli": 10,
 }
@@ -27,9 +33,17 @@ sits on top of its launchers."""
 SHARED = {"errors", "version", "progress"}
 """Top-level helpers every layer may use (they import nothing of the package)."""
 FRAMEWORKS = {
-    "megatron": {"models/megatron_model.py", "distributed/megatron_cpu.py", "distributed/runtime.py",
-                 "checkpoint/megatron.py", "data/packing.py", "data/indexed.py", "training/lr_schedule.py",
-                 "training/engines/megatron.py", "training/engines/deepspeed_config.py"},
+    "megatron": {
+        "models/megatron_model.py",
+        "distributed/megatron_cpu.py",
+        "distributed/runtime.py",
+        "checkpoint/megatron.py",
+        "data/packing.py",
+        "data/indexed.py",
+        "training/lr_schedule.py",
+        "training/engines/megatron.py",
+        "training/engines/deepspeed_config.py",
+    },
     "deepspeed": {"training/engines/deepspeed.py", "sources/deepspeed.py"},
 }
 """Where megatron-core and DeepSpeed may be imported (lazily or not): the megatron body, the
@@ -87,8 +101,11 @@ def test_imports_point_down_the_layers(path):
 
 @pytest.mark.parametrize("framework", sorted(FRAMEWORKS))
 def test_frameworks_are_imported_only_where_named(framework):
-    users = {str(p.relative_to(PACKAGE)) for p in modules()
-             if any(module.split(".")[0] == framework for _, module, _ in imports(p))}
+    users = {
+        str(p.relative_to(PACKAGE))
+        for p in modules()
+        if any(module.split(".")[0] == framework for _, module, _ in imports(p))
+    }
     assert users <= FRAMEWORKS[framework], f"{framework} imported in {sorted(users - FRAMEWORKS[framework])}"
 
 
@@ -116,7 +133,7 @@ def test_no_import_cycles_between_modules():
         state[node] = "open"
         for nxt in sorted(graph[node]):
             if state.get(nxt) == "open":
-                cycles.append(" -> ".join(stack[stack.index(nxt):] + [nxt]))
+                cycles.append(" -> ".join(stack[stack.index(nxt) :] + [nxt]))
             elif nxt not in state:
                 visit(nxt, stack + [nxt])
         state[node] = "done"

@@ -11,7 +11,8 @@ from setdiff_megatron.cli import main
 from setdiff_megatron.recipes import Recipe, RecipeError, load_recipe, save_resolved_recipe, validate_recipe
 
 RECIPES = sorted((Path(__file__).parents[1] / "recipes").glob("*.yaml")) + sorted(
-    p for p in (Path(__file__).parents[1] / "recipes" / "study").rglob("*.yaml") if p.name not in ("data.yaml",))
+    p for p in (Path(__file__).parents[1] / "recipes" / "study").rglob("*.yaml") if p.name not in ("data.yaml",)
+)
 TINY = Path(__file__).parents[1] / "recipes" / "tiny-cpu.yaml"
 
 
@@ -30,7 +31,9 @@ def test_inheritance_and_overrides_resolve_as_documented(tmp_path, monkeypatch):
     assert d4.method.d == 4 and base.method.d == 8
     assert d4.model == base.model and d4.parallel == base.parallel  # everything else inherited
     monkeypatch.setenv("DATA_DIR", "/data/x")
-    r = load_recipe(RECIPES[0].parent / "owt-110m-d4.yaml", ["train.lr=1e-4", "parallel.tp=2", "method.keep_clean_bos=false"])
+    r = load_recipe(
+        RECIPES[0].parent / "owt-110m-d4.yaml", ["train.lr=1e-4", "parallel.tp=2", "method.keep_clean_bos=false"]
+    )
     assert r.train.lr == 1e-4 and r.parallel.tp == 2 and r.method.keep_clean_bos is False
     assert r.data.datasets[0].path == "/data/x/owt/openwebtext_text_document"
     # The resolved recipe saved next to a run reloads to the same object.
@@ -86,10 +89,16 @@ MALFORMED = [
     (None, ["train.min_lr=1.0"], "train.min_lr"),
     (None, ["train.fp8=hybrid"], "train.fp8: FP8 needs model.backend: te"),
     (None, ["model.backend=te"], "model.backend: te (Transformer Engine) needs a GPU"),
-    (None, ["model.attention_impl=te"],
-     "model.attention_impl: te (Transformer Engine) needs a GPU; use model.attention_impl=auto here"),
-    (None, ["model.attention_impl=flash_attn"],
-     "model.attention_impl: flash_attn (flash-attn) needs a GPU; use model.attention_impl=auto here"),
+    (
+        None,
+        ["model.attention_impl=te"],
+        "model.attention_impl: te (Transformer Engine) needs a GPU; use model.attention_impl=auto here",
+    ),
+    (
+        None,
+        ["model.attention_impl=flash_attn"],
+        "model.attention_impl: flash_attn (flash-attn) needs a GPU; use model.attention_impl=auto here",
+    ),
     (None, ["engine=deepspeed", "parallel.tp=2"], "the deepspeed engine is data-parallel"),
     (None, ["parallel.cp=2", "data.seq_len=126"], "parallel.cp: each stream is split into 2 x cp = 4 chunks"),
     (None, ["parallel.cp=2", "engine=deepspeed"], "parallel.cp: context parallelism is a megatron-engine feature"),
@@ -100,21 +109,44 @@ MALFORMED = [
     (None, ["model.num_experts=4", "model.moe_layer_freq=[1, 0]"], "moe_layer_freq as a list needs num_layers=4"),
     (None, ["model.num_experts=4", "model.moe_capacity_factor=0"], "moe_capacity_factor must be > 0"),
     (None, ["parallel.ep=2"], "parallel.ep: expert parallelism needs a mixture of experts"),
-    (None, ["model.num_experts=4", "parallel.ep=2", "engine=deepspeed"], "parallel.ep: expert parallelism is a megatron-engine"),
-    (None, ["model.num_experts=4", "parallel.ep=4"], "parallel.ep: 4 must divide the data- x context-parallel size (2 x 1)"),
+    (
+        None,
+        ["model.num_experts=4", "parallel.ep=2", "engine=deepspeed"],
+        "parallel.ep: expert parallelism is a megatron-engine",
+    ),
+    (
+        None,
+        ["model.num_experts=4", "parallel.ep=4"],
+        "parallel.ep: 4 must divide the data- x context-parallel size (2 x 1)",
+    ),
     (None, ["model.num_experts=4", "parallel.tp=2"], "megatron-core trains MoE layers under tp > 1 only with sequence"),
     (None, ["data.datasets=[{path: /nonexistent/corpus}]"], "data.datasets.0.path: no indexed dataset"),
-    (None, ["data.datasets=[{path: stdlib, format: supervised}]"],
-     "data.datasets.0.format: the built-in corpus 'stdlib' has no supervised records"),
-    (None, ["data.datasets=[{path: /x/a, format: supervised}, {path: /x/b}]"],
-     "data.datasets: a blend mixes pretraining and supervised datasets"),
-    (None, ["data.datasets=[{path: reasoning, format: supervised}]", "data.document_mask=true"],
-     "data.document_mask: applies to packed pretraining windows"),
-    (None, ["data.datasets=[{path: reasoning, format: supervised}]", "data.supervised.max_prompt_tokens=128"],
-     "data.supervised.max_prompt_tokens: 128 leaves no room for a response in data.seq_len (128)"),
+    (
+        None,
+        ["data.datasets=[{path: stdlib, format: supervised}]"],
+        "data.datasets.0.format: the built-in corpus 'stdlib' has no supervised records",
+    ),
+    (
+        None,
+        ["data.datasets=[{path: /x/a, format: supervised}, {path: /x/b}]"],
+        "data.datasets: a blend mixes pretraining and supervised datasets",
+    ),
+    (
+        None,
+        ["data.datasets=[{path: reasoning, format: supervised}]", "data.document_mask=true"],
+        "data.document_mask: applies to packed pretraining windows",
+    ),
+    (
+        None,
+        ["data.datasets=[{path: reasoning, format: supervised}]", "data.supervised.max_prompt_tokens=128"],
+        "data.supervised.max_prompt_tokens: 128 leaves no room for a response in data.seq_len (128)",
+    ),
     (None, ["data.supervised.layout=ragged"], "data.supervised.layout: Input should be 'padded' or 'packed'"),
-    (None, ["engine=deepspeed", "checkpoint.async_save=true"], "checkpoint.async_save: the deepspeed engine saves "
-     "synchronously"),
+    (
+        None,
+        ["engine=deepspeed", "checkpoint.async_save=true"],
+        "checkpoint.async_save: the deepspeed engine saves synchronously",
+    ),
     (None, ["data.datasets=[{path: reasoning, format: sft}]"], "data.datasets.0.format: Input should be"),
     (None, ["data.tokenizer=/nonexistent/tok"], "data.tokenizer: /nonexistent/tok does not exist"),
     (None, ["checkpoint.resume=/nonexistent/ckpt"], "checkpoint.resume"),
@@ -124,7 +156,11 @@ MALFORMED = [
     ("- a\n- b\n", [], "a recipe must be a mapping"),
     ("base: missing.yaml\n", [], "base: missing.yaml not found"),
     ("base: r.yaml\n", [], "circular base: r.yaml -> r.yaml"),
-    ("data: {datasets: [{path: '${env:SETDIFF_SURELY_UNSET}'}]}\n", [], "environment variable SETDIFF_SURELY_UNSET is not set"),
+    (
+        "data: {datasets: [{path: '${env:SETDIFF_SURELY_UNSET}'}]}\n",
+        [],
+        "environment variable SETDIFF_SURELY_UNSET is not set",
+    ),
     ("base: 3\n", [], "base: must be a path or a list of paths"),
 ]
 
@@ -140,8 +176,11 @@ def test_malformed_recipe_gives_one_line_and_exit_2(tmp_path, capsys, text, over
 
 
 def test_cli_error_has_no_traceback_in_a_real_process(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "setdiff_megatron.cli", "recipe", "validate", str(TINY), "train.lrr=1"],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "setdiff_megatron.cli", "recipe", "validate", str(TINY), "train.lrr=1"],
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "did you mean 'lr'" in out.stderr
 
 

@@ -24,9 +24,15 @@ from setdiff_megatron.recipes import load_recipe
 
 def _model_entry(out: Path, model: plan.Model, steps: int | None) -> dict:
     recipe = load_recipe(model.recipe, run.overrides(out, model, steps))
-    return {"label": model.label, "family": model.family, "recipe": str(model.recipe.relative_to(plan.RECIPES.parents[1])),
-            "steps": recipe.train.steps, "seed": recipe.train.seed,
-            "train_minutes": run.train_minutes(out, model), "valid_curve": run.valid_curve(out, model)}
+    return {
+        "label": model.label,
+        "family": model.family,
+        "recipe": str(model.recipe.relative_to(plan.RECIPES.parents[1])),
+        "steps": recipe.train.steps,
+        "seed": recipe.train.seed,
+        "train_minutes": run.train_minutes(out, model),
+        "valid_curve": run.valid_curve(out, model),
+    }
 
 
 def _seeds(text: str) -> list[int]:
@@ -37,32 +43,69 @@ def _seeds(text: str) -> list[int]:
 
 
 def _points(rows: list[dict]) -> list[dict]:
-    return [{"point": r["point"], "window": r["decoding"]["window"], "threshold": r["decoding"]["threshold"],
-             "block_size": r["decoding"]["block_size"], "accuracy": r["score"], "tokens_per_step": r["tokens_per_step"],
-             "tokens_per_s": r["tokens_per_s"], "mean_nfe": r["mean_nfe"], "examples": r["num_examples"],
-             "levels": report.level_accuracy(Path(r["dir"]))} for r in rows]
+    return [
+        {
+            "point": r["point"],
+            "window": r["decoding"]["window"],
+            "threshold": r["decoding"]["threshold"],
+            "block_size": r["decoding"]["block_size"],
+            "accuracy": r["score"],
+            "tokens_per_step": r["tokens_per_step"],
+            "tokens_per_s": r["tokens_per_s"],
+            "mean_nfe": r["mean_nfe"],
+            "examples": r["num_examples"],
+            "levels": report.level_accuracy(Path(r["dir"])),
+        }
+        for r in rows
+    ]
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--setting", choices=plan.SETTINGS, default="supervised",
-                        help="supervised records (the paper's format; default) or packed pretraining windows")
-    parser.add_argument("--quick", action="store_true",
-                        help="set diffusion d = 4 of the setting (supervised or adapted) only, at W = 1 and W = 4, "
-                        "threshold 0.9")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="runs and evaluations (default runs/study/SETTING, or runs/study-quick/SETTING)")
-    parser.add_argument("--results", type=Path, default=None,
-                        help="tables and plots (default benchmarks/results/study/SETTING, or .../study-quick/SETTING)")
+    parser.add_argument(
+        "--setting",
+        choices=plan.SETTINGS,
+        default="supervised",
+        help="supervised records (the paper's format; default) or packed pretraining windows",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="set diffusion d = 4 of the setting (supervised or adapted) only, at W = 1 and W = 4, threshold 0.9",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="runs and evaluations (default runs/study/SETTING, or runs/study-quick/SETTING)",
+    )
+    parser.add_argument(
+        "--results",
+        type=Path,
+        default=None,
+        help="tables and plots (default benchmarks/results/study/SETTING, or .../study-quick/SETTING)",
+    )
     parser.add_argument("--per-level", type=int, default=50, help="test problems per difficulty level (default 50)")
     parser.add_argument("--code-examples", type=int, default=200, help="stdlib function bodies to infill")
-    parser.add_argument("--steps", type=int, default=None, help="train every model this many steps instead of "
-                        "its recipe's (a smoke run of the pipeline; the figures mean nothing then)")
-    parser.add_argument("--seeds", type=_seeds, default=None,
-                        help="train every model once per training seed (train.seed), e.g. 1,2,3, and report the mean "
-                        "and spread over them; default: one run at the recipe's seed")
-    parser.add_argument("--models", default=None,
-                        help=f"comma-separated subset of the reasoning models ({', '.join(m.name for m in plan.REASONING_MODELS)})")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="train every model this many steps instead of "
+        "its recipe's (a smoke run of the pipeline; the figures mean nothing then)",
+    )
+    parser.add_argument(
+        "--seeds",
+        type=_seeds,
+        default=None,
+        help="train every model once per training seed (train.seed), e.g. 1,2,3, and report the mean "
+        "and spread over them; default: one run at the recipe's seed",
+    )
+    parser.add_argument(
+        "--models",
+        default=None,
+        help=f"comma-separated subset of the reasoning models ({', '.join(m.name for m in plan.REASONING_MODELS)})",
+    )
     args = parser.parse_args(argv)
     for flag in ("per_level", "code_examples", "steps"):
         value = getattr(args, flag)
@@ -100,17 +143,23 @@ def main(argv: list[str] | None = None) -> dict:
     code_models = {}
     for m in code:
         code_models[m.name] = _model_entry(out, m, steps) | {
-            "infill_code": run.infill(out, m, "code", None, args.code_examples), "points": []}
+            "infill_code": run.infill(out, m, "code", None, args.code_examples),
+            "points": [],
+        }
 
     results = {
-        "mode": "quick" if args.quick else "full", "setting": args.setting, "started": started,
+        "mode": "quick" if args.quick else "full",
+        "setting": args.setting,
+        "started": started,
         "machine": machine_info(),
         "wall_minutes": (time.perf_counter() - start) / 60,
         "command": "python -m benchmarks.study" + "".join(f" {shlex.quote(a)}" for a in (argv or sys.argv[1:])),
         "seeds": {"corpus": 0, "training": args.seeds or "recipe train.seed (1234)", "decoding": "greedy"},
-        "test_problems": sum(1 for _ in tasks.open()), "per_level": args.per_level,
+        "test_problems": sum(1 for _ in tasks.open()),
+        "per_level": args.per_level,
         "trivial_baseline": run.trivial_baseline(tasks),
-        "models": models, "code_models": code_models,
+        "models": models,
+        "code_models": code_models,
     }
     report.write(results, results_dir)
     print(report.markdown(results))

@@ -18,8 +18,11 @@ THRESHOLDS = (0.5, 0.7, 0.9, 0.99)
 QUICK_POINT = {"window": 4, "threshold": 0.9}
 """The paper's default policy for d = 4: with W = 1, the points of --quick, where its test reads
 its thresholds."""
-ADAPTED_POINTS = ({"name": "w4-t0.9", "window": 4, "threshold": 0.9}, {"name": "w4-t0.7", "window": 4, "threshold": 0.7},
-                  {"name": "w8-t0.9", "window": 8, "threshold": 0.9})
+ADAPTED_POINTS = (
+    {"name": "w4-t0.9", "window": 4, "threshold": 0.9},
+    {"name": "w4-t0.7", "window": 4, "threshold": 0.7},
+    {"name": "w8-t0.9", "window": 8, "threshold": 0.9},
+)
 """The adapted setting decodes at W = 1 and these points, not the whole grid: it runs every model
 over seeds, and the paper's question there is the gap to AR at 2.5 tokens per step and beyond."""
 

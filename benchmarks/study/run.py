@@ -42,9 +42,12 @@ def run_dir(out: Path, model: Model) -> Path:
 def overrides(out: Path, model: Model, steps: int | None) -> list[str]:
     """Recipe overrides of a study run: where it goes, the shared data cache, its training seed, a
     smoke run's steps."""
-    return [f"checkpoint.dir={run_dir(out, model)}", f"data.cache_dir={out / 'data'}",
-            *([f"train.seed={model.seed}"] if model.seed is not None else []),
-            *([f"train.steps={steps}", f"checkpoint.interval={steps}"] if steps else [])]
+    return [
+        f"checkpoint.dir={run_dir(out, model)}",
+        f"data.cache_dir={out / 'data'}",
+        *([f"train.seed={model.seed}"] if model.seed is not None else []),
+        *([f"train.steps={steps}", f"checkpoint.interval={steps}"] if steps else []),
+    ]
 
 
 def trained(out: Path, model: Model, steps: int | None) -> bool:
@@ -75,23 +78,27 @@ def prepare_tasks(out: Path, per_level: int) -> tuple[ReasoningCorpus, Path, Pat
     corpus = prepare_reasoning_corpus(out / "data" / "reasoning", progress=False)
     by_level = [corpus.test_tasks(level).read_text(encoding="utf-8").splitlines() for level in TRAIN_LEVELS]
     if min(map(len, by_level)) < per_level:
-        raise SystemExit(f"study: --per-level {per_level} is more than the corpus's {min(map(len, by_level))} "
-                         "test problems per level")
+        raise SystemExit(
+            f"study: --per-level {per_level} is more than the corpus's {min(map(len, by_level))} "
+            "test problems per level"
+        )
     by_level = [lines[:per_level] for lines in by_level]
     lines = [line for group in zip(*by_level) for line in group]
     tasks, docs = out / "tasks" / "test.jsonl", out / "tasks" / "test-docs.jsonl"
     tasks.parent.mkdir(parents=True, exist_ok=True)
     tasks.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
     records = [json.loads(line) for line in lines]
-    docs.write_text("".join(json.dumps({"text": r["prompt"] + r["reference"]}) + "\n" for r in records),
-                    encoding="utf-8")
+    docs.write_text(
+        "".join(json.dumps({"text": r["prompt"] + r["reference"]}) + "\n" for r in records), encoding="utf-8"
+    )
     return corpus, tasks, docs
 
 
 def trivial_baseline(tasks: Path) -> float:
     """The accuracy of answering every problem with the test set's most common answer."""
-    answers = Counter(gsm8k_answer(json.loads(line)["reference"])
-                      for line in tasks.read_text(encoding="utf-8").splitlines())
+    answers = Counter(
+        gsm8k_answer(json.loads(line)["reference"]) for line in tasks.read_text(encoding="utf-8").splitlines()
+    )
     return answers.most_common(1)[0][1] / sum(answers.values())
 
 
@@ -99,9 +106,16 @@ def likelihood(out: Path, model: Model, docs: Path) -> dict:
     """Exact left-to-right NLL and the NELBO under the model's own order policy (4 orders)."""
     results = {}
     for key, order, num_orders in (("nll_left_to_right", "left_to_right", 1), ("nelbo_own_policy", "training", 4)):
-        summary = run_likelihood_job(LikelihoodJob(
-            source=str(run_dir(out, model)), data=str(docs), out=str(out / "eval" / model.key / key),
-            order=order, num_orders=num_orders, placement=PLACEMENT))
+        summary = run_likelihood_job(
+            LikelihoodJob(
+                source=str(run_dir(out, model)),
+                data=str(docs),
+                out=str(out / "eval" / model.key / key),
+                order=order,
+                num_orders=num_orders,
+                placement=PLACEMENT,
+            )
+        )
         results[key] = summary
     return results
 
@@ -112,9 +126,14 @@ def sweep(out: Path, model: Model, tasks: Path, quick: bool) -> list[dict]:
 
     points, grid = model.grid(quick)
     spec = {
-        "task": str(tasks), "metric": "gsm8k", "checkpoints": {model.key: str(run_dir(out, model))},
-        "out": str(out / "eval" / model.key / "sweep"), "batch_size": BATCH_SIZE,
-        "decoding": {"max_new_tokens": MAX_NEW_TOKENS, **model.decoding_defaults()}, "points": points, "grid": grid,
+        "task": str(tasks),
+        "metric": "gsm8k",
+        "checkpoints": {model.key: str(run_dir(out, model))},
+        "out": str(out / "eval" / model.key / "sweep"),
+        "batch_size": BATCH_SIZE,
+        "decoding": {"max_new_tokens": MAX_NEW_TOKENS, **model.decoding_defaults()},
+        "points": points,
+        "grid": grid,
     }
     path = out / "specs" / f"{model.key}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -126,10 +145,18 @@ def infill(out: Path, model: Model, task: str, data: Path | None, max_examples: 
     """Infilling with the context the model's order can use, one token per step (plan.Model.infill)."""
     settings = model.infill()
     decoding = DecodingConfig(window=settings["window"], block_size=settings.get("block_size"), max_new_tokens=0)
-    return run_infill_job(InfillJob(
-        source=str(run_dir(out, model)), task=task, data=None if data is None else str(data),
-        out=str(out / "eval" / model.key / f"infill-{task}"), decoding=decoding, max_examples=max_examples,
-        placement=replace(PLACEMENT, batch_size=BATCH_SIZE), context=settings["context"]))
+    return run_infill_job(
+        InfillJob(
+            source=str(run_dir(out, model)),
+            task=task,
+            data=None if data is None else str(data),
+            out=str(out / "eval" / model.key / f"infill-{task}"),
+            decoding=decoding,
+            max_examples=max_examples,
+            placement=replace(PLACEMENT, batch_size=BATCH_SIZE),
+            context=settings["context"],
+        )
+    )
 
 
 def _metrics(out: Path, model: Model) -> list[dict]:

@@ -29,7 +29,9 @@ def identity_difference(saved: dict, wanted: dict) -> str | None:
     return "; ".join(diffs) or None
 
 
-def config_from_identity(identity: dict, *, attention_impl: str = "fused", init_std: float | None = None) -> ModelConfig:
+def config_from_identity(
+    identity: dict, *, attention_impl: str = "fused", init_std: float | None = None
+) -> ModelConfig:
     """The ModelConfig a checkpoint's identity describes, run with `attention_impl`."""
     known = {f.name for f in fields(ModelConfig)}
     extra = {"attention_impl": attention_impl} | ({"init_std": init_std} if init_std is not None else {})

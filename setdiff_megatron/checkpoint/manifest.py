@@ -29,7 +29,7 @@ def _shared(collective: bool) -> bool:
 
 
 def _share(items: list, collective: bool) -> list:
-    return items[dist.get_rank()::dist.get_world_size()] if _shared(collective) else items
+    return items[dist.get_rank() :: dist.get_world_size()] if _shared(collective) else items
 
 
 def write_manifest(directory: Path, *, collective: bool = True) -> None:
@@ -37,8 +37,10 @@ def write_manifest(directory: Path, *, collective: bool = True) -> None:
     names = sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
     if _shared(collective):
         names = broadcast_object(names)
-    mine = {rel: {"size": (directory / rel).stat().st_size, "sha256": sha256_file(directory / rel)}
-            for rel in _share(names, collective)}
+    mine = {
+        rel: {"size": (directory / rel).stat().st_size, "sha256": sha256_file(directory / rel)}
+        for rel in _share(names, collective)
+    }
     parts = gather_objects(mine) if _shared(collective) else [mine]
     if not _shared(collective) or dist.get_rank() == 0:
         files = dict(sorted(kv for part in parts for kv in part.items()))
@@ -71,7 +73,10 @@ def verify(directory: Path, *, checksums: bool = True, collective: bool = False)
     except (ValueError, KeyError, AttributeError, TypeError):
         return f"{directory / MANIFEST} is unreadable"
     indexed = list(enumerate(entries))
-    found = [(i, p) for i, (rel, entry) in _share(indexed, collective)
-             if (p := _file_problem(directory, rel, entry, checksums))]
+    found = [
+        (i, p)
+        for i, (rel, entry) in _share(indexed, collective)
+        if (p := _file_problem(directory, rel, entry, checksums))
+    ]
     problems = sorted(x for part in (gather_objects(found) if _shared(collective) else [found]) for x in part)
     return problems[0][1] if problems else None

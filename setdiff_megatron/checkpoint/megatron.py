@@ -21,8 +21,10 @@ def model_sharded_state(modules, optimizer=None, *, is_loading: bool = False) ->
     if optimizer is None:
         return model
     # The optimizer's shards are keyed by the model's sharded tensors, found by parameter.
-    return {**model, "optimizer": optimizer.sharded_state_dict(model, is_loading=is_loading,
-                                                               metadata=OPTIMIZER_METADATA)}
+    return {
+        **model,
+        "optimizer": optimizer.sharded_state_dict(model, is_loading=is_loading, metadata=OPTIMIZER_METADATA),
+    }
 
 
 def save_shards(state: dict, directory: Path, *, background: bool = False) -> Any:

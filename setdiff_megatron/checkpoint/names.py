@@ -1,9 +1,9 @@
 """The names of a run directory: where checkpoints live and what their files are called.
 
-    <run>/checkpoints/step_00000300/     a published checkpoint (see the package docstring)
-    <run>/checkpoints/step_00000300.tmp  a save in progress, or one a crash interrupted
-    <run>/checkpoints/step_00000150.aside-<time>   a checkpoint moved aside, never deleted
-    <run>/checkpoints/latest             the name of the newest published checkpoint
+<run>/checkpoints/step_00000300/     a published checkpoint (see the package docstring)
+<run>/checkpoints/step_00000300.tmp  a save in progress, or one a crash interrupted
+<run>/checkpoints/step_00000150.aside-<time>   a checkpoint moved aside, never deleted
+<run>/checkpoints/latest             the name of the newest published checkpoint
 """
 
 from __future__ import annotations
@@ -12,8 +12,21 @@ import re
 import time
 from pathlib import Path
 
-__all__ = ["CHECKPOINTS", "LATEST", "MANIFEST", "TRAIN_STATE", "RNG_FILE", "TOKENIZER_DIR", "DEEPSPEED_TAG", "step_name", "step_of",
-           "checkpoints_root", "find_checkpoints", "is_checkpoint_path", "aside_name"]
+__all__ = [
+    "CHECKPOINTS",
+    "LATEST",
+    "MANIFEST",
+    "TRAIN_STATE",
+    "RNG_FILE",
+    "TOKENIZER_DIR",
+    "DEEPSPEED_TAG",
+    "step_name",
+    "step_of",
+    "checkpoints_root",
+    "find_checkpoints",
+    "is_checkpoint_path",
+    "aside_name",
+]
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"

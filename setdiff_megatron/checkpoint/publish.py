@@ -33,8 +33,15 @@ from setdiff_megatron.distributed.runtime import barrier, rank
 from setdiff_megatron.distributed.signals import blocked
 from setdiff_megatron.errors import UserError
 
-__all__ = ["Retention", "publish", "begin_publication", "finish_publication", "apply_retention", "check_writable",
-           "move_aside"]
+__all__ = [
+    "Retention",
+    "publish",
+    "begin_publication",
+    "finish_publication",
+    "apply_retention",
+    "check_writable",
+    "move_aside",
+]
 
 
 class Retention:
@@ -85,8 +92,9 @@ def apply_retention(root: Path, run_id: str, retention: Retention) -> list[Path]
     return removed
 
 
-def publish(root: Path, step: int, write: Callable[[Path], None], *, run_id: str | None,
-            retention: Retention = Retention()) -> Path:
+def publish(
+    root: Path, step: int, write: Callable[[Path], None], *, run_id: str | None, retention: Retention = Retention()
+) -> Path:
     """Collective: publish the checkpoint of `step` that `write(tmp)` writes on every rank (see
     the module docstring). Returns the published directory. `run_id` None: no training run
     wrote it (an import), so no run's retention applies."""
@@ -108,8 +116,9 @@ def begin_publication(root: Path, step: int) -> Path:
     return tmp
 
 
-def finish_publication(root: Path, step: int, tmp: Path, *, run_id: str | None,
-                       retention: Retention = Retention()) -> Path:
+def finish_publication(
+    root: Path, step: int, tmp: Path, *, run_id: str | None, retention: Retention = Retention()
+) -> Path:
     """Collective, once every rank's files are in `tmp`: hash them into the manifest, verify,
     rename to `step_N`, then move `latest` and apply the run's retention."""
     final = root / step_name(step)
@@ -144,5 +153,7 @@ def check_writable(directory: Path, need_bytes: int) -> None:
         raise UserError(f"checkpoint.dir {directory} is not writable: {exc.strerror or exc}") from None
     free = shutil.disk_usage(directory).free
     if free < need_bytes:
-        raise UserError(f"checkpoint.dir {directory} has {free / 2**30:.2f} GiB free; a checkpoint of this "
-                        f"model needs about {need_bytes / 2**30:.2f} GiB")
+        raise UserError(
+            f"checkpoint.dir {directory} has {free / 2**30:.2f} GiB free; a checkpoint of this "
+            f"model needs about {need_bytes / 2**30:.2f} GiB"
+        )

@@ -30,6 +30,7 @@ from setdiff_megatron.recipes.loading import RESOLVED_NAME
 
 __all__ = ["Resumed", "resume_target", "resolve_step_dir", "describe"]
 
+
 @dataclass(frozen=True)
 class Resumed:
     path: Path
@@ -79,12 +80,16 @@ def resume_target(run_dir: Path, choice: str, identity: dict | None) -> Resumed 
         _say(f"skipping checkpoint {path}: {problem}")
         skipped.append(f"{path.name}: {problem}")
     if skipped:
-        model_hint = (" (or checkpoint.allow_model_change=true for another model's)"
-                      if any("another model" in s for s in skipped) else "")
+        model_hint = (
+            " (or checkpoint.allow_model_change=true for another model's)"
+            if any("another model" in s for s in skipped)
+            else ""
+        )
         raise UserError(
             f"checkpoint.dir {run_dir} holds checkpoints, and none can be resumed ({'; '.join(skipped)}); refusing "
             f"to train over them: repair them, point checkpoint.dir elsewhere, or set checkpoint.resume=none to start "
-            f"over (they are then moved aside, not deleted){model_hint}")
+            f"over (they are then moved aside, not deleted){model_hint}"
+        )
     return None
 
 
@@ -108,14 +113,18 @@ def resolve_step_dir(path: str | Path) -> Path:
             return candidate
     if candidates:
         raise UserError(f"no valid checkpoint under {root}: {verify(candidates[0])}")
-    raise UserError(f"{path} holds no checkpoint (no {TRAIN_STATE}, no {CHECKPOINTS}/{LATEST}); "
-                    "pass a run directory (checkpoint.dir) or one of its step_* directories")
+    raise UserError(
+        f"{path} holds no checkpoint (no {TRAIN_STATE}, no {CHECKPOINTS}/{LATEST}); "
+        "pass a run directory (checkpoint.dir) or one of its step_* directories"
+    )
 
 
 def _layout_text(lay: dict) -> str:
     optim = {True: "distributed optimizer", False: "optimizer per rank", None: "weights only"}
-    return (f"tp {lay.get('tp')} pp {lay.get('pp')} vpp {lay.get('vpp') or 1} dp {lay.get('dp')}, "
-            f"{optim.get(lay.get('distributed_optimizer'), '?')}")
+    return (
+        f"tp {lay.get('tp')} pp {lay.get('pp')} vpp {lay.get('vpp') or 1} dp {lay.get('dp')}, "
+        f"{optim.get(lay.get('distributed_optimizer'), '?')}"
+    )
 
 
 def describe(run_dir: str | Path) -> list[str]:
@@ -136,8 +145,10 @@ def describe(run_dir: str | Path) -> list[str]:
             state = read_train_state(path)
             name = yaml.safe_load((path / RESOLVED_NAME).read_text())["name"]
             tok = state.tokenizer
-            line += (f"  | step {state.progress.step}, recipe {name}, {_layout_text(state.layout)}, "
-                     f"tokenizer vocab {tok['vocab_size']} mask id {tok['mask_id']}")
+            line += (
+                f"  | step {state.progress.step}, recipe {name}, {_layout_text(state.layout)}, "
+                f"tokenizer vocab {tok['vocab_size']} mask id {tok['mask_id']}"
+            )
         except (UserError, OSError, KeyError, TypeError, yaml.YAMLError) as exc:
             line += f"  | {exc if isinstance(exc, UserError) else 'recipe.yaml unreadable'}"
         lines.append(line + ("  <- latest" if path.name == latest else ""))

@@ -1,14 +1,14 @@
 """`train_state.json`: what a checkpoint holds besides its weights, with one reader and one writer.
 
-    step, consumed_samples, skipped_steps   where training stands (`Progress`)
-    scheduler     the LR scheduler's state_dict (megatron-core's OptimizerParamScheduler)
-    layout        the parallel layout it was saved from; the DeepSpeed engine adds its own keys
-    model         the model's identity (identity.py): what a resume and a reader must agree on
-    tokenizer     vocabulary size and MASK id
-    run_id        the training run that wrote it: a resume continues that run, a fresh start is
-                  a new one; only a run's own checkpoints are ever replaced or removed by it
-    weights_only  true for checkpoints with no optimizer state (imports, conversions)
-    source        where converted weights came from (conversions only)
+step, consumed_samples, skipped_steps   where training stands (`Progress`)
+scheduler     the LR scheduler's state_dict (megatron-core's OptimizerParamScheduler)
+layout        the parallel layout it was saved from; the DeepSpeed engine adds its own keys
+model         the model's identity (identity.py): what a resume and a reader must agree on
+tokenizer     vocabulary size and MASK id
+run_id        the training run that wrote it: a resume continues that run, a fresh start is
+              a new one; only a run's own checkpoints are ever replaced or removed by it
+weights_only  true for checkpoints with no optimizer state (imports, conversions)
+source        where converted weights came from (conversions only)
 """
 
 from __future__ import annotations
@@ -66,9 +66,16 @@ def read_train_state(step_dir: str | Path) -> TrainState:
     if raw.get("model") is None:
         raise UserError(f"{path} records no model config (saved by an older setdiff); retrain or re-save it")
     progress = Progress(raw["step"], raw["consumed_samples"], raw.get("skipped_steps", 0))
-    return TrainState(progress=progress, scheduler=raw["scheduler"], layout=raw["layout"], model=raw["model"],
-                      tokenizer=raw["tokenizer"], run_id=raw.get("run_id"), weights_only=raw.get("weights_only", False),
-                      source=raw.get("source"))
+    return TrainState(
+        progress=progress,
+        scheduler=raw["scheduler"],
+        layout=raw["layout"],
+        model=raw["model"],
+        tokenizer=raw["tokenizer"],
+        run_id=raw.get("run_id"),
+        weights_only=raw.get("weights_only", False),
+        source=raw.get("source"),
+    )
 
 
 def write_train_state(step_dir: str | Path, state: TrainState) -> None:

@@ -73,7 +73,11 @@ def _dense(q, k, v, scale, valid_len):
 def _sdpa(q, k, v, scale, valid_len):
     length = stream_length(k, valid_len)
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=set_causal_mask(length, q.device)[-q.shape[2]:], scale=scale,
+        q,
+        k,
+        v,
+        attn_mask=set_causal_mask(length, q.device)[-q.shape[2] :],
+        scale=scale,
         enable_gqa=k.shape[1] != q.shape[1],
     )
     return out if valid_len is None else out * valid_row_mask(valid_len, length, q.shape[2] // length).to(out.dtype)
@@ -104,9 +108,7 @@ def resolve_attention_impl(name: str) -> AttentionImpl:
     try:
         fn = ATTENTION_IMPLS[name]
     except KeyError:
-        raise ValueError(
-            f"attention_impl must be one of {sorted(ATTENTION_IMPLS)}; got {name!r}"
-        ) from None
+        raise ValueError(f"attention_impl must be one of {sorted(ATTENTION_IMPLS)}; got {name!r}") from None
     if name in _IMPL_CHECKS:
         _IMPL_CHECKS[name]()
     return fn

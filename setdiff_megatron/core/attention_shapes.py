@@ -33,13 +33,9 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, query_rows_o
         raise ValueError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}")
     rows_ok = q.shape[2] == k.shape[2] or (query_rows_only and 2 * q.shape[2] == k.shape[2])
     if q.shape[0] != k.shape[0] or not rows_ok or q.shape[3] != k.shape[3]:
-        raise ValueError(
-            f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch, tokens and head_dim"
-        )
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch, tokens and head_dim")
     if q.shape[1] % k.shape[1] != 0:
-        raise ValueError(
-            f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})"
-        )
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
 
 
 def valid_row_mask(valid_len: torch.Tensor, length: int, streams: int = 2) -> torch.Tensor:
@@ -53,9 +49,7 @@ def stream_length(k: torch.Tensor, valid_len: torch.Tensor | None) -> int:
     """L, from the keys (always both streams)."""
     two_l = k.shape[2]
     if two_l < 2 or two_l % 2:
-        raise ValueError(
-            f"the token axis must hold two streams of L >= 1 ranks (2L tokens); got {two_l}"
-        )
+        raise ValueError(f"the token axis must hold two streams of L >= 1 ranks (2L tokens); got {two_l}")
     length = two_l // 2
     if valid_len is not None:
         if valid_len.shape != (k.shape[0],):

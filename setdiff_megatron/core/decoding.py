@@ -87,17 +87,24 @@ class DecodingConfig:
             ("window", self.window, self.window >= 1, ">= 1"),
             ("tokens_per_step", self.tokens_per_step, self.tokens_per_step >= 1, ">= 1"),
             ("block_size", self.block_size, self.block_size is None or self.block_size >= 1, ">= 1, or None for off"),
-            ("threshold", self.threshold, self.threshold is None or 0 < self.threshold <= 1,
-             "in (0, 1], or None for off"),
+            (
+                "threshold",
+                self.threshold,
+                self.threshold is None or 0 < self.threshold <= 1,
+                "in (0, 1], or None for off",
+            ),
             ("temperature", self.temperature, self.temperature >= 0, ">= 0 (0 = greedy)"),
             ("top_k", self.top_k, self.top_k is None or self.top_k >= 1, ">= 1, or None for off"),
             ("top_p", self.top_p, self.top_p is None or 0 < self.top_p <= 1, "in (0, 1], or None for off"),
             ("repetition_penalty", self.repetition_penalty, self.repetition_penalty > 0, "> 0 (1 = off)"),
             ("max_new_tokens", self.max_new_tokens, self.max_new_tokens >= 0, ">= 0"),
             ("eos_token_ids", self.eos_token_ids, all(t >= 0 for t in self.eos_token_ids), "token ids >= 0"),
-            ("stop_sequences", self.stop_sequences,
-             all(len(s) >= 1 and all(t >= 0 for t in s) for s in self.stop_sequences),
-             "non-empty sequences of token ids >= 0"),
+            (
+                "stop_sequences",
+                self.stop_sequences,
+                all(len(s) >= 1 and all(t >= 0 for t in s) for s in self.stop_sequences),
+                "non-empty sequences of token ids >= 0",
+            ),
         ]
         for name, value, ok, allowed in checks:
             if not ok:
@@ -139,21 +146,30 @@ class RowPolicy:
 
         seqs = [[(t,) for t in c.eos_token_ids] + list(c.stop_sequences) for c in configs]
         num, width = max(1, max(len(s) for s in seqs)), max(1, max((len(x) for s in seqs for x in s), default=1))
-        table = [[(_ANY_TOKEN,) * (width - len(x)) + tuple(x) for x in s] + [(_NEVER,) * width] * (num - len(s))
-                 for s in seqs]
+        table = [
+            [(_ANY_TOKEN,) * (width - len(x)) + tuple(x) for x in s] + [(_NEVER,) * width] * (num - len(s))
+            for s in seqs
+        ]
         return cls(
-            window=col(lambda c: c.window, torch.long), fill=col(lambda c: c.fill_window, torch.bool),
-            block=col(lambda c: c.block_size or 0, torch.long), k=col(lambda c: c.tokens_per_step, torch.long),
+            window=col(lambda c: c.window, torch.long),
+            fill=col(lambda c: c.fill_window, torch.bool),
+            block=col(lambda c: c.block_size or 0, torch.long),
+            k=col(lambda c: c.tokens_per_step, torch.long),
             tau=col(lambda c: _OFF if c.threshold is None else c.threshold, torch.float32),
-            temperature=col(lambda c: c.temperature, torch.float32), top_k=col(lambda c: c.top_k or 0, torch.long),
+            temperature=col(lambda c: c.temperature, torch.float32),
+            top_k=col(lambda c: c.top_k or 0, torch.long),
             top_p=col(lambda c: _OFF if c.top_p is None or c.top_p >= 1 else c.top_p, torch.float32),
             repetition=col(lambda c: c.repetition_penalty, torch.float32),
-            stops=torch.tensor(table, dtype=torch.long, device=device), configs=list(configs))
+            stops=torch.tensor(table, dtype=torch.long, device=device),
+            configs=list(configs),
+        )
 
     def select(self, index: torch.Tensor, host_index: list[int]) -> "RowPolicy":
         """The rows `index` (host copy `host_index`), in that order."""
-        return RowPolicy(**{f.name: getattr(self, f.name)[index] for f in fields(self) if f.name != "configs"},
-                         configs=[self.configs[i] for i in host_index])
+        return RowPolicy(
+            **{f.name: getattr(self, f.name)[index] for f in fields(self) if f.name != "configs"},
+            configs=[self.configs[i] for i in host_index],
+        )
 
     def cat(self, other: "RowPolicy") -> "RowPolicy":
         """These rows, then `other`'s (stop tables padded to a common shape)."""
@@ -173,10 +189,15 @@ class RowPolicy:
         return option in self._used
 
 
-_OPTIONS = {"fill": lambda c: c.fill_window, "block": lambda c: c.block_size is not None,
-            "top_k": lambda c: c.top_k is not None, "top_p": lambda c: c.top_p is not None and c.top_p < 1,
-            "repetition": lambda c: c.repetition_penalty != 1.0, "temperature": lambda c: c.temperature > 0,
-            "stops": lambda c: bool(c.eos_token_ids or c.stop_sequences)}
+_OPTIONS = {
+    "fill": lambda c: c.fill_window,
+    "block": lambda c: c.block_size is not None,
+    "top_k": lambda c: c.top_k is not None,
+    "top_p": lambda c: c.top_p is not None and c.top_p < 1,
+    "repetition": lambda c: c.repetition_penalty != 1.0,
+    "temperature": lambda c: c.temperature > 0,
+    "stops": lambda c: bool(c.eos_token_ids or c.stop_sequences),
+}
 """The options a step skips when no row of the batch uses them."""
 
 
@@ -216,8 +237,9 @@ def window_queries(todo_BL: torch.Tensor, policy: RowPolicy) -> tuple[torch.Tens
     return pos_BQ, valid
 
 
-def process_logits(logits_BQV: torch.Tensor, canvas_BL: torch.Tensor, policy: RowPolicy,
-                   mask_token_id: int) -> torch.Tensor:
+def process_logits(
+    logits_BQV: torch.Tensor, canvas_BL: torch.Tensor, policy: RowPolicy, mask_token_id: int
+) -> torch.Tensor:
     """The logits tokens are drawn from: MASK removed, repetition penalty, temperature, top-k/p."""
     logits = logits_BQV.to(torch.promote_types(logits_BQV.dtype, torch.float32), copy=True)
     logits.narrow(-1, mask_token_id, 1).fill_(float("-inf"))
@@ -245,8 +267,12 @@ def process_logits(logits_BQV: torch.Tensor, canvas_BL: torch.Tensor, policy: Ro
     return logits
 
 
-def choose_tokens(logits_BQV: torch.Tensor, policy: RowPolicy, generators: Sequence[torch.Generator | None],
-                  num_queries: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def choose_tokens(
+    logits_BQV: torch.Tensor,
+    policy: RowPolicy,
+    generators: Sequence[torch.Generator | None],
+    num_queries: Sequence[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per query [B, Q] and its confidence: its probability under the processed logits.
     Greedy rows take the argmax; a sampled row draws for its `num_queries` valid slots (a prefix
     of its Q; none in a step it does not decode) from its own generator, so its draws do not
@@ -270,13 +296,20 @@ def select_queries(conf_BQ: torch.Tensor, valid_BQ: torch.Tensor, policy: RowPol
     """
     conf = torch.where(valid_BQ, conf_BQ, -1.0)
     order = conf.sort(dim=1, descending=True, stable=True).indices
-    rank = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order))
+    rank = torch.empty_like(order).scatter_(
+        1, order, torch.arange(order.shape[1], device=order.device).expand_as(order)
+    )
     select = (rank < policy.k[:, None]) | (conf >= policy.tau[:, None])
     return select & valid_BQ
 
 
-def stop_ends(canvas_BL: torch.Tensor, stops_BSM: torch.Tensor, pos_BQ: torch.Tensor, new_BQ: torch.Tensor,
-              region_start_B: torch.Tensor) -> torch.Tensor:
+def stop_ends(
+    canvas_BL: torch.Tensor,
+    stops_BSM: torch.Tensor,
+    pos_BQ: torch.Tensor,
+    new_BQ: torch.Tensor,
+    region_start_B: torch.Tensor,
+) -> torch.Tensor:
     """[B] leftmost end position of a stop sequence completed by this step's tokens (L if none).
 
     Only windows that contain a newly decoded position can hold a new match, so the check is

@@ -16,8 +16,15 @@ from setdiff_megatron.core.attention_shapes import AttentionImpl, stream_length
 __all__ = ["document_attention"]
 
 
-def document_attention(fn: AttentionImpl, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                       valid_len: torch.Tensor | None, document_ids: torch.Tensor | None) -> torch.Tensor:
+def document_attention(
+    fn: AttentionImpl,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    valid_len: torch.Tensor | None,
+    document_ids: torch.Tensor | None,
+) -> torch.Tensor:
     """`fn` restricted to each document (`fn` itself without document ids).
 
     Each (row, document)'s ranks, in rank order, fill one sub-sequence of a batch padded to the
@@ -31,16 +38,18 @@ def document_attention(fn: AttentionImpl, q: torch.Tensor, k: torch.Tensor, v: t
         return fn(q, k, v, scale, valid_len)
     length = stream_length(k, valid_len)
     if document_ids.shape != (k.shape[0], length):
-        raise ValueError(f"document_ids must have shape [batch, L]=[{k.shape[0]}, {length}]; "
-                         f"got {tuple(document_ids.shape)}")
+        raise ValueError(
+            f"document_ids must have shape [batch, L]=[{k.shape[0]}, {length}]; got {tuple(document_ids.shape)}"
+        )
     dest, sub_valid, width = _document_slots(document_ids, valid_len)
     num_groups = sub_valid.shape[0]
     out = fn(*(_to_documents(x, dest, num_groups, width) for x in (q, k, v)), scale, sub_valid)
     return _from_documents(out, dest, q.shape[0], width)
 
 
-def _document_slots(document_ids: torch.Tensor, valid_len: torch.Tensor | None
-                    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _document_slots(
+    document_ids: torch.Tensor, valid_len: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(dest [B*L]: each (row, rank)'s index in the [groups * width] sub-sequence slots,
     real ranks per group [groups], width = the largest group).
 
@@ -53,8 +62,9 @@ def _document_slots(document_ids: torch.Tensor, valid_len: torch.Tensor | None
     real = torch.ones_like(ids, dtype=torch.bool) if valid_len is None else ranks < valid_len[:, None]
     ids = torch.where(real, ids - ids.min() + 1, 0)  # 0: padding
     rows = torch.arange(b, device=ids.device)[:, None]
-    _, group, sizes = torch.unique((rows * (int(ids.max()) + 1) + ids).flatten(), return_inverse=True,
-                                   return_counts=True)
+    _, group, sizes = torch.unique(
+        (rows * (int(ids.max()) + 1) + ids).flatten(), return_inverse=True, return_counts=True
+    )
     order = group.argsort(stable=True)  # by group, then by row-major index: by rank within a group
     slot = torch.empty_like(order)
     slot[order] = torch.arange(b * length, device=ids.device) - (sizes.cumsum(0) - sizes)[group[order]]

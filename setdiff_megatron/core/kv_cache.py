@@ -67,9 +67,18 @@ class KVCache:
     """Each layer's commit K/V [B, G, K, D] of the step in flight, written by `advance`."""
 
     @classmethod
-    def allocate(cls, *, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int,
-                 capacity: int, dtype: torch.dtype = torch.float32, device=None,
-                 attention_impl: str = "sdpa") -> "KVCache":
+    def allocate(
+        cls,
+        *,
+        num_layers: int,
+        batch_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        dtype: torch.dtype = torch.float32,
+        device=None,
+        attention_impl: str = "sdpa",
+    ) -> "KVCache":
         shape = (num_layers, batch_size, num_kv_heads, capacity + 1, head_dim)
         return cls(
             keys=torch.zeros(shape, dtype=dtype, device=device),
@@ -102,8 +111,9 @@ class KVCache:
             raise ValueError(f"a step layout of {layout.rows} rows for a cache of {self.rows}")
         self._layout = layout
 
-    def _start_step(self, q_BHTD: torch.Tensor, num_tokens: int, num_commit: int,
-                    commit_valid: torch.Tensor | None) -> StepLayout:
+    def _start_step(
+        self, q_BHTD: torch.Tensor, num_tokens: int, num_commit: int, commit_valid: torch.Tensor | None
+    ) -> StepLayout:
         if self._layout is None:
             self._layout = StepLayout.padded(q_BHTD.shape[0], num_commit, num_tokens - num_commit, commit_valid)
         layout = self._layout
@@ -123,14 +133,28 @@ class KVCache:
             counts = layout.commit_count
             keyed = self.ragged or layout.span is not None  # a static span reaches past some rows' ends
             self._mask = step_attention_mask(
-                layout.rows, layout.num_commit, layout.num_query, span,
+                layout.rows,
+                layout.num_commit,
+                layout.num_query,
+                span,
                 cache_mask=torch.arange(span, device=self.lengths.device) < self.lengths[:, None] if keyed else None,
-                commit_mask=None if counts is None else torch.arange(layout.num_commit, device=counts.device) < counts[:, None],
-                device=self.lengths.device)
+                commit_mask=None
+                if counts is None
+                else torch.arange(layout.num_commit, device=counts.device) < counts[:, None],
+                device=self.lengths.device,
+            )
         return layout
 
-    def attend(self, layer: int, q_BHTD: torch.Tensor, k_BGTD: torch.Tensor, v_BGTD: torch.Tensor, *,
-               num_commit: int, commit_valid: torch.Tensor | None = None) -> torch.Tensor:
+    def attend(
+        self,
+        layer: int,
+        q_BHTD: torch.Tensor,
+        k_BGTD: torch.Tensor,
+        v_BGTD: torch.Tensor,
+        *,
+        num_commit: int,
+        commit_valid: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Attention of one layer's step tokens (in the model's layout; module docstring).
 
         On the kernel path the cache part is the first `span` slots with each row's real entries
@@ -141,20 +165,28 @@ class KVCache:
         keys, values = self.keys[layer], self.values[layer]
         if layout.span is None:  # eager: stage the step behind every row's entries, attend in place
             start, num_tokens = self.length, k.shape[2]
-            keys[:, :, start:start + num_tokens] = k
-            values[:, :, start:start + num_tokens] = v
+            keys[:, :, start : start + num_tokens] = k
+            values[:, :, start : start + num_tokens] = v
             k_cache, v_cache = keys[:, :, :start], values[:, :, :start]
-            staged_k, staged_v = keys[:, :, :start + num_tokens], values[:, :, :start + num_tokens]
+            staged_k, staged_v = keys[:, :, : start + num_tokens], values[:, :, : start + num_tokens]
         else:  # static: read only
-            k_cache, v_cache = keys[:, :, :layout.span], values[:, :, :layout.span]
+            k_cache, v_cache = keys[:, :, : layout.span], values[:, :, : layout.span]
             staged_k, staged_v = torch.cat([k_cache, k], 2), torch.cat([v_cache, v], 2)
         if self._mask is None:
             out = set_causal_step_attention(
-                q, k, v, k_cache, v_cache, num_commit=layout.num_commit, impl=self.attention_impl,
-                cache_len=self.lengths, commit_len=layout.commit_count)
+                q,
+                k,
+                v,
+                k_cache,
+                v_cache,
+                num_commit=layout.num_commit,
+                impl=self.attention_impl,
+                cache_len=self.lengths,
+                commit_len=layout.commit_count,
+            )
         else:
             out = staged_step_attention(q, staged_k, staged_v, self._mask)
-        self._commits.append((k[:, :, :layout.num_commit], v[:, :, :layout.num_commit]))
+        self._commits.append((k[:, :, : layout.num_commit], v[:, :, : layout.num_commit]))
         return layout.to_model(out)
 
     @torch.compiler.disable
@@ -190,19 +222,30 @@ class KVCache:
             index = torch.cat([index, index.new_zeros(pad)])
         lengths = self.lengths[index]
         if pad:
-            lengths[len(index) - pad:] = 0
-        return KVCache(keys=self.keys[:, index], values=self.values[:, index], lengths=lengths,
-                       length=self.length, ragged=self.ragged or (pad > 0 and self.length > 0),
-                       attention_impl=self.attention_impl)
+            lengths[len(index) - pad :] = 0
+        return KVCache(
+            keys=self.keys[:, index],
+            values=self.values[:, index],
+            lengths=lengths,
+            length=self.length,
+            ragged=self.ragged or (pad > 0 and self.length > 0),
+            attention_impl=self.attention_impl,
+        )
 
     def with_rows(self, count: int) -> "KVCache":
         """This cache plus `count` empty rows at the end (a copy): how rows join a running batch."""
+
         def grow(t: torch.Tensor) -> torch.Tensor:
             return torch.cat([t, t.new_zeros(t.shape[0], count, *t.shape[2:])], 1)
 
-        return KVCache(keys=grow(self.keys), values=grow(self.values),
-                       lengths=torch.cat([self.lengths, self.lengths.new_zeros(count)]), length=self.length,
-                       ragged=self.ragged or (count > 0 and self.length > 0), attention_impl=self.attention_impl)
+        return KVCache(
+            keys=grow(self.keys),
+            values=grow(self.values),
+            lengths=torch.cat([self.lengths, self.lengths.new_zeros(count)]),
+            length=self.length,
+            ragged=self.ragged or (count > 0 and self.length > 0),
+            attention_impl=self.attention_impl,
+        )
 
     def with_capacity(self, capacity: int) -> "KVCache":
         """This cache with at least `capacity` slots per row (a copy when it must grow)."""
@@ -213,8 +256,14 @@ class KVCache:
         def grow(t: torch.Tensor) -> torch.Tensor:
             return torch.cat([t, t.new_zeros(*t.shape[:3], extra, t.shape[4])], 3)
 
-        return KVCache(keys=grow(self.keys), values=grow(self.values), lengths=self.lengths, length=self.length,
-                       ragged=self.ragged, attention_impl=self.attention_impl)
+        return KVCache(
+            keys=grow(self.keys),
+            values=grow(self.values),
+            lengths=self.lengths,
+            length=self.length,
+            ragged=self.ragged,
+            attention_impl=self.attention_impl,
+        )
 
     def drop(self, start_B: torch.Tensor, count_B: torch.Tensor) -> None:
         """Remove entries [start, start + count) of each row, shifting its later entries left.

@@ -57,10 +57,13 @@ class _AtenFlash:
             raise NotImplementedError("PyTorch's flash kernel path has no key-length mask")
         if q.device.type == "cuda":
             if q.dtype not in (torch.float16, torch.bfloat16):
-                raise ValueError(f"attention_impl 'fused' on CUDA needs bf16 or fp16 inputs; got {q.dtype} "
-                                 "(use attention_impl 'sdpa' for fp32)")
+                raise ValueError(
+                    f"attention_impl 'fused' on CUDA needs bf16 or fp16 inputs; got {q.dtype} "
+                    "(use attention_impl 'sdpa' for fp32)"
+                )
             out, lse, cum_q, cum_k, max_q, max_k, rng_state, unused, _ = (
-                torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale))
+                torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+            )
             return out, lse, (cum_q, cum_k, max_q, max_k, rng_state, unused)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
         return out, lse, None
@@ -69,9 +72,11 @@ class _AtenFlash:
         if aux is not None:
             cum_q, cum_k, max_q, max_k, rng_state, unused = aux
             return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-                dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, rng_state, unused, scale=scale)
+                dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, rng_state, unused, scale=scale
+            )
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+            dout, q, k, v, out, lse, 0.0, causal, scale=scale
+        )
 
 
 ATEN_FLASH = _AtenFlash()
@@ -93,8 +98,9 @@ def _grouped(x_BHSD: torch.Tensor, num_kv: int) -> torch.Tensor:
     return x_BHSD.unflatten(1, (num_kv, x_BHSD.shape[1] // num_kv))
 
 
-def _pack_streams(clean: torch.Tensor | None, query: torch.Tensor, last_slot: torch.Tensor | float,
-                  layout: str) -> torch.Tensor:
+def _pack_streams(
+    clean: torch.Tensor | None, query: torch.Tensor, last_slot: torch.Tensor | float, layout: str
+) -> torch.Tensor:
     """[B, G, S, g, L, ...] kernel input: clean rows (S = 2; None: S = 1, query rows only), then
     query rows rotated by one slot.
 
@@ -138,14 +144,14 @@ class _MergedSetCausal(torch.autograd.Function):
         if first_query:
             out_g[..., :length, :] = out_s[:, :, 0]
         out_g[..., first_query, :] = v_m[..., 0, :]
-        out_g[..., first_query + 1:, :] = torch.lerp(
+        out_g[..., first_query + 1 :, :] = torch.lerp(
             v_m[..., 1:, :].to(acc), out_s[:, :, -1, :, :-1].to(acc), weight_a.to(acc)
         )
         if row_valid is not None:
             out.mul_(row_valid.to(out.dtype))
         # For the backward the kernel gets the MERGED output and lse on the query slots; the
         # discarded slot keeps the kernel's own finite lse so exp(score - lse) stays bounded.
-        out_s[:, :, -1, :, :-1] = out_g[..., first_query + 1:, :]
+        out_s[:, :, -1, :, :-1] = out_g[..., first_query + 1 :, :]
         lse_s[:, :, -1, :, :-1] = lse_m[..., 1:].to(lse_s.dtype)
         ctx.save_for_backward(q_stack, k, v, out, out_s, lse_s, s_diag, lse_m, row_valid)
         ctx.scale, ctx.kernel, ctx.aux, ctx.layout = scale, kernel, aux, layout
@@ -167,8 +173,15 @@ class _MergedSetCausal(torch.autograd.Function):
         # the exact restriction of the full softmax gradient to the clean keys.
         do_stack = _pack_streams(do_g[..., :length, :] if first_query else None, do_m, 0.0, ctx.layout)
         dq_s, dk_x, dv_x = ctx.kernel.backward(
-            do_stack.flatten(1, 3), q_stack.flatten(1, 3), k[:, :, :length], v[:, :, :length],
-            out_s.flatten(1, 3), lse_s.flatten(1, 3), ctx.aux, scale=scale, causal=True,
+            do_stack.flatten(1, 3),
+            q_stack.flatten(1, 3),
+            k[:, :, :length],
+            v[:, :, :length],
+            out_s.flatten(1, 3),
+            lse_s.flatten(1, 3),
+            ctx.aux,
+            scale=scale,
+            causal=True,
         )
         dq_s = dq_s.unflatten(1, q_stack.shape[1:4])
 
@@ -184,14 +197,21 @@ class _MergedSetCausal(torch.autograd.Function):
         if first_query:
             dq_g[..., :length, :] = dq_s[:, :, 0]
         dq_g[..., first_query:, :] = scale * ds_diag[..., None] * k_m
-        dq_g[..., first_query + 1:, :] += dq_s[:, :, -1, :, :-1]
+        dq_g[..., first_query + 1 :, :] += dq_s[:, :, -1, :, :-1]
         dk = torch.cat([dk_x, torch.einsum("bgnl,bgnld->bgld", scale * ds_diag, q_m).to(k.dtype)], dim=2)
         dv = torch.cat([dv_x, torch.einsum("bgnl,bgnld->bgld", p_diag, do_m).to(v.dtype)], dim=2)
         return dq, dk, dv, None, None, None
 
 
-def merged_set_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: PartialAttention, *,
-                                scale: float | None = None, valid_len: torch.Tensor | None = None) -> torch.Tensor:
+def merged_set_causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kernel: PartialAttention,
+    *,
+    scale: float | None = None,
+    valid_len: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Set-causal attention (the 'fused' decomposition) on any partial-attention kernel:
     q [B, H, 2L or L, D], k/v [B, G, 2L, D] -> like q."""
     check_qkv(q, k, v, query_rows_only=True)

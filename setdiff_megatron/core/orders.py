@@ -19,8 +19,16 @@ from typing import ClassVar
 
 import torch
 
-__all__ = ["OrderPolicy", "Staggered", "LeftToRight", "Uniform", "Block", "make_order_policy",
-           "sample_order", "sample_record_order"]
+__all__ = [
+    "OrderPolicy",
+    "Staggered",
+    "LeftToRight",
+    "Uniform",
+    "Block",
+    "make_order_policy",
+    "sample_order",
+    "sample_record_order",
+]
 
 Device = torch.device | str | None
 
@@ -44,8 +52,7 @@ def _score_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64
 
 
-def _uniform_BL(batch_size: int, length: int, generator: torch.Generator | None,
-                device: Device) -> torch.Tensor:
+def _uniform_BL(batch_size: int, length: int, generator: torch.Generator | None, device: Device) -> torch.Tensor:
     """Uniform[0, 1) draws of shape [B, L], made on `device` from `generator`."""
     dev = _resolve_device(device, generator)
     return torch.rand(batch_size, length, generator=generator, device=dev, dtype=_score_dtype(dev))
@@ -57,8 +64,9 @@ class OrderPolicy(ABC):
     name: ClassVar[str]
 
     @abstractmethod
-    def reveal_scores(self, batch_size: int, length: int, *, generator: torch.Generator | None,
-                      device: Device) -> torch.Tensor:
+    def reveal_scores(
+        self, batch_size: int, length: int, *, generator: torch.Generator | None, device: Device
+    ) -> torch.Tensor:
         """[B, L] float scores; positions are revealed in DECREASING score order.
 
         For the staggered schedule the score is the first-hitting time T_i."""
@@ -95,23 +103,27 @@ class Staggered(OrderPolicy):
     def _is_exact_ar(self) -> bool:
         return self.d == 1 and self.k is None and self.b is None
 
-    def schedule(self, length: int, *, device: Device = None,
-                 dtype: torch.dtype = torch.float64) -> tuple[float, float, torch.Tensor]:
+    def schedule(
+        self, length: int, *, device: Device = None, dtype: torch.dtype = torch.float64
+    ) -> tuple[float, float, torch.Tensor]:
         """Return (k, b, loc_L): the Beta(1, k) shape, the window width and the window starts."""
         _check_length(length)
         d = self.d
         m = self.m if self.m is not None else 2 * d
         # With d == 1 (and no override) m plays no role: the windows tile [0, 1], so m > L is fine.
         if m > length and not self._is_exact_ar():
-            raise ValueError(f"m must be <= length, got m={m}, length={length}; "
-                             "for a uniform order set d = m = length explicitly")
+            raise ValueError(
+                f"m must be <= length, got m={m}, length={length}; for a uniform order set d = m = length explicitly"
+            )
         desired_area = d / (2 * length)  # area of a BD3-LM block of size d under a linear schedule
         if self.k is not None:
             k = float(self.k)
             b = desired_area * (k + 1) / k
             if not b <= 1:
-                raise ValueError(f"k={k} gives window b={b} > 1; k must be >= "
-                                 f"{desired_area / (1 - desired_area)} for length={length}")
+                raise ValueError(
+                    f"k={k} gives window b={b} > 1; k must be >= "
+                    f"{desired_area / (1 - desired_area)} for length={length}"
+                )
         elif self.b is not None:
             b = float(self.b)
             if not desired_area < b <= 1:
@@ -130,8 +142,9 @@ class Staggered(OrderPolicy):
             loc_L = (1 - b) * (length - 1 - i_L) / (length - 1)
         return k, b, loc_L
 
-    def reveal_scores(self, batch_size: int, length: int, *, generator: torch.Generator | None,
-                      device: Device) -> torch.Tensor:
+    def reveal_scores(
+        self, batch_size: int, length: int, *, generator: torch.Generator | None, device: Device
+    ) -> torch.Tensor:
         """First-hitting times T_i = loc_i + b * U_i with U_i ~ Beta(1, k)."""
         dev = _resolve_device(device, generator)
         k, b, loc_L = self.schedule(length, device=dev, dtype=_score_dtype(dev))  # validates first
@@ -151,8 +164,9 @@ class LeftToRight(OrderPolicy):
 
     name: ClassVar[str] = "left_to_right"
 
-    def reveal_scores(self, batch_size: int, length: int, *, generator: torch.Generator | None,
-                      device: Device) -> torch.Tensor:
+    def reveal_scores(
+        self, batch_size: int, length: int, *, generator: torch.Generator | None, device: Device
+    ) -> torch.Tensor:
         _check_length(length)
         dev = _resolve_device(device, generator)
         return -torch.arange(length, device=dev, dtype=_score_dtype(dev)).expand(batch_size, length)
@@ -164,8 +178,9 @@ class Uniform(OrderPolicy):
 
     name: ClassVar[str] = "uniform"
 
-    def reveal_scores(self, batch_size: int, length: int, *, generator: torch.Generator | None,
-                      device: Device) -> torch.Tensor:
+    def reveal_scores(
+        self, batch_size: int, length: int, *, generator: torch.Generator | None, device: Device
+    ) -> torch.Tensor:
         _check_length(length)
         return _uniform_BL(batch_size, length, generator, device)
 
@@ -181,8 +196,9 @@ class Block(OrderPolicy):
         if self.size < 1:
             raise ValueError(f"size (block size) must be >= 1, got size={self.size}")
 
-    def reveal_scores(self, batch_size: int, length: int, *, generator: torch.Generator | None,
-                      device: Device) -> torch.Tensor:
+    def reveal_scores(
+        self, batch_size: int, length: int, *, generator: torch.Generator | None, device: Device
+    ) -> torch.Tensor:
         _check_length(length)
         u_BL = _uniform_BL(batch_size, length, generator, device)
         num_blocks = -(-length // self.size)
@@ -193,8 +209,7 @@ class Block(OrderPolicy):
         return (num_blocks - block_L) + u_BL
 
 
-_POLICIES: dict[str, type[OrderPolicy]] = {
-    c.name: c for c in (Staggered, LeftToRight, Uniform, Block)}
+_POLICIES: dict[str, type[OrderPolicy]] = {c.name: c for c in (Staggered, LeftToRight, Uniform, Block)}
 
 
 def make_order_policy(name: str, **kwargs) -> OrderPolicy:
@@ -213,10 +228,17 @@ def _check_mask(mask: torch.Tensor | None, arg: str, shape: tuple[int, int]) -> 
         raise ValueError(f"{arg} must be a bool tensor, got dtype {mask.dtype}")
 
 
-def sample_order(policy: OrderPolicy, batch_size: int | None = None, length: int | None = None, *,
-                 prompt_mask: torch.Tensor | None = None, pad_mask: torch.Tensor | None = None,
-                 keep_clean_bos: bool = False, generator: torch.Generator | None = None,
-                 device: Device = None) -> torch.Tensor:
+def sample_order(
+    policy: OrderPolicy,
+    batch_size: int | None = None,
+    length: int | None = None,
+    *,
+    prompt_mask: torch.Tensor | None = None,
+    pad_mask: torch.Tensor | None = None,
+    keep_clean_bos: bool = False,
+    generator: torch.Generator | None = None,
+    device: Device = None,
+) -> torch.Tensor:
     """Sample perm [B, L] (int64): perm[b, j] is the original position revealed at rank j.
 
     Per row, prompt positions come first and padding last, each in position order; targets sit in
@@ -246,12 +268,13 @@ def sample_order(policy: OrderPolicy, batch_size: int | None = None, length: int
         last_BL |= pad_mask.to(dev)
     # Only checked when both masks are given: the .any() is a host sync on accelerators.
     if prompt_mask is not None and pad_mask is not None and bool((first_BL & last_BL).any()):
-        raise ValueError("prompt_mask and pad_mask must be disjoint: a position cannot be both "
-                         "prompt and padding")
+        raise ValueError("prompt_mask and pad_mask must be disjoint: a position cannot be both prompt and padding")
     scores_BL = policy.reveal_scores(batch_size, length, generator=generator, device=dev)
     if tuple(scores_BL.shape) != (batch_size, length):
-        raise ValueError(f"policy {policy!r} returned scores of shape {list(scores_BL.shape)}, "
-                         f"expected [B, L] = {[batch_size, length]}")
+        raise ValueError(
+            f"policy {policy!r} returned scores of shape {list(scores_BL.shape)}, "
+            f"expected [B, L] = {[batch_size, length]}"
+        )
     if keep_clean_bos:
         first_BL[:, 0] |= ~last_BL[:, 0]
     scores_BL = scores_BL.masked_fill(first_BL, math.inf).masked_fill(last_BL, -math.inf)
@@ -259,9 +282,15 @@ def sample_order(policy: OrderPolicy, batch_size: int | None = None, length: int
     return torch.sort(scores_BL, dim=-1, descending=True, stable=True).indices
 
 
-def sample_record_order(policy: OrderPolicy, document_ids: torch.Tensor, position_ids: torch.Tensor, *,
-                        prompt_mask: torch.Tensor, pad_mask: torch.Tensor,
-                        generator: torch.Generator | None = None) -> torch.Tensor:
+def sample_record_order(
+    policy: OrderPolicy,
+    document_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    *,
+    prompt_mask: torch.Tensor,
+    pad_mask: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """perm [B, L] for rows that pack several records, each record ordered as if it were alone.
 
     `document_ids` numbers the records of a row from 0 and `position_ids` counts positions from

@@ -46,7 +46,7 @@ class RowResult:
 
     @property
     def completion(self) -> list[int]:
-        return self.tokens[self.prompt_len:]
+        return self.tokens[self.prompt_len :]
 
     @property
     def tokens_per_step(self) -> float:

@@ -71,8 +71,14 @@ __all__ = ["StepModel", "SetSampler", "Request", "SampleOutput", "RowResult"]
 class StepModel(Protocol):
     """What the sampler needs from a model body (torch, megatron, Hugging Face export)."""
 
-    def step(self, tokens: torch.Tensor, position_ids: torch.Tensor, cache: KVCache, num_commit: int,
-             commit_valid: torch.Tensor | None = None) -> torch.Tensor:
+    def step(
+        self,
+        tokens: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: KVCache,
+        num_commit: int,
+        commit_valid: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Commit the first num_commit tokens [B, T] (or, packed, [1, N]: the layout planned on the
         cache says), return the other queries' logits [B, T - num_commit, V] ([1, N - num_commit, V])."""
 
@@ -152,8 +158,9 @@ class _Batch:
         if width <= old:
             return
         extra = width - old
-        self.canvas = torch.cat([self.canvas[:, :old], self.canvas.new_full((len(self.canvas), extra + 1),
-                                                                              mask_token_id)], 1)
+        self.canvas = torch.cat(
+            [self.canvas[:, :old], self.canvas.new_full((len(self.canvas), extra + 1), mask_token_id)], 1
+        )
         self.todo = torch.cat([self.todo[:, :old], self.todo.new_zeros(len(self.todo), extra + 1)], 1)
         for name in ("stop_end", "commit_pos", "query_pos"):
             value = getattr(self, name)
@@ -168,7 +175,9 @@ class _Batch:
         for f in fields(self):
             a, b = getattr(self, f.name), getattr(other, f.name)
             if a.dim() == 2 and f.name not in ("canvas", "todo"):
-                fill = {"commit_pos": self.scratch, "query_pos": self.scratch}.get(f.name, False if a.dtype == torch.bool else 0)
+                fill = {"commit_pos": self.scratch, "query_pos": self.scratch}.get(
+                    f.name, False if a.dtype == torch.bool else 0
+                )
                 a, b = pad(a, b, fill)
             out[f.name] = torch.cat([a, b])
         return _Batch(**out)
@@ -204,9 +213,20 @@ class SetSampler:
     for a list of prompts, or `submit` / `cancel` / `step` to serve requests as they come (serving/).
     """
 
-    def __init__(self, model: StepModel, *, mask_token_id: int, context_len: int, max_rows: int | None = None,
-                 kv_budget: int | None = None, prefill_chunk: int | None = None, trace: bool = False,
-                 static: bool = False, compile: str = "off", compiler: StepCompiler | None = None):
+    def __init__(
+        self,
+        model: StepModel,
+        *,
+        mask_token_id: int,
+        context_len: int,
+        max_rows: int | None = None,
+        kv_budget: int | None = None,
+        prefill_chunk: int | None = None,
+        trace: bool = False,
+        static: bool = False,
+        compile: str = "off",
+        compiler: StepCompiler | None = None,
+    ):
         if context_len < 2:
             raise ValueError(f"context_len must be >= 2 (one cached token and one query); got {context_len}")
         for name, value in (("max_rows", max_rows), ("kv_budget", kv_budget), ("prefill_chunk", prefill_chunk)):
@@ -247,9 +267,14 @@ class SetSampler:
         if num_masked == 0:
             return "has nothing to decode: no MASK token and max_new_tokens=0"
         if visible + min(num_masked, cfg.window) > self.context_len - 1:
-            return (f"is longer than the context: its {visible} visible tokens plus one window "
-                    f"({min(num_masked, cfg.window)}) must be <= context_len - 1 = {self.context_len - 1}")
-        if self.kv_budget is not None and self._reserve(len(prompt) + cfg.max_new_tokens, visible, cfg) > self.kv_budget:
+            return (
+                f"is longer than the context: its {visible} visible tokens plus one window "
+                f"({min(num_masked, cfg.window)}) must be <= context_len - 1 = {self.context_len - 1}"
+            )
+        if (
+            self.kv_budget is not None
+            and self._reserve(len(prompt) + cfg.max_new_tokens, visible, cfg) > self.kv_budget
+        ):
             return f"needs more KV cache than the whole budget of {self.kv_budget} slots"
         return None
 
@@ -280,8 +305,14 @@ class SetSampler:
     # the batch API
 
     @torch.inference_mode()
-    def generate(self, prompts: Sequence[Sequence[int]], cfg: DecodingConfig = DecodingConfig(), *,
-                 batch_size: int | None = None, trace: bool = False) -> SampleOutput:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        cfg: DecodingConfig = DecodingConfig(),
+        *,
+        batch_size: int | None = None,
+        trace: bool = False,
+    ) -> SampleOutput:
         """Decode every prompt's MASK spans and max_new_tokens tail, with at most batch_size rows
         at a time (rows join as others finish). Prompt i samples with seed cfg.seed + i."""
         if len(prompts) == 0:
@@ -292,9 +323,16 @@ class SetSampler:
             problem = self.request_problem(prompt, cfg)
             if problem:
                 raise ValueError(f"prompts[{i}] {problem}")
-        engine = SetSampler(self.model, mask_token_id=self.mask_token_id, context_len=self.context_len,
-                            max_rows=batch_size or len(prompts), kv_budget=self.kv_budget,
-                            prefill_chunk=self.prefill_chunk, trace=trace, compiler=self.compiler)
+        engine = SetSampler(
+            self.model,
+            mask_token_id=self.mask_token_id,
+            context_len=self.context_len,
+            max_rows=batch_size or len(prompts),
+            kv_budget=self.kv_budget,
+            prefill_chunk=self.prefill_chunk,
+            trace=trace,
+            compiler=self.compiler,
+        )
         for i, prompt in enumerate(prompts):
             engine.submit(Request(key=i, prompt=tuple(int(t) for t in prompt), cfg=cfg, seed=cfg.seed + i))
         results: list[RowResult | None] = [None] * len(prompts)
@@ -320,8 +358,11 @@ class SetSampler:
         mode, self.compiler.mode, self.compiler.progress = self.compiler.mode, "on", progress
         start = time.perf_counter()
         try:
-            self.generate(prompts, replace(cfg, eos_token_ids=(), stop_sequences=(), max_new_tokens=max(cfg.max_new_tokens, 1)),
-                          batch_size=self.max_rows)
+            self.generate(
+                prompts,
+                replace(cfg, eos_token_ids=(), stop_sequences=(), max_new_tokens=max(cfg.max_new_tokens, 1)),
+                batch_size=self.max_rows,
+            )
         finally:
             self.compiler.mode, self.compiler.progress = mode, None
         return time.perf_counter() - start
@@ -354,8 +395,13 @@ class SetSampler:
     def _new_row(self, request: Request) -> _Row:
         tokens = list(request.prompt) + [self.mask_token_id] * request.cfg.max_new_tokens
         visible = [(p, t) for p, t in enumerate(tokens) if t != self.mask_token_id]
-        return _Row(request=request, length=len(tokens), admitted=time.perf_counter(), prefill=visible,
-                    trace=[] if self.trace else None)
+        return _Row(
+            request=request,
+            length=len(tokens),
+            admitted=time.perf_counter(),
+            prefill=visible,
+            trace=[] if self.trace else None,
+        )
 
     def _admit(self) -> None:
         """Move waiting requests that fit into the batch (in arrival order; the first that does not
@@ -380,22 +426,33 @@ class SetSampler:
         width = max(r.length for r in joining)
         canvas = torch.full((len(joining), width + 1), mask, dtype=torch.long, device=device)
         for i, r in enumerate(joining):
-            canvas[i, :r.length - r.request.cfg.max_new_tokens] = torch.tensor(r.request.prompt, dtype=torch.long)
+            canvas[i, : r.length - r.request.cfg.max_new_tokens] = torch.tensor(r.request.prompt, dtype=torch.long)
         pos_L = torch.arange(width + 1, device=device)
         lengths = torch.tensor([r.length for r in joining], device=device)
         todo = (canvas == mask) & (pos_L < lengths[:, None])
         tail = torch.tensor([r.length - r.request.cfg.max_new_tokens for r in joining], device=device)
         empty = torch.zeros(len(joining), 0, dtype=torch.long, device=device)
         policy = RowPolicy.of([r.request.cfg for r in joining], device=device)
-        new = _Batch(canvas=canvas, todo=todo, tail_start=tail, stop_end=torch.full_like(tail, width),
-                     commit_tok=empty, commit_pos=empty, commit_valid=empty.bool(), query_pos=empty,
-                     query_valid=empty.bool(), sink=torch.tensor([len(r.prefill) for r in joining], device=device))
+        new = _Batch(
+            canvas=canvas,
+            todo=todo,
+            tail_start=tail,
+            stop_end=torch.full_like(tail, width),
+            commit_tok=empty,
+            commit_pos=empty,
+            commit_valid=empty.bool(),
+            query_pos=empty,
+            query_valid=empty.bool(),
+            sink=torch.tensor([len(r.prefill) for r in joining], device=device),
+        )
         # The first window, as alone: rows that prefill first score it at the step after their prefill.
         new.query_pos, new.query_valid = window_queries(todo, policy)
         self._num_queries += new.query_valid.sum(1).tolist()
         self._num_commits += [0] * len(joining)
-        generators = [torch.Generator(device=device).manual_seed(r.request.seed) if r.request.cfg.temperature > 0
-                      else None for r in joining]
+        generators = [
+            torch.Generator(device=device).manual_seed(r.request.seed) if r.request.cfg.temperature > 0 else None
+            for r in joining
+        ]
         if self.batch is None:
             self.batch, self.policy, self.generators = new, policy, generators
         else:
@@ -405,7 +462,8 @@ class SetSampler:
             self.batch, self.policy = self.batch.cat(new), self.policy.cat(policy)
             extra = self._cache_rows(len(self.rows)) - self.cache.rows  # joining rows take the empty ones
             self.cache = (self.cache.with_rows(extra) if extra > 0 else self.cache).with_capacity(
-                self._capacity_for(self.rows))
+                self._capacity_for(self.rows)
+            )
             self.generators += generators
 
     def _fits_after(self, row: _Row) -> bool:
@@ -440,16 +498,18 @@ class SetSampler:
         for i, chunk in chunks.items():
             pos = torch.tensor([p for p, _ in chunk], dtype=torch.long, device=device)
             b.commit_pos[i] = b.scratch
-            b.commit_pos[i, :len(chunk)] = pos
-            b.commit_tok[i, :len(chunk)] = torch.tensor([t for _, t in chunk], dtype=torch.long, device=device)
+            b.commit_pos[i, : len(chunk)] = pos
+            b.commit_tok[i, : len(chunk)] = torch.tensor([t for _, t in chunk], dtype=torch.long, device=device)
             b.commit_valid[i] = False
-            b.commit_valid[i, :len(chunk)] = True
+            b.commit_valid[i, : len(chunk)] = True
             self._num_commits[i] = len(chunk)
             self.rows[i].prefill_forwards += 1
 
     def _query_tokens(self, rows: int, width: int) -> torch.Tensor:
         if self._queries is None or self._queries.shape[0] < rows or self._queries.shape[1] < width:
-            self._queries = torch.full((max(rows, 1), max(width, 1)), self.mask_token_id, device=self.batch.canvas.device)
+            self._queries = torch.full(
+                (max(rows, 1), max(width, 1)), self.mask_token_id, device=self.batch.canvas.device
+            )
         return self._queries[:rows, :width]
 
     @torch.inference_mode()
@@ -492,10 +552,15 @@ class SetSampler:
         # The one sync of the step: the next step's sizes, who finished, and each row's decided prefix.
         counts, num_queries, rows = b.commit_valid.sum(1), b.query_valid.sum(1), len(self.rows)
         first_B = torch.where(b.todo.any(1), b.todo.to(torch.uint8).argmax(1), b.stop_end.clamp(max=b.scratch) + 1)
-        host = torch.cat([torch.stack([counts, num_queries, cache.lengths[:rows]]).amax(1), counts, num_queries,
-                          first_B]).tolist()
+        host = torch.cat(
+            [torch.stack([counts, num_queries, cache.lengths[:rows]]).amax(1), counts, num_queries, first_B]
+        ).tolist()
         num_commit, num_query, max_len = host[:3]
-        self._num_commits, queries_of, self._firsts = host[3:3 + rows], host[3 + rows:3 + 2 * rows], host[3 + 2 * rows:]
+        self._num_commits, queries_of, self._firsts = (
+            host[3 : 3 + rows],
+            host[3 + rows : 3 + 2 * rows],
+            host[3 + 2 * rows :],
+        )
         self._num_queries = list(queries_of)
         elapsed = time.perf_counter() - t0
         if any(prefilling):
@@ -511,8 +576,9 @@ class SetSampler:
             self.batch.trim(num_commit, num_query)
         return cancelled + finished
 
-    def _forward(self, query_valid: torch.Tensor, commits: list[int], queries: list[int],
-                 decoding: bool) -> torch.Tensor:
+    def _forward(
+        self, query_valid: torch.Tensor, commits: list[int], queries: list[int], decoding: bool
+    ) -> torch.Tensor:
         """The model's step as [B, Q, V] query logits: compiled at its bucket's static shapes,
         on the padded view when no row pads, or else packed (the ragged step, step_layout.py)."""
         b, cache, rows = self.batch, self.cache, len(self.rows)
@@ -526,8 +592,9 @@ class SetSampler:
             key = (bucket(rows), bucket(k), bucket(max(q, self.policy.max_window)), span, capacity)
             if self.compiler.wants(key) and self._within_budget(key[0], capacity):
                 if (cache.rows, cache.capacity) != (key[0], capacity):  # the first compiled step: bucket the cache
-                    cache = self.cache = cache.select_rows(torch.arange(rows, device=cache.lengths.device),
-                                                           key[0]).with_capacity(capacity)
+                    cache = self.cache = cache.select_rows(
+                        torch.arange(rows, device=cache.lengths.device), key[0]
+                    ).with_capacity(capacity)
                 first, start = key not in self.compiler.compiled, time.perf_counter()
                 logits = self._static_step(key)
                 if logits is not None:
@@ -538,13 +605,21 @@ class SetSampler:
         start = time.perf_counter()
         query_tok = self._query_tokens(cache.rows, q)
         if cache.rows == rows and min(commits) == k and min(queries) == q:
-            logits = self.model.step(torch.cat([b.commit_tok, query_tok], 1), torch.cat([b.commit_pos, b.query_pos], 1),
-                                     cache, k)
+            logits = self.model.step(
+                torch.cat([b.commit_tok, query_tok], 1), torch.cat([b.commit_pos, b.query_pos], 1), cache, k
+            )
         else:
             pad = cache.rows - rows
             tokens, positions, layout = pack(
-                _pad_rows(b.commit_tok, pad, 0), _pad_rows(b.commit_pos, pad, 0), _pad_rows(b.commit_valid, pad, False),
-                query_tok, _pad_rows(b.query_pos, pad, 0), _pad_rows(query_valid, pad, False), sum(commits), sum(queries))
+                _pad_rows(b.commit_tok, pad, 0),
+                _pad_rows(b.commit_pos, pad, 0),
+                _pad_rows(b.commit_valid, pad, False),
+                query_tok,
+                _pad_rows(b.query_pos, pad, 0),
+                _pad_rows(query_valid, pad, False),
+                sum(commits),
+                sum(queries),
+            )
             cache.plan(layout)
             logits = layout.queries(self.model.step(tokens, positions, cache, layout.model_commits))[:rows]
         _synchronize(b.canvas.device)
@@ -583,12 +658,13 @@ class SetSampler:
             tail = r.length - r.request.cfg.max_new_tokens
             upto = min(self._firsts[i], r.length) - tail
             if upto > r.reported:
-                out.append(Progress(r.request.key, b.canvas[i, tail + r.reported:tail + upto].tolist()))
+                out.append(Progress(r.request.key, b.canvas[i, tail + r.reported : tail + upto].tolist()))
                 r.reported = upto
         return out
 
-    def _decide(self, logits: torch.Tensor, query_valid: torch.Tensor,
-                num_queries: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decide(
+        self, logits: torch.Tensor, query_valid: torch.Tensor, num_queries: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Choose this step's sets, write them to the canvas and queue them for the next forward."""
         b, policy = self.batch, self.policy
         scratch = b.scratch
@@ -612,7 +688,7 @@ class SetSampler:
         budget, b, cache = self.context_len - 1, self.batch, self.cache
         if cache.length + num_commit <= budget:
             return
-        lengths = cache.lengths[:len(self.rows)]
+        lengths = cache.lengths[: len(self.rows)]
         need = lengths + b.commit_valid.sum(1) - budget
         if int(need.max()) <= 0:  # the host-side bound was loose
             return
@@ -639,10 +715,23 @@ class SetSampler:
             request = list(r.request.prompt) + [mask] * r.request.cfg.max_new_tokens
             cut = min(r.length, stop_end + 1)
             why = reason if reason != "auto" else ("stop" if stop_end < r.length else "length")
-            finished.append((r.request.key, RowResult(
-                tokens=canvas[:cut], prompt_len=len(r.request.prompt), num_decoded=request[:cut].count(mask),
-                finish_reason=why, steps=r.steps, nfe=r.steps + r.prefill_forwards, seconds=now - r.admitted,
-                prefill_s=r.prefill_s, busy_s=r.busy_s, trace=r.trace)))
+            finished.append(
+                (
+                    r.request.key,
+                    RowResult(
+                        tokens=canvas[:cut],
+                        prompt_len=len(r.request.prompt),
+                        num_decoded=request[:cut].count(mask),
+                        finish_reason=why,
+                        steps=r.steps,
+                        nfe=r.steps + r.prefill_forwards,
+                        seconds=now - r.admitted,
+                        prefill_s=r.prefill_s,
+                        busy_s=r.busy_s,
+                        trace=r.trace,
+                    ),
+                )
+            )
         keep = [i for i in range(len(self.rows)) if i not in set(index)]
         self.rows = [self.rows[i] for i in keep]
         self.generators = [self.generators[i] for i in keep]
@@ -659,9 +748,12 @@ class SetSampler:
 
     def _record(self, query_valid, new, tok, prefilling) -> None:
         b = self.batch
-        for i, (qp, qv, nw, tk) in enumerate(zip(b.query_pos.tolist(), query_valid.tolist(), new.tolist(),
-                                                  tok.tolist())):
+        for i, (qp, qv, nw, tk) in enumerate(
+            zip(b.query_pos.tolist(), query_valid.tolist(), new.tolist(), tok.tolist())
+        ):
             if not prefilling[i]:
-                self.rows[i].trace.append(StepTrace(
-                    queried=[p for p, v in zip(qp, qv) if v],
-                    decoded=[(p, t) for p, n, t in zip(qp, nw, tk) if n]))
+                self.rows[i].trace.append(
+                    StepTrace(
+                        queried=[p for p, v in zip(qp, qv) if v], decoded=[(p, t) for p, n, t in zip(qp, nw, tk) if n]
+                    )
+                )

@@ -32,8 +32,9 @@ __all__ = [
 ]
 
 
-def step_mask(num_commit: int, num_query: int, num_cached: int, key_valid: torch.Tensor | None = None,
-              device=None) -> torch.Tensor:
+def step_mask(
+    num_commit: int, num_query: int, num_cached: int, key_valid: torch.Tensor | None = None, device=None
+) -> torch.Tensor:
     """[B or 1, 1, T, C+T] mask of a step: T = num_commit new clean tokens then num_query queries.
 
     Commit row a sees the cache and commits 0..a (bottom-right causal); a query row sees the cache,
@@ -52,9 +53,16 @@ def step_mask(num_commit: int, num_query: int, num_cached: int, key_valid: torch
     return mask
 
 
-def step_attention_mask(batch_size: int, num_commit: int, num_query: int, num_cached: int, *,
-                        cache_mask: torch.Tensor | None = None, commit_mask: torch.Tensor | None = None,
-                        device=None) -> torch.Tensor:
+def step_attention_mask(
+    batch_size: int,
+    num_commit: int,
+    num_query: int,
+    num_cached: int,
+    *,
+    cache_mask: torch.Tensor | None = None,
+    commit_mask: torch.Tensor | None = None,
+    device=None,
+) -> torch.Tensor:
     """`step_mask` from per-row masks of real entries: cache_mask [B, C] and commit_mask
     [B, num_commit] (False = a hole, or a dummy commit of a row that commits fewer tokens)."""
     for name, m, n in (("cache_mask", cache_mask, num_cached), ("commit_mask", commit_mask, num_commit)):
@@ -63,30 +71,47 @@ def step_attention_mask(batch_size: int, num_commit: int, num_query: int, num_ca
     key_valid = None
     if cache_mask is not None or commit_mask is not None:
         ones = partial(torch.ones, dtype=torch.bool, device=device)
-        key_valid = torch.cat([
-            cache_mask if cache_mask is not None else ones(batch_size, num_cached),
-            commit_mask if commit_mask is not None else ones(batch_size, num_commit),
-        ], dim=1)
+        key_valid = torch.cat(
+            [
+                cache_mask if cache_mask is not None else ones(batch_size, num_cached),
+                commit_mask if commit_mask is not None else ones(batch_size, num_commit),
+            ],
+            dim=1,
+        )
     return step_mask(num_commit, num_query, num_cached, key_valid, device)
 
 
-def staged_step_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                          scale: float | None = None) -> torch.Tensor:
+def staged_step_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
     """One step's attention with its K/V staged behind the cache: keys/values [B, G, C + T, D].
 
     A KV cache passes views of its own storage, so no layer copies the cache; `mask` comes from
     `step_attention_mask`, built once per step.
     """
     return F.scaled_dot_product_attention(
-        q, keys, values, attn_mask=mask, scale=scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]),
+        q,
+        keys,
+        values,
+        attn_mask=mask,
+        scale=scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]),
         enable_gqa=keys.shape[1] != q.shape[1],
     )
 
 
-def merged_step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                          v_cache: torch.Tensor, kernel: PartialAttention, *, num_commit: int,
-                          cache_len: torch.Tensor | None = None, commit_len: torch.Tensor | None = None,
-                          scale: float | None = None) -> torch.Tensor:
+def merged_step_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kernel: PartialAttention,
+    *,
+    num_commit: int,
+    cache_len: torch.Tensor | None = None,
+    commit_len: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
     """One sampling step on a partial-attention kernel, exact against `step_mask`; forward only.
 
     Single pass over the cache (docs/method.md, "KV cache"): (1) every step row attends the
@@ -108,10 +133,13 @@ def merged_step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
     sees = (j[None, :] <= i[:, None]) | (i[:, None] >= n)  # [T, N]
     if commit_len is not None:
         sees = sees & ((j[None, :] < commit_len[:, None])[:, None, None, :] | (j[None, :] == i[:, None]))
-    scores = torch.cat([
-        (q_a @ k_h[:, :, :n].transpose(-1, -2) * scale).masked_fill(~sees, float("-inf")),
-        ((q_a * k_h).sum(-1) * scale).masked_fill(i < n, float("-inf"))[..., None],
-    ], dim=-1)
+    scores = torch.cat(
+        [
+            (q_a @ k_h[:, :, :n].transpose(-1, -2) * scale).masked_fill(~sees, float("-inf")),
+            ((q_a * k_h).sum(-1) * scale).masked_fill(i < n, float("-inf"))[..., None],
+        ],
+        dim=-1,
+    )
     lse = scores.logsumexp(-1)  # finite: every row sees its own key
     p = (scores - lse[..., None]).exp()
     out = p[..., :n] @ v_h[:, :, :n] + p[..., n:] * v_h
@@ -188,12 +216,20 @@ def set_causal_step_attention(
             cache_len = _prefix_len(cache_mask, "cache_mask")
         if commit_mask is not None and commit_len is None:
             commit_len = _prefix_len(commit_mask, "commit_mask")
-        return STEP_IMPLS[impl](q, k, v, k_cache, v_cache, num_commit=num_commit, cache_len=cache_len,
-                                commit_len=commit_len, scale=scale)
+        return STEP_IMPLS[impl](
+            q, k, v, k_cache, v_cache, num_commit=num_commit, cache_len=cache_len, commit_len=commit_len, scale=scale
+        )
     if cache_len is not None and cache_mask is None:
         cache_mask = torch.arange(k_cache.shape[2], device=q.device) < cache_len[:, None]
     if commit_len is not None and commit_mask is None:
         commit_mask = torch.arange(num_commit, device=q.device) < commit_len[:, None]
-    mask = step_attention_mask(q.shape[0], num_commit, t - num_commit, k_cache.shape[2], cache_mask=cache_mask,
-                               commit_mask=commit_mask, device=q.device)
+    mask = step_attention_mask(
+        q.shape[0],
+        num_commit,
+        t - num_commit,
+        k_cache.shape[2],
+        cache_mask=cache_mask,
+        commit_mask=commit_mask,
+        device=q.device,
+    )
     return staged_step_attention(q, torch.cat([k_cache, k], dim=2), torch.cat([v_cache, v], dim=2), mask, scale)

@@ -103,8 +103,10 @@ class StepCompiler:
             self.compiled.add(key)
             self.compile_s[key] = time.perf_counter() - start
             if self.progress is not None:
-                self.progress(f"compiled decode step {len(self.compiled)} (rows, commits, queries, span, capacity "
-                              f"= {key}) in {self.compile_s[key]:.1f} s")
+                self.progress(
+                    f"compiled decode step {len(self.compiled)} (rows, commits, queries, span, capacity "
+                    f"= {key}) in {self.compile_s[key]:.1f} s"
+                )
         return out
 
     def _compile(self) -> Callable:
@@ -120,5 +122,10 @@ class StepCompiler:
 
     def summary(self) -> dict:
         """For logs and benchmarks: buckets compiled and what compiling them cost."""
-        return {"mode": self.mode, "buckets": len(self.compiled), "compile_s": sum(self.compile_s.values()),
-                "slower_than_eager": len(self.slower), "failed": self.failed}
+        return {
+            "mode": self.mode,
+            "buckets": len(self.compiled),
+            "compile_s": sum(self.compile_s.values()),
+            "slower_than_eager": len(self.slower),
+            "failed": self.failed,
+        }

@@ -50,8 +50,9 @@ class StepLayout:
     """How many of the N packed tokens are queries (the last ones)."""
 
     @classmethod
-    def padded(cls, rows: int, num_commit: int, num_query: int, commit_valid: torch.Tensor | None,
-               span: int | None = None) -> "StepLayout":
+    def padded(
+        cls, rows: int, num_commit: int, num_query: int, commit_valid: torch.Tensor | None, span: int | None = None
+    ) -> "StepLayout":
         """The model sees the padded view itself; `commit_valid` [B, K] marks real commits."""
         counts = None if commit_valid is None else commit_valid.sum(1)
         return cls(rows, num_commit, num_query, counts, span)
@@ -83,13 +84,20 @@ class StepLayout:
         if self.packed_queries == 0:  # a step of prefills only
             return logits.new_zeros(self.rows, self.num_query, logits.shape[-1])
         width = self.num_commit + self.num_query
-        index = self.gather.view(self.rows, width)[:, self.num_commit:] - self.model_commits
+        index = self.gather.view(self.rows, width)[:, self.num_commit :] - self.model_commits
         return logits[0].index_select(0, index.clamp(min=0).flatten()).view(self.rows, self.num_query, -1)
 
 
-def pack(commit_tok: torch.Tensor, commit_pos: torch.Tensor, commit_valid: torch.Tensor, query_tok: torch.Tensor,
-         query_pos: torch.Tensor, query_valid: torch.Tensor, num_commits: int,
-         num_queries: int) -> tuple[torch.Tensor, torch.Tensor, StepLayout]:
+def pack(
+    commit_tok: torch.Tensor,
+    commit_pos: torch.Tensor,
+    commit_valid: torch.Tensor,
+    query_tok: torch.Tensor,
+    query_pos: torch.Tensor,
+    query_valid: torch.Tensor,
+    num_commits: int,
+    num_queries: int,
+) -> tuple[torch.Tensor, torch.Tensor, StepLayout]:
     """Tokens [1, N], positions [1, N] and the layout of the real slots of a padded step.
 
     commit_*/query_* are [B, K] / [B, Q] with real entries a prefix of each row; num_commits

@@ -76,8 +76,12 @@ def build_two_stream_batch(
         raise ValueError(
             f"tokens and perm must both be [batch, length]; got {tuple(tokens_BL.shape)} and {tuple(perm_BL.shape)}"
         )
-    for name, m in (("prompt_mask", prompt_mask_BL), ("pad_mask", pad_mask_BL), ("document_ids", document_ids_BL),
-                    ("position_ids", position_ids_BL)):
+    for name, m in (
+        ("prompt_mask", prompt_mask_BL),
+        ("pad_mask", pad_mask_BL),
+        ("document_ids", document_ids_BL),
+        ("position_ids", position_ids_BL),
+    ):
         if m is not None and m.shape != tokens_BL.shape:
             raise ValueError(f"{name} must have shape {tuple(tokens_BL.shape)}; got {tuple(m.shape)}")
     not_target_BL = torch.zeros_like(tokens_BL, dtype=torch.bool)
@@ -129,18 +133,36 @@ def sample_two_stream_batch(
         prompt_mask = bos_BL if prompt_mask is None else prompt_mask | bos_BL
     if records is not None:
         if eod_id is not None or prompt_mask is None or pad_mask is None:
-            raise ValueError("packed records need prompt_mask and pad_mask, and bring their own document ids "
-                             "(no eod_id)")
+            raise ValueError(
+                "packed records need prompt_mask and pad_mask, and bring their own document ids (no eod_id)"
+            )
         doc_ids, positions = records
-        perm_BL = sample_record_order(policy, doc_ids, positions, prompt_mask=prompt_mask, pad_mask=pad_mask,
-                                      generator=generator)
-        return build_two_stream_batch(tokens_BL, perm_BL, mask_token_id=mask_token_id, prompt_mask_BL=prompt_mask,
-                                      pad_mask_BL=pad_mask, document_ids_BL=doc_ids, position_ids_BL=positions)
+        perm_BL = sample_record_order(
+            policy, doc_ids, positions, prompt_mask=prompt_mask, pad_mask=pad_mask, generator=generator
+        )
+        return build_two_stream_batch(
+            tokens_BL,
+            perm_BL,
+            mask_token_id=mask_token_id,
+            prompt_mask_BL=prompt_mask,
+            pad_mask_BL=pad_mask,
+            document_ids_BL=doc_ids,
+            position_ids_BL=positions,
+        )
     perm_BL = sample_order(
-        policy, tokens_BL.shape[0], tokens_BL.shape[1], prompt_mask=prompt_mask, pad_mask=pad_mask,
-        generator=generator, device=tokens_BL.device,
+        policy,
+        tokens_BL.shape[0],
+        tokens_BL.shape[1],
+        prompt_mask=prompt_mask,
+        pad_mask=pad_mask,
+        generator=generator,
+        device=tokens_BL.device,
     )
     return build_two_stream_batch(
-        tokens_BL, perm_BL, mask_token_id=mask_token_id, prompt_mask_BL=prompt_mask, pad_mask_BL=pad_mask,
+        tokens_BL,
+        perm_BL,
+        mask_token_id=mask_token_id,
+        prompt_mask_BL=prompt_mask,
+        pad_mask_BL=pad_mask,
         document_ids_BL=None if eod_id is None else document_ids(tokens_BL, eod_id),
     )

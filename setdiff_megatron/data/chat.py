@@ -51,8 +51,9 @@ def _compiled(template: str) -> Any:
 def render_chat(template: str, messages: list[dict[str, str]], *, add_generation_prompt: bool) -> str:
     jinja2 = require("jinja2", "data", "Chat templates")
     try:
-        return _compiled(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                          bos_token="", eos_token="")
+        return _compiled(template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, bos_token="", eos_token=""
+        )
     except jinja2.TemplateError as exc:
         raise ChatError(f"the chat template failed on this conversation: {exc}") from None
 
@@ -68,6 +69,7 @@ def split_conversation(template: str, messages: Any) -> tuple[str, str]:
     text = render_chat(template, turns, add_generation_prompt=False)
     start = text.rfind(last["content"])
     if start < 0:
-        raise ChatError("the chat template does not write the assistant's response verbatim, so the context "
-                        "cannot be split from it")
+        raise ChatError(
+            "the chat template does not write the assistant's response verbatim, so the context cannot be split from it"
+        )
     return text[:start], text[start:]

@@ -133,9 +133,7 @@ def prepare_default_corpus(
     return DefaultCorpus(out_dir, tokenizer_dir, out_dir / "train", out_dir / "valid")
 
 
-def _corpus_tokenizer(
-    out_dir: Path, tokenizer_dir: Path, train_jsonl: Path, vocab_size: int
-) -> SetDiffTokenizer:
+def _corpus_tokenizer(out_dir: Path, tokenizer_dir: Path, train_jsonl: Path, vocab_size: int) -> SetDiffTokenizer:
     """Reuse the saved tokenizer if it was trained on this very corpus with this vocab size."""
     record = {
         "python": sys.version.split()[0],
@@ -151,4 +149,3 @@ def _corpus_tokenizer(
     tokenizer.save(tokenizer_dir)
     record_path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     return tokenizer
-

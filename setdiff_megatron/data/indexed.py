@@ -110,8 +110,9 @@ class IndexedWriter:
         self._builder = indexed_dataset.IndexedDatasetBuilder(str(self._partial_bin), dtype=self.dtype)
         self._committed = False
 
-    def add_document(self, ids: np.ndarray, sequence_lengths: list[int] | None = None, *,
-                     location: int | None = None) -> None:
+    def add_document(
+        self, ids: np.ndarray, sequence_lengths: list[int] | None = None, *, location: int | None = None
+    ) -> None:
         """Append one document (its tokens, EOS included): one sequence, or the given lengths
         (a supervised record's prompt and response), and its input location when kept."""
         self._builder.add_document(ids, [len(ids)] if sequence_lengths is None else sequence_lengths)

@@ -83,8 +83,15 @@ class SupervisedDataset(_megatron_dataset.MegatronDataset):
     that leaves no room for a response is an error naming its input line.
     """
 
-    def __init__(self, indexed: Any, dataset_path: str | None, indices: np.ndarray, num_samples: int | None,
-                 index_split: Any, config: SupervisedDatasetConfig) -> None:
+    def __init__(
+        self,
+        indexed: Any,
+        dataset_path: str | None,
+        indices: np.ndarray,
+        num_samples: int | None,
+        index_split: Any,
+        config: SupervisedDatasetConfig,
+    ) -> None:
         super().__init__(indexed, dataset_path, indices, num_samples, index_split, config)
         self.unique_identifiers["row_format"] = dataclasses.asdict(config.row_format)  # a blend's cache key
         fmt, length = config.row_format, config.sequence_length
@@ -94,9 +101,11 @@ class SupervisedDataset(_megatron_dataset.MegatronDataset):
         prompts = fmt.prompt_lengths(seq[first])
         full = prompts >= length
         if full.any():
-            raise UserError(self._where(int(indices[full.argmax()])) + f": the prompt ({int(prompts[full.argmax()])} "
-                            f"tokens) fills all {length} positions, no room for a response; raise data.seq_len or "
-                            "set data.supervised.max_prompt_tokens")
+            raise UserError(
+                self._where(int(indices[full.argmax()])) + f": the prompt ({int(prompts[full.argmax()])} "
+                f"tokens) fills all {length} positions, no room for a response; raise data.seq_len or "
+                "set data.supervised.max_prompt_tokens"
+            )
         responses = fmt.response_lengths(seq[first + 1], length - prompts)
         self.num_truncated = int((responses < seq[first + 1]).sum())
         self._prompt_len, self._response_len = prompts, responses
@@ -151,18 +160,21 @@ class SupervisedDataset(_megatron_dataset.MegatronDataset):
         documents = np.zeros(length, dtype=np.int64)
         positions = np.zeros(length, dtype=np.int64)
         used = 0
-        for number, record in enumerate(self._order[self._row_starts[index]:self._row_starts[index + 1]]):
+        for number, record in enumerate(self._order[self._row_starts[index] : self._row_starts[index + 1]]):
             seq = int(self._prompt_seq[record])
             head = fmt.prompt(self.dataset[seq])
             body = fmt.response(self.dataset[seq + 1], int(self._response_len[record]), tok.eos_id)
             span = len(head) + len(body)
-            tokens[used:used + span] = np.concatenate([head, body])
-            prompt[used:used + len(head)] = True
-            documents[used:used + span] = number
-            positions[used:used + span] = np.arange(span)
+            tokens[used : used + span] = np.concatenate([head, body])
+            prompt[used : used + len(head)] = True
+            documents[used : used + span] = number
+            positions[used : used + span] = np.arange(span)
             used += span
-        sample = {"tokens": torch.from_numpy(tokens), "prompt_mask": torch.from_numpy(prompt),
-                  "pad_mask": torch.from_numpy(np.arange(length) >= used)}
+        sample = {
+            "tokens": torch.from_numpy(tokens),
+            "prompt_mask": torch.from_numpy(prompt),
+            "pad_mask": torch.from_numpy(np.arange(length) >= used),
+        }
         if self.config.layout == "packed":
             sample |= {"document_ids": torch.from_numpy(documents), "position_ids": torch.from_numpy(positions)}
         return sample

@@ -168,8 +168,9 @@ def _preprocess_source(
             for i, (begin, end) in enumerate(zip(ends - encoded.lengths, ends)):
                 if supervised:
                     prompt = int(encoded.prompt_lengths[i])
-                    writer.add_document(encoded.ids[begin:end], [prompt, end - begin - prompt],
-                                        location=int(encoded.locations[i]))
+                    writer.add_document(
+                        encoded.ids[begin:end], [prompt, end - begin - prompt], location=int(encoded.locations[i])
+                    )
                 else:
                     writer.add_document(encoded.ids[begin:end])
             if supervised:
@@ -243,8 +244,9 @@ class _Encoder:
         documents, prompts, locations, bad = [], [], [], []
         for location, payload in zip(batch.locations, batch.payloads):
             try:
-                prompt, response = encode_record(record_fields(batch.kind, payload, self.supervised.names),
-                                                 self.supervised, self.tokenizer)
+                prompt, response = encode_record(
+                    record_fields(batch.kind, payload, self.supervised.names), self.supervised, self.tokenizer
+                )
             except BadRecord as exc:
                 bad.append((location, str(exc)))
                 continue
@@ -252,8 +254,9 @@ class _Encoder:
             prompts.append(len(prompt))
             locations.append(location)
         ids, lengths = _flat(documents)
-        return EncodedBatch(ids, lengths, bad, 0, batch.done, np.array(prompts, dtype=np.int64),
-                            np.array(locations, dtype=np.int64))
+        return EncodedBatch(
+            ids, lengths, bad, 0, batch.done, np.array(prompts, dtype=np.int64), np.array(locations, dtype=np.int64)
+        )
 
 
 _worker_encoder: _Encoder | None = None
@@ -281,9 +284,7 @@ def _encoded_batches(
     receive it pickled: a large start-up payload can block the parent forever when a spawned
     child dies before reading it (CPython 3.11).
     """
-    batches = read_batches(
-        source, fields=options.fields, text_unit=options.text_unit, batch_bytes=options.batch_bytes
-    )
+    batches = read_batches(source, fields=options.fields, text_unit=options.text_unit, batch_bytes=options.batch_bytes)
     if options.workers == 1:
         yield from map(_Encoder(tokenizer, options.text_field, options.supervised), batches)
         return

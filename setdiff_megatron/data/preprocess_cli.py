@@ -26,24 +26,36 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output-dir", type=Path, required=True)
     parser.add_argument("--tokenizer", type=Path, help="tokenizer directory (GPT-2, Qwen3, Llama or ours)")
     parser.add_argument("--text-field", default="text", help="JSONL field or column holding the text")
-    parser.add_argument("--text-unit", choices=("paragraph", "line"), default="paragraph",
-                        help="what a document is in a plain text file")
+    parser.add_argument(
+        "--text-unit",
+        choices=("paragraph", "line"),
+        default="paragraph",
+        help="what a document is in a plain text file",
+    )
     parser.add_argument("--on-bad-line", choices=("stop", "skip"), default="stop")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--no-new-tokens", action="store_true",
-                        help="fail instead of adding a missing MASK/BOS/EOS/PAD token")
+    parser.add_argument(
+        "--no-new-tokens", action="store_true", help="fail instead of adding a missing MASK/BOS/EOS/PAD token"
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     supervised = parser.add_argument_group("supervised records (recipes: format: supervised)")
-    supervised.add_argument("--supervised", action="store_true",
-                            help="write prompt/response records: the prompt pinned as context, the response the target")
+    supervised.add_argument(
+        "--supervised",
+        action="store_true",
+        help="write prompt/response records: the prompt pinned as context, the response the target",
+    )
     supervised.add_argument("--prompt-field", default="prompt", help="field or column holding the prompt")
     supervised.add_argument("--response-field", default="response", help="field or column holding the response")
-    supervised.add_argument("--messages-field", default=None,
-                            help="a chat field instead (a list of {role, content}, the assistant's turn last), "
-                            "rendered with the tokenizer's chat template")
+    supervised.add_argument(
+        "--messages-field",
+        default=None,
+        help="a chat field instead (a list of {role, content}, the assistant's turn last), "
+        "rendered with the tokenizer's chat template",
+    )
     corpus = parser.add_argument_group("embedded default corpus (the Python standard library)")
-    corpus.add_argument("--default-corpus", action="store_true",
-                        help="train a byte-level BPE on the stdlib corpus and preprocess it")
+    corpus.add_argument(
+        "--default-corpus", action="store_true", help="train a byte-level BPE on the stdlib corpus and preprocess it"
+    )
     corpus.add_argument("--vocab-size", type=int, default=4096)
     return parser
 
@@ -71,7 +83,8 @@ def preprocess_main(argv: list[str] | None = None) -> int:
                 workers=args.workers,
                 progress=not args.quiet,
                 supervised=RecordFields(args.prompt_field, args.response_field, args.messages_field)
-                if args.supervised else None,
+                if args.supervised
+                else None,
             )
             tokenizer = load_tokenizer(args.tokenizer, add_missing_tokens=not args.no_new_tokens)
             preprocess(args.input, args.output_dir, tokenizer, options)

@@ -45,8 +45,17 @@ from setdiff_megatron.data.supervised import RecordFields
 from setdiff_megatron.data.tokenizers import SetDiffTokenizer, train_byte_level_bpe
 from setdiff_megatron.errors import UserError
 
-__all__ = ["Level", "Problem", "TRAIN_LEVELS", "TEST_LEVELS", "make_problem", "problems", "char_tokenizer",
-           "ReasoningCorpus", "prepare_reasoning_corpus"]
+__all__ = [
+    "Level",
+    "Problem",
+    "TRAIN_LEVELS",
+    "TEST_LEVELS",
+    "make_problem",
+    "problems",
+    "char_tokenizer",
+    "ReasoningCorpus",
+    "prepare_reasoning_corpus",
+]
 
 FORMAT_VERSION = 2
 _RECORD_FILE = "corpus.json"
@@ -134,8 +143,9 @@ def make_problem(rng: random.Random, level: Level) -> Problem:
             return Problem(expression, tuple(steps), int(steps[-1].rsplit("=", 1)[1]), level)
 
 
-def problems(seed: int, levels: Sequence[Level], count: int, exclude: frozenset[str] = frozenset(), *,
-             distinct: bool = True) -> Iterator[Problem]:
+def problems(
+    seed: int, levels: Sequence[Level], count: int, exclude: frozenset[str] = frozenset(), *, distinct: bool = True
+) -> Iterator[Problem]:
     """`count` problems, levels in turn, none of whose expressions is in `exclude`; with
     `distinct`, no expression twice (the small levels hold a few thousand expressions only, so
     training draws with repeats, as real corpora do)."""
@@ -182,8 +192,8 @@ def _infill_record(problem: Problem, rng: random.Random) -> dict:
     width = 1 if inner < 2 or rng.random() < 0.5 else 2
     first = 1 + rng.randint(0, inner - width)
     left = "\n".join(lines[:first]) + "\n"
-    middle = "\n".join(lines[first:first + width])
-    right = "\n" + "\n".join(lines[first + width:])
+    middle = "\n".join(lines[first : first + width])
+    right = "\n" + "\n".join(lines[first + width :])
     return {"id": problem.expression, "left": left, "middle": middle, "right": right, "level": problem.level.name}
 
 
@@ -202,6 +212,7 @@ def _write_problems(raw: Path, split: str, problems: Iterator[Problem]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
     with open(partial, "w", encoding="utf-8") as records:
+
         def documents() -> Iterator[dict]:
             for problem in problems:
                 records.write(json.dumps({"prompt": problem.prompt, "response": problem.solution}) + "\n")
@@ -211,20 +222,36 @@ def _write_problems(raw: Path, split: str, problems: Iterator[Problem]) -> None:
     os.replace(partial, path)
 
 
-def prepare_reasoning_corpus(out_dir: str | Path, *, num_train: int = 200_000, num_valid: int = 2_000,
-                             num_test: int = 200, num_infill: int = 200, seed: int = 0, workers: int = 1,
-                             progress: bool = True) -> ReasoningCorpus:
+def prepare_reasoning_corpus(
+    out_dir: str | Path,
+    *,
+    num_train: int = 200_000,
+    num_valid: int = 2_000,
+    num_test: int = 200,
+    num_infill: int = 200,
+    seed: int = 0,
+    workers: int = 1,
+    progress: bool = True,
+) -> ReasoningCorpus:
     """Generate the corpus, its tokenizer, indexed datasets and task files (module docstring).
 
     Test, infill and valid problems are drawn first and excluded from training. A rerun with the
     same arguments finds everything in place and returns at once.
     """
     out_dir = Path(out_dir)
-    record = {"format": FORMAT_VERSION, "num_train": num_train, "num_valid": num_valid, "num_test": num_test,
-              "num_infill": num_infill, "seed": seed, "train_levels": [asdict(lv) for lv in TRAIN_LEVELS],
-              "test_levels": [asdict(lv) for lv in TEST_LEVELS]}
-    corpus = ReasoningCorpus(out_dir, out_dir / TOKENIZER_SUBDIR, out_dir / "train", out_dir / "valid",
-                             out_dir / "tasks")
+    record = {
+        "format": FORMAT_VERSION,
+        "num_train": num_train,
+        "num_valid": num_valid,
+        "num_test": num_test,
+        "num_infill": num_infill,
+        "seed": seed,
+        "train_levels": [asdict(lv) for lv in TRAIN_LEVELS],
+        "test_levels": [asdict(lv) for lv in TEST_LEVELS],
+    }
+    corpus = ReasoningCorpus(
+        out_dir, out_dir / TOKENIZER_SUBDIR, out_dir / "train", out_dir / "valid", out_dir / "tasks"
+    )
     record_path = out_dir / _RECORD_FILE
     tokenizer = char_tokenizer()
     if not (record_path.is_file() and json.loads(record_path.read_text(encoding="utf-8")) == record):
@@ -232,8 +259,10 @@ def prepare_reasoning_corpus(out_dir: str | Path, *, num_train: int = 200_000, n
         for i, level in enumerate(TEST_LEVELS):
             test = list(problems(seed * 1000 + 1 + i, [level], num_test, frozenset(held)))
             held |= {p.expression for p in test}
-            _write_jsonl(corpus.test_tasks(level), ({"prompt": p.prompt, "reference": p.solution,
-                                                     "level": level.name} for p in test))
+            _write_jsonl(
+                corpus.test_tasks(level),
+                ({"prompt": p.prompt, "reference": p.solution, "level": level.name} for p in test),
+            )
         infill_rng = random.Random(seed * 1000 + 500)
         infill = list(problems(seed * 1000 + 501, TRAIN_LEVELS, num_infill, frozenset(held)))
         held |= {p.expression for p in infill}
@@ -241,13 +270,24 @@ def prepare_reasoning_corpus(out_dir: str | Path, *, num_train: int = 200_000, n
         valid = list(problems(seed * 1000 + 502, TRAIN_LEVELS, num_valid, frozenset(held)))
         held |= {p.expression for p in valid}
         _write_problems(out_dir / "raw", "valid", iter(valid))
-        _write_problems(out_dir / "raw", "train", problems(seed * 1000 + 503, TRAIN_LEVELS, num_train, frozenset(held),
-                                                           distinct=False))
+        _write_problems(
+            out_dir / "raw",
+            "train",
+            problems(seed * 1000 + 503, TRAIN_LEVELS, num_train, frozenset(held), distinct=False),
+        )
         record_path.parent.mkdir(parents=True, exist_ok=True)
         record_path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     raw = out_dir / "raw"
-    preprocess([raw / "train.jsonl", raw / "valid.jsonl"], out_dir, tokenizer,
-               PreprocessOptions(workers=workers, progress=progress))
-    preprocess([raw / "train-supervised.jsonl", raw / "valid-supervised.jsonl"], out_dir, tokenizer,
-               PreprocessOptions(workers=workers, progress=progress, supervised=RecordFields()))
+    preprocess(
+        [raw / "train.jsonl", raw / "valid.jsonl"],
+        out_dir,
+        tokenizer,
+        PreprocessOptions(workers=workers, progress=progress),
+    )
+    preprocess(
+        [raw / "train-supervised.jsonl", raw / "valid-supervised.jsonl"],
+        out_dir,
+        tokenizer,
+        PreprocessOptions(workers=workers, progress=progress, supervised=RecordFields()),
+    )
     return corpus

@@ -113,9 +113,11 @@ def build_datasets(
         if manifest["tokenizer"]["sha256"] != tokenizer.sha256:
             raise UserError(f"{prefix} was tokenized with a different tokenizer than the one given")
         if dataset_kind(manifest) != wanted:
-            raise UserError(f"{prefix} holds {dataset_kind(manifest)} data, not {wanted}: set its data.datasets "
-                            f"entry's format to {dataset_kind(manifest)} (or preprocess it"
-                            f"{' with --supervised' if wanted == 'supervised' else ' without --supervised'})")
+            raise UserError(
+                f"{prefix} holds {dataset_kind(manifest)} data, not {wanted}: set its data.datasets "
+                f"entry's format to {dataset_kind(manifest)} (or preprocess it"
+                f"{' with --supervised' if wanted == 'supervised' else ' without --supervised'})"
+            )
 
     from setdiff_megatron.data import packing  # imports megatron-core (seconds), so only now
 
@@ -128,13 +130,20 @@ def build_datasets(
     )
     if supervised is not None:
         cls = packing.SupervisedDataset
-        config = packing.SupervisedDatasetConfig(sequence_length=sequence_length, row_format=supervised.row_format,
-                                                 layout=supervised.layout, **common)
+        config = packing.SupervisedDatasetConfig(
+            sequence_length=sequence_length, row_format=supervised.row_format, layout=supervised.layout, **common
+        )
     else:
         cls = packing.PackedTokenDataset
         config = packing.GPTDatasetConfig(
-            sequence_length=sequence_length - int(prepend_bos), reset_position_ids=False, reset_attention_mask=False,
-            eod_mask_loss=False, create_attention_mask=False, add_extra_token_to_sequence=False, **common)
+            sequence_length=sequence_length - int(prepend_bos),
+            reset_position_ids=False,
+            reset_attention_mask=False,
+            eod_mask_loss=False,
+            create_attention_mask=False,
+            add_extra_token_to_sequence=False,
+            **common,
+        )
     datasets = packing.SingleProcessSafeBuilder(cls, list(num_samples), is_built_on_rank, config).build()
     if supervised is not None:
         return dict(zip(SPLITS, datasets))
@@ -219,9 +228,7 @@ class ResumableLoader:
             dp_rank=self.dp_rank,
             dp_size=self.dp_size,
         )
-        loader = torch.utils.data.DataLoader(
-            self.dataset, batch_sampler=sampler, num_workers=self.num_workers
-        )
+        loader = torch.utils.data.DataLoader(self.dataset, batch_sampler=sampler, num_workers=self.num_workers)
         for batch in loader:
             self.consumed_samples += sampler.global_batch_size
             yield batch

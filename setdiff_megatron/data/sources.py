@@ -106,9 +106,7 @@ def source_sha256(source: Source) -> str:
     return digest.hexdigest()
 
 
-def read_batches(
-    source: Source, *, fields: tuple[str, ...], text_unit: str, batch_bytes: int
-) -> Iterator[RecordBatch]:
+def read_batches(source: Source, *, fields: tuple[str, ...], text_unit: str, batch_bytes: int) -> Iterator[RecordBatch]:
     """Stream the raw records of `source` in order, in batches of about `batch_bytes`; columnar
     formats read only the `fields` columns (plain text has no fields)."""
     if source.kind == "jsonl":

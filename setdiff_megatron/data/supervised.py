@@ -50,12 +50,15 @@ class RecordFields:
 
 def check_chat_template(fields: RecordFields, tokenizer: SetDiffTokenizer, where: str) -> None:
     if fields.messages and tokenizer.chat_template is None:
-        raise UserError(f"{where} has no chat template (tokenizer_config.json 'chat_template') to render "
-                        f"'{fields.messages}' with; use a tokenizer that has one, or prompt/response fields")
+        raise UserError(
+            f"{where} has no chat template (tokenizer_config.json 'chat_template') to render "
+            f"'{fields.messages}' with; use a tokenizer that has one, or prompt/response fields"
+        )
 
 
-def encode_record(record: dict[str, Any], fields: RecordFields, tokenizer: SetDiffTokenizer
-                  ) -> tuple[list[int], list[int]]:
+def encode_record(
+    record: dict[str, Any], fields: RecordFields, tokenizer: SetDiffTokenizer
+) -> tuple[list[int], list[int]]:
     """(prompt ids, response ids ending with EOS) of one parsed record, or BadRecord."""
     if fields.messages:
         try:
@@ -124,8 +127,9 @@ class RowFormat:
         return kept
 
 
-def chat_prompt(template: str, messages: list[dict[str, str]], tokenizer: SetDiffTokenizer,
-                fmt: RowFormat) -> list[int]:
+def chat_prompt(
+    template: str, messages: list[dict[str, str]], tokenizer: SetDiffTokenizer, fmt: RowFormat
+) -> list[int]:
     """A conversation so far as a prompt: the chat template with its generation prompt, markup as
     special tokens, formatted as training rows began (the context of a supervised chat record).
     Raises ChatError."""

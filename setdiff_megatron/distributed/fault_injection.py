@@ -43,8 +43,11 @@ class Fault:
     fired: bool = False
 
     def due(self, rank: int, step: int | None) -> bool:
-        return ((self.rank is None or self.rank == rank) and (self.step is None or self.step == step)
-                and (self.always or not self.fired))
+        return (
+            (self.rank is None or self.rank == rank)
+            and (self.step is None or self.step == step)
+            and (self.always or not self.fired)
+        )
 
 
 def _parse(spec: str) -> Fault:
@@ -64,8 +67,10 @@ def _parse(spec: str) -> Fault:
             else:
                 raise ValueError(key)
         except ValueError:
-            raise UserError(f"{INJECT_ENV}: cannot read {item!r} in {spec!r}; "
-                            "use rank=N, step=N, attempt=N, seconds=S, factor=F or always") from None
+            raise UserError(
+                f"{INJECT_ENV}: cannot read {item!r} in {spec!r}; "
+                "use rank=N, step=N, attempt=N, seconds=S, factor=F or always"
+            ) from None
     fault.always = fault.always or kind == "slow"  # a straggler is slow at every step
     if kind in ("kill", "hang", "spike") and fault.step is None:
         raise UserError(f"{INJECT_ENV}: {spec!r} needs step=N")

@@ -25,8 +25,9 @@ class Layout:
     dp: int = 1
 
     @classmethod
-    def of(cls, world_size: int, *, tp: int = 1, pp: int = 1, vpp: int | None = None, cp: int = 1,
-           ep: int = 1) -> "Layout":
+    def of(
+        cls, world_size: int, *, tp: int = 1, pp: int = 1, vpp: int | None = None, cp: int = 1, ep: int = 1
+    ) -> "Layout":
         """The layout of `world_size` processes with these model-parallel sizes (dp is what is left)."""
         model = tp * pp * cp
         if world_size % model:
@@ -43,18 +44,30 @@ class Layout:
 
     def problems(self) -> list[str]:
         """Why this layout cannot run, one line each (empty when it can)."""
-        out = [f"{name} must be >= 1, got {value}" for name, value in
-               (("tp", self.tp), ("pp", self.pp), ("cp", self.cp), ("ep", self.ep), ("dp", self.dp)) if value < 1]
+        out = [
+            f"{name} must be >= 1, got {value}"
+            for name, value in (("tp", self.tp), ("pp", self.pp), ("cp", self.cp), ("ep", self.ep), ("dp", self.dp))
+            if value < 1
+        ]
         if self.vpp is not None and (self.vpp < 1 or self.pp == 1):
             out.append("virtual pipeline stages (vpp) need pp > 1")
         if (self.dp * self.cp) % self.ep:
-            out.append(f"ep ({self.ep}) must divide dp x cp ({self.dp} x {self.cp}): experts are spread over "
-                       "the data- and context-parallel ranks of a stage")
+            out.append(
+                f"ep ({self.ep}) must divide dp x cp ({self.dp} x {self.cp}): experts are spread over "
+                "the data- and context-parallel ranks of a stage"
+            )
         return out
 
     def as_record(self) -> dict:
-        return {"tp": self.tp, "pp": self.pp, "vpp": self.vpp, "cp": self.cp, "ep": self.ep, "dp": self.dp,
-                "world_size": self.world_size}
+        return {
+            "tp": self.tp,
+            "pp": self.pp,
+            "vpp": self.vpp,
+            "cp": self.cp,
+            "ep": self.ep,
+            "dp": self.dp,
+            "world_size": self.world_size,
+        }
 
     def describe(self) -> str:
         parts = [f"tp {self.tp}", f"pp {self.pp}", f"vpp {self.vpp or 1}"]

@@ -32,9 +32,17 @@ WRITTEN_FOR = ((0, 16), (0, 17))
 (at least the first, below the second), as setup.py pins them."""
 PRIVATE_NAMES = {
     "megatron.core.tensor_parallel.random": (
-        "_get_cuda_rng_state", "_set_cuda_rng_state", "_CUDA_RNG_STATE_TRACKER", "_CUDA_RNG_STATE_TRACKER_INITIALIZED",
-        "CudaRNGStatesTracker", "_MODEL_PARALLEL_RNG_TRACKER_NAME", "_DATA_PARALLEL_RNG_TRACKER_NAME",
-        "_EXPERT_PARALLEL_RNG_TRACKER_NAME", "model_parallel_cuda_manual_seed", "get_cuda_rng_tracker"),
+        "_get_cuda_rng_state",
+        "_set_cuda_rng_state",
+        "_CUDA_RNG_STATE_TRACKER",
+        "_CUDA_RNG_STATE_TRACKER_INITIALIZED",
+        "CudaRNGStatesTracker",
+        "_MODEL_PARALLEL_RNG_TRACKER_NAME",
+        "_DATA_PARALLEL_RNG_TRACKER_NAME",
+        "_EXPERT_PARALLEL_RNG_TRACKER_NAME",
+        "model_parallel_cuda_manual_seed",
+        "get_cuda_rng_tracker",
+    ),
     "megatron.core.tensor_parallel.mappings": ("_gather_along_first_dim", "_reduce_scatter_along_first_dim"),
     "megatron.core.transformer.moe.token_dispatcher": ("maybe_move_tensor_to_cpu",),
     "megatron.core.dist_checkpointing.strategies.filesystem_async": ("_results_queue",),  # training/engines/megatron.py
@@ -214,7 +222,8 @@ def _enable_moe_shims() -> None:
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
     mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim = _uneven_gather(
-        mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim)
+        mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+    )
 
     torch.cuda.Stream = torch.cuda.Event = _Stream
     torch.cuda.current_stream = lambda device=None: _Stream()
@@ -230,13 +239,21 @@ def compatibility_problems() -> list[str]:
     version = importlib.metadata.version("megatron-core")
     release = tuple(int(part) for part in version.split(".")[:2] if part.isdigit())
     low, high = WRITTEN_FOR
-    problems = [] if low <= release < high else [
-        f"megatron-core {version} is installed; the CPU layer and the engine's patches were written for "
-        f"{'.'.join(map(str, low))}.x (pip install 'megatron-core>={low[0]}.{low[1]},<{high[0]}.{high[1]}')"]
+    problems = (
+        []
+        if low <= release < high
+        else [
+            f"megatron-core {version} is installed; the CPU layer and the engine's patches were written for "
+            f"{'.'.join(map(str, low))}.x (pip install 'megatron-core>={low[0]}.{low[1]},<{high[0]}.{high[1]}')"
+        ]
+    )
     for module_name, names in PRIVATE_NAMES.items():
         module = importlib.import_module(module_name)
-        problems += [f"megatron-core {version}: {module_name}.{name} is gone, which megatron_cpu.py relies on"
-                     for name in names if not hasattr(module, name)]
+        problems += [
+            f"megatron-core {version}: {module_name}.{name} is gone, which megatron_cpu.py relies on"
+            for name in names
+            if not hasattr(module, name)
+        ]
     return problems
 
 
@@ -280,10 +297,16 @@ def quiet_known_warnings() -> None:
     """megatron-core warns at import about optional GPU libraries (TE, Apex) a CPU run never has,
     and torch about deprecated collectives, ShardedTensor and non-leaf .grad reads inside
     megatron; none of them is something a user of this project can act on."""
-    for pattern in (r".*Transformer Engine and Apex are not installed.*", r".*Apex is not installed.*",
-                    r".*is deprecated\. Please use `torch\.distributed.*", r".*full scope is deprecated.*",
-                    r".*\.grad attribute of a Tensor that is not a leaf.*", r".*CUDA_DEVICE_MAX_CONNECTIONS.*",
-                    r".*`load_state_dict` is deprecated.*", r".*deprecating ShardedTensor.*"):
+    for pattern in (
+        r".*Transformer Engine and Apex are not installed.*",
+        r".*Apex is not installed.*",
+        r".*is deprecated\. Please use `torch\.distributed.*",
+        r".*full scope is deprecated.*",
+        r".*\.grad attribute of a Tensor that is not a leaf.*",
+        r".*CUDA_DEVICE_MAX_CONNECTIONS.*",
+        r".*`load_state_dict` is deprecated.*",
+        r".*deprecating ShardedTensor.*",
+    ):
         warnings.filterwarnings("ignore", message=pattern)
 
 
@@ -310,8 +333,13 @@ def model_parallel_seed(seed: int) -> None:
     tracker = mp_random.get_cuda_rng_tracker()
     tracker.reset()
     tracker.add(mp_random._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
-    tracker.add(mp_random._MODEL_PARALLEL_RNG_TRACKER_NAME,
-                seed + 2718 + parallel_state.get_tensor_model_parallel_rank())
-    tracker.add(mp_random._EXPERT_PARALLEL_RNG_TRACKER_NAME,
-                seed + 1024 + 100 * parallel_state.get_expert_model_parallel_rank()
-                + parallel_state.get_expert_tensor_parallel_rank())
+    tracker.add(
+        mp_random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + parallel_state.get_tensor_model_parallel_rank()
+    )
+    tracker.add(
+        mp_random._EXPERT_PARALLEL_RNG_TRACKER_NAME,
+        seed
+        + 1024
+        + 100 * parallel_state.get_expert_model_parallel_rank()
+        + parallel_state.get_expert_tensor_parallel_rank(),
+    )

@@ -21,8 +21,21 @@ import torch.distributed as dist
 from setdiff_megatron.distributed.layout import Layout
 from setdiff_megatron.errors import UserError
 
-__all__ = ["Ranks", "init_process_group", "init_model_parallel", "model_parallel_ranks", "join", "shutdown",
-           "world_size", "rank", "torchrun_argv", "free_port", "barrier", "gather_objects", "broadcast_object"]
+__all__ = [
+    "Ranks",
+    "init_process_group",
+    "init_model_parallel",
+    "model_parallel_ranks",
+    "join",
+    "shutdown",
+    "world_size",
+    "rank",
+    "torchrun_argv",
+    "free_port",
+    "barrier",
+    "gather_objects",
+    "broadcast_object",
+]
 
 
 RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
@@ -30,14 +43,28 @@ RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 --max-restarts read the dead attempt's keys and hang in init_process_group (pytorch#135712)."""
 
 
-def torchrun_argv(nproc: int, cli_args: list[str], module: str = "setdiff_megatron.cli",
-                  launcher: str = "torch.distributed.run", max_restarts: int = 0) -> list[str]:
+def torchrun_argv(
+    nproc: int,
+    cli_args: list[str],
+    module: str = "setdiff_megatron.cli",
+    launcher: str = "torch.distributed.run",
+    max_restarts: int = 0,
+) -> list[str]:
     """`python -m MODULE CLI_ARGS` (default: the `setdiff` command) as `nproc` local processes
     under torchrun (`launcher`: torchrun's module, or one that runs torchrun's `main`), restarted
     together up to `max_restarts` times when one of them fails."""
     restarts = [f"--max-restarts={max_restarts}"] if max_restarts else []
-    return [sys.executable, "-m", launcher, "--standalone", f"--nproc_per_node={nproc}", *restarts, "-m", module,
-            *cli_args]
+    return [
+        sys.executable,
+        "-m",
+        launcher,
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        *restarts,
+        "-m",
+        module,
+        *cli_args,
+    ]
 
 
 def check_port(name: str, value: str) -> None:
@@ -72,14 +99,20 @@ def init_process_group(*, timeout_minutes: int = 30) -> None:
     """Join the job's process group (gloo without a GPU, NCCL with one); idempotent."""
     if dist.is_initialized():
         return
-    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(29500 + os.getpid() % 1000)),
-                       ("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+    for key, value in (
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", str(29500 + os.getpid() % 1000)),
+        ("RANK", "0"),
+        ("LOCAL_RANK", "0"),
+        ("WORLD_SIZE", "1"),
+    ):
         os.environ.setdefault(key, value)  # a plain `python -m ...` is a world of one
     check_port("MASTER_PORT", os.environ["MASTER_PORT"])
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
-                            timeout=datetime.timedelta(minutes=timeout_minutes))
+    dist.init_process_group(
+        "nccl" if torch.cuda.is_available() else "gloo", timeout=datetime.timedelta(minutes=timeout_minutes)
+    )
 
 
 def init_model_parallel(layout: Layout, seed: int) -> None:
@@ -91,19 +124,29 @@ def init_model_parallel(layout: Layout, seed: int) -> None:
     auto_cpu_mode()
     init_process_group()
     if layout.world_size != world_size():
-        raise UserError(f"the layout {layout.describe()} needs {layout.world_size} processes; this job has "
-                        f"{world_size()}")
+        raise UserError(
+            f"the layout {layout.describe()} needs {layout.world_size} processes; this job has {world_size()}"
+        )
     from megatron.core import parallel_state
 
     if parallel_state.model_parallel_is_initialized():
-        held = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size()
+        held = (
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size(),
+        )
         if held != (layout.tp, layout.pp):
-            raise UserError(f"this process already holds model-parallel groups at tp {held[0]} pp {held[1]}; it cannot "
-                            f"build others at tp {layout.tp} pp {layout.pp}")
+            raise UserError(
+                f"this process already holds model-parallel groups at tp {held[0]} pp {held[1]}; it cannot "
+                f"build others at tp {layout.tp} pp {layout.pp}"
+            )
     else:
         parallel_state.initialize_model_parallel(
-            layout.tp, layout.pp, virtual_pipeline_model_parallel_size=layout.vpp,
-            context_parallel_size=layout.cp, expert_model_parallel_size=layout.ep)
+            layout.tp,
+            layout.pp,
+            virtual_pipeline_model_parallel_size=layout.vpp,
+            context_parallel_size=layout.cp,
+            expert_model_parallel_size=layout.ep,
+        )
     model_parallel_seed(seed)
 
 
@@ -151,8 +194,10 @@ def join(tp: int = 1) -> Ranks:
     if tp < 1:
         raise UserError(f"--tp must be >= 1; got {tp}")
     if tp > world or world % tp:
-        raise UserError(f"--tp {tp} needs a multiple of {tp} processes; this job has {world} "
-                        f"(start it with --nproc {tp} or torchrun --nproc_per_node {tp})")
+        raise UserError(
+            f"--tp {tp} needs a multiple of {tp} processes; this job has {world} "
+            f"(start it with --nproc {tp} or torchrun --nproc_per_node {tp})"
+        )
     if world == 1:
         return Ranks()
     init_process_group()

@@ -89,8 +89,10 @@ class PreemptionHandler:
         if not dist.is_initialized() or dist.get_rank() == 0:
             record = {"step": step, "checkpoint": str(checkpoint) if checkpoint else None, "signal": name}
             (self.run_dir / PREEMPTED_FILE).write_text(json.dumps(record) + "\n")
-        return Preempted(f"stopped at step {step} by {name}; checkpoint {checkpoint}; "
-                         f"exit code {EXIT_REQUEUE} asks the scheduler to requeue")
+        return Preempted(
+            f"stopped at step {step} by {name}; checkpoint {checkpoint}; "
+            f"exit code {EXIT_REQUEUE} asks the scheduler to requeue"
+        )
 
 
 @contextlib.contextmanager

@@ -40,8 +40,16 @@ __all__ = ["InfillExample", "rocstories_examples", "code_examples", "InfillJob",
 
 TASKS = ("rocstories", "code", "jsonl")
 CONTEXTS = ("both", "left", "blocks")
-_ROC_COLUMNS = ("InputStoryid", "InputSentence1", "InputSentence2", "InputSentence3", "InputSentence4",
-                "RandomFifthSentenceQuiz1", "RandomFifthSentenceQuiz2", "AnswerRightEnding")
+_ROC_COLUMNS = (
+    "InputStoryid",
+    "InputSentence1",
+    "InputSentence2",
+    "InputSentence3",
+    "InputSentence4",
+    "RandomFifthSentenceQuiz1",
+    "RandomFifthSentenceQuiz2",
+    "AnswerRightEnding",
+)
 
 
 @dataclass(frozen=True)
@@ -71,9 +79,14 @@ def rocstories_examples(path: str | Path, targets: int = 1, max_examples: int | 
             ending = row[f"RandomFifthSentenceQuiz{row['AnswerRightEnding']}"]
             story = [row[f"InputSentence{i}"] for i in range(1, 5)] + [ending]
             first = 2 if targets == 1 else 1
-            examples.append(InfillExample(
-                id=row["InputStoryid"], left=" ".join(story[:first]),
-                middle=" " + " ".join(story[first:first + targets]), right=" " + " ".join(story[first + targets:])))
+            examples.append(
+                InfillExample(
+                    id=row["InputStoryid"],
+                    left=" ".join(story[:first]),
+                    middle=" " + " ".join(story[first : first + targets]),
+                    right=" " + " ".join(story[first + targets :]),
+                )
+            )
             if max_examples is not None and len(examples) == max_examples:
                 break
     return examples
@@ -129,8 +142,15 @@ def jsonl_examples(path: str | Path, max_examples: int | None = None) -> list[In
         if not record["middle"]:
             raise UserError(f'{where}: "middle" is empty: nothing to infill')
         extra = {k: v for k, v in record.items() if k not in ("id", "left", "middle", "right")}
-        examples.append(InfillExample(id=str(record.get("id", len(examples))), left=record["left"],
-                                      middle=record["middle"], right=record["right"], extra=extra))
+        examples.append(
+            InfillExample(
+                id=str(record.get("id", len(examples))),
+                left=record["left"],
+                middle=record["middle"],
+                right=record["right"],
+                extra=extra,
+            )
+        )
         if max_examples is not None and len(examples) == max_examples:
             break
     return examples
@@ -220,8 +240,12 @@ def _write_prompts(job: InfillJob, path: Path) -> tuple[int, int]:
             skipped += 1
             continue
         right = _visible_right(ex, tokenizer, job.context, job.decoding.block_size, bos)
-        lines.append(json.dumps({"id": ex.id, **ex.extra, "segments": [ex.left, span, right], "reference": ex.middle},
-                                ensure_ascii=False))
+        lines.append(
+            json.dumps(
+                {"id": ex.id, **ex.extra, "segments": [ex.left, span, right], "reference": ex.middle},
+                ensure_ascii=False,
+            )
+        )
     if not lines:
         raise UserError(f"every {job.task} example is longer than the model's context ({max_len} tokens)")
     text = "".join(line + "\n" for line in lines)
@@ -258,26 +282,40 @@ def run_infill_job(job: InfillJob) -> dict | None:
         (out / "prompts.info.json").write_text(json.dumps({"examples": written, "skipped_too_long": skipped}))
     ranks.barrier()
     samples = out / "samples.jsonl"
-    run_sample_job(SampleJob(
-        source=job.source, prompts=str(prompts), out=str(samples), decoding=replace(job.decoding, max_new_tokens=0),
-        placement=job.placement, add_bos=job.add_bos, stop_at_eos=False))
+    run_sample_job(
+        SampleJob(
+            source=job.source,
+            prompts=str(prompts),
+            out=str(samples),
+            decoding=replace(job.decoding, max_new_tokens=0),
+            placement=job.placement,
+            add_bos=job.add_bos,
+            stop_at_eos=False,
+        )
+    )
     if ranks.rank != 0 or job.placement.shard is not None:
         return None
     records = [json.loads(line) for line in samples.read_text(encoding="utf-8").splitlines()]
     info = json.loads((out / "prompts.info.json").read_text())
     decoded = sum(r["num_decoded"] for r in records)
     metrics = {
-        "task": job.task, "targets": job.targets if job.task == "rocstories" else None, "context": job.context,
+        "task": job.task,
+        "targets": job.targets if job.task == "rocstories" else None,
+        "context": job.context,
         **score_samples(records),
-        "examples": len(records), "skipped_too_long": info["skipped_too_long"],
+        "examples": len(records),
+        "skipped_too_long": info["skipped_too_long"],
         "tokens_per_step": decoded / max(sum(r["steps"] for r in records), 1),
         "mean_nfe": sum(r["nfe"] for r in records) / len(records),
         "decoding": {k: v for k, v in asdict(job.decoding).items() if k != "max_new_tokens"},
     }
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
-    print(f"setdiff: {job.task} infilling over {len(records)} examples ({info['skipped_too_long']} too long, skipped): "
-          + ", ".join(f"{k} {metrics[k]:.4f}" for k in (*ROUGE_KEYS, "exact_match"))
-          + f", {metrics['tokens_per_step']:.2f} tokens/step; {out / 'metrics.json'}", file=sys.stderr)
+    print(
+        f"setdiff: {job.task} infilling over {len(records)} examples ({info['skipped_too_long']} too long, skipped): "
+        + ", ".join(f"{k} {metrics[k]:.4f}" for k in (*ROUGE_KEYS, "exact_match"))
+        + f", {metrics['tokens_per_step']:.2f} tokens/step; {out / 'metrics.json'}",
+        file=sys.stderr,
+    )
     return metrics
 
 
@@ -287,25 +325,44 @@ def _run(args) -> int:
     code = relaunch(args)
     if code is not None:
         return code
-    run_infill_job(InfillJob(
-        source=args.source, task=args.task, out=args.out, decoding=decoding_from_args(args), data=args.data,
-        targets=args.targets, max_examples=args.max_examples, placement=placement_from_args(args),
-        add_bos=args.add_bos, context=args.context))
+    run_infill_job(
+        InfillJob(
+            source=args.source,
+            task=args.task,
+            out=args.out,
+            decoding=decoding_from_args(args),
+            data=args.data,
+            targets=args.targets,
+            max_examples=args.max_examples,
+            placement=placement_from_args(args),
+            add_bos=args.add_bos,
+            context=args.context,
+        )
+    )
     return 0
 
 
 def add_parser(jobs) -> None:
     from setdiff_megatron.inference.cli_args import add_decoding_arguments, add_job_arguments
 
-    parser = jobs.add_parser("infill", help="fill masked story sentences or function bodies; ROUGE / exact match",
-                             description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser = jobs.add_parser(
+        "infill",
+        help="fill masked story sentences or function bodies; ROUGE / exact match",
+        description=" ".join(__doc__.split("\n\n")[0].split()),
+    )
     add_job_arguments(parser)
     parser.add_argument("--task", required=True, choices=TASKS)
     parser.add_argument("--out", required=True, help="directory for prompts.jsonl, samples.jsonl, metrics.json")
-    parser.add_argument("--data", default=None, help="the ROCStories cloze CSV (task rocstories), or the "
-                        "examples (task jsonl)")
-    parser.add_argument("--context", default="both", choices=CONTEXTS, help="context the model sees: both sides "
-                        "(default), left only (AR models), or up to the span's block end (blocks; needs --block-size)")
+    parser.add_argument(
+        "--data", default=None, help="the ROCStories cloze CSV (task rocstories), or the examples (task jsonl)"
+    )
+    parser.add_argument(
+        "--context",
+        default="both",
+        choices=CONTEXTS,
+        help="context the model sees: both sides "
+        "(default), left only (AR models), or up to the span's block end (blocks; needs --block-size)",
+    )
     parser.add_argument("--targets", type=int, default=1, help="middle sentences masked: 1 or 3 (rocstories)")
     parser.add_argument("--max-examples", type=int, default=None)
     add_decoding_arguments(parser, max_new_tokens=0)

@@ -94,8 +94,9 @@ def _windows(docs: list[str], sm: SamplingModel, seq_len: int) -> list[Window]:
     for text in docs:
         ids = ([sm.tokenizer.bos_id] if sm.add_bos else []) + sm.tokenizer.encode(text)
         for first in range(0, len(ids), seq_len):
-            windows.append(Window(len(windows), ids[first:first + seq_len],
-                                  len(text.encode("utf-8")) if first == 0 else 0))
+            windows.append(
+                Window(len(windows), ids[first : first + seq_len], len(text.encode("utf-8")) if first == 0 else 0)
+            )
     return windows
 
 
@@ -123,28 +124,47 @@ def _policy(job: LikelihoodJob, sm: SamplingModel, recipe_method):
 
 
 @torch.no_grad()
-def window_nll(model, windows: list[Window], policy, *, mask_token_id: int, keep_clean_bos: bool,
-               num_orders: int, seed: int, device) -> list[list[float]]:
+def window_nll(
+    model,
+    windows: list[Window],
+    policy,
+    *,
+    mask_token_id: int,
+    keep_clean_bos: bool,
+    num_orders: int,
+    seed: int,
+    device,
+) -> list[list[float]]:
     """NLL (nats, summed over the window's targets) of each window under each of its orders."""
     length = max(len(w.tokens) for w in windows)
     tokens = torch.zeros(len(windows), length, dtype=torch.long)
     pad = torch.ones(len(windows), length, dtype=torch.bool)
     for row, w in enumerate(windows):
-        tokens[row, :len(w.tokens)] = torch.tensor(w.tokens)
-        pad[row, :len(w.tokens)] = False
+        tokens[row, : len(w.tokens)] = torch.tensor(w.tokens)
+        pad[row, : len(w.tokens)] = False
     ragged = bool(pad.any())
     out = [[0.0] * num_orders for _ in windows]
     for s in range(num_orders):
         rows = []
         for row, w in enumerate(windows):  # each window draws its own orders: independent of the batch
             generator = torch.Generator().manual_seed(seed * 1_000_003 + w.index * 1009 + s)
-            rows.append(sample_two_stream_batch(
-                tokens[row:row + 1], policy, mask_token_id=mask_token_id, pad_mask=pad[row:row + 1],
-                keep_clean_bos=keep_clean_bos, generator=generator))
-        batch = {f: torch.cat([getattr(r, f) for r in rows]).to(device)
-                 for f in ("clean_tokens", "query_tokens", "position_ids", "targets", "loss_mask", "valid_len")}
-        logits = model(batch["clean_tokens"], batch["query_tokens"], batch["position_ids"],
-                       batch["valid_len"] if ragged else None)
+            rows.append(
+                sample_two_stream_batch(
+                    tokens[row : row + 1],
+                    policy,
+                    mask_token_id=mask_token_id,
+                    pad_mask=pad[row : row + 1],
+                    keep_clean_bos=keep_clean_bos,
+                    generator=generator,
+                )
+            )
+        batch = {
+            f: torch.cat([getattr(r, f) for r in rows]).to(device)
+            for f in ("clean_tokens", "query_tokens", "position_ids", "targets", "loss_mask", "valid_len")
+        }
+        logits = model(
+            batch["clean_tokens"], batch["query_tokens"], batch["position_ids"], batch["valid_len"] if ragged else None
+        )
         nll = set_diffusion_loss(logits, batch["targets"], batch["loss_mask"], mask_token_id=mask_token_id).nll_sum
         for row, value in enumerate(nll.tolist()):
             out[row][s] = value
@@ -168,9 +188,14 @@ def summarize(records: list[dict]) -> dict:
         half_width = None
     per_token = nll / tokens
     return {
-        "nll_per_token": per_token, "ci95_half_width": half_width, "perplexity": math.exp(per_token),
+        "nll_per_token": per_token,
+        "ci95_half_width": half_width,
+        "perplexity": math.exp(per_token),
         "bits_per_byte": nll / math.log(2) / num_bytes if num_bytes else None,
-        "num_windows": len(records), "num_tokens": tokens, "num_bytes": num_bytes, "num_orders": num_orders,
+        "num_windows": len(records),
+        "num_tokens": tokens,
+        "num_bytes": num_bytes,
+        "num_orders": num_orders,
     }
 
 
@@ -190,11 +215,19 @@ def run_likelihood_job(job: LikelihoodJob) -> dict | None:
     policy = _policy(job, sm, recipe_method)
     windows = _windows(docs, sm, seq_len)
     out_dir = Path(job.out)
-    results = ShardedResults(out_dir / "windows.jsonl", {
-        "source": str(Path(job.source).resolve()), "data": str(Path(job.data).resolve()), "order": repr(policy),
-        "num_orders": job.num_orders, "seq_len": seq_len, "max_docs": job.max_docs, "seed": job.seed,
-        "add_bos": sm.add_bos,
-    })
+    results = ShardedResults(
+        out_dir / "windows.jsonl",
+        {
+            "source": str(Path(job.source).resolve()),
+            "data": str(Path(job.data).resolve()),
+            "order": repr(policy),
+            "num_orders": job.num_orders,
+            "seq_len": seq_len,
+            "max_docs": job.max_docs,
+            "seed": job.seed,
+            "add_bos": sm.add_bos,
+        },
+    )
     results.check_job()
     if ranks.rank == 0:
         results.start()
@@ -206,19 +239,39 @@ def run_likelihood_job(job: LikelihoodJob) -> dict | None:
 
     from setdiff_megatron.progress import progress_bar
 
-    for _, todo in progress_bar(batches, desc="likelihood", unit="batch", file=sys.stderr,
-                        disable=not (place.progress and ranks.rank == 0)):
+    for _, todo in progress_bar(
+        batches, desc="likelihood", unit="batch", file=sys.stderr, disable=not (place.progress and ranks.rank == 0)
+    ):
         chunk = [windows[i] for i in todo]
-        nll = window_nll(sm.model, chunk, policy, mask_token_id=sm.tokenizer.mask_id, keep_clean_bos=sm.add_bos,
-                         num_orders=job.num_orders, seed=job.seed, device=device)
+        nll = window_nll(
+            sm.model,
+            chunk,
+            policy,
+            mask_token_id=sm.tokenizer.mask_id,
+            keep_clean_bos=sm.add_bos,
+            num_orders=job.num_orders,
+            seed=job.seed,
+            device=device,
+        )
         if writer is not None:
-            writer.write([{"index": w.index, "nll": values, "num_tokens": _num_targets(w, sm.add_bos),
-                           "num_bytes": w.num_bytes} for w, values in zip(chunk, nll)])
+            writer.write(
+                [
+                    {
+                        "index": w.index,
+                        "nll": values,
+                        "num_tokens": _num_targets(w, sm.add_bos),
+                        "num_bytes": w.num_bytes,
+                    }
+                    for w, values in zip(chunk, nll)
+                ]
+            )
     ranks.barrier()
     if ranks.rank != 0 or place.shard is not None:
         if place.shard is not None and ranks.rank == 0:
-            print(f"setdiff: likelihood shard {place.shard} of {place.num_shards} done; rerun without --shard to merge",
-                  file=sys.stderr)
+            print(
+                f"setdiff: likelihood shard {place.shard} of {place.num_shards} done; rerun without --shard to merge",
+                file=sys.stderr,
+            )
         return None
     missing = results.merge(len(windows))
     if missing:
@@ -227,9 +280,13 @@ def run_likelihood_job(job: LikelihoodJob) -> dict | None:
     summary = {**summarize(records), "order": repr(policy), "seq_len": seq_len, "source": str(job.source)}
     (out_dir / SUMMARY).write_text(json.dumps(summary, indent=1) + "\n")
     ci = summary["ci95_half_width"]
-    print(f"setdiff: NLL {summary['nll_per_token']:.4f} nats/token" + (f" ± {ci:.4f} (95 %, orders)" if ci else "")
-          + f", perplexity {summary['perplexity']:.2f}, {summary['bits_per_byte']:.4f} bits/byte over "
-          f"{summary['num_tokens']} tokens; {out_dir / SUMMARY}", file=sys.stderr)
+    print(
+        f"setdiff: NLL {summary['nll_per_token']:.4f} nats/token"
+        + (f" ± {ci:.4f} (95 %, orders)" if ci else "")
+        + f", perplexity {summary['perplexity']:.2f}, {summary['bits_per_byte']:.4f} bits/byte over "
+        f"{summary['num_tokens']} tokens; {out_dir / SUMMARY}",
+        file=sys.stderr,
+    )
     return summary
 
 
@@ -239,22 +296,39 @@ def _run(args) -> int:
     code = relaunch(args)
     if code is not None:
         return code
-    run_likelihood_job(LikelihoodJob(
-        source=args.source, data=args.data, out=args.out, order=args.order, d=args.d, num_orders=args.num_orders,
-        seq_len=args.seq_len, max_docs=args.max_docs, seed=args.seed, placement=placement_from_args(args)))
+    run_likelihood_job(
+        LikelihoodJob(
+            source=args.source,
+            data=args.data,
+            out=args.out,
+            order=args.order,
+            d=args.d,
+            num_orders=args.num_orders,
+            seq_len=args.seq_len,
+            max_docs=args.max_docs,
+            seed=args.seed,
+            placement=placement_from_args(args),
+        )
+    )
     return 0
 
 
 def add_parser(jobs) -> None:
     from setdiff_megatron.inference.cli_args import add_job_arguments
 
-    parser = jobs.add_parser("likelihood", help="NLL / perplexity / bits per byte over sampled orders",
-                             description=__doc__.split("\n\n")[1].replace("\n", " "))
+    parser = jobs.add_parser(
+        "likelihood",
+        help="NLL / perplexity / bits per byte over sampled orders",
+        description=__doc__.split("\n\n")[1].replace("\n", " "),
+    )
     add_job_arguments(parser)
     parser.add_argument("--data", required=True, help="JSONL with a 'text' per line, or a plain text file")
     parser.add_argument("--out", required=True, help=f"directory for windows.jsonl and {SUMMARY}")
-    parser.add_argument("--order", default="training", help=f"order policy: {', '.join(ORDERS)} (default: "
-                        "the recipe's; left_to_right gives the exact AR NLL)")
+    parser.add_argument(
+        "--order",
+        default="training",
+        help=f"order policy: {', '.join(ORDERS)} (default: the recipe's; left_to_right gives the exact AR NLL)",
+    )
     parser.add_argument("--d", type=int, default=None, help="set size of --order staggered")
     parser.add_argument("--num-orders", type=int, default=8, help="orders sampled per window (default 8)")
     parser.add_argument("--seq-len", type=int, default=None, help="window length (default: max_seq_len)")

@@ -70,12 +70,28 @@ def _batch_size(value: Any) -> int:
 
 @register_model("setdiff")
 class SetDiffLM(LM):
-    def __init__(self, pretrained: str, window: int = 16, threshold: float | None = None, tokens_per_step: int = 1,
-                 fill_window: bool = False, block_size: int | None = None, temperature: float = 0.0, top_k: int | None = None,
-                 top_p: float | None = None, repetition_penalty: float = 1.0, max_gen_toks: int = 256, seed: int = 0,
-                 dtype: str | None = None, add_bos: bool | None = None, context_len: int | None = None,
-                 batch_size: int | str = 16, max_batch_size: int | None = None, device: str | None = None,
-                 **unused: Any):
+    def __init__(
+        self,
+        pretrained: str,
+        window: int = 16,
+        threshold: float | None = None,
+        tokens_per_step: int = 1,
+        fill_window: bool = False,
+        block_size: int | None = None,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        repetition_penalty: float = 1.0,
+        max_gen_toks: int = 256,
+        seed: int = 0,
+        dtype: str | None = None,
+        add_bos: bool | None = None,
+        context_len: int | None = None,
+        batch_size: int | str = 16,
+        max_batch_size: int | None = None,
+        device: str | None = None,
+        **unused: Any,
+    ):
         super().__init__()
         if unused:
             log.warning("setdiff: ignoring model arguments %s", sorted(unused))
@@ -94,10 +110,19 @@ class SetDiffLM(LM):
         self.batch_size = _batch_size(batch_size)
         self.max_gen_toks = max_gen_toks
         self.decoding = DecodingConfig(
-            window=window, threshold=threshold, tokens_per_step=tokens_per_step, fill_window=fill_window,
+            window=window,
+            threshold=threshold,
+            tokens_per_step=tokens_per_step,
+            fill_window=fill_window,
             block_size=block_size,
-            temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
-            max_new_tokens=max_gen_toks, seed=seed, eos_token_ids=(self.tokenizer.eos_id,))
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            repetition_penalty=repetition_penalty,
+            max_new_tokens=max_gen_toks,
+            seed=seed,
+            eos_token_ids=(self.tokenizer.eos_id,),
+        )
         self.pretrained = pretrained
         self.speed = {"num_rows": 0, "num_tokens": 0, "row_steps": 0, "nfe": 0, "seconds": 0.0}
 
@@ -113,10 +138,10 @@ class SetDiffLM(LM):
         tokens do not split there, each part is encoded on its own. A trailing space moves to the
         continuation, where BPE vocabularies keep it."""
         stripped = context.rstrip(" ")
-        continuation = context[len(stripped):] + continuation
+        continuation = context[len(stripped) :] + continuation
         ctx = self.tokenizer.encode(stripped) if stripped else []
         whole = self.tokenizer.encode(stripped + continuation)
-        cont = whole[len(ctx):] if whole[:len(ctx)] == ctx else self.tokenizer.encode(continuation)
+        cont = whole[len(ctx) :] if whole[: len(ctx)] == ctx else self.tokenizer.encode(continuation)
         prefix = self._prefix() or ([] if ctx else [self.tokenizer.eos_id])
         return prefix + ctx, cont
 
@@ -126,41 +151,51 @@ class SetDiffLM(LM):
         gives the continuation, for (context, continuation) pairs, in one left-to-right forward."""
         seqs, scored = [], []
         for ctx, cont in pairs:
-            seq = (ctx + cont)[-self.max_length:]  # the oldest context goes first when too long
+            seq = (ctx + cont)[-self.max_length :]  # the oldest context goes first when too long
             seqs.append(seq)
             scored.append(min(len(cont), len(seq) - 1))  # every scored token keeps one token before it
         length = max(len(s) for s in seqs)
         tokens = torch.zeros(len(seqs), length, dtype=torch.long)
         pad = torch.ones(len(seqs), length, dtype=torch.bool)
         for row, seq in enumerate(seqs):
-            tokens[row, :len(seq)] = torch.tensor(seq)
-            pad[row, :len(seq)] = False
+            tokens[row, : len(seq)] = torch.tensor(seq)
+            pad[row, : len(seq)] = False
         perm = sample_order(make_order_policy("left_to_right"), pad_mask=pad)
         batch = build_two_stream_batch(tokens, perm, mask_token_id=self.tokenizer.mask_id, pad_mask_BL=pad)
         dev = self._device
-        logits = self.model(batch.clean_tokens.to(dev), batch.query_tokens.to(dev), batch.position_ids.to(dev),
-                            batch.valid_len.to(dev) if bool(pad.any()) else None)
+        logits = self.model(
+            batch.clean_tokens.to(dev),
+            batch.query_tokens.to(dev),
+            batch.position_ids.to(dev),
+            batch.valid_len.to(dev) if bool(pad.any()) else None,
+        )
         logits = logits.float().index_fill(-1, torch.tensor([self.tokenizer.mask_id], device=dev), float("-inf"))
         logp = logits.log_softmax(-1)
         greedy = logits.argmax(-1)
         out = []
         for row, (seq, n) in enumerate(zip(seqs, scored)):
-            target = torch.tensor(seq[len(seq) - n:], device=dev)
+            target = torch.tensor(seq[len(seq) - n :], device=dev)
             span = slice(len(seq) - n, len(seq))
             value = logp[row, span].gather(-1, target[:, None]).double().sum().item()
             out.append((value, bool((greedy[row, span] == target).all())))
         return out
 
-    def _score(self, pairs: list[tuple[list[int], list[int]]], desc: str,
-               disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+    def _score(
+        self, pairs: list[tuple[list[int], list[int]]], desc: str, disable_tqdm: bool = False
+    ) -> list[tuple[float, bool]]:
         from setdiff_megatron.progress import progress_bar
 
         # Longest first: batches of similar lengths pad little, and a too-large batch fails first.
         order = sorted(range(len(pairs)), key=lambda i: -len(pairs[i][0]) - len(pairs[i][1]))
         out: list[tuple[float, bool] | None] = [None] * len(pairs)
-        for first in progress_bar(range(0, len(order), self.batch_size), desc=desc, unit="batch", file=sys.stderr,
-                          disable=self.rank != 0 or disable_tqdm):
-            chunk = order[first:first + self.batch_size]
+        for first in progress_bar(
+            range(0, len(order), self.batch_size),
+            desc=desc,
+            unit="batch",
+            file=sys.stderr,
+            disable=self.rank != 0 or disable_tqdm,
+        ):
+            chunk = order[first : first + self.batch_size]
             for i, result in zip(chunk, self._score_batch([pairs[i] for i in chunk])):
                 out[i] = result
         return out  # type: ignore[return-value]
@@ -176,7 +211,7 @@ class SetDiffLM(LM):
             ids = (self._prefix() or [self.tokenizer.eos_id]) + self.tokenizer.encode(req.args[0])
             for start in range(1, len(ids), step):
                 end = min(start + step, len(ids))
-                pairs.append((ids[max(0, end - self.max_length):start], ids[start:end]))
+                pairs.append((ids[max(0, end - self.max_length) : start], ids[start:end]))
                 owner.append(n)
         totals = [0.0] * len(requests)
         for n, (value, _) in zip(owner, self._score(pairs, "loglikelihood_rolling", disable_tqdm)):
@@ -196,8 +231,12 @@ class SetDiffLM(LM):
         if gen_kwargs.get("do_sample") is False:
             cfg = replace(cfg, temperature=0.0)
         elif gen_kwargs.get("do_sample") or gen_kwargs.get("temperature"):
-            cfg = replace(cfg, temperature=float(gen_kwargs.get("temperature") or 1.0),
-                          top_k=gen_kwargs.get("top_k", cfg.top_k), top_p=gen_kwargs.get("top_p", cfg.top_p))
+            cfg = replace(
+                cfg,
+                temperature=float(gen_kwargs.get("temperature") or 1.0),
+                top_k=gen_kwargs.get("top_k", cfg.top_k),
+                top_p=gen_kwargs.get("top_p", cfg.top_p),
+            )
         stops = tuple(tuple(self.tokenizer.encode(u)) for u in until)
         return replace(cfg, stop_sequences=tuple(s for s in stops if s and self.tokenizer.mask_id not in s)), until
 
@@ -214,22 +253,32 @@ class SetDiffLM(LM):
         from setdiff_megatron.evaluation.tasks import cut_at_stop
         from setdiff_megatron.progress import progress_bar
 
-        engine = SetSampler(self.model, mask_token_id=self.tokenizer.mask_id, context_len=self.max_length,
-                            max_rows=self.batch_size)
+        engine = SetSampler(
+            self.model, mask_token_id=self.tokenizer.mask_id, context_len=self.max_length, max_rows=self.batch_size
+        )
         untils = {}
         for n, req in enumerate(requests):
             cfg, untils[n] = self._decoding(req.args[1])
             engine.submit(Request(key=n, prompt=tuple(self._prompt(req.args[0], cfg)), cfg=cfg, seed=cfg.seed + n))
         out: list[str | None] = [None] * len(requests)
         start = time.perf_counter()
-        with progress_bar(total=len(requests), desc="generate_until", unit="request", file=sys.stderr,
-                          disable=self.rank != 0 or disable_tqdm) as bar:
+        with progress_bar(
+            total=len(requests),
+            desc="generate_until",
+            unit="request",
+            file=sys.stderr,
+            disable=self.rank != 0 or disable_tqdm,
+        ) as bar:
             while not engine.idle:
                 finished = engine.step()
                 for n, row in finished:
                     out[n] = cut_at_stop(self.tokenizer.decode(row.completion, skip_special_tokens=True), untils[n])
-                    for key, value in (("nfe", row.nfe), ("num_rows", 1), ("num_tokens", row.num_decoded),
-                                       ("row_steps", row.steps)):
+                    for key, value in (
+                        ("nfe", row.nfe),
+                        ("num_rows", 1),
+                        ("num_tokens", row.num_decoded),
+                        ("row_steps", row.steps),
+                    ):
                         self.speed[key] += value
                 bar.update(len(finished))
         self.speed["seconds"] += time.perf_counter() - start
@@ -265,14 +314,22 @@ class SetDiffLM(LM):
     def get_model_info(self) -> dict[str, Any]:
         s = self.speed
         speed = {
-            "rows": s["num_rows"], "tokens": s["num_tokens"],
+            "rows": s["num_rows"],
+            "tokens": s["num_tokens"],
             "tokens_per_s": s["num_tokens"] / s["seconds"] if s["seconds"] else None,
             "tokens_per_step": s["num_tokens"] / s["row_steps"] if s["row_steps"] else None,
             "mean_nfe": s["nfe"] / s["num_rows"] if s["num_rows"] else None,
         }
         decoding = {k: v for k, v in asdict(self.decoding).items() if k not in ("eos_token_ids", "stop_sequences")}
-        return {"setdiff": {"pretrained": str(self.pretrained), "decoding": decoding, "batch_size": self.batch_size,
-                            "max_length": self.max_length, "generate_until_speed": speed}}
+        return {
+            "setdiff": {
+                "pretrained": str(self.pretrained),
+                "decoding": decoding,
+                "batch_size": self.batch_size,
+                "max_length": self.max_length,
+                "generate_until_speed": speed,
+            }
+        }
 
 
 def main(argv: list[str] | None = None) -> None:

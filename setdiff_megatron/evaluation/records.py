@@ -72,14 +72,28 @@ def check_wandb(cfg: WandbConfig) -> None:
         require("wandb", "wandb", "--wandb-project (Weights & Biases logging)")
 
 
-def log_to_wandb(cfg: WandbConfig, *, job_type: str, config: dict, summary: dict,
-                 rows: list[dict] | None = None, out_dir: str | Path | None = None) -> None:
+def log_to_wandb(
+    cfg: WandbConfig,
+    *,
+    job_type: str,
+    config: dict,
+    summary: dict,
+    rows: list[dict] | None = None,
+    out_dir: str | Path | None = None,
+) -> None:
     """One run per job: its settings as config, its metrics as summary, per-point rows as a table."""
     if cfg.project is None:
         return
     wandb = require("wandb", "wandb", "--wandb-project (Weights & Biases logging)")
-    run = wandb.init(project=cfg.project, name=cfg.name, mode=cfg.mode, job_type=job_type, config=config,
-                     dir=str(out_dir) if out_dir is not None else None, reinit=True)
+    run = wandb.init(
+        project=cfg.project,
+        name=cfg.name,
+        mode=cfg.mode,
+        job_type=job_type,
+        config=config,
+        dir=str(out_dir) if out_dir is not None else None,
+        reinit=True,
+    )
     for step, row in enumerate(rows or []):
         run.log({k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}, step=step)
     if rows:

@@ -42,10 +42,9 @@ def _prompts(recipe: Recipe) -> tuple[str, list[dict]] | None:
         from setdiff_megatron.data.reasoning import TRAIN_LEVELS
 
         tasks = builtin_corpus_dir("reasoning", data_dir(recipe), recipe.data.vocab_size) / "tasks"
-        by_level = [(tasks / f"test-{lv.name}.jsonl").read_text(encoding="utf-8").splitlines()
-                    for lv in TRAIN_LEVELS]
+        by_level = [(tasks / f"test-{lv.name}.jsonl").read_text(encoding="utf-8").splitlines() for lv in TRAIN_LEVELS]
         interleaved = [line for group in zip(*by_level) for line in group]  # every level in equal shares
-        return "reasoning", [json.loads(line) for line in interleaved[:max(recipe.eval.showcase_problems, SHOWN + 1)]]
+        return "reasoning", [json.loads(line) for line in interleaved[: max(recipe.eval.showcase_problems, SHOWN + 1)]]
     if names == ["stdlib"]:
         from setdiff_megatron.evaluation.infilling import code_examples
 
@@ -60,38 +59,56 @@ def showcase(recipe: Recipe) -> list[str]:
         return []
     corpus, records = found
     sm = load_sampling_model(recipe.checkpoint.dir, Ranks(), device="cpu")
-    cfg = decoding_for_recipe(recipe, max_new_tokens=52 if corpus == "reasoning" else 48,
-                              eos_token_ids=(sm.tokenizer.eos_id,))
+    cfg = decoding_for_recipe(
+        recipe, max_new_tokens=52 if corpus == "reasoning" else 48, eos_token_ids=(sm.tokenizer.eos_id,)
+    )
     sampler = SetSampler(sm.model, mask_token_id=sm.tokenizer.mask_id, context_len=sm.config.max_seq_len)
-    ids = [encode_prompt(PromptRecord(i, i + 1, (r["prompt"],), {}), sm.tokenizer, sm.prompt_format())
-           for i, r in enumerate(records)]
+    ids = [
+        encode_prompt(PromptRecord(i, i + 1, (r["prompt"],), {}), sm.tokenizer, sm.prompt_format())
+        for i, r in enumerate(records)
+    ]
     out = sampler.generate(ids, cfg, batch_size=16)
     texts = [sm.tokenizer.decode(row.completion, skip_special_tokens=True) for row in out.rows]
-    policy = f"window {cfg.window}" + (f", threshold {cfg.threshold}" if cfg.threshold else "") + (
-        f", blocks of {cfg.block_size}" if cfg.block_size else "")
+    policy = (
+        f"window {cfg.window}"
+        + (f", threshold {cfg.threshold}" if cfg.threshold else "")
+        + (f", blocks of {cfg.block_size}" if cfg.block_size else "")
+    )
     shown = min(SHOWN, len(records) - 1)
     lines = [f"{recipe.name}: {recipe.description}"] if recipe.description else []
     if recipe.model.init_from:
         start = read_source(recipe.model.init_from, weights=False)
-        lines.append(f"  its initial weights: {start.describe()} ({start.config.num_layers} x {start.config.hidden_size})")
-    lines += [f"sample of a held-out prompt ({policy}):", *(f"  {line}" for line in (records[shown]["prompt"]
-                                                                                    + texts[shown]).splitlines())]
+        lines.append(
+            f"  its initial weights: {start.describe()} ({start.config.num_layers} x {start.config.hidden_size})"
+        )
+    lines += [
+        f"sample of a held-out prompt ({policy}):",
+        *(f"  {line}" for line in (records[shown]["prompt"] + texts[shown]).splitlines()),
+    ]
     row = out.rows[shown]
-    lines.append(f"decoding: {row.num_decoded} tokens in {row.steps} steps, {row.tokens_per_step:.2f} tokens "
-                 f"per step ({policy}, greedy)")
+    lines.append(
+        f"decoding: {row.num_decoded} tokens in {row.steps} steps, {row.tokens_per_step:.2f} tokens "
+        f"per step ({policy}, greedy)"
+    )
     if corpus == "reasoning" and recipe.eval.showcase_problems:
+
         def accuracy(completions: list[str]) -> float:
-            return sum(score_completion("gsm8k", t, [r["reference"]])["accuracy"]
-                       for t, r in zip(completions, records)) / len(records)
+            return sum(
+                score_completion("gsm8k", t, [r["reference"]])["accuracy"] for t, r in zip(completions, records)
+            ) / len(records)
 
         answers = Counter(gsm8k_answer(r["reference"]) for r in records)
         trivial = answers.most_common(1)[0][1] / len(records)
-        lines.append(f"held-out accuracy on {len(records)} test problems (#### answer): {accuracy(texts):.0%} at "
-                     f"{out.metrics.tokens_per_step:.2f} tokens per step ({policy})")
+        lines.append(
+            f"held-out accuracy on {len(records)} test problems (#### answer): {accuracy(texts):.0%} at "
+            f"{out.metrics.tokens_per_step:.2f} tokens per step ({policy})"
+        )
         if cfg.window > 1:
             one = sampler.generate(ids, replace(cfg, window=1, threshold=None, block_size=None), batch_size=16)
             one_texts = [sm.tokenizer.decode(row.completion, skip_special_tokens=True) for row in one.rows]
             lines.append(f"  the same model one token per step (window 1): {accuracy(one_texts):.0%}")
-        lines.append(f"  trivial baseline (every problem given the most common answer): {trivial:.0%}; "
-                     "setdiff eval generate measures more")
+        lines.append(
+            f"  trivial baseline (every problem given the most common answer): {trivial:.0%}; "
+            "setdiff eval generate measures more"
+        )
     return lines

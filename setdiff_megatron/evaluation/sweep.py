@@ -22,8 +22,16 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, StringConstraints,
-                      ValidationError)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    StringConstraints,
+    ValidationError,
+)
 
 from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.errors import UserError
@@ -123,8 +131,18 @@ def load_spec(path: str | Path) -> SweepSpec:
 
 
 def _auto_name(given: dict[str, Any]) -> str:
-    short = {"window": "w", "block_size": "b", "tokens_per_step": "k", "threshold": "t", "temperature": "temp", "top_k": "topk",
-             "top_p": "topp", "repetition_penalty": "rep", "max_new_tokens": "n", "seed": "seed"}
+    short = {
+        "window": "w",
+        "block_size": "b",
+        "tokens_per_step": "k",
+        "threshold": "t",
+        "temperature": "temp",
+        "top_k": "topk",
+        "top_p": "topp",
+        "repetition_penalty": "rep",
+        "max_new_tokens": "n",
+        "seed": "seed",
+    }
     parts = []
     for key, value in given.items():
         if key == "fill_window":
@@ -151,8 +169,10 @@ def expand_points(spec: SweepSpec, path: str | Path = "spec") -> list[SweepPoint
     keys = list(spec.grid)
     given += [dict(zip(keys, combo)) for combo in itertools.product(*spec.grid.values())] if keys else []
     if not given:
-        raise UserError(f"{path}: the sweep has no points: give 'points' (a list of decoding settings) and/or "
-                        "'grid' (a list of values per setting)")
+        raise UserError(
+            f"{path}: the sweep has no points: give 'points' (a list of decoding settings) and/or "
+            "'grid' (a list of values per setting)"
+        )
     defaults = spec.decoding.model_dump(exclude_unset=True)
     points, seen = [], set()
     for settings in given:
@@ -171,8 +191,11 @@ def expand_points(spec: SweepSpec, path: str | Path = "spec") -> list[SweepPoint
 def pareto_front(xs: list[float], ys: list[float]) -> list[int]:
     """Indices of the points no other point beats on both axes (higher is better on each),
     sorted by x."""
-    front = [i for i in range(len(xs))
-             if not any(xs[j] >= xs[i] and ys[j] >= ys[i] and (xs[j] > xs[i] or ys[j] > ys[i]) for j in range(len(xs)))]
+    front = [
+        i
+        for i in range(len(xs))
+        if not any(xs[j] >= xs[i] and ys[j] >= ys[i] and (xs[j] > xs[i] or ys[j] > ys[i]) for j in range(len(xs)))
+    ]
     return sorted(front, key=lambda i: xs[i])
 
 
@@ -186,8 +209,9 @@ def plot_pareto(rows: list[dict], path: Path) -> None:
     score_name = rows[0]["score_name"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), constrained_layout=True)
     checkpoints = list(dict.fromkeys(r["checkpoint"] for r in rows))
-    for ax, (key, label) in zip(axes, (("tokens_per_s", "tokens/s (per replica)"),
-                                       ("tokens_per_step", "tokens per step"))):
+    for ax, (key, label) in zip(
+        axes, (("tokens_per_s", "tokens/s (per replica)"), ("tokens_per_step", "tokens per step"))
+    ):
         xs, ys = [r[key] or 0.0 for r in rows], [r["score"] for r in rows]
         for n, ckpt in enumerate(checkpoints):
             mine = [i for i, r in enumerate(rows) if r["checkpoint"] == ckpt]
@@ -195,8 +219,15 @@ def plot_pareto(rows: list[dict], path: Path) -> None:
         for i, r in enumerate(rows):
             ax.annotate(r["point"], (xs[i], ys[i]), textcoords="offset points", xytext=(4, 4), fontsize=7)
         front = pareto_front(xs, ys)
-        ax.plot([xs[i] for i in front], [ys[i] for i in front], "k--", lw=1, drawstyle="steps-post",
-                label="Pareto frontier", zorder=2)
+        ax.plot(
+            [xs[i] for i in front],
+            [ys[i] for i in front],
+            "k--",
+            lw=1,
+            drawstyle="steps-post",
+            label="Pareto frontier",
+            zorder=2,
+        )
         ax.scatter([xs[i] for i in front], [ys[i] for i in front], s=140, facecolors="none", edgecolors="k", zorder=4)
         ax.set_xlabel(label)
         ax.set_ylabel(f"{score_name} (higher is better)")
@@ -212,27 +243,53 @@ def plot_pareto(rows: list[dict], path: Path) -> None:
 
 def table(rows: list[dict]) -> str:
     header = ("checkpoint", "point", "W", "k", "tau", rows[0]["score_name"], "tok/s", "tok/step", "NFE")
-    body = [(r["checkpoint"], r["point"], str(r["decoding"]["window"]), str(r["decoding"]["tokens_per_step"]),
-             "-" if r["decoding"]["threshold"] is None else f"{r['decoding']['threshold']:g}", f"{r['score']:.4f}",
-             "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.1f}", f"{r['tokens_per_step']:.2f}",
-             f"{r['mean_nfe']:.1f}") for r in rows]
+    body = [
+        (
+            r["checkpoint"],
+            r["point"],
+            str(r["decoding"]["window"]),
+            str(r["decoding"]["tokens_per_step"]),
+            "-" if r["decoding"]["threshold"] is None else f"{r['decoding']['threshold']:g}",
+            f"{r['score']:.4f}",
+            "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.1f}",
+            f"{r['tokens_per_step']:.2f}",
+            f"{r['mean_nfe']:.1f}",
+        )
+        for r in rows
+    ]
     widths = [max(len(line[i]) for line in (header, *body)) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in (header, *body))
 
 
 def _row(checkpoint: str, source: str, point: SweepPoint, metrics: dict, out: Path) -> dict[str, Any]:
     return {
-        "checkpoint": checkpoint, "source": source, "point": point.name, "decoding": metrics["decoding"],
-        "task": metrics["task"], "metric": metrics["metric"], "score_name": metrics["score_name"],
-        "score": metrics["score"], "quality": metrics["quality"], "tokens_per_s": metrics["tokens_per_s"],
-        "tokens_per_step": metrics["tokens_per_step"], "mean_nfe": metrics["mean_nfe"],
-        "num_examples": metrics["num_examples"], "num_tokens": metrics["num_tokens"],
-        "batch_size": metrics["batch_size"], "hardware": metrics["hardware"], "dir": str(out),
+        "checkpoint": checkpoint,
+        "source": source,
+        "point": point.name,
+        "decoding": metrics["decoding"],
+        "task": metrics["task"],
+        "metric": metrics["metric"],
+        "score_name": metrics["score_name"],
+        "score": metrics["score"],
+        "quality": metrics["quality"],
+        "tokens_per_s": metrics["tokens_per_s"],
+        "tokens_per_step": metrics["tokens_per_step"],
+        "mean_nfe": metrics["mean_nfe"],
+        "num_examples": metrics["num_examples"],
+        "num_tokens": metrics["num_tokens"],
+        "batch_size": metrics["batch_size"],
+        "hardware": metrics["hardware"],
+        "dir": str(out),
     }
 
 
-def run_sweep(spec_path: str | Path, *, out: str | None = None, placement: Placement = Placement(),
-              wandb: WandbConfig = WandbConfig()) -> list[dict] | None:
+def run_sweep(
+    spec_path: str | Path,
+    *,
+    out: str | None = None,
+    placement: Placement = Placement(),
+    wandb: WandbConfig = WandbConfig(),
+) -> list[dict] | None:
     """Run every point not yet scored; returns the rows on the process that merged (None elsewhere).
     The spec's batch size wins over the placement's: it is part of what a point measures."""
     spec = load_spec(spec_path)
@@ -248,23 +305,40 @@ def run_sweep(spec_path: str | Path, *, out: str | None = None, placement: Place
         point_dir = out_dir / "points" / ckpt / point.name
         if main:
             print(f"setdiff: sweep point {n}/{total}: {ckpt} {point.name}", file=sys.stderr)
-        metrics = run_generate_job(GenerateJob(
-            source=source, tasks=spec.task, out=str(point_dir), metric=spec.metric, decoding=point.decoding,
-            stop=tuple(spec.stop), placement=placement, add_bos=spec.add_bos, context_len=spec.context_len))
+        metrics = run_generate_job(
+            GenerateJob(
+                source=source,
+                tasks=spec.task,
+                out=str(point_dir),
+                metric=spec.metric,
+                decoding=point.decoding,
+                stop=tuple(spec.stop),
+                placement=placement,
+                add_bos=spec.add_bos,
+                context_len=spec.context_len,
+            )
+        )
         if metrics is not None:
             rows.append(_row(ckpt, source, point, metrics, point_dir))
     if shard is not None or not main:
         if shard is not None and main:
-            print(f"setdiff: sweep shard {shard} of {num_shards} done; rerun without --shard to merge and score",
-                  file=sys.stderr)
+            print(
+                f"setdiff: sweep shard {shard} of {num_shards} done; rerun without --shard to merge and score",
+                file=sys.stderr,
+            )
         return None
     write_jsonl(out_dir / ROWS, rows)
     plot_pareto(rows, out_dir / PLOT)
     print(table(rows))
     print(f"setdiff: {len(rows)} points in {out_dir / ROWS}; plot {out_dir / PLOT}", file=sys.stderr)
-    log_to_wandb(wandb, job_type="eval-sweep", out_dir=out_dir, rows=rows,
-                 config={"spec": json.loads(spec.model_dump_json()), "spec_path": str(spec_path)},
-                 summary={"num_points": len(rows)})
+    log_to_wandb(
+        wandb,
+        job_type="eval-sweep",
+        out_dir=out_dir,
+        rows=rows,
+        config={"spec": json.loads(spec.model_dump_json()), "spec_path": str(spec_path)},
+        summary={"num_points": len(rows)},
+    )
     return rows
 
 
@@ -293,8 +367,11 @@ def add_parser(jobs) -> None:
     from setdiff_megatron.evaluation.tasks import add_wandb_arguments
     from setdiff_megatron.inference.cli_args import add_job_arguments
 
-    parser = jobs.add_parser("sweep", help="speed-quality sweep over decoding settings (JSONL, table, Pareto plot)",
-                             description=__doc__.split("\n\n")[1].replace("\n", " "))
+    parser = jobs.add_parser(
+        "sweep",
+        help="speed-quality sweep over decoding settings (JSONL, table, Pareto plot)",
+        description=__doc__.split("\n\n")[1].replace("\n", " "),
+    )
     parser.add_argument("spec", help="a sweep spec (YAML), e.g. recipes/eval/sweep-tiny.yaml")
     parser.add_argument("--out", default=None, help="output directory (default: the spec's out)")
     parser.add_argument("--dry-run", action="store_true", help="check the spec and print its points")

@@ -31,13 +31,28 @@ from setdiff_megatron.checkpoint.manifest import sha256_file
 from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.evaluation import scoring
-from setdiff_megatron.evaluation.records import (WandbConfig, check_wandb, hardware, log_to_wandb, write_json,
-                                                 write_jsonl)
+from setdiff_megatron.evaluation.records import (
+    WandbConfig,
+    check_wandb,
+    hardware,
+    log_to_wandb,
+    write_json,
+    write_jsonl,
+)
 from setdiff_megatron.inference.jsonl import jsonl_records
 from setdiff_megatron.inference.sharding import Placement
 
-__all__ = ["METRICS", "PRIMARY", "GenerateJob", "TaskExample", "read_tasks", "score_completion",
-           "summarize", "run_generate_job", "add_parser"]
+__all__ = [
+    "METRICS",
+    "PRIMARY",
+    "GenerateJob",
+    "TaskExample",
+    "read_tasks",
+    "score_completion",
+    "summarize",
+    "run_generate_job",
+    "add_parser",
+]
 
 METRICS = ("exact", "rouge", "gsm8k")
 PRIMARY = {"exact": "exact_match", "rouge": "rougeL", "gsm8k": "accuracy"}
@@ -76,13 +91,17 @@ def _example(record: Any, where: str, index: int, line: int) -> TaskExample:
     if "messages" in record and "prompt" not in record:
         record = {**record, "prompt": ""}  # a chat prompt: inference/prompts.py checks and renders it
     if not isinstance(record.get("prompt"), str):
-        raise UserError(f"{where}: 'prompt' must be a string" + ("" if "prompt" in record else
-                                                                 " (missing; or give the chat's 'messages')"))
+        raise UserError(
+            f"{where}: 'prompt' must be a string"
+            + ("" if "prompt" in record else " (missing; or give the chat's 'messages')")
+        )
     reference = record.get("reference")
     refs = [reference] if isinstance(reference, str) else reference
     if not isinstance(refs, list) or not refs or not all(isinstance(r, str) for r in refs):
-        raise UserError(f"{where}: 'reference' must be a string or a non-empty list of strings"
-                        + ("" if "reference" in record else " (missing)"))
+        raise UserError(
+            f"{where}: 'reference' must be a string or a non-empty list of strings"
+            + ("" if "reference" in record else " (missing)")
+        )
     return TaskExample(index=index, line=line, prompt=record["prompt"], references=tuple(refs))
 
 
@@ -92,8 +111,9 @@ def read_tasks(path: str | Path) -> list[TaskExample]:
     for number, where, record in jsonl_records(path, "task file"):
         examples.append(_example(record, where, len(examples), number))
     if not examples:
-        raise UserError(f'task file {path} holds no examples (one JSON object per line: {{"prompt": "...", '
-                        '"reference": "..."}})')
+        raise UserError(
+            f'task file {path} holds no examples (one JSON object per line: {{"prompt": "...", "reference": "..."}}}})'
+        )
     return examples
 
 
@@ -104,11 +124,12 @@ def check_metric(metric: str) -> None:
 
 def cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
     ends = [i for i in (text.find(s) for s in stop) if i >= 0]
-    return text[:min(ends)] if ends else text
+    return text[: min(ends)] if ends else text
 
 
-def score_completion(metric: str, completion: str, references: tuple[str, ...] | list[str],
-                     stop: tuple[str, ...] = ()) -> dict[str, Any]:
+def score_completion(
+    metric: str, completion: str, references: tuple[str, ...] | list[str], stop: tuple[str, ...] = ()
+) -> dict[str, Any]:
     """The prediction (the completion cut at a stop string) and its scores, best over references."""
     prediction = cut_at_stop(completion, tuple(stop))
     if metric == "exact":
@@ -130,22 +151,38 @@ def summarize(records: list[dict], metric: str) -> dict[str, Any]:
     tokens, steps = sum(r["num_decoded"] for r in records), sum(r["steps"] for r in records)
     seconds = sum(r["busy_seconds"] for r in records)
     return {
-        "quality": quality, "score": quality[PRIMARY[metric]], "score_name": PRIMARY[metric],
-        "num_examples": len(records), "num_tokens": tokens, "decode_seconds": round(seconds, 4),
+        "quality": quality,
+        "score": quality[PRIMARY[metric]],
+        "score_name": PRIMARY[metric],
+        "num_examples": len(records),
+        "num_tokens": tokens,
+        "decode_seconds": round(seconds, 4),
         "tokens_per_s": tokens / seconds if seconds > 0 else None,
-        "tokens_per_step": tokens / max(steps, 1), "mean_nfe": sum(r["nfe"] for r in records) / len(records),
+        "tokens_per_step": tokens / max(steps, 1),
+        "mean_nfe": sum(r["nfe"] for r in records) / len(records),
         "mean_completion_tokens": tokens / len(records),
     }
 
 
 def _settings(job: GenerateJob) -> dict[str, Any]:
     """What the results depend on: a rerun under equal settings is finished work."""
-    return json.loads(json.dumps({
-        "source": str(Path(job.source).resolve()), "tasks": str(Path(job.tasks).resolve()),
-        "tasks_sha256": sha256_file(Path(job.tasks)), "metric": job.metric, "stop": list(job.stop),
-        "decoding": asdict(job.decoding), "batch_size": job.placement.batch_size, "add_bos": job.add_bos,
-        "context_len": job.context_len, "stop_at_eos": job.stop_at_eos, "dtype": job.placement.dtype,
-    }))
+    return json.loads(
+        json.dumps(
+            {
+                "source": str(Path(job.source).resolve()),
+                "tasks": str(Path(job.tasks).resolve()),
+                "tasks_sha256": sha256_file(Path(job.tasks)),
+                "metric": job.metric,
+                "stop": list(job.stop),
+                "decoding": asdict(job.decoding),
+                "batch_size": job.placement.batch_size,
+                "add_bos": job.add_bos,
+                "context_len": job.context_len,
+                "stop_at_eos": job.stop_at_eos,
+                "dtype": job.placement.dtype,
+            }
+        )
+    )
 
 
 def finished(out: str | Path, settings: dict[str, Any]) -> dict[str, Any] | None:
@@ -176,16 +213,26 @@ def score_job(job: GenerateJob, settings: dict[str, Any]) -> dict[str, Any]:
     generations = [json.loads(line) for line in (out / GENERATIONS).read_text(encoding="utf-8").splitlines()]
     examples = read_tasks(job.tasks)
     scored = []
-    for record in progress_bar(generations, desc="scoring", unit="example", file=sys.stderr,
-                       disable=not job.placement.progress or len(generations) < 256):
+    for record in progress_bar(
+        generations,
+        desc="scoring",
+        unit="example",
+        file=sys.stderr,
+        disable=not job.placement.progress or len(generations) < 256,
+    ):
         scores = score_completion(job.metric, record["completion"], examples[record["index"]].references, job.stop)
         scored.append({**record, "references": list(examples[record["index"]].references), **scores})
     write_jsonl(out / SCORED, scored)
     metrics = {
-        "task": str(job.tasks), "metric": job.metric, "source": str(job.source),
+        "task": str(job.tasks),
+        "metric": job.metric,
+        "source": str(job.source),
         **summarize(scored, job.metric),
-        "batch_size": job.placement.batch_size, "decoding": asdict(job.decoding), "stop": list(job.stop),
-        "hardware": hardware(job.placement.device), "settings": settings,
+        "batch_size": job.placement.batch_size,
+        "decoding": asdict(job.decoding),
+        "stop": list(job.stop),
+        "hardware": hardware(job.placement.device),
+        "settings": settings,
     }
     write_json(out / SUMMARY, metrics)
     return json.loads(json.dumps(metrics))  # as it reads back from disk
@@ -194,8 +241,10 @@ def score_job(job: GenerateJob, settings: dict[str, Any]) -> dict[str, Any]:
 def _describe(metrics: dict[str, Any]) -> str:
     quality = ", ".join(f"{k} {v:.4f}" for k, v in metrics["quality"].items())
     speed = f"{metrics['tokens_per_s']:.1f} tokens/s" if metrics["tokens_per_s"] else "- tokens/s"
-    return (f"{quality} over {metrics['num_examples']} examples; {speed}, {metrics['tokens_per_step']:.2f} "
-            f"tokens/step, mean NFE {metrics['mean_nfe']:.1f}")
+    return (
+        f"{quality} over {metrics['num_examples']} examples; {speed}, {metrics['tokens_per_step']:.2f} "
+        f"tokens/step, mean NFE {metrics['mean_nfe']:.1f}"
+    )
 
 
 def run_generate_job(job: GenerateJob) -> dict[str, Any] | None:
@@ -211,26 +260,44 @@ def run_generate_job(job: GenerateJob) -> dict[str, Any] | None:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"setdiff: {Path(job.out) / SUMMARY} is up to date ({_describe(done)})", file=sys.stderr)
         return done
-    run_sample_job(SampleJob(
-        source=job.source, prompts=job.tasks, out=str(Path(job.out) / GENERATIONS), decoding=job.decoding,
-        placement=job.placement, add_bos=job.add_bos, context_len=job.context_len, stop_at_eos=job.stop_at_eos,
-        stop=job.stop))
+    run_sample_job(
+        SampleJob(
+            source=job.source,
+            prompts=job.tasks,
+            out=str(Path(job.out) / GENERATIONS),
+            decoding=job.decoding,
+            placement=job.placement,
+            add_bos=job.add_bos,
+            context_len=job.context_len,
+            stop_at_eos=job.stop_at_eos,
+            stop=job.stop,
+        )
+    )
     if job.placement.shard is not None or int(os.environ.get("RANK", "0")) != 0:
         return None
     metrics = score_job(job, settings)
     print(f"setdiff: {_describe(metrics)}; {Path(job.out) / SUMMARY}", file=sys.stderr)
-    log_to_wandb(job.wandb, job_type="eval-generate", config=settings, out_dir=job.out,
-                 summary={**metrics["quality"], **{k: metrics[k] for k in ("tokens_per_s", "tokens_per_step",
-                                                                            "mean_nfe", "num_examples")}})
+    log_to_wandb(
+        job.wandb,
+        job_type="eval-generate",
+        config=settings,
+        out_dir=job.out,
+        summary={
+            **metrics["quality"],
+            **{k: metrics[k] for k in ("tokens_per_s", "tokens_per_step", "mean_nfe", "num_examples")},
+        },
+    )
     return metrics
 
 
 def add_wandb_arguments(parser) -> None:
     group = parser.add_argument_group("logging")
-    group.add_argument("--wandb-project", default=None, help="log the metrics to this Weights & Biases project "
-                       "(needs the wandb extra)")
-    group.add_argument("--wandb-mode", default="offline", help="offline (default; `wandb sync` later), online "
-                       "or disabled")
+    group.add_argument(
+        "--wandb-project", default=None, help="log the metrics to this Weights & Biases project (needs the wandb extra)"
+    )
+    group.add_argument(
+        "--wandb-mode", default="offline", help="offline (default; `wandb sync` later), online or disabled"
+    )
     group.add_argument("--wandb-run-name", default=None)
 
 
@@ -247,24 +314,43 @@ def _run(args) -> int:
     code = relaunch(args)
     if code is not None:
         return code
-    run_generate_job(GenerateJob(
-        source=args.source, tasks=args.tasks, out=args.out, metric=args.metric, decoding=decoding_from_args(args),
-        stop=tuple(args.stop), placement=placement_from_args(args), add_bos=args.add_bos,
-        context_len=args.context_len, stop_at_eos=not args.ignore_eos, wandb=wandb_from_args(args)))
+    run_generate_job(
+        GenerateJob(
+            source=args.source,
+            tasks=args.tasks,
+            out=args.out,
+            metric=args.metric,
+            decoding=decoding_from_args(args),
+            stop=tuple(args.stop),
+            placement=placement_from_args(args),
+            add_bos=args.add_bos,
+            context_len=args.context_len,
+            stop_at_eos=not args.ignore_eos,
+            wandb=wandb_from_args(args),
+        )
+    )
     return 0
 
 
 def add_parser(jobs) -> None:
     from setdiff_megatron.inference.cli_args import add_decoding_arguments, add_job_arguments
 
-    parser = jobs.add_parser("generate", help="decode a task's prompts and score them (exact, ROUGE, GSM8K)",
-                             description=__doc__.split("\n\n")[1].replace("\n", " "))
+    parser = jobs.add_parser(
+        "generate",
+        help="decode a task's prompts and score them (exact, ROUGE, GSM8K)",
+        description=__doc__.split("\n\n")[1].replace("\n", " "),
+    )
     add_job_arguments(parser)
     parser.add_argument("--tasks", required=True, help='JSONL: {"prompt": ..., "reference": text or [texts]} per line')
     parser.add_argument("--metric", required=True, help=f"one of {', '.join(METRICS)}")
     parser.add_argument("--out", required=True, help=f"directory for {GENERATIONS}, {SCORED} and {SUMMARY}")
-    parser.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                        help="cut completions before this string (repeatable), e.g. --stop $'\\n\\n'")
+    parser.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="cut completions before this string (repeatable), e.g. --stop $'\\n\\n'",
+    )
     add_decoding_arguments(parser)
     add_wandb_arguments(parser)
     parser.set_defaults(func=_run)

@@ -42,8 +42,11 @@ __all__ = ["BundleError", "bundle_modules", "modeling_source", "external_imports
 
 ALLOWED_IMPORTS = frozenset({"torch", "transformers"}) | frozenset(sys.stdlib_module_names)
 """Top-level packages an exported modeling file may import outside a try block."""
-MODELING_ROOTS = ("setdiff_megatron.models.torch_model", "setdiff_megatron.core.sampler",
-                  "setdiff_megatron.hf.hf_model")
+MODELING_ROOTS = (
+    "setdiff_megatron.models.torch_model",
+    "setdiff_megatron.core.sampler",
+    "setdiff_megatron.hf.hf_model",
+)
 SIBLINGS = {"setdiff_megatron.hf.configuration_setdiff": "configuration_setdiff"}
 """Package modules shipped as their own file beside the modeling file (imported relatively)."""
 
@@ -111,8 +114,12 @@ def _collect_imports(module: _Module, *, package: str, is_package: bool) -> None
                     raise BundleError(f"{module.path}:{child.lineno}: import package modules one statement each")
                 module.imports.append(_Import(child, inside[0] if inside else None, lazy, guarded))
             else:
-                visit(child, lazy or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)),
-                      guarded or isinstance(child, ast.Try))
+                visit(
+                    child,
+                    lazy or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)),
+                    guarded or isinstance(child, ast.Try),
+                )
+
     visit(module.tree, False, False)
 
 
@@ -137,9 +144,11 @@ def _external_problem(module: _Module, imp: _Import) -> str | None:
     roots = [_root(a.name) for a in node.names] if isinstance(node, ast.Import) else [_root(node.module or "")]
     bad = [r for r in roots if r not in ALLOWED_IMPORTS]
     if bad and not imp.guarded and not imp.lazy:
-        return (f"{module.path}:{node.lineno} imports {', '.join(bad)} at module level; the Hugging Face "
-                "export may only import torch, transformers and the standard library there (import optional "
-                "libraries inside the functions that use them)")
+        return (
+            f"{module.path}:{node.lineno} imports {', '.join(bad)} at module level; the Hugging Face "
+            "export may only import torch, transformers and the standard library there (import optional "
+            "libraries inside the functions that use them)"
+        )
     return None
 
 
@@ -185,8 +194,10 @@ class _Bundler:
             if imp.target in self.siblings:
                 continue
             if isinstance(imp.node, ast.Import) and imp.node.names[0].asname is None:
-                raise BundleError(f"{module.path}:{imp.node.lineno}: `import {imp.target}` cannot be bundled; "
-                                  "use `import ... as name` or `from module import name`")
+                raise BundleError(
+                    f"{module.path}:{imp.node.lineno}: `import {imp.target}` cannot be bundled; "
+                    "use `import ... as name` or `from module import name`"
+                )
             for target in _targets(imp):
                 if imp.lazy:
                     problem = self._bundleable(target)
@@ -200,8 +211,12 @@ class _Bundler:
         """The expression standing for package module `target` used as an object."""
         module = self.modules[target]
         names = {n for n, _ in _top_level_bindings(module)}
-        names |= {a.asname or a.name for imp in module.imports if not imp.lazy and imp.target
-                  and isinstance(imp.node, ast.ImportFrom) for a in imp.node.names}
+        names |= {
+            a.asname or a.name
+            for imp in module.imports
+            if not imp.lazy and imp.target and isinstance(imp.node, ast.ImportFrom)
+            for a in imp.node.names
+        }
         mapping = {n: renames.get(n, n) for n in sorted(names)}
         return f"_BundledModule({target!r}, {mapping!r})"
 
@@ -220,7 +235,9 @@ class _Bundler:
                         visit(target, stack + (name,))
             done.append(name)
 
-        for name in sorted(self.modules, key=lambda n: (n in self.roots, self.roots.index(n) if n in self.roots else 0, n)):
+        for name in sorted(
+            self.modules, key=lambda n: (n in self.roots, self.roots.index(n) if n in self.roots else 0, n)
+        ):
             visit(name, ())
         return [self.modules[n] for n in done]
 
@@ -236,8 +253,10 @@ class _Bundler:
                 continue
             externals = [i for i in identities if i[0] == "import"]
             if len(externals) > 1:
-                raise BundleError(f"modules bind {name!r} to different imports: "
-                                  + "; ".join(f"{i[1]} in {', '.join(m)}" for i, m in identities.items()))
+                raise BundleError(
+                    f"modules bind {name!r} to different imports: "
+                    + "; ".join(f"{i[1]} in {', '.join(m)}" for i, m in identities.items())
+                )
             for identity, modules in identities.items():
                 if identity[0] == "import":
                     continue
@@ -274,8 +293,11 @@ def _top_level_bindings(module: _Module) -> list[tuple[str, tuple]]:
             if node.module != "__future__":
                 out += [(a.asname or a.name, ("import", f"{node.module}.{a.name}")) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            out += [(a.asname or a.name, ("module", f"{node.module}.{a.name}")) for a in node.names
-                    if _is_module(f"{_resolve(node, module.name, module.path.name == '__init__.py')}.{a.name}")]
+            out += [
+                (a.asname or a.name, ("module", f"{node.module}.{a.name}"))
+                for a in node.names
+                if _is_module(f"{_resolve(node, module.name, module.path.name == '__init__.py')}.{a.name}")
+            ]
     return out
 
 
@@ -297,10 +319,12 @@ def _rename_tokens(module: _Module, renames: Mapping[str, str]) -> str:
     lines = module.source.splitlines(keepends=True)
     edits: list[tuple[int, int, int, str]] = []
     # Package imports are rewritten from their own names (see _transform), never renamed here.
-    skip = {row for imp in module.imports if imp.target
-            for row in range(imp.node.lineno, imp.node.end_lineno + 1)}
-    tokens = [t for t in tokenize.generate_tokens(io.StringIO(module.source).readline)
-              if t.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.COMMENT, tokenize.INDENT, tokenize.DEDENT)]
+    skip = {row for imp in module.imports if imp.target for row in range(imp.node.lineno, imp.node.end_lineno + 1)}
+    tokens = [
+        t
+        for t in tokenize.generate_tokens(io.StringIO(module.source).readline)
+        if t.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.COMMENT, tokenize.INDENT, tokenize.DEDENT)
+    ]
     depth = 0
     for i, tok in enumerate(tokens):
         if tok.type == tokenize.OP and tok.string in "([{":
@@ -325,7 +349,7 @@ def _statement_lines(lines: list[str], node: ast.stmt, path: Path) -> tuple[int,
     """(first, last + 1) line indices of a statement that has its lines to itself, and its indent."""
     first, last = node.lineno - 1, node.end_lineno
     indent = lines[first][: node.col_offset]
-    after = lines[last - 1][node.end_col_offset:].strip()
+    after = lines[last - 1][node.end_col_offset :].strip()
     if indent.strip() or (after and not after.startswith("#")):
         raise BundleError(f"{path}:{node.lineno}: put package imports on lines of their own")
     return first, last, indent
@@ -349,7 +373,9 @@ def _transform(module: _Module, bundler: _Bundler, renames: Mapping[str, Mapping
         if isinstance(node, ast.ImportFrom) and node.module == "__future__":
             replace.append((*_statement_lines(lines, node, module.path)[:2], []))
             continue
-        first, last, indent = _statement_lines(lines, node, module.path) if (imp.target or _optional(imp)) else (0, 0, "")
+        first, last, indent = (
+            _statement_lines(lines, node, module.path) if (imp.target or _optional(imp)) else (0, 0, "")
+        )
         if imp.target is None:
             if _optional(imp):
                 optional.append((first, last, indent))
@@ -361,8 +387,11 @@ def _transform(module: _Module, bundler: _Bundler, renames: Mapping[str, Mapping
         new: list[str] = []
         if isinstance(node, ast.Import):
             alias = node.names[0]
-            new = (left_out(imp.target, indent) if imp.target in bundler.excluded
-                   else [f"{indent}{alias.asname} = {bundler.view(imp.target, renames.get(imp.target, {}))}\n"])
+            new = (
+                left_out(imp.target, indent)
+                if imp.target in bundler.excluded
+                else [f"{indent}{alias.asname} = {bundler.view(imp.target, renames.get(imp.target, {}))}\n"]
+            )
         else:
             for a in node.names:
                 sub = f"{imp.target}.{a.name}"
@@ -382,11 +411,23 @@ def _transform(module: _Module, bundler: _Bundler, renames: Mapping[str, Mapping
         first, last, indent = group[0][0], group[-1][1], group[0][2]
         starts = {span[0] for span in group}
         body = [f"{indent}    {lines[i].lstrip()}" if i in starts else f"    {lines[i]}" for i in range(first, last)]
-        replace.append((first, last, [f"{indent}try:  # optional: needed only where this code runs\n", *body,
-                                      f"{indent}except ImportError:\n", f"{indent}    raise\n"]))
+        replace.append(
+            (
+                first,
+                last,
+                [
+                    f"{indent}try:  # optional: needed only where this code runs\n",
+                    *body,
+                    f"{indent}except ImportError:\n",
+                    f"{indent}    raise\n",
+                ],
+            )
+        )
     if not keep_all:
         for node in renamed.tree.body:
-            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+            ):
                 replace.append((*_statement_lines(lines, node, module.path)[:2], []))
     for first, last, new in sorted(replace, reverse=True):
         lines[first:last] = new
@@ -426,8 +467,12 @@ def bundle_modules(roots: Sequence[str], *, siblings: Mapping[str, str] | None =
     renames = bundler.renames()
     ordered = bundler.order()
     parts = [header.rstrip("\n") + "\n" if header else "", "from __future__ import annotations\n"]
-    if any(_targets(imp) != [imp.target] or isinstance(imp.node, ast.Import)
-           for m in ordered for imp in m.imports if imp.target and imp.target not in bundler.siblings):
+    if any(
+        _targets(imp) != [imp.target] or isinstance(imp.node, ast.Import)
+        for m in ordered
+        for imp in m.imports
+        if imp.target and imp.target not in bundler.siblings
+    ):
         parts.append(_VIEW_CLASS)
     for module in ordered:
         rel = Path(*module.name.split(".")[:-1], module.path.name)
@@ -467,8 +512,10 @@ def external_imports(text: str) -> list[tuple[ast.stmt, str]]:
 
 def modeling_source(version: str = "") -> str:
     """The `modeling_setdiff.py` of a Hugging Face export."""
-    header = (f'"""Set diffusion transformer and cached set sampler for Hugging Face transformers.\n\n'
-              f"Generated by setdiff_megatron.hf.bundle from setdiff-megatron {version}: the package's own modules,\n"
-              f"concatenated with its imports removed. Do not edit; re-export instead. Needs torch and transformers.\n"
-              f'"""')
+    header = (
+        f'"""Set diffusion transformer and cached set sampler for Hugging Face transformers.\n\n'
+        f"Generated by setdiff_megatron.hf.bundle from setdiff-megatron {version}: the package's own modules,\n"
+        f"concatenated with its imports removed. Do not edit; re-export instead. Needs torch and transformers.\n"
+        f'"""'
+    )
     return bundle_modules(MODELING_ROOTS, siblings=SIBLINGS, header=header)

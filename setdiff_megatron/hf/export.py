@@ -34,8 +34,11 @@ from setdiff_megatron.version import __version__
 __all__ = ["ConversionReport", "export_to_hf", "write_export", "target_dtype"]
 
 _GPU_ONLY_IMPLS = ("te", "flash_attn")
-_AUTO_MAP = {"AutoConfig": "configuration_setdiff.SetDiffConfig", "AutoModel": "modeling_setdiff.SetDiffModel",
-             "AutoModelForCausalLM": "modeling_setdiff.SetDiffModel"}
+_AUTO_MAP = {
+    "AutoConfig": "configuration_setdiff.SetDiffConfig",
+    "AutoModel": "modeling_setdiff.SetDiffModel",
+    "AutoModelForCausalLM": "modeling_setdiff.SetDiffModel",
+}
 
 
 @dataclass
@@ -77,17 +80,27 @@ def write_export(source: Source, out: Path, dtype: torch.dtype, max_shard_bytes:
     weights = {k: v.to(dtype) for k, v in torch_to_hf(source.state_dict, cfg).items()}
     shards = save_sharded(weights, out, max_shard_bytes)
     config = {
-        "architectures": ["SetDiffModel"], "model_type": "setdiff", "auto_map": _AUTO_MAP,
-        **hf_config_from_model_config(cfg), "hidden_act": "silu" if cfg.mlp == "swiglu" else "gelu_pytorch_tanh",
-        "bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id,
-        "dtype": _hf_name(dtype), "torch_dtype": _hf_name(dtype),
-        "transformers_version": transformers.__version__, "setdiff_megatron_version": __version__,
+        "architectures": ["SetDiffModel"],
+        "model_type": "setdiff",
+        "auto_map": _AUTO_MAP,
+        **hf_config_from_model_config(cfg),
+        "hidden_act": "silu" if cfg.mlp == "swiglu" else "gelu_pytorch_tanh",
+        "bos_token_id": tok.bos_id,
+        "eos_token_id": tok.eos_id,
+        "pad_token_id": tok.pad_id,
+        "dtype": _hf_name(dtype),
+        "torch_dtype": _hf_name(dtype),
+        "transformers_version": transformers.__version__,
+        "setdiff_megatron_version": __version__,
     }
     _write_json(out / "config.json", config)
-    generation = generation_config_from_decoding(DecodingConfig(eos_token_ids=(tok.eos_id,)),
-                                                 mask_token_id=tok.mask_id, pad_token_id=tok.pad_id)
-    _write_json(out / "generation_config.json", {**generation, "bos_token_id": tok.bos_id,
-                                                  "transformers_version": transformers.__version__})
+    generation = generation_config_from_decoding(
+        DecodingConfig(eos_token_ids=(tok.eos_id,)), mask_token_id=tok.mask_id, pad_token_id=tok.pad_id
+    )
+    _write_json(
+        out / "generation_config.json",
+        {**generation, "bos_token_id": tok.bos_id, "transformers_version": transformers.__version__},
+    )
     shutil.copyfile(Path(__file__).with_name("configuration_setdiff.py"), out / "configuration_setdiff.py")
     (out / "modeling_setdiff.py").write_text(modeling_source(__version__))
     tok.save(out)
@@ -159,12 +172,22 @@ def _moe_line(cfg: ModelConfig) -> str:
         return ""
     layers = [i for i, moe in enumerate(cfg.moe_layers) if moe]
     routing = "softmax before the top-k" if cfg.moe_router_pre_softmax else "softmax over the chosen k"
-    return (f"\n- Mixture of experts in layers {layers}: {cfg.num_experts} experts of width "
-            f"{cfg.moe_intermediate_size}, top-{cfg.moe_top_k} ({routing}), {cfg.num_shared_experts} shared expert(s).")
+    return (
+        f"\n- Mixture of experts in layers {layers}: {cfg.num_experts} experts of width "
+        f"{cfg.moe_intermediate_size}, top-{cfg.moe_top_k} ({routing}), {cfg.num_shared_experts} shared expert(s)."
+    )
 
 
-def export_to_hf(checkpoint: str | Path, out_dir: str | Path, *, dtype: str = "auto", shard_size: str = "5GB",
-                 overwrite: bool = False, check: bool = False, tolerance: float | None = None) -> ConversionReport:
+def export_to_hf(
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    *,
+    dtype: str = "auto",
+    shard_size: str = "5GB",
+    overwrite: bool = False,
+    check: bool = False,
+    tolerance: float | None = None,
+) -> ConversionReport:
     """Convert a megatron (or DeepSpeed) checkpoint or an export of ours; compare logits; with
     `check`, a mismatch is a UserError and nothing is left at out_dir."""
     max_shard_bytes = parse_size(shard_size)
@@ -173,8 +196,10 @@ def export_to_hf(checkpoint: str | Path, out_dir: str | Path, *, dtype: str = "a
         raise UserError(f"{out_dir} already exists; pass --overwrite to replace it")
     source = read_source(checkpoint)
     if source.kind in AR_KINDS:
-        raise UserError(f"{checkpoint} is already a Hugging Face {source.kind} model; to adapt it, import it with "
-                        "`setdiff convert from-hf`")
+        raise UserError(
+            f"{checkpoint} is already a Hugging Face {source.kind} model; to adapt it, import it with "
+            "`setdiff convert from-hf`"
+        )
     target = target_dtype(source, dtype)
     with staged_directory(out_dir, overwrite=overwrite) as stage:
         write_export(source, stage, target, max_shard_bytes)
@@ -183,8 +208,10 @@ def export_to_hf(checkpoint: str | Path, out_dir: str | Path, *, dtype: str = "a
         report.lines += [c.line() for c in report.comparisons]
         if check and not report.ok:
             worst = max(report.comparisons, key=lambda c: c.max_diff)
-            raise UserError(f"--check: {worst.what} differs by {worst.max_diff:.3e} > {worst.tolerance:.1e}; "
-                            f"nothing written to {out_dir}")
+            raise UserError(
+                f"--check: {worst.what} differs by {worst.max_diff:.3e} > {worst.tolerance:.1e}; "
+                f"nothing written to {out_dir}"
+            )
     return report
 
 

@@ -89,10 +89,16 @@ class SetDiffModel(SetDiffPreTrainedModel):
     def get_output_embeddings(self) -> nn.Linear | None:
         return self.model.lm_head
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                query_ids: torch.Tensor | None = None, valid_len: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None, return_dict: bool | None = None,
-                **kwargs) -> SetDiffOutput | tuple:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        query_ids: torch.Tensor | None = None,
+        valid_len: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> SetDiffOutput | tuple:
         unknown = sorted(k for k, v in kwargs.items() if v is not None and v is not False)
         if unknown:
             raise TypeError(f"SetDiffModel.forward() does not take {unknown}")
@@ -118,10 +124,16 @@ class SetDiffModel(SetDiffPreTrainedModel):
         return decoding_config_from_generation(values, **kwargs)
 
     @torch.inference_mode()
-    def generate(self, input_ids: torch.Tensor | list[list[int]] | None = None,
-                 attention_mask: torch.Tensor | None = None, generation_config=None, *,
-                 batch_size: int | None = None, return_dict_in_generate: bool = False,
-                 **kwargs) -> torch.Tensor | SampleOutput:
+    def generate(
+        self,
+        input_ids: torch.Tensor | list[list[int]] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        generation_config=None,
+        *,
+        batch_size: int | None = None,
+        return_dict_in_generate: bool = False,
+        **kwargs,
+    ) -> torch.Tensor | SampleOutput:
         if input_ids is None:
             raise ValueError("generate() needs input_ids: a [batch, length] tensor or a list of token-id lists")
         decoding = self.decoding_config(generation_config, **kwargs)
@@ -130,8 +142,9 @@ class SetDiffModel(SetDiffPreTrainedModel):
             prompts = [row[m].tolist() for row, m in zip(input_ids, keep)]
         else:
             prompts = [list(map(int, row)) for row in input_ids]
-        sampler = SetSampler(self.model, mask_token_id=self.model_config.mask_token_id,
-                             context_len=self.model_config.max_seq_len)
+        sampler = SetSampler(
+            self.model, mask_token_id=self.model_config.mask_token_id, context_len=self.model_config.max_seq_len
+        )
         out = sampler.generate(prompts, decoding, batch_size=batch_size)
         if return_dict_in_generate:
             return out

@@ -30,9 +30,16 @@ from setdiff_megatron.sources.read import AR_KINDS, Source, read_hf_dir, read_so
 __all__ = ["ar_comparison", "import_from_hf"]
 
 
-def import_from_hf(hf_dir: str | Path, out: str | Path, *, dtype: str = "auto", overwrite: bool = False,
-                   check: bool = False, tolerance: float | None = None, base: str | Path | None = None
-                   ) -> ConversionReport:
+def import_from_hf(
+    hf_dir: str | Path,
+    out: str | Path,
+    *,
+    dtype: str = "auto",
+    overwrite: bool = False,
+    check: bool = False,
+    tolerance: float | None = None,
+    base: str | Path | None = None,
+) -> ConversionReport:
     """Convert, compare logits, and (with `check`) refuse a mismatch, leaving nothing at `out`;
     `base`: a Qwen3 SetDLM release's base model (sources/setdlm_release.py)."""
     hf_dir, out = Path(hf_dir), Path(out).absolute()
@@ -51,23 +58,30 @@ def import_from_hf(hf_dir: str | Path, out: str | Path, *, dtype: str = "auto", 
         comparisons = _verify_import(source, stage, target, megatron_logits, tolerance)
         report = ConversionReport(out, comparisons)
         rows = source.config.vocab_size
-        report.lines = [f"imported {source.describe()} into {out} (megatron, any layout, "
-                        f"{str(target).removeprefix('torch.')}); vocabulary {rows}, MASK "
-                        f"{source.tokenizer.special_tokens['mask']!r} id {source.tokenizer.mask_id}"]
+        report.lines = [
+            f"imported {source.describe()} into {out} (megatron, any layout, "
+            f"{str(target).removeprefix('torch.')}); vocabulary {rows}, MASK "
+            f"{source.tokenizer.special_tokens['mask']!r} id {source.tokenizer.mask_id}"
+        ]
         if source.recipe is not None:
             m = source.recipe.method
-            report.lines.append(f"evaluation settings recorded in its recipe: L = {source.recipe.data.seq_len}, "
-                                f"staggered order d = {m.d}, m = {m.m}, clean BOS {m.keep_clean_bos}")
+            report.lines.append(
+                f"evaluation settings recorded in its recipe: L = {source.recipe.data.seq_len}, "
+                f"staggered order d = {m.d}, m = {m.m}, clean BOS {m.keep_clean_bos}"
+            )
         report.lines += source.notes + [c.line() for c in comparisons]
         if check and not report.ok:
             worst = max(comparisons, key=lambda c: c.max_diff)
-            raise UserError(f"--check: {worst.what} differs by {worst.max_diff:.3e} > {worst.tolerance:.1e}; "
-                            f"nothing written to {out}")
+            raise UserError(
+                f"--check: {worst.what} differs by {worst.max_diff:.3e} > {worst.tolerance:.1e}; "
+                f"nothing written to {out}"
+            )
     return report
 
 
-def _verify_import(source: Source, stage: Path, dtype: torch.dtype, megatron_logits: torch.Tensor,
-                   tolerance: float) -> list[verify.Comparison]:
+def _verify_import(
+    source: Source, stage: Path, dtype: torch.dtype, megatron_logits: torch.Tensor, tolerance: float
+) -> list[verify.Comparison]:
     written = read_source(stage)
     if written.config != source.config:
         raise RuntimeError(f"the written checkpoint records {written.config}, the source is {source.config}")
@@ -77,15 +91,21 @@ def _verify_import(source: Source, stage: Path, dtype: torch.dtype, megatron_log
         source_check = ar_comparison(source, converted, dtype, tolerance)
     else:
         expected = verify.query_logits(verify.torch_model(source.config, source.state_dict, round_to=dtype), batch)
-        source_check = verify.compare("converted vs source query logits", verify.query_logits(converted, batch),
-                                      expected, tolerance)
-    megatron_check = verify.compare("megatron model vs converted torch model (query logits)", megatron_logits,
-                                    verify.query_logits(converted, batch), tolerance)
+        source_check = verify.compare(
+            "converted vs source query logits", verify.query_logits(converted, batch), expected, tolerance
+        )
+    megatron_check = verify.compare(
+        "megatron model vs converted torch model (query logits)",
+        megatron_logits,
+        verify.query_logits(converted, batch),
+        tolerance,
+    )
     return [source_check, megatron_check]
 
 
-def ar_comparison(source: Source, converted: SetDiffusionTransformer, dtype: torch.dtype,
-                  tolerance: float) -> verify.Comparison:
+def ar_comparison(
+    source: Source, converted: SetDiffusionTransformer, dtype: torch.dtype, tolerance: float
+) -> verify.Comparison:
     """The import check of an AR source: the converted model's clean stream under the left-to-right
     order against the source's own logits (transformers' AutoModelForCausalLM, float32), its
     weights rounded to `dtype` when the import changes precision."""
@@ -99,8 +119,9 @@ def ar_comparison(source: Source, converted: SetDiffusionTransformer, dtype: tor
     if dtype != safetensors_dtype(source.state_dict):
         expected = _rounded_ar_logits(reference, dtype, tokens)
     _, logits = verify.clean_stream(converted, tokens)
-    return verify.compare(f"clean stream (left to right) vs {source.kind} source logits", logits[..., :rows],
-                          expected, tolerance)
+    return verify.compare(
+        f"clean stream (left to right) vs {source.kind} source logits", logits[..., :rows], expected, tolerance
+    )
 
 
 @torch.no_grad()

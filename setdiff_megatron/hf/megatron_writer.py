@@ -38,11 +38,16 @@ from setdiff_megatron.sources.read import Source
 __all__ = ["write_megatron_checkpoint"]
 
 
-
 def import_recipe(source: Source, run_dir: Path, dtype: torch.dtype) -> Recipe:
     """The recipe recorded with an imported checkpoint: its model, its tokenizer, its precision,
     and where the source has them (a SetDLM release) its order law and sequence length."""
-    from setdiff_megatron.recipes.schema import CheckpointSection, DataSection, MethodSection, ModelSection, TrainSection
+    from setdiff_megatron.recipes.schema import (
+        CheckpointSection,
+        DataSection,
+        MethodSection,
+        ModelSection,
+        TrainSection,
+    )
 
     tokenizer = run_dir / CHECKPOINTS / step_name(0) / TOKENIZER_DIR
     seq_len = source.recipe.data.seq_len if source.recipe is not None else min(source.config.max_seq_len, 1024)
@@ -96,10 +101,14 @@ def _write_step(tmp: Path, chunk, source: Source, recipe: Recipe) -> None:
 def _train_state(source: Source) -> TrainState:
     tokenizer = source.tokenizer
     return TrainState(
-        progress=Progress(), scheduler={},
-        layout={**Layout().as_record(), "distributed_optimizer": None}, model=model_identity(source.config),
+        progress=Progress(),
+        scheduler={},
+        layout={**Layout().as_record(), "distributed_optimizer": None},
+        model=model_identity(source.config),
         tokenizer={"vocab_size": tokenizer.vocab_size, "mask_id": tokenizer.mask_id},
-        weights_only=True, source={"format": source.kind, "path": str(source.path)})
+        weights_only=True,
+        source={"format": source.kind, "path": str(source.path)},
+    )
 
 
 def _megatron_query_logits(chunk, source: Source) -> torch.Tensor:

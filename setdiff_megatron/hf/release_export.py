@@ -24,8 +24,15 @@ from setdiff_megatron.models.config import DIT_BODY, ModelConfig
 from setdiff_megatron.models.torch_model import Rotary
 from setdiff_megatron.models.weight_maps import DIT_ROTARY, torch_to_dit, torch_to_hf
 from setdiff_megatron.sources.read import RUN_KINDS, Source, read_source
-from setdiff_megatron.sources.setdlm_release import (DIT_TARGET, MASK_BUFFERS, QWEN3_ARCHITECTURE, QWEN3_TARGET,
-                                                      STAGGERED_TARGET, WEIGHTS, static_attention_mask)
+from setdiff_megatron.sources.setdlm_release import (
+    DIT_TARGET,
+    MASK_BUFFERS,
+    QWEN3_ARCHITECTURE,
+    QWEN3_TARGET,
+    STAGGERED_TARGET,
+    WEIGHTS,
+    static_attention_mask,
+)
 
 __all__ = ["export_release"]
 
@@ -42,26 +49,59 @@ def _backbone(cfg: ModelConfig, length: int, base_name: str | None, where: Path)
     if cfg.num_experts:
         raise UserError(f"{where} is a mixture of experts; the reference's releases hold dense Qwen3 or DiT backbones")
     if _is_dit(cfg):
-        backbone = {"_target_": DIT_TARGET, "length": cfg.max_seq_len, "causal_attention": False, "adaln": False,
-                    "hidden_size": cfg.hidden_size, "cond_dim": 128, "n_heads": cfg.num_heads,
-                    "num_layers": cfg.num_layers, "dropout": 0.0, "tie_word_embeddings": False,
-                    "attn_backend": "sdpa", "vocab_size": cfg.vocab_size, "block_size": length,
-                    "pretrained_model_name_or_path": None}
+        backbone = {
+            "_target_": DIT_TARGET,
+            "length": cfg.max_seq_len,
+            "causal_attention": False,
+            "adaln": False,
+            "hidden_size": cfg.hidden_size,
+            "cond_dim": 128,
+            "n_heads": cfg.num_heads,
+            "num_layers": cfg.num_layers,
+            "dropout": 0.0,
+            "tie_word_embeddings": False,
+            "attn_backend": "sdpa",
+            "vocab_size": cfg.vocab_size,
+            "block_size": length,
+            "pretrained_model_name_or_path": None,
+        }
         return backbone, torch_to_dit
     if any(getattr(cfg, k) != v for k, v in _QWEN3_BODY.items()):
-        raise UserError(f"{where} is neither in the Qwen3 layout (RMSNorm, SwiGLU, q/k norms, no biases) nor the DiT "
-                        "layout, the two backbones of the reference's releases")
+        raise UserError(
+            f"{where} is neither in the Qwen3 layout (RMSNorm, SwiGLU, q/k norms, no biases) nor the DiT "
+            "layout, the two backbones of the reference's releases"
+        )
     if not base_name:
-        raise UserError("a Qwen3 release names the base model its backbone is built from: pass --base-name, e.g. "
-                        "--base-name Qwen/Qwen3-1.7B-Base")
-    numbers = dict(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                   num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                   rope_theta=cfg.rope_theta, rms_norm_eps=cfg.norm_eps, vocab_size=cfg.vocab_size,
-                   max_position_embeddings=cfg.max_seq_len, tie_word_embeddings=cfg.tie_embeddings)
+        raise UserError(
+            "a Qwen3 release names the base model its backbone is built from: pass --base-name, e.g. "
+            "--base-name Qwen/Qwen3-1.7B-Base"
+        )
+    numbers = dict(
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        rope_theta=cfg.rope_theta,
+        rms_norm_eps=cfg.norm_eps,
+        vocab_size=cfg.vocab_size,
+        max_position_embeddings=cfg.max_seq_len,
+        tie_word_embeddings=cfg.tie_embeddings,
+    )
     assert set(numbers) == set(QWEN3_ARCHITECTURE)
-    backbone = {"_target_": QWEN3_TARGET, "automodel_cls": "AutoModel", "pretrained_model_name_or_path": base_name,
-                "revision": None, "trust_remote_code": True, "num_layers": cfg.num_layers, "keep_top_layers": False,
-                "reinit_model": True, "attn_implementation": "sdpa", "use_causal_mask": False, **numbers}
+    backbone = {
+        "_target_": QWEN3_TARGET,
+        "automodel_cls": "AutoModel",
+        "pretrained_model_name_or_path": base_name,
+        "revision": None,
+        "trust_remote_code": True,
+        "num_layers": cfg.num_layers,
+        "keep_top_layers": False,
+        "reinit_model": True,
+        "attn_implementation": "sdpa",
+        "use_causal_mask": False,
+        **numbers,
+    }
     return backbone, _qwen3_weights
 
 
@@ -82,35 +122,73 @@ def _architecture(cfg: ModelConfig) -> dict:
 def _config(source: Source, backbone: dict, length: int) -> dict:
     method = source.recipe.method
     tok = source.tokenizer
-    ids = dict(vocab_size=source.config.vocab_size, mask_token_id=tok.mask_id, pad_token_id=tok.pad_id,
-               bos_token_id=tok.bos_id, eos_token_id=tok.eos_id, pad_vocab_size_multiple=1)
-    noise = {"_target_": STAGGERED_TARGET, "eps": 1e-3, "block_size": length, "desired_block_size": method.d,
-             "max_block_size": method.m or 2 * method.d, "length": length,
-             **{k: getattr(method, k) for k in ("k", "b") if getattr(method, k) is not None}}
-    return {"architectures": ["SetDLM"], "model_type": "bd3lm", "auto_map": _AUTO_MAP, "length": length,
-            "block_size": length, "eval_block_size": length, "keep_clean_bos": method.keep_clean_bos,
-            "attn_backend": "sdpa", "train_on_context": False, "setdlm_eos_last_in_target_order": False,
-            "setdlm_fht_cache_order": False, **ids, "tokenizer_name": ".", "tokenization_config": ids,
-            "backbone_config": backbone, "noise_config": noise, "torch_dtype": "float32"}
+    ids = dict(
+        vocab_size=source.config.vocab_size,
+        mask_token_id=tok.mask_id,
+        pad_token_id=tok.pad_id,
+        bos_token_id=tok.bos_id,
+        eos_token_id=tok.eos_id,
+        pad_vocab_size_multiple=1,
+    )
+    noise = {
+        "_target_": STAGGERED_TARGET,
+        "eps": 1e-3,
+        "block_size": length,
+        "desired_block_size": method.d,
+        "max_block_size": method.m or 2 * method.d,
+        "length": length,
+        **{k: getattr(method, k) for k in ("k", "b") if getattr(method, k) is not None},
+    }
+    return {
+        "architectures": ["SetDLM"],
+        "model_type": "bd3lm",
+        "auto_map": _AUTO_MAP,
+        "length": length,
+        "block_size": length,
+        "eval_block_size": length,
+        "keep_clean_bos": method.keep_clean_bos,
+        "attn_backend": "sdpa",
+        "train_on_context": False,
+        "setdlm_eos_last_in_target_order": False,
+        "setdlm_fht_cache_order": False,
+        **ids,
+        "tokenizer_name": ".",
+        "tokenization_config": ids,
+        "backbone_config": backbone,
+        "noise_config": noise,
+        "torch_dtype": "float32",
+    }
 
 
 def _check_source(source: Source, checkpoint: Path) -> int:
     """L, after checking that the run's recipe holds what a release records."""
     if source.recipe is None:
-        raise UserError(f"{checkpoint} is not a run of this framework or a release: a SetDLM release records the "
-                        "run's order law and sequence length, which only a recipe holds")
+        raise UserError(
+            f"{checkpoint} is not a run of this framework or a release: a SetDLM release records the "
+            "run's order law and sequence length, which only a recipe holds"
+        )
     method = source.recipe.method
     if method.order != "staggered":
-        raise UserError(f"{checkpoint} was trained with order {method.order!r}; a SetDLM release holds the "
-                        "staggered order law (method.order: staggered)")
+        raise UserError(
+            f"{checkpoint} was trained with order {method.order!r}; a SetDLM release holds the "
+            "staggered order law (method.order: staggered)"
+        )
     if not method.keep_clean_bos:
-        raise UserError(f"{checkpoint} was trained without a clean BOS (method.keep_clean_bos: false), which the "
-                        "reference's loader always evaluates SetDLM releases with")
+        raise UserError(
+            f"{checkpoint} was trained without a clean BOS (method.keep_clean_bos: false), which the "
+            "reference's loader always evaluates SetDLM releases with"
+        )
     return source.recipe.data.seq_len
 
 
-def export_release(checkpoint: str | Path, out: str | Path, *, base_name: str | None = None,
-                   base: str | Path | None = None, overwrite: bool = False) -> list[str]:
+def export_release(
+    checkpoint: str | Path,
+    out: str | Path,
+    *,
+    base_name: str | None = None,
+    base: str | Path | None = None,
+    overwrite: bool = False,
+) -> list[str]:
     """Write `checkpoint` (a run of ours, or a release: `base` as for read_source) as a SetDLM
     release folder; the report lines."""
     checkpoint, out = Path(checkpoint), Path(out)
@@ -130,12 +208,19 @@ def export_release(checkpoint: str | Path, out: str | Path, *, base_name: str | 
         (stage / "config.json").write_text(json.dumps(_config(source, backbone, length), indent=2, sort_keys=True))
         source.tokenizer.save(stage)
         back = read_source(stage)
-        same = (_architecture(back.config) == _architecture(source.config)
-                and back.tokenizer.sha256 == source.tokenizer.sha256 and back.state_dict.keys() == source.state_dict.keys()
-                and all(torch.equal(back.state_dict[k], source.state_dict[k]) for k in source.state_dict))
+        same = (
+            _architecture(back.config) == _architecture(source.config)
+            and back.tokenizer.sha256 == source.tokenizer.sha256
+            and back.state_dict.keys() == source.state_dict.keys()
+            and all(torch.equal(back.state_dict[k], source.state_dict[k]) for k in source.state_dict)
+        )
         if not same:
-            raise UserError(f"{out}: the release folder does not read back as {checkpoint} (config or weights differ); "
-                            "nothing written")
-    return [f"exported {source.describe()} to {out} as a SetDLM release ({backbone['_target_']}, L = {length}, "
-            f"d = {source.recipe.method.d}, m = {source.recipe.method.m or 2 * source.recipe.method.d})",
-            "read back: the same config and the same weights, bit for bit"]
+            raise UserError(
+                f"{out}: the release folder does not read back as {checkpoint} (config or weights differ); "
+                "nothing written"
+            )
+    return [
+        f"exported {source.describe()} to {out} as a SetDLM release ({backbone['_target_']}, L = {length}, "
+        f"d = {source.recipe.method.d}, m = {source.recipe.method.m or 2 * source.recipe.method.d})",
+        "read back: the same config and the same weights, bit for bit",
+    ]

@@ -23,8 +23,16 @@ from setdiff_megatron.core.streams import TwoStreamBatch, sample_two_stream_batc
 from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 
-__all__ = ["DEFAULT_TOLERANCE", "Comparison", "fixed_batch", "fixed_tokens", "torch_model", "query_logits",
-           "clean_stream", "compare"]
+__all__ = [
+    "DEFAULT_TOLERANCE",
+    "Comparison",
+    "fixed_batch",
+    "fixed_tokens",
+    "torch_model",
+    "query_logits",
+    "clean_stream",
+    "compare",
+]
 
 DEFAULT_TOLERANCE = 1e-4
 """Largest |logit difference| --check accepts: float32 reassociation is ~1e-6 on these batches;
@@ -61,8 +69,9 @@ def fixed_batch(cfg: ModelConfig) -> TwoStreamBatch:
     return sample_two_stream_batch(fixed_tokens(cfg), Staggered(d=4), mask_token_id=cfg.mask_token_id, generator=gen)
 
 
-def torch_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], *,
-                round_to: torch.dtype | None = None) -> SetDiffusionTransformer:
+def torch_model(
+    cfg: ModelConfig, state_dict: dict[str, torch.Tensor], *, round_to: torch.dtype | None = None
+) -> SetDiffusionTransformer:
     """A float32 torch model with these weights (first rounded to `round_to`, if given)."""
     model = SetDiffusionTransformer(cfg.replace(attention_impl="sdpa"))
     state = {k: (v.to(round_to) if round_to is not None else v).float() for k, v in state_dict.items()}
@@ -80,7 +89,9 @@ def clean_stream(model: SetDiffusionTransformer, tokens: torch.Tensor) -> tuple[
     """(final-norm hidden states, logits) of the clean stream under the left-to-right order:
     position r sees tokens 0..r, exactly an AR model's computation."""
     positions = torch.arange(tokens.shape[1]).expand_as(tokens)
-    hidden = model.hidden_states(tokens, torch.full_like(tokens, model.config.mask_token_id), positions, clean_rows=True)
+    hidden = model.hidden_states(
+        tokens, torch.full_like(tokens, model.config.mask_token_id), positions, clean_rows=True
+    )
     clean = hidden[:, : tokens.shape[1]]
     return model.norm(clean).float(), model.output_logits(clean).float()
 

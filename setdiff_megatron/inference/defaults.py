@@ -28,8 +28,9 @@ def decoding_for_recipe(recipe: Recipe, **changes) -> DecodingConfig:
         window, block = method.block_size, method.block_size
     else:
         window, block = (method.d if method.order == "staggered" else 16), None
-    return DecodingConfig(**{"window": window, "block_size": block, "threshold": None if window == 1 else 0.9,
-                             **changes})
+    return DecodingConfig(
+        **{"window": window, "block_size": block, "threshold": None if window == 1 else 0.9, **changes}
+    )
 
 
 def default_decoding(source: Source, **changes) -> DecodingConfig:

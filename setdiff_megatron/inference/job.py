@@ -54,7 +54,7 @@ def _span_texts(record: PromptRecord, row: RowResult, prompt_ids: list[int], sm:
     masked = [i for i, t in enumerate(prompt_ids) if t == sm.tokenizer.mask_id]
     texts, start = [], 0
     for length in (s for s in record.segments if isinstance(s, int)):
-        texts.append(sm.tokenizer.decode([row.tokens[i] for i in masked[start:start + length]]))
+        texts.append(sm.tokenizer.decode([row.tokens[i] for i in masked[start : start + length]]))
         start += length
     return texts
 
@@ -70,8 +70,12 @@ def _record(record: PromptRecord, row: RowResult, prompt_ids: list[int], sm: Sam
         out["prompt"] = record.segments[0]
     out |= {
         "completion": sm.tokenizer.decode(row.completion, skip_special_tokens=True),
-        "finish_reason": row.finish_reason, "num_decoded": row.num_decoded, "nfe": row.nfe, "steps": row.steps,
-        "tokens_per_step": round(row.tokens_per_step, 4), "seconds": round(row.seconds, 4),
+        "finish_reason": row.finish_reason,
+        "num_decoded": row.num_decoded,
+        "nfe": row.nfe,
+        "steps": row.steps,
+        "tokens_per_step": round(row.tokens_per_step, 4),
+        "seconds": round(row.seconds, 4),
         "busy_seconds": round(row.busy_s, 6),
     }
     return out
@@ -87,13 +91,20 @@ def run_sample_job(job: SampleJob) -> int:
     if job.stop_at_eos and not decoding.eos_token_ids:
         decoding = replace(decoding, eos_token_ids=(sm.tokenizer.eos_id,))
     if job.stop:
-        decoding = replace(decoding, stop_sequences=decoding.stop_sequences + tuple(
-            tuple(sm.tokenizer.encode(text)) for text in job.stop))
+        decoding = replace(
+            decoding,
+            stop_sequences=decoding.stop_sequences + tuple(tuple(sm.tokenizer.encode(text)) for text in job.stop),
+        )
     context_len = job.context_len or sm.config.max_seq_len
     if context_len > sm.config.max_seq_len:
         raise UserError(f"--context-len {context_len} exceeds the model's max_seq_len {sm.config.max_seq_len}")
-    sampler = SetSampler(sm.model, mask_token_id=sm.tokenizer.mask_id, context_len=context_len,
-                         max_rows=place.batch_size, compile=place.compile if place.tp == 1 else "off")
+    sampler = SetSampler(
+        sm.model,
+        mask_token_id=sm.tokenizer.mask_id,
+        context_len=context_len,
+        max_rows=place.batch_size,
+        compile=place.compile if place.tp == 1 else "off",
+    )
     add_bos = sm.add_bos if job.add_bos is None else job.add_bos
     fmt = sm.prompt_format(add_bos)
     encoded = [encode_prompt(r, sm.tokenizer, fmt) for r in records]
@@ -102,11 +113,18 @@ def run_sample_job(job: SampleJob) -> int:
         if problem:
             raise UserError(f"{job.prompts}:{record.line}: the prompt {problem}")
 
-    results = ShardedResults(job.out, {
-        "source": str(Path(job.source).resolve()), "prompts_sha256": sha256_file(Path(job.prompts)),
-        "decoding": asdict(decoding), "batch_size": place.batch_size, "context_len": context_len,
-        "add_bos": add_bos, "dtype": str(next(sm.model.parameters()).dtype),
-    })
+    results = ShardedResults(
+        job.out,
+        {
+            "source": str(Path(job.source).resolve()),
+            "prompts_sha256": sha256_file(Path(job.prompts)),
+            "decoding": asdict(decoding),
+            "batch_size": place.batch_size,
+            "context_len": context_len,
+            "add_bos": add_bos,
+            "dtype": str(next(sm.model.parameters()).dtype),
+        },
+    )
     results.check_job()
     if ranks.rank == 0:
         results.start()
@@ -116,24 +134,33 @@ def run_sample_job(job: SampleJob) -> int:
     shard = Shard.of(ranks, place)
     writer = results.part(shard.name) if ranks.writes else None
     todo = [i for _, batch in shard.batches(len(records), place.batch_size, done) for i in batch]
-    tokens, seconds = _sample(sampler, decoding, todo, records, encoded, sm, writer,
-                              progress=place.progress and ranks.rank == 0)
+    tokens, seconds = _sample(
+        sampler, decoding, todo, records, encoded, sm, writer, progress=place.progress and ranks.rank == 0
+    )
     ranks.barrier()
     if ranks.rank == 0:
         _report(job, results, len(records), len(done), tokens, seconds)
     return 0
 
 
-def _sample(sampler: SetSampler, decoding: DecodingConfig, todo: list[int], records: list[PromptRecord],
-            encoded: list[list[int]], sm: SamplingModel, writer, *, progress: bool) -> tuple[int, float]:
+def _sample(
+    sampler: SetSampler,
+    decoding: DecodingConfig,
+    todo: list[int],
+    records: list[PromptRecord],
+    encoded: list[list[int]],
+    sm: SamplingModel,
+    writer,
+    *,
+    progress: bool,
+) -> tuple[int, float]:
     """Decode the prompts `todo` through the engine, writing each row as it finishes."""
     from setdiff_megatron.progress import progress_bar
 
     for i in todo:
         sampler.submit(Request(key=i, prompt=tuple(encoded[i]), cfg=decoding, seed=decoding.seed + i))
     total_tokens, start = 0, time.perf_counter()
-    with progress_bar(total=len(todo), unit="prompt", disable=not progress, file=sys.stderr,
-                      dynamic_ncols=True) as bar:
+    with progress_bar(total=len(todo), unit="prompt", disable=not progress, file=sys.stderr, dynamic_ncols=True) as bar:
         while not sampler.idle:
             finished = sorted(sampler.step(), key=lambda item: item[0])
             if not finished:
@@ -142,8 +169,10 @@ def _sample(sampler: SetSampler, decoding: DecodingConfig, todo: list[int], reco
                 writer.write([_record(records[i], row, encoded[i], sm) for i, row in finished])
             total_tokens += sum(row.num_decoded for _, row in finished)
             bar.update(len(finished))
-            bar.set_postfix(tok_s=f"{total_tokens / (time.perf_counter() - start):.1f}",
-                            tok_step=f"{sum(r.tokens_per_step for _, r in finished) / len(finished):.2f}")
+            bar.set_postfix(
+                tok_s=f"{total_tokens / (time.perf_counter() - start):.1f}",
+                tok_step=f"{sum(r.tokens_per_step for _, r in finished) / len(finished):.2f}",
+            )
     return total_tokens, time.perf_counter() - start
 
 
@@ -151,11 +180,16 @@ def _report(job: SampleJob, results: ShardedResults, total: int, skipped: int, t
     rate = f"{tokens} tokens in {seconds:.1f} s ({tokens / max(seconds, 1e-9):.1f} tokens/s on this rank)"
     skipped_text = f", {skipped} already written" if skipped else ""
     if job.placement.shard is not None:
-        print(f"setdiff: shard {job.placement.shard} of {job.placement.num_shards} done: {rate}{skipped_text}; rerun without "
-              f"--shard to merge into {job.out}", file=sys.stderr)
+        print(
+            f"setdiff: shard {job.placement.shard} of {job.placement.num_shards} done: {rate}{skipped_text}; rerun without "
+            f"--shard to merge into {job.out}",
+            file=sys.stderr,
+        )
         return
     missing = results.merge(total)
     if missing:
-        raise UserError(f"{len(missing)} prompts are still missing from {results.parts} (e.g. index {missing[0]}); "
-                        "rerun the job to finish them")
+        raise UserError(
+            f"{len(missing)} prompts are still missing from {results.parts} (e.g. index {missing[0]}); "
+            "rerun the job to finish them"
+        )
     print(f"setdiff: wrote {total} results to {job.out}: {rate}{skipped_text}", file=sys.stderr)

@@ -75,13 +75,15 @@ def _megatron_shard(source: Source, tp: int, dtype: torch.dtype, device: torch.d
     if source.state_dict is None:
         load_model_shard(chunk, source.path)
     else:
-        chunk.load_state_dict(torch_to_megatron(source.state_dict, config, tp_size=tp,
-                                                tp_rank=model_parallel_ranks()[0]))
+        chunk.load_state_dict(
+            torch_to_megatron(source.state_dict, config, tp_size=tp, tp_rank=model_parallel_ranks()[0])
+        )
     return chunk.to(device).eval()
 
 
-def load_sampling_model(path: str | Path, ranks: Ranks, *, device: str = "auto",
-                        dtype: str | None = None) -> SamplingModel:
+def load_sampling_model(
+    path: str | Path, ranks: Ranks, *, device: str = "auto", dtype: str | None = None
+) -> SamplingModel:
     where = _device(device)
     torch_dtype = dtype_named(dtype or ("bf16" if where.type == "cuda" else "fp32"))
     sharded = ranks.tp > 1
@@ -97,5 +99,11 @@ def load_sampling_model(path: str | Path, ranks: Ranks, *, device: str = "auto",
         model = SetDiffusionTransformer(source.config)
         model.load_state_dict(source.state_dict)
         model = model.to(device=where, dtype=torch_dtype).eval()
-    return SamplingModel(model=model, config=source.config, tokenizer=source.tokenizer, add_bos=source.add_bos,
-                         source=Path(path), recipe=source.recipe)
+    return SamplingModel(
+        model=model,
+        config=source.config,
+        tokenizer=source.tokenizer,
+        add_bos=source.add_bos,
+        source=Path(path),
+        recipe=source.recipe,
+    )

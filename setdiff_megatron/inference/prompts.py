@@ -47,11 +47,13 @@ KINDS = ("prompt", "messages", "segments")
 
 def _segments(record: Any, where: str) -> tuple[str | int, ...]:
     if not isinstance(record, dict):
-        raise UserError(f"{where}: expected a JSON object with 'prompt', 'messages' or 'segments'; "
-                        f"got {type(record).__name__}")
+        raise UserError(
+            f"{where}: expected a JSON object with 'prompt', 'messages' or 'segments'; got {type(record).__name__}"
+        )
     if sum(kind in record for kind in KINDS) != 1:
-        raise UserError(f"{where}: give exactly one of 'prompt' (text), 'messages' (a chat) or 'segments' (texts "
-                        "and span lengths)")
+        raise UserError(
+            f"{where}: give exactly one of 'prompt' (text), 'messages' (a chat) or 'segments' (texts and span lengths)"
+        )
     if "messages" in record:
         return ()
     if "prompt" in record:
@@ -60,7 +62,8 @@ def _segments(record: Any, where: str) -> tuple[str | int, ...]:
         return (record["prompt"],)
     segments = record["segments"]
     ok = isinstance(segments, list) and all(
-        isinstance(s, str) or (isinstance(s, int) and not isinstance(s, bool) and s >= 1) for s in segments)
+        isinstance(s, str) or (isinstance(s, int) and not isinstance(s, bool) and s >= 1) for s in segments
+    )
     if not ok or not segments:
         raise UserError(f"{where}: 'segments' must be a non-empty list of strings and span lengths >= 1")
     return tuple(segments)
@@ -77,11 +80,12 @@ def read_prompts(path: str | Path) -> list[PromptRecord]:
             except ChatError as exc:
                 raise UserError(f"{where}: {exc}") from None
         extra = {k: v for k, v in record.items() if k not in KINDS}
-        records.append(PromptRecord(index=len(records), line=number, segments=segments, extra=extra,
-                                    messages=messages))
+        records.append(PromptRecord(index=len(records), line=number, segments=segments, extra=extra, messages=messages))
     if not records:
-        raise UserError(f"prompt file {path} holds no prompts (one JSON object per line: "
-                        '{"prompt": "..."}, {"messages": [...]} or {"segments": ["...", 8, "..."]})')
+        raise UserError(
+            f"prompt file {path} holds no prompts (one JSON object per line: "
+            '{"prompt": "..."}, {"messages": [...]} or {"segments": ["...", 8, "..."]})'
+        )
     return records
 
 
@@ -90,8 +94,10 @@ def encode_prompt(record: PromptRecord, tokenizer: SetDiffTokenizer, fmt: RowFor
     infilled (an infilling prompt is its segments after the BOS, never cut)."""
     if record.messages is not None:
         if tokenizer.chat_template is None:
-            raise UserError(f"line {record.line}: a 'messages' prompt needs the model's chat template, and its "
-                            "tokenizer has none; give a 'prompt' instead")
+            raise UserError(
+                f"line {record.line}: a 'messages' prompt needs the model's chat template, and its "
+                "tokenizer has none; give a 'prompt' instead"
+            )
         try:
             return chat_prompt(tokenizer.chat_template, list(record.messages), tokenizer, fmt)
         except ChatError as exc:

@@ -48,13 +48,17 @@ class ShardedResults:
         if not (self.out.exists() or self.parts.exists()):
             return
         if not self.job_file.is_file():
-            raise UserError(f"{self.out} exists and was not written by this kind of job (no {self.job_file.name}); "
-                            "choose another output path")
+            raise UserError(
+                f"{self.out} exists and was not written by this kind of job (no {self.job_file.name}); "
+                "choose another output path"
+            )
         saved = json.loads(self.job_file.read_text())
         diffs = [f"{k}: {saved.get(k)!r} there, {v!r} here" for k, v in self.job.items() if saved.get(k) != v]
         if diffs:
-            raise UserError(f"{self.out} holds results of other settings ({'; '.join(diffs)}); "
-                            "choose another output path or delete it")
+            raise UserError(
+                f"{self.out} holds results of other settings ({'; '.join(diffs)}); "
+                "choose another output path or delete it"
+            )
 
     def start(self) -> None:
         """Create the parts folder and the job record (one process)."""

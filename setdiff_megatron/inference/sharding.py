@@ -47,8 +47,10 @@ class Shard:
 
     @classmethod
     def of(cls, ranks: Ranks, placement: Placement) -> "Shard":
-        return cls(index=(placement.shard or 0) * ranks.dp_size + ranks.dp_rank,
-                   count=ranks.dp_size * (placement.num_shards or 1))
+        return cls(
+            index=(placement.shard or 0) * ranks.dp_size + ranks.dp_rank,
+            count=ranks.dp_size * (placement.num_shards or 1),
+        )
 
     @property
     def name(self) -> str:

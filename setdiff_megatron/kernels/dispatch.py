@@ -43,17 +43,26 @@ def _te_head_dim_reason(dtype: torch.dtype, head_dim: int) -> str | None:
 def choose_attention_impl(device_type: str, dtype: torch.dtype, head_dim: int) -> Choice:
     """The best implementation for tensors of this device type, dtype and head dim, and why."""
     if device_type != "cuda":
-        return Choice("fused", f"{device_type} tensors: Transformer Engine and flash-attn run only on CUDA GPUs; "
-                               f"using the fused decomposition on PyTorch's {device_type} flash kernel")
+        return Choice(
+            "fused",
+            f"{device_type} tensors: Transformer Engine and flash-attn run only on CUDA GPUs; "
+            f"using the fused decomposition on PyTorch's {device_type} flash kernel",
+        )
     if dtype not in HALF:
-        return Choice("sdpa", f"{dtype} on CUDA: the fused kernels take bf16/fp16 only; using SDPA with the "
-                              "2L x 2L set-causal mask (train.precision: bf16 enables them)")
+        return Choice(
+            "sdpa",
+            f"{dtype} on CUDA: the fused kernels take bf16/fp16 only; using SDPA with the "
+            "2L x 2L set-causal mask (train.precision: bf16 enables them)",
+        )
     te_ok, te_why = te_fused.te_status()
     if te_ok:
         reason = _te_head_dim_reason(dtype, head_dim)
         if reason is None:
-            return Choice("te", f"{te_why}: one fused (cuDNN) causal call for both streams, log-sum-exp merge "
-                                "(FP8 under train.fp8 with fp8_recipe delayed)")
+            return Choice(
+                "te",
+                f"{te_why}: one fused (cuDNN) causal call for both streams, log-sum-exp merge "
+                "(FP8 under train.fp8 with fp8_recipe delayed)",
+            )
         te_why = reason
     fa_ok, fa_why = flash_attn.flash_status()
     if fa_ok and (reason := flash_attn.flash_head_dim_reason(head_dim)) is not None:
@@ -65,9 +74,10 @@ def choose_attention_impl(device_type: str, dtype: torch.dtype, head_dim: int) -
 
 def _choice_for(q: torch.Tensor) -> Choice:
     choice = choose_attention_impl(q.device.type, q.dtype, q.shape[-1])
-    log_once(("auto", q.device.type, q.dtype, q.shape[-1]),
-             f"attention_impl auto -> {choice.impl} for {q.device.type} {q.dtype} head_dim {q.shape[-1]}: "
-             f"{choice.reason}")
+    log_once(
+        ("auto", q.device.type, q.dtype, q.shape[-1]),
+        f"attention_impl auto -> {choice.impl} for {q.device.type} {q.dtype} head_dim {q.shape[-1]}: {choice.reason}",
+    )
     return choice
 
 
@@ -104,16 +114,23 @@ def _check(impl: str, status, install: str):
     def check() -> None:
         ok, why = status()
         if not ok:
-            raise UserError(f"model.attention_impl '{impl}' cannot run here ({why}); it needs a CUDA GPU and "
-                            f"`{install}`; use model.attention_impl: auto (or fused)")
+            raise UserError(
+                f"model.attention_impl '{impl}' cannot run here ({why}); it needs a CUDA GPU and "
+                f"`{install}`; use model.attention_impl: auto (or fused)"
+            )
+
     return check
 
 
 register_attention_impl("auto", auto_attention)
-register_attention_impl("te", te_fused.te_attention,
-                        check=_check("te", lambda: te_fused.te_status(), te_fused.TE_INSTALL))
-register_attention_impl("flash_attn", flash_attn.flash_attention,
-                        check=_check("flash_attn", lambda: flash_attn.flash_status(), flash_attn.FLASH_INSTALL))
+register_attention_impl(
+    "te", te_fused.te_attention, check=_check("te", lambda: te_fused.te_status(), te_fused.TE_INSTALL)
+)
+register_attention_impl(
+    "flash_attn",
+    flash_attn.flash_attention,
+    check=_check("flash_attn", lambda: flash_attn.flash_status(), flash_attn.FLASH_INSTALL),
+)
 register_step_impl("auto", auto_step_attention)
 register_step_impl("te", te_fused.te_step_attention)
 register_step_impl("flash_attn", flash_attn.flash_step_attention)

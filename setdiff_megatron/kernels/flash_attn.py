@@ -36,8 +36,12 @@ def load_flash_api() -> SimpleNamespace:
     version = tuple(int(x) for x in flash_attn.__version__.split(".")[:2])
     if not (2, 7) <= version < (3, 0):
         raise ImportError(f"flash-attn {flash_attn.__version__} found; 2.7 <= version < 3 needed")
-    return SimpleNamespace(name=f"flash-attn {flash_attn.__version__}", forward=fa._flash_attn_forward,
-                           backward=fa._flash_attn_backward, with_kvcache=fa.flash_attn_with_kvcache)
+    return SimpleNamespace(
+        name=f"flash-attn {flash_attn.__version__}",
+        forward=fa._flash_attn_forward,
+        backward=fa._flash_attn_backward,
+        with_kvcache=fa.flash_attn_with_kvcache,
+    )
 
 
 @functools.cache
@@ -73,16 +77,41 @@ class FlashAttnKernel:
         if kv_len is None:
             out, lse, _, rng_state = self.api.forward(qb, kb, vb, 0.0, scale, causal, -1, -1, 0.0, None, False)
         else:
-            out, lse = self.api.with_kvcache(qb, kb, vb, cache_seqlens=kv_len.to(torch.int32), softmax_scale=scale,
-                                             causal=False, return_softmax_lse=True)
+            out, lse = self.api.with_kvcache(
+                qb,
+                kb,
+                vb,
+                cache_seqlens=kv_len.to(torch.int32),
+                softmax_scale=scale,
+                causal=False,
+                return_softmax_lse=True,
+            )
             rng_state = None
         return out.transpose(1, 2), lse, rng_state
 
     def backward(self, dout, q, k, v, out, lse, aux, *, scale, causal):
         dob, qb, kb, vb, ob = (x.transpose(1, 2) for x in (dout, q, k, v, out))
         dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (qb, kb, vb))
-        self.api.backward(dob, qb, kb, vb, ob, lse, dq, dk, dv, 0.0, scale, causal, -1, -1, 0.0, None,
-                          torch.are_deterministic_algorithms_enabled(), aux)
+        self.api.backward(
+            dob,
+            qb,
+            kb,
+            vb,
+            ob,
+            lse,
+            dq,
+            dk,
+            dv,
+            0.0,
+            scale,
+            causal,
+            -1,
+            -1,
+            0.0,
+            None,
+            torch.are_deterministic_algorithms_enabled(),
+            aux,
+        )
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
@@ -94,11 +123,32 @@ def flash_attention(q, k, v, scale, valid_len, *, api: SimpleNamespace | None = 
     return merged_set_causal_attention(q, k, v, FlashAttnKernel(api), scale=scale, valid_len=valid_len)
 
 
-def flash_step_attention(q, k, v, k_cache, v_cache, *, num_commit, cache_len=None, commit_len=None, scale=None,
-                         api: SimpleNamespace | None = None):
+def flash_step_attention(
+    q,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    *,
+    num_commit,
+    cache_len=None,
+    commit_len=None,
+    scale=None,
+    api: SimpleNamespace | None = None,
+):
     """The 'flash_attn' sampling step."""
     if api is None:
         require_cuda_half(q, "flash_attn")
         api = load_flash_api()
-    return merged_step_attention(q, k, v, k_cache, v_cache, FlashAttnKernel(api), num_commit=num_commit,
-                                 cache_len=cache_len, commit_len=commit_len, scale=scale)
+    return merged_step_attention(
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        FlashAttnKernel(api),
+        num_commit=num_commit,
+        cache_len=cache_len,
+        commit_len=commit_len,
+        scale=scale,
+    )

@@ -43,8 +43,10 @@ def zigzag_chunks(cp: int, rank: int) -> tuple[int, int]:
 def zigzag_ranks(length: int, cp: int, rank: int, device: torch.device | str | None = None) -> torch.Tensor:
     """The global ranks (positions in the order) of one stream's local rows, [2C]."""
     if length % (2 * cp):
-        raise ValueError(f"context parallelism splits each stream into 2 x cp = {2 * cp} chunks: the sequence "
-                         f"length ({length}) must be divisible by {2 * cp}")
+        raise ValueError(
+            f"context parallelism splits each stream into 2 x cp = {2 * cp} chunks: the sequence "
+            f"length ({length}) must be divisible by {2 * cp}"
+        )
     size = length // (2 * cp)
     return torch.cat([torch.arange(c * size, (c + 1) * size, device=device) for c in zigzag_chunks(cp, rank)])
 
@@ -133,8 +135,17 @@ class _KernelBlocks:
         if not (causal and stream == "m"):
             return self.kernel.backward(dout, q, k, v, out, lse, None, scale=self.scale, causal=causal)
         # The dropped last slot (the chunk's first query) gets no gradient: dO = 0, and lse = inf makes P = 0.
-        dq, dk, dv = self.kernel.backward(_rotated(dout, 0.0), _rotated(q, q[:, :, 0]), k, v, _rotated(out, out[:, :, 0]),
-                                          _rotated(lse, float("inf")), None, scale=self.scale, causal=True)
+        dq, dk, dv = self.kernel.backward(
+            _rotated(dout, 0.0),
+            _rotated(q, q[:, :, 0]),
+            k,
+            v,
+            _rotated(out, out[:, :, 0]),
+            _rotated(lse, float("inf")),
+            None,
+            scale=self.scale,
+            causal=True,
+        )
         return _unrotated(dq), dk, dv
 
 
@@ -195,8 +206,9 @@ class _RingSetCausal(torch.autograd.Function):
             theirs = zigzag_ranks(length, ring.size, source, device=q.device)
             for r, c, kind in _blocks(zigzag_chunks(ring.size, ring.rank), zigzag_chunks(ring.size, source), size):
                 for name, qs in streams.items():
-                    o, l = blocks.forward(name, kind, qs[:, :, r], block[0][:, :, c], block[1][:, :, c],
-                                          mine[r], theirs[c])
+                    o, l = blocks.forward(
+                        name, kind, qs[:, :, r], block[0][:, :, c], block[1][:, :, c], mine[r], theirs[c]
+                    )
                     _merge(out[name], lse[name], r, o, l)
             if pending is not None:
                 block, requests = pending
@@ -228,9 +240,12 @@ class _RingSetCausal(torch.autograd.Function):
         streams = {"m": slice(split, None)} | ({} if query_only else {"x": slice(0, local)})
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         mine = zigzag_ranks(length, ring.size, ring.rank, device=q.device)
-        block = [k[:, :, :local].contiguous(), v[:, :, :local].contiguous(),
-                 torch.zeros(k[:, :, :local].shape, dtype=acc, device=k.device),
-                 torch.zeros(v[:, :, :local].shape, dtype=acc, device=v.device)]
+        block = [
+            k[:, :, :local].contiguous(),
+            v[:, :, :local].contiguous(),
+            torch.zeros(k[:, :, :local].shape, dtype=acc, device=k.device),
+            torch.zeros(v[:, :, :local].shape, dtype=acc, device=v.device),
+        ]
         for step in range(ring.size):
             source = ring.source(step)
             theirs = zigzag_ranks(length, ring.size, source, device=q.device)
@@ -238,8 +253,18 @@ class _RingSetCausal(torch.autograd.Function):
             for r, c, kind in _blocks(zigzag_chunks(ring.size, ring.rank), zigzag_chunks(ring.size, source), size):
                 for name, span in streams.items():
                     rr = slice(span.start + r.start, span.start + r.stop)
-                    dqb, dkb, dvb = blocks.backward(name, kind, dout[:, :, rr], q[:, :, rr], kx[:, :, c], vx[:, :, c],
-                                                    out[:, :, rr], lse[:, :, rr], mine[r], theirs[c])
+                    dqb, dkb, dvb = blocks.backward(
+                        name,
+                        kind,
+                        dout[:, :, rr],
+                        q[:, :, rr],
+                        kx[:, :, c],
+                        vx[:, :, c],
+                        out[:, :, rr],
+                        lse[:, :, rr],
+                        mine[r],
+                        theirs[c],
+                    )
                     dq[:, :, rr] += dqb.to(acc)
                     dkx[:, :, c] += dkb.to(acc)
                     dvx[:, :, c] += dvb.to(acc)
@@ -267,10 +292,17 @@ class _RingSetCausal(torch.autograd.Function):
         return dq.to(q.dtype), dk, dv, None, None, None
 
 
-def ring_set_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
-                              group: dist.ProcessGroup | None = None, valid_len: torch.Tensor | None = None,
-                              document_ids: torch.Tensor | None = None,
-                              kernel: PartialAttention = ATEN_FLASH) -> torch.Tensor:
+def ring_set_causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    group: dist.ProcessGroup | None = None,
+    valid_len: torch.Tensor | None = None,
+    document_ids: torch.Tensor | None = None,
+    kernel: PartialAttention = ATEN_FLASH,
+) -> torch.Tensor:
     """Set-causal attention of this rank's zigzag slice of the two streams, exact against the
     single-rank attention of the whole sequence. q [B, H, 4C or 2C (query rows only), D], k/v
     [B, G, 4C, D]; valid_len [B] and document_ids [B, L] describe the WHOLE sequence (global
@@ -279,8 +311,10 @@ def ring_set_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ring = _Ring.of(group)
     local = k.shape[2] // 2
     if k.shape[2] % 4 or q.shape[2] not in (k.shape[2], local):
-        raise ValueError(f"ring attention takes a rank's two chunks of both streams: k [B, G, 4C, D] and q with "
-                         f"4C or 2C rows; got q {tuple(q.shape)}, k {tuple(k.shape)}")
+        raise ValueError(
+            f"ring attention takes a rank's two chunks of both streams: k [B, G, 4C, D] and q with "
+            f"4C or 2C rows; got q {tuple(q.shape)}, k {tuple(k.shape)}"
+        )
     length = local * ring.size
     blocks = _KernelBlocks(kernel, scale) if document_ids is None else _DocumentBlocks(document_ids, scale)
     out = _RingSetCausal.apply(q, k, v, ring, blocks, length)

@@ -70,9 +70,24 @@ def load_te_api() -> SimpleNamespace:
     from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
 
     def fused_backend(is_training, dtype, layout, mask, num_heads, num_kv_heads, sq, sk, head_dim):
-        args = (is_training, dtype, dtype, fa.QKVLayout[f"{layout}_{layout}_{layout}"], fa.AttnBiasType["no_bias"],
-                fa.AttnMaskType[mask], fa.SoftmaxType["vanilla"], 0.0, num_heads, num_kv_heads, sq, sk, head_dim,
-                head_dim, *_window(mask), False)
+        args = (
+            is_training,
+            dtype,
+            dtype,
+            fa.QKVLayout[f"{layout}_{layout}_{layout}"],
+            fa.AttnBiasType["no_bias"],
+            fa.AttnMaskType[mask],
+            fa.SoftmaxType["vanilla"],
+            0.0,
+            num_heads,
+            num_kv_heads,
+            sq,
+            sk,
+            head_dim,
+            head_dim,
+            *_window(mask),
+            False,
+        )
         try:
             backend = tex.get_fused_attn_backend(*args, False)  # TE >= 2.10 appends cuda_graph
         except TypeError:
@@ -83,19 +98,30 @@ def load_te_api() -> SimpleNamespace:
         if not FP8GlobalStateManager.is_fp8_enabled():
             return None
         recipe = FP8GlobalStateManager.get_fp8_recipe()
-        return FP8Settings(type(recipe).__name__, recipe.delayed(), get_fp8_te_dtype(recipe, True),
-                           get_fp8_te_dtype(recipe, False), get_fp8_max(recipe, True), get_fp8_max(recipe, False),
-                           getattr(recipe, "margin", 0))
+        return FP8Settings(
+            type(recipe).__name__,
+            recipe.delayed(),
+            get_fp8_te_dtype(recipe, True),
+            get_fp8_te_dtype(recipe, False),
+            get_fp8_max(recipe, True),
+            get_fp8_max(recipe, False),
+            getattr(recipe, "margin", 0),
+        )
 
     def make_quantizer(scale, fp8_dtype):
-        return Float8Quantizer(scale=scale, amax=torch.zeros_like(scale), fp8_dtype=fp8_dtype, rowwise=True,
-                               columnwise=False)
+        return Float8Quantizer(
+            scale=scale, amax=torch.zeros_like(scale), fp8_dtype=fp8_dtype, rowwise=True, columnwise=False
+        )
 
     return SimpleNamespace(
         name=f"Transformer Engine {getattr(transformer_engine, '__version__', '?')}",
-        fused_attn_fwd=fa.fused_attn_fwd, fused_attn_bwd=fa.fused_attn_bwd, fused_backend=fused_backend,
+        fused_attn_fwd=fa.fused_attn_fwd,
+        fused_attn_bwd=fa.fused_attn_bwd,
+        fused_backend=fused_backend,
         backend_names={"FP8": fa.FusedAttnBackend["FP8"], "F16": fa.FusedAttnBackend["F16_arbitrary_seqlen"]},
-        te_dtype=TE_DType.__getitem__, fp8_settings=fp8_settings, capability=torch.cuda.get_device_capability,
+        te_dtype=TE_DType.__getitem__,
+        fp8_settings=fp8_settings,
+        capability=torch.cuda.get_device_capability,
         make_quantizer=make_quantizer,
     )
 
@@ -143,7 +169,7 @@ def _row_norm_max(x: torch.Tensor) -> torch.Tensor:
 
 def _scale(fp8_max: float, bound: torch.Tensor, margin: int) -> torch.Tensor:
     """Delayed-scaling scale fp8_max / amax / 2^margin, as a [1] float32 device tensor."""
-    return (fp8_max / 2.0 ** margin / bound.float().clamp(min=1e-12)).reshape(1)
+    return (fp8_max / 2.0**margin / bound.float().clamp(min=1e-12)).reshape(1)
 
 
 _BACKENDS: dict[tuple, object] = {}
@@ -165,12 +191,16 @@ class TEFusedKernel:
         if _BACKENDS[key] is None:
             what = "FP8" if fp8 else str(q.dtype).removeprefix("torch.")
             if fp8 and not self.strict:
-                log_once(("te-fp8-backend", key), f"attention: {self.api.name} has no fused FP8 attention for "
-                         f"{key[4:]} (heads, kv heads, sq, sk, head dim); this call runs in {q.dtype}")
+                log_once(
+                    ("te-fp8-backend", key),
+                    f"attention: {self.api.name} has no fused FP8 attention for "
+                    f"{key[4:]} (heads, kv heads, sq, sk, head dim); this call runs in {q.dtype}",
+                )
                 return None
             raise UserError(
                 f"{self.api.name} has no fused {what} attention for head_dim {q.shape[3]}, {q.shape[1]}/{k.shape[1]} "
-                f"heads, {q.shape[2]}x{k.shape[2]} '{mask}': use model.attention_impl: auto or fused")
+                f"heads, {q.shape[2]}x{k.shape[2]} '{mask}': use model.attention_impl: auto or fused"
+            )
         return _BACKENDS[key]
 
     def forward(self, q, k, v, *, scale, causal, kv_len=None):
@@ -179,8 +209,11 @@ class TEFusedKernel:
         sk = k.shape[2]
         mask = "causal" if causal else "no_mask" if kv_len is None else "padding"
         cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=q.device)
-        cu_kv = torch.arange(0, (b + 1) * sk, sk, dtype=torch.int32, device=q.device) if kv_len is None else (
-            torch.nn.functional.pad(kv_len.cumsum(0), (1, 0)).to(torch.int32))
+        cu_kv = (
+            torch.arange(0, (b + 1) * sk, sk, dtype=torch.int32, device=q.device)
+            if kv_len is None
+            else (torch.nn.functional.pad(kv_len.cumsum(0), (1, 0)).to(torch.int32))
+        )
         qp, kp, vp = (_to(x, fmt) for x in (q, k, v))
         call = dict(attn_scale=scale, qkv_layout=f"{fmt}_{fmt}_{fmt}", attn_mask_type=mask, window_size=_window(mask))
         fp8 = self.fp8
@@ -192,13 +225,16 @@ class TEFusedKernel:
         else:
             amax_qkv = torch.stack([x.abs().amax().float() for x in (qp, kp, vp)]).amax()
             qkv_q = self.api.make_quantizer(_scale(fp8.fwd_max, amax_qkv, fp8.margin), fp8.fwd_dtype)
-            s_q = self.api.make_quantizer(_scale(fp8.fwd_max, torch.ones((), device=q.device), fp8.margin),
-                                          fp8.fwd_dtype)  # softmax probabilities are <= 1
-            o_q = self.api.make_quantizer(_scale(fp8.fwd_max, vp.abs().amax(), fp8.margin),
-                                          fp8.fwd_dtype)  # rows of O are convex combinations of rows of V
+            s_q = self.api.make_quantizer(
+                _scale(fp8.fwd_max, torch.ones((), device=q.device), fp8.margin), fp8.fwd_dtype
+            )  # softmax probabilities are <= 1
+            o_q = self.api.make_quantizer(
+                _scale(fp8.fwd_max, vp.abs().amax(), fp8.margin), fp8.fwd_dtype
+            )  # rows of O are convex combinations of rows of V
             q8, k8, v8 = qkv_q(qp), qkv_q(kp), qkv_q(vp)
-            out, aux = self.api.fused_attn_fwd(True, sq, sk, cu_q, cu_kv, q8, k8, v8, q.dtype, backend,
-                                               s_quantizer=s_q, o_quantizer=o_q, **call)
+            out, aux = self.api.fused_attn_fwd(
+                True, sq, sk, cu_q, cu_kv, q8, k8, v8, q.dtype, backend, s_quantizer=s_q, o_quantizer=o_q, **call
+            )
             quantized = (q8, k8, v8, s_q)
         # aux: [Stats, rng_state] (F16) or [Stats, ZInv, rng_state] (FP8; cuDNN fills Stats only)
         saved = (backend, fmt, mask, cu_q, cu_kv, aux[-1], quantized)
@@ -209,13 +245,32 @@ class TEFusedKernel:
         sq, sk = q.shape[2], k.shape[2]
         dop, op = _to(dout, fmt), _to(out, fmt)
         stats = lse.unsqueeze(-1).float().contiguous()
-        call = dict(attn_scale=scale, qkv_layout=f"{fmt}_{fmt}_{fmt}", attn_mask_type=mask,
-                    window_size=_window(mask), deterministic=torch.are_deterministic_algorithms_enabled())
+        call = dict(
+            attn_scale=scale,
+            qkv_layout=f"{fmt}_{fmt}_{fmt}",
+            attn_mask_type=mask,
+            window_size=_window(mask),
+            deterministic=torch.are_deterministic_algorithms_enabled(),
+        )
         fp8 = self.fp8
         if quantized is None:
             qp, kp, vp = (_to(x, fmt) for x in (q, k, v))
-            grads = self.api.fused_attn_bwd(sq, sk, cu_q, cu_kv, qp, kp, vp, op, dop, dout.dtype,
-                                            self.api.te_dtype(dout.dtype), [stats, rng_state], backend, **call)
+            grads = self.api.fused_attn_bwd(
+                sq,
+                sk,
+                cu_q,
+                cu_kv,
+                qp,
+                kp,
+                vp,
+                op,
+                dop,
+                dout.dtype,
+                self.api.te_dtype(dout.dtype),
+                [stats, rng_state],
+                backend,
+                **call,
+            )
         else:
             q8, k8, v8, s_q = quantized
             bwd_max, margin = fp8.bwd_max, fp8.margin
@@ -223,15 +278,32 @@ class TEFusedKernel:
             # bounds follow (a column of P sums to at most sq, a row to at most 1).
             do_norm, v_norm = _row_norm_max(dop), _row_norm_max(v)
             bound_dp = do_norm * v_norm
-            bound_dqkv = torch.stack([2 * scale * bound_dp * _row_norm_max(k),
-                                      2 * scale * bound_dp * _row_norm_max(q) * sq, do_norm * sq]).amax()
+            bound_dqkv = torch.stack(
+                [2 * scale * bound_dp * _row_norm_max(k), 2 * scale * bound_dp * _row_norm_max(q) * sq, do_norm * sq]
+            ).amax()
             o_q = self.api.make_quantizer(_scale(fp8.fwd_max, op.abs().amax(), margin), fp8.fwd_dtype)
             do_q = self.api.make_quantizer(_scale(bwd_max, dop.abs().amax(), margin), fp8.bwd_dtype)
             dp_q = self.api.make_quantizer(_scale(bwd_max, bound_dp, margin), fp8.bwd_dtype)
             dqkv_q = self.api.make_quantizer(_scale(bwd_max, bound_dqkv, margin), fp8.bwd_dtype)
             grads = self.api.fused_attn_bwd(
-                sq, sk, cu_q, cu_kv, q8, k8, v8, o_q(op), do_q(dop), dout.dtype, fp8.bwd_dtype,
-                [stats, stats, rng_state], backend, s_quantizer=s_q, dp_quantizer=dp_q, dqkv_quantizer=dqkv_q, **call)
+                sq,
+                sk,
+                cu_q,
+                cu_kv,
+                q8,
+                k8,
+                v8,
+                o_q(op),
+                do_q(dop),
+                dout.dtype,
+                fp8.bwd_dtype,
+                [stats, stats, rng_state],
+                backend,
+                s_quantizer=s_q,
+                dp_quantizer=dp_q,
+                dqkv_quantizer=dqkv_q,
+                **call,
+            )
         return tuple(_from(_plain(g), fmt) for g in grads[:3])
 
 
@@ -263,11 +335,15 @@ def log_once(key, message: str) -> None:
 
 def require_cuda_half(q: torch.Tensor, impl: str) -> None:
     if q.device.type != "cuda":
-        raise UserError(f"model.attention_impl '{impl}' got {q.device.type} tensors; it runs on CUDA GPUs only "
-                        "(use model.attention_impl: auto)")
+        raise UserError(
+            f"model.attention_impl '{impl}' got {q.device.type} tensors; it runs on CUDA GPUs only "
+            "(use model.attention_impl: auto)"
+        )
     if q.dtype not in HALF:
-        raise UserError(f"model.attention_impl '{impl}' takes bf16/fp16 activations; got {q.dtype} "
-                        "(set train.precision: bf16, or model.attention_impl: auto)")
+        raise UserError(
+            f"model.attention_impl '{impl}' takes bf16/fp16 activations; got {q.dtype} "
+            "(set train.precision: bf16, or model.attention_impl: auto)"
+        )
 
 
 def te_kernel_for(q: torch.Tensor, api: SimpleNamespace, *, strict: bool = True) -> TEFusedKernel:
@@ -278,16 +354,20 @@ def te_kernel_for(q: torch.Tensor, api: SimpleNamespace, *, strict: bool = True)
     if fp8 is None:
         return TEFusedKernel(api)
     if not fp8.delayed:
-        log_once(("te-fp8-recipe", fp8.recipe),
-                 f"attention: FP8 recipe {fp8.recipe} has no FP8 attention below sm100 (TE needs DelayedScaling, "
-                 f"train.fp8_recipe: delayed); set-causal attention runs in {q.dtype}")
+        log_once(
+            ("te-fp8-recipe", fp8.recipe),
+            f"attention: FP8 recipe {fp8.recipe} has no FP8 attention below sm100 (TE needs DelayedScaling, "
+            f"train.fp8_recipe: delayed); set-causal attention runs in {q.dtype}",
+        )
         return TEFusedKernel(api)
     reason = fp8_unsupported_reason(api.capability(q.device), q.shape[-1])
     if reason is None:
         return TEFusedKernel(api, fp8, strict=strict)
     if strict:
-        raise UserError(f"FP8 attention (train.fp8 with train.fp8_recipe: delayed): {reason}; set model.head_dim: 128, "
-                        "or train.fp8_recipe: tensorwise (FP8 GEMMs, BF16 attention), or model.attention_impl: auto")
+        raise UserError(
+            f"FP8 attention (train.fp8 with train.fp8_recipe: delayed): {reason}; set model.head_dim: 128, "
+            "or train.fp8_recipe: tensorwise (FP8 GEMMs, BF16 attention), or model.attention_impl: auto"
+        )
     log_once(("te-fp8-shape", reason), f"attention: {reason}; set-causal attention runs in {q.dtype}")
     return TEFusedKernel(api)
 
@@ -297,15 +377,35 @@ def te_attention(q, k, v, scale, valid_len, *, api: SimpleNamespace | None = Non
     if api is None:
         require_cuda_half(q, "te")
         api = load_te_api()
-    return merged_set_causal_attention(q, k, v, te_kernel_for(q, api, strict=strict), scale=scale,
-                                       valid_len=valid_len)
+    return merged_set_causal_attention(q, k, v, te_kernel_for(q, api, strict=strict), scale=scale, valid_len=valid_len)
 
 
-def te_step_attention(q, k, v, k_cache, v_cache, *, num_commit, cache_len=None, commit_len=None, scale=None,
-                      api: SimpleNamespace | None = None):
+def te_step_attention(
+    q,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    *,
+    num_commit,
+    cache_len=None,
+    commit_len=None,
+    scale=None,
+    api: SimpleNamespace | None = None,
+):
     """The 'te' sampling step (BF16/FP16; sampling needs no FP8)."""
     if api is None:
         require_cuda_half(q, "te")
         api = load_te_api()
-    return merged_step_attention(q, k, v, k_cache, v_cache, TEFusedKernel(api), num_commit=num_commit,
-                                 cache_len=cache_len, commit_len=commit_len, scale=scale)
+    return merged_step_attention(
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        TEFusedKernel(api),
+        num_commit=num_commit,
+        cache_len=cache_len,
+        commit_len=commit_len,
+        scale=scale,
+    )

@@ -23,8 +23,9 @@ QUIET_TORCHRUN = "setdiff_megatron.launch.torchrun"
 
 def torchrun_command(recipe: Recipe, recipe_path: str, overrides: list[str]) -> list[str]:
     """The recipe's processes under plain torchrun: the command to run by hand."""
-    argv = torchrun_argv(_local_processes(recipe), ["train", recipe_path, *overrides],
-                         max_restarts=recipe.launch.max_restarts)
+    argv = torchrun_argv(
+        _local_processes(recipe), ["train", recipe_path, *overrides], max_restarts=recipe.launch.max_restarts
+    )
     return ["env", *(f"{k}={v}" for k, v in RESTART_ENV.items()), *argv] if recipe.launch.max_restarts else argv
 
 
@@ -35,15 +36,15 @@ def _local_processes(recipe: Recipe) -> int:
     return launch.nproc_per_node
 
 
-def run_workers(nproc: int, cli_args: list[str], env: dict[str, str], module: str = "setdiff_megatron.cli",
-                max_restarts: int = 0) -> int:
+def run_workers(
+    nproc: int, cli_args: list[str], env: dict[str, str], module: str = "setdiff_megatron.cli", max_restarts: int = 0
+) -> int:
     """`python -m MODULE CLI_ARGS` as `nproc` torchrun processes; their exit code, or the
     UserError one of them met, raised here once (the lowest rank's). OMP_NUM_THREADS gets
     torchrun's own default of 1 unless `env` has it: set here, torchrun prints no banner about it."""
     with tempfile.TemporaryDirectory(prefix="setdiff-errors-") as error_dir:
         argv = torchrun_argv(nproc, cli_args, module, launcher=QUIET_TORCHRUN, max_restarts=max_restarts)
-        code = subprocess.call(argv,
-                               env={"OMP_NUM_THREADS": "1", **env, **RESTART_ENV, ERROR_DIR_ENV: error_dir})
+        code = subprocess.call(argv, env={"OMP_NUM_THREADS": "1", **env, **RESTART_ENV, ERROR_DIR_ENV: error_dir})
         message = handed_over(Path(error_dir))
     if message is not None:
         raise UserError(message)
@@ -55,5 +56,9 @@ def launch_local(recipe: Recipe, recipe_path: str, overrides: list[str], *, dry_
     if dry_run:
         print(shlex.join(torchrun_command(recipe, recipe_path, overrides)))
         return 0
-    return run_workers(_local_processes(recipe), ["train", recipe_path, *overrides],
-                       {**os.environ, **recipe.launch.env}, max_restarts=recipe.launch.max_restarts)
+    return run_workers(
+        _local_processes(recipe),
+        ["train", recipe_path, *overrides],
+        {**os.environ, **recipe.launch.env},
+        max_restarts=recipe.launch.max_restarts,
+    )

@@ -58,10 +58,15 @@ def _header(r: Resources) -> list[str]:
     if r.cpus_per_task:
         opts.append(f"--cpus-per-task={r.cpus_per_task}")
     if r.gpus_per_node:
-        opts.append(f"--gres=gpu:{r.gpus_per_node}" if r.gpu_request == "gres" else f"--gpus-per-node={r.gpus_per_node}")
+        opts.append(
+            f"--gres=gpu:{r.gpus_per_node}" if r.gpu_request == "gres" else f"--gpus-per-node={r.gpus_per_node}"
+        )
     opts.append(f"--time={r.time}")
-    opts += [f"--{key}={value}" for key, value in
-             (("partition", r.partition), ("account", r.account), ("qos", r.qos)) if value]
+    opts += [
+        f"--{key}={value}"
+        for key, value in (("partition", r.partition), ("account", r.account), ("qos", r.qos))
+        if value
+    ]
     # append: a requeued job writes to the same file, after the run it continues
     opts += [f"--output={r.output}", "--open-mode=append"]
     if r.chdir:
@@ -84,8 +89,9 @@ def _exports(env: dict[str, str]) -> list[str]:
 def _quote(arg: str, shard: str, num_shards: str) -> str:
     """Quote one argument for the shell, with {shard}/{num_shards} left outside the quotes."""
     parts = re.split(r"(\{shard\}|\{num_shards\})", arg)
-    out = "".join(shard if p == SHARD else num_shards if p == NUM_SHARDS else shlex.quote(p) if p else ""
-                  for p in parts)
+    out = "".join(
+        shard if p == SHARD else num_shards if p == NUM_SHARDS else shlex.quote(p) if p else "" for p in parts
+    )
     return out or "''"
 
 
@@ -111,9 +117,11 @@ echo "setdiff: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_J
 """
 
 # srun runs one process per task; torch.distributed's env:// init reads the rank from these.
-SRUN_RANKS = ("bash -c 'export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS "
-              "LOCAL_WORLD_SIZE=$SLURM_NTASKS_PER_NODE; echo \"rank $RANK of $WORLD_SIZE on $(hostname)\"; "
-              "exec \"$@\"' rank")
+SRUN_RANKS = (
+    "bash -c 'export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS "
+    'LOCAL_WORLD_SIZE=$SLURM_NTASKS_PER_NODE; echo "rank $RANK of $WORLD_SIZE on $(hostname)"; '
+    'exec "$@"\' rank'
+)
 
 TRAP = f"""\
 # The scheduler's early warning (--signal=B:USR1@...) reaches this shell only: pass it on to srun,
@@ -144,18 +152,37 @@ def _title(title: list[str]) -> list[str]:
     return [f"# {t}" if t else "#" for t in title]
 
 
-def render_train(r: Resources, *, run: list[str], launcher: str = "srun", nproc_per_node: int = 1,
-                 run_dir: str | None = None, setup: list[str] = (), env: dict[str, str] | None = None,
-                 srun_args: list[str] = (), requeue: bool = True, title: list[str] = (), max_restarts: int = 0) -> str:
+def render_train(
+    r: Resources,
+    *,
+    run: list[str],
+    launcher: str = "srun",
+    nproc_per_node: int = 1,
+    run_dir: str | None = None,
+    setup: list[str] = (),
+    env: dict[str, str] | None = None,
+    srun_args: list[str] = (),
+    requeue: bool = True,
+    title: list[str] = (),
+    max_restarts: int = 0,
+) -> str:
     """The pretraining job: every node runs `nproc_per_node` processes of `setdiff train`.
 
     `run` sets RECIPE and the OVERRIDES array (`recipe_lines`). launcher 'srun': one task per
     process; 'torchrun': one task per node running torchrun, which restarts the job's processes
     up to `max_restarts` times and turns a preempted worker into exit code 1, so the run
     directory's PREEMPTED_FILE says 75 instead."""
-    lines = ["#!/bin/bash", *_title(title), *_header(r), "",
-             "set -uo pipefail  # not -e: the exit code of training decides what happens next", "",
-             TRAP, *run, ""]
+    lines = [
+        "#!/bin/bash",
+        *_title(title),
+        *_header(r),
+        "",
+        "set -uo pipefail  # not -e: the exit code of training decides what happens next",
+        "",
+        TRAP,
+        *run,
+        "",
+    ]
     lines += _block("Set-up", list(setup))
     lines += _block("Environment", [THREADS, *_exports(env or {})])
     lines += [RENDEZVOUS]
@@ -165,43 +192,74 @@ def render_train(r: Resources, *, run: list[str], launcher: str = "srun", nproc_
             "# One torchrun per node; it starts this node's processes and forwards SIGUSR1 to them.",
             "export TORCHELASTIC_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
             "export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=300  # time for the workers' checkpoint",
-            *(f"export {k}={v}  # restarted workers must not read the dead attempt's rendezvous keys"
-              for k, v in RESTART_ENV.items()),
+            *(
+                f"export {k}={v}  # restarted workers must not read the dead attempt's rendezvous keys"
+                for k, v in RESTART_ENV.items()
+            ),
             f"rm -f {shlex.quote(f'{run_dir}/{PREEMPTED_FILE}')}",
-            " ".join([*srun, "torchrun", "--nnodes=$SLURM_NNODES",
-                      f"--nproc_per_node={nproc_per_node}", f"--max-restarts={max_restarts}",
-                      "--rdzv_id=$SLURM_JOB_ID", "--rdzv_backend=c10d",
-                      '--rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT"', "\\"]),
+            " ".join(
+                [
+                    *srun,
+                    "torchrun",
+                    "--nnodes=$SLURM_NNODES",
+                    f"--nproc_per_node={nproc_per_node}",
+                    f"--max-restarts={max_restarts}",
+                    "--rdzv_id=$SLURM_JOB_ID",
+                    "--rdzv_backend=c10d",
+                    '--rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT"',
+                    "\\",
+                ]
+            ),
             '    -m setdiff_megatron.cli train "$RECIPE" "${OVERRIDES[@]}" &',
         ]
     else:
-        lines += ["# One training process per task.",
-                  " ".join([*srun, SRUN_RANKS, "\\"]),
-                  '    setdiff train "$RECIPE" "${OVERRIDES[@]}" &']
+        lines += [
+            "# One training process per task.",
+            " ".join([*srun, SRUN_RANKS, "\\"]),
+            '    setdiff train "$RECIPE" "${OVERRIDES[@]}" &',
+        ]
     lines += [WAIT.rstrip("\n")]
     if launcher == "torchrun":
-        lines += [f'[ "$code" -ne 0 ] && [ -f {shlex.quote(f"{run_dir}/{PREEMPTED_FILE}")} ] && code={EXIT_REQUEUE}'
-                  "  # torchrun reports a preempted worker as 1"]
+        lines += [
+            f'[ "$code" -ne 0 ] && [ -f {shlex.quote(f"{run_dir}/{PREEMPTED_FILE}")} ] && code={EXIT_REQUEUE}'
+            "  # torchrun reports a preempted worker as 1"
+        ]
     if requeue:
         lines += [REQUEUE.rstrip("\n")]
     lines += ['exit "$code"', ""]
     return "\n".join(lines)
 
 
-def render_array(r: Resources, command: str | list[str], *, num_shards: int, setup: list[str] = (),
-                 env: dict[str, str] | None = None, title: list[str] = ()) -> str:
+def render_array(
+    r: Resources,
+    command: str | list[str],
+    *,
+    num_shards: int,
+    setup: list[str] = (),
+    env: dict[str, str] | None = None,
+    title: list[str] = (),
+) -> str:
     """One array task per shard, running `command` with {shard} -> the array index and
     {num_shards} -> the shard count (`r.array` must hold the indices, e.g. '0-7%4')."""
     lines = ["#!/bin/bash", *_title(title), *_header(r), "", "set -euo pipefail", ""]
     lines += _block("Set-up", list(setup))
     lines += _block("Environment", [THREADS, *_exports(env or {})])
-    lines += ['echo "setdiff: shard $SLURM_ARRAY_TASK_ID of ' f'{num_shards} (job $SLURM_JOB_ID)"',
-              _command(command, '"$SLURM_ARRAY_TASK_ID"', str(num_shards)), ""]
+    lines += [
+        f'echo "setdiff: shard $SLURM_ARRAY_TASK_ID of {num_shards} (job $SLURM_JOB_ID)"',
+        _command(command, '"$SLURM_ARRAY_TASK_ID"', str(num_shards)),
+        "",
+    ]
     return "\n".join(lines)
 
 
-def render_command(r: Resources, command: str | list[str], *, setup: list[str] = (),
-                   env: dict[str, str] | None = None, title: list[str] = ()) -> str:
+def render_command(
+    r: Resources,
+    command: str | list[str],
+    *,
+    setup: list[str] = (),
+    env: dict[str, str] | None = None,
+    title: list[str] = (),
+) -> str:
     """A job running one command: a merge step, a conversion."""
     lines = ["#!/bin/bash", *_title(title), *_header(r), "", "set -euo pipefail", ""]
     lines += _block("Set-up", list(setup))
@@ -213,32 +271,47 @@ def render_command(r: Resources, command: str | list[str], *, setup: list[str] =
 def templates() -> dict[str, str]:
     """slurm/*.sbatch: the scripts above for generic settings, to copy, edit and sbatch by hand."""
     pretrain = render_train(
-        Resources(job_name="setdiff-train", nodes=2, ntasks_per_node=8, gpus_per_node=8, cpus_per_task=8,
-                  time="04:00:00", output="slurm-%x-%j.out", signal="B:USR1@300", requeue=True),
-        run=['RECIPE=${1:?usage: sbatch slurm/pretrain.sbatch RECIPE [KEY=VALUE ...]}; shift', 'OVERRIDES=("$@")'],
+        Resources(
+            job_name="setdiff-train",
+            nodes=2,
+            ntasks_per_node=8,
+            gpus_per_node=8,
+            cpus_per_task=8,
+            time="04:00:00",
+            output="slurm-%x-%j.out",
+            signal="B:USR1@300",
+            requeue=True,
+        ),
+        run=["RECIPE=${1:?usage: sbatch slurm/pretrain.sbatch RECIPE [KEY=VALUE ...]}; shift", 'OVERRIDES=("$@")'],
         setup=["# module load cuda; source ~/venvs/setdiff/bin/activate   <- your environment here"],
-        env=GPU_ENV, title=[
+        env=GPU_ENV,
+        title=[
             "Pretraining: N nodes x G GPUs, one srun task (one training process) per GPU.",
             "  sbatch --nodes=2 --gpus-per-node=8 --ntasks-per-node=8 slurm/pretrain.sbatch recipes/owt-110m.yaml",
             "`setdiff launch RECIPE --slurm` writes this script filled in from the recipe and the cluster file",
             "(slurm/README.md). Add --partition/--account to sbatch, and your set-up below. On SIGUSR1 (300 s",
             "before the time limit, or `scancel --signal=USR1 --batch JOBID`) training checkpoints, exits with",
-            f"{EXIT_REQUEUE} and the job requeues itself; the requeued job resumes from that checkpoint."])
+            f"{EXIT_REQUEUE} and the job requeues itself; the requeued job resumes from that checkpoint.",
+        ],
+    )
     convert = render_command(
         Resources(job_name="setdiff-convert", cpus_per_task=16, time="02:00:00", output="slurm-%x-%j.out"),
-        'setdiff convert "$@"', title=[
+        'setdiff convert "$@"',
+        title=[
             "Checkpoint conversion (megatron <-> Hugging Face) as a one-node, one-task job, with the",
             "arguments of `setdiff convert`:",
             "  sbatch slurm/convert.sbatch to-hf runs/owt-110m-d8 exports/owt-110m-d8 --check",
             "  sbatch slurm/convert.sbatch from-hf /models/Qwen3-1.7B-Base runs/gsm8k-init",
-            "Conversion gathers the whole model into one process: ask for enough memory (--mem)."])
+            "Conversion gathers the whole model into one process: ask for enough memory (--mem).",
+        ],
+    )
     return {"pretrain.sbatch": pretrain, "convert.sbatch": convert}
 
 
 # Set on GPU jobs (see slurm/README.md for what each does and the ones a cluster file may add).
 GPU_ENV = {
-    "CUDA_DEVICE_MAX_CONNECTIONS": "1",       # megatron: TP/SP communication kernels run in issue order
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",   # a failed or timed-out collective ends the process, no hang
+    "CUDA_DEVICE_MAX_CONNECTIONS": "1",  # megatron: TP/SP communication kernels run in issue order
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",  # a failed or timed-out collective ends the process, no hang
     "NCCL_DEBUG": "WARN",
     "PYTHONUNBUFFERED": "1",
 }

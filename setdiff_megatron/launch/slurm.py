@@ -19,8 +19,15 @@ from pathlib import Path
 
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.launch.cluster import ClusterFile, load_cluster_file
-from setdiff_megatron.launch.sbatch import (CPU_ENV, GPU_ENV, Resources, recipe_lines, render_array,
-                                            render_command, render_train)
+from setdiff_megatron.launch.sbatch import (
+    CPU_ENV,
+    GPU_ENV,
+    Resources,
+    recipe_lines,
+    render_array,
+    render_command,
+    render_train,
+)
 from setdiff_megatron.recipes import Recipe, check_recipe, load_recipe
 from setdiff_megatron.recipes.schema import SlurmSection
 
@@ -50,8 +57,10 @@ class ShardedJobs:
 def sbatch_executable() -> str:
     exe = shutil.which("sbatch")
     if exe is None:
-        raise UserError("sbatch not found: this machine cannot submit SLURM jobs (run on a login node, or "
-                        "load the slurm module); --dry-run prints the script, and without --slurm it runs here")
+        raise UserError(
+            "sbatch not found: this machine cannot submit SLURM jobs (run on a login node, or "
+            "load the slurm module); --dry-run prints the script, and without --slurm it runs here"
+        )
     return exe
 
 
@@ -85,15 +94,23 @@ def _device(recipe: Recipe, cluster: ClusterFile, where: str) -> str:
 def _check_size(recipe: Recipe, cluster: ClusterFile, device: str, where: str) -> None:
     launch = recipe.launch
     if device == "cuda" and cluster.gpus_per_node is not None and launch.nproc_per_node > cluster.gpus_per_node:
-        raise UserError(f"launch.nproc_per_node: {launch.nproc_per_node} GPUs per node asked, but {where} "
-                        f"says a node has {cluster.gpus_per_node} (gpus_per_node); use more nodes instead")
+        raise UserError(
+            f"launch.nproc_per_node: {launch.nproc_per_node} GPUs per node asked, but {where} "
+            f"says a node has {cluster.gpus_per_node} (gpus_per_node); use more nodes instead"
+        )
     if cluster.max_nodes is not None and launch.nnodes > cluster.max_nodes:
-        raise UserError(f"launch.nnodes: {launch.nnodes} nodes asked, but {where} allows at most "
-                        f"{cluster.max_nodes} (max_nodes)")
+        raise UserError(
+            f"launch.nnodes: {launch.nnodes} nodes asked, but {where} allows at most {cluster.max_nodes} (max_nodes)"
+        )
 
 
-def plan_training(recipe: Recipe, recipe_path: str | Path, overrides: list[str], cluster: ClusterFile,
-                  cluster_path: Path | None = None) -> Planned:
+def plan_training(
+    recipe: Recipe,
+    recipe_path: str | Path,
+    overrides: list[str],
+    cluster: ClusterFile,
+    cluster_path: Path | None = None,
+) -> Planned:
     launch, slurm = recipe.launch, recipe.launch.slurm
     where = f"the cluster file {cluster_path}" if cluster_path else "the cluster file"
     device = _device(recipe, cluster, where)
@@ -104,16 +121,26 @@ def plan_training(recipe: Recipe, recipe_path: str | Path, overrides: list[str],
     cpus = _setting(slurm, cluster, "cpus_per_task")
     torchrun = slurm.launcher == "torchrun"
     if launch.max_restarts and not torchrun:
-        raise UserError(f"launch.max_restarts = {launch.max_restarts} needs launch.slurm.launcher: torchrun "
-                        "(under srun nothing restarts the processes; launch.slurm.requeue requeues the job)")
+        raise UserError(
+            f"launch.max_restarts = {launch.max_restarts} needs launch.slurm.launcher: torchrun "
+            "(under srun nothing restarts the processes; launch.slurm.requeue requeues the job)"
+        )
     resources = Resources(
-        job_name=recipe.name, nodes=launch.nnodes, ntasks_per_node=1 if torchrun else per_node,
-        gpus_per_node=per_node if device == "cuda" else 0, gpu_request=cluster.gpu_request,
+        job_name=recipe.name,
+        nodes=launch.nnodes,
+        ntasks_per_node=1 if torchrun else per_node,
+        gpus_per_node=per_node if device == "cuda" else 0,
+        gpu_request=cluster.gpu_request,
         cpus_per_task=cpus * per_node if (cpus and torchrun) else cpus,
-        time=_setting(slurm, cluster, "time", DEFAULT_TIME), partition=_setting(slurm, cluster, "partition"),
-        account=_setting(slurm, cluster, "account"), qos=_setting(slurm, cluster, "qos"),
-        output=str(log_dir / "%x-%j.out"), chdir=os.getcwd(), signal=f"B:USR1@{slurm.signal_lead_s}",
-        requeue=slurm.requeue, extra=[*cluster.sbatch_args, *slurm.sbatch_args],
+        time=_setting(slurm, cluster, "time", DEFAULT_TIME),
+        partition=_setting(slurm, cluster, "partition"),
+        account=_setting(slurm, cluster, "account"),
+        qos=_setting(slurm, cluster, "qos"),
+        output=str(log_dir / "%x-%j.out"),
+        chdir=os.getcwd(),
+        signal=f"B:USR1@{slurm.signal_lead_s}",
+        requeue=slurm.requeue,
+        extra=[*cluster.sbatch_args, *slurm.sbatch_args],
     )
     env = {**(GPU_ENV if device == "cuda" else CPU_ENV), **cluster.env, **launch.env}
     script = run_dir / "slurm" / "train.sbatch"
@@ -122,11 +149,19 @@ def plan_training(recipe: Recipe, recipe_path: str | Path, overrides: list[str],
         f"{launch.nnodes} node(s) x {per_node} {'GPU' if device == 'cuda' else 'CPU'} processes, "
         f"launcher {slurm.launcher}; cluster file: {cluster_path or 'none'}. Resubmit: sbatch {script}",
     ]
-    text = render_train(resources, run=recipe_lines(str(Path(recipe_path).resolve()), list(overrides)),
-                        launcher=slurm.launcher, nproc_per_node=per_node, run_dir=str(run_dir),
-                        setup=[*cluster.setup, *slurm.setup], env=env,
-                        srun_args=[*cluster.srun_args, *slurm.srun_args], requeue=slurm.requeue, title=title,
-                        max_restarts=launch.max_restarts)
+    text = render_train(
+        resources,
+        run=recipe_lines(str(Path(recipe_path).resolve()), list(overrides)),
+        launcher=slurm.launcher,
+        nproc_per_node=per_node,
+        run_dir=str(run_dir),
+        setup=[*cluster.setup, *slurm.setup],
+        env=env,
+        srun_args=[*cluster.srun_args, *slurm.srun_args],
+        requeue=slurm.requeue,
+        title=title,
+        max_restarts=launch.max_restarts,
+    )
     return Planned(text, script, resources.output, resources.gpus_per_node)
 
 
@@ -165,10 +200,19 @@ def launch_slurm(recipe_path: str, overrides: list[str], *, dry_run: bool = Fals
     return 0
 
 
-def submit_sharded(command: str | list[str], merge_command: str | list[str], *, num_shards: int,
-                   work_dir: str | Path, job_name: str = "setdiff-shards", slurm: SlurmSection | None = None,
-                   gpus_per_shard: int = 0, max_parallel: int | None = None,
-                   env: dict[str, str] | None = None, dry_run: bool = False) -> ShardedJobs:
+def submit_sharded(
+    command: str | list[str],
+    merge_command: str | list[str],
+    *,
+    num_shards: int,
+    work_dir: str | Path,
+    job_name: str = "setdiff-shards",
+    slurm: SlurmSection | None = None,
+    gpus_per_shard: int = 0,
+    max_parallel: int | None = None,
+    env: dict[str, str] | None = None,
+    dry_run: bool = False,
+) -> ShardedJobs:
     """An array job running `command` once per shard, then `merge_command` once all succeeded.
 
     `command` holds {shard} and {num_shards}; a string is a shell line, a list is quoted per
@@ -182,25 +226,53 @@ def submit_sharded(command: str | list[str], merge_command: str | list[str], *, 
 
     def resources(name: str, output: str, array: str | None = None) -> Resources:
         return Resources(
-            job_name=name, array=array, gpus_per_node=gpus_per_shard, gpu_request=cluster.gpu_request,
-            cpus_per_task=_setting(slurm, cluster, "cpus_per_task"), time=_setting(slurm, cluster, "time", DEFAULT_TIME),
-            partition=_setting(slurm, cluster, "partition"), account=_setting(slurm, cluster, "account"),
-            qos=_setting(slurm, cluster, "qos"), output=str(out / output), chdir=os.getcwd(),
-            extra=[*cluster.sbatch_args, *slurm.sbatch_args])
+            job_name=name,
+            array=array,
+            gpus_per_node=gpus_per_shard,
+            gpu_request=cluster.gpu_request,
+            cpus_per_task=_setting(slurm, cluster, "cpus_per_task"),
+            time=_setting(slurm, cluster, "time", DEFAULT_TIME),
+            partition=_setting(slurm, cluster, "partition"),
+            account=_setting(slurm, cluster, "account"),
+            qos=_setting(slurm, cluster, "qos"),
+            output=str(out / output),
+            chdir=os.getcwd(),
+            extra=[*cluster.sbatch_args, *slurm.sbatch_args],
+        )
 
     setup = [*cluster.setup, *slurm.setup]
-    job_env = {**({} if gpus_per_shard else {"CUDA_VISIBLE_DEVICES": ""}), "PYTHONUNBUFFERED": "1",
-               **cluster.env, **(env or {})}
+    job_env = {
+        **({} if gpus_per_shard else {"CUDA_VISIBLE_DEVICES": ""}),
+        "PYTHONUNBUFFERED": "1",
+        **cluster.env,
+        **(env or {}),
+    }
     array = f"0-{num_shards - 1}" + (f"%{max_parallel}" if max_parallel else "")
     array_res = resources(job_name, "%x-%A_%a.out", array)
     jobs = ShardedJobs(
-        array=Planned(render_array(array_res, command, num_shards=num_shards, setup=setup, env=job_env,
-                                   title=[f"{num_shards} shards of a job; the merge job {job_name}-merge follows."]),
-                      out / f"{job_name}.sbatch", array_res.output),
-        merge=Planned(render_command(resources(f"{job_name}-merge", "%x-%j.out"), merge_command, setup=setup,
-                                     env=job_env, title=[f"Merges the shards of {job_name}; submitted with "
-                                                         "--dependency=afterok on the array job."]),
-                      out / f"{job_name}-merge.sbatch", str(out / "%x-%j.out")),
+        array=Planned(
+            render_array(
+                array_res,
+                command,
+                num_shards=num_shards,
+                setup=setup,
+                env=job_env,
+                title=[f"{num_shards} shards of a job; the merge job {job_name}-merge follows."],
+            ),
+            out / f"{job_name}.sbatch",
+            array_res.output,
+        ),
+        merge=Planned(
+            render_command(
+                resources(f"{job_name}-merge", "%x-%j.out"),
+                merge_command,
+                setup=setup,
+                env=job_env,
+                title=[f"Merges the shards of {job_name}; submitted with --dependency=afterok on the array job."],
+            ),
+            out / f"{job_name}-merge.sbatch",
+            str(out / "%x-%j.out"),
+        ),
     )
     if dry_run:
         return jobs

@@ -117,21 +117,23 @@ class ModelConfig:
         if self.output_bias and self.tie_embeddings:
             raise ValueError("output_bias needs tie_embeddings: false (the bias belongs to an output layer of its own)")
         if self.intermediate_size is None:
-            self.intermediate_size = (4 * self.hidden_size if self.mlp == "gelu"
-                                      else -(-(8 * self.hidden_size // 3) // 64) * 64)
+            self.intermediate_size = (
+                4 * self.hidden_size if self.mlp == "gelu" else -(-(8 * self.hidden_size // 3) // 64) * 64
+            )
         for name in ("num_kv_heads", "head_dim", "intermediate_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
-            )
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings; got {self.head_dim}")
         if self.vocab_size is not None and self.vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1; got {self.vocab_size}")
-        if (self.vocab_size is not None and self.mask_token_id is not None
-                and not 0 <= self.mask_token_id < self.vocab_size):
+        if (
+            self.vocab_size is not None
+            and self.mask_token_id is not None
+            and not 0 <= self.mask_token_id < self.vocab_size
+        ):
             raise ValueError(f"mask_token_id must lie in [0, vocab_size={self.vocab_size}); got {self.mask_token_id}")
         if self.attention_impl not in ATTENTION_IMPL_NAMES:
             raise ValueError(f"attention_impl must be one of {list(ATTENTION_IMPL_NAMES)}; got {self.attention_impl!r}")
@@ -143,24 +145,30 @@ class ModelConfig:
         if not self.num_experts:
             return
         if self.mlp != "swiglu" or self.mlp_bias:
-            raise ValueError("a mixture of experts has SwiGLU experts without biases: set mlp: swiglu and "
-                             "mlp_bias: false")
+            raise ValueError(
+                "a mixture of experts has SwiGLU experts without biases: set mlp: swiglu and mlp_bias: false"
+            )
         if self.moe_intermediate_size is None:
             self.moe_intermediate_size = self.intermediate_size
         if self.moe_intermediate_size < 1 or self.num_shared_experts < 0:
-            raise ValueError("moe_intermediate_size must be >= 1 and num_shared_experts >= 0; got "
-                             f"{self.moe_intermediate_size}, {self.num_shared_experts}")
+            raise ValueError(
+                "moe_intermediate_size must be >= 1 and num_shared_experts >= 0; got "
+                f"{self.moe_intermediate_size}, {self.num_shared_experts}"
+            )
         if not 1 <= self.moe_top_k <= self.num_experts:
             raise ValueError(f"moe_top_k must lie in [1, num_experts={self.num_experts}]; got {self.moe_top_k}")
         if self.moe_top_k == 1 and not self.moe_router_pre_softmax:
-            raise ValueError("moe_top_k = 1 needs moe_router_pre_softmax: true (a softmax over one chosen expert is "
-                             "always 1 and trains no router)")
+            raise ValueError(
+                "moe_top_k = 1 needs moe_router_pre_softmax: true (a softmax over one chosen expert is "
+                "always 1 and trains no router)"
+            )
         freq = self.moe_layer_freq
         if isinstance(freq, int) and freq < 1:
             raise ValueError(f"moe_layer_freq must be >= 1 or a list of 0/1 per layer; got {freq}")
         if isinstance(freq, list) and (len(freq) != self.num_layers or set(freq) - {0, 1} or not any(freq)):
-            raise ValueError(f"moe_layer_freq as a list needs num_layers={self.num_layers} flags of 0/1, at least "
-                             f"one 1; got {freq}")
+            raise ValueError(
+                f"moe_layer_freq as a list needs num_layers={self.num_layers} flags of 0/1, at least one 1; got {freq}"
+            )
         if self.moe_aux_loss_coeff < 0 or self.moe_z_loss_coeff < 0:
             raise ValueError("moe_aux_loss_coeff and moe_z_loss_coeff must be >= 0")
         if self.moe_capacity_factor is not None and self.moe_capacity_factor <= 0:
@@ -172,8 +180,11 @@ class ModelConfig:
         if not self.num_experts:
             return (False,) * self.num_layers
         freq = self.moe_layer_freq
-        return tuple(bool(f) for f in freq) if isinstance(freq, list) else tuple(
-            i % freq == 0 for i in range(self.num_layers))
+        return (
+            tuple(bool(f) for f in freq)
+            if isinstance(freq, list)
+            else tuple(i % freq == 0 for i in range(self.num_layers))
+        )
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
@@ -212,8 +223,15 @@ FLAVORS: dict[str, dict] = {
     "110m": dict(hidden_size=768, num_layers=12, num_heads=12, intermediate_size=2048, max_seq_len=1024),
 }
 
-DIT_BODY: dict = dict(norm="layernorm", norm_eps=1e-5, mlp="gelu", mlp_bias=True, tie_embeddings=False,
-                      output_bias=True, rope_theta=10000.0)
+DIT_BODY: dict = dict(
+    norm="layernorm",
+    norm_eps=1e-5,
+    mlp="gelu",
+    mlp_bias=True,
+    tie_embeddings=False,
+    output_bias=True,
+    rope_theta=10000.0,
+)
 """The reference's DiT layout over the fields above (docs/dit.md): the paper's OpenWebText and
 LM1B backbone. Its fused QKV and its attention output projection have no bias; its MLP width is
 4 x hidden (the gelu default); its heads are plain multi-head attention."""

@@ -69,8 +69,13 @@ from setdiff_megatron.kernels.ring_attention import ring_set_causal_attention, z
 from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.torch_model import LayerNorm as TorchLayerNorm
 from setdiff_megatron.models.torch_model import Rotary, cache_attention_impl
-from setdiff_megatron.models.weight_maps import (check_backend, check_ep_split, check_tp_split, padded_vocab_size,
-                                                 stage_layers)
+from setdiff_megatron.models.weight_maps import (
+    check_backend,
+    check_ep_split,
+    check_tp_split,
+    padded_vocab_size,
+    stage_layers,
+)
 
 __all__ = [
     "SetCausalCoreAttention",
@@ -256,10 +261,19 @@ class SetCausalCoreAttention(MegatronModule):
     have no meaning here.
     """
 
-    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
-                 attention_type: str, cp_comm_type: str | None = None, softmax_scale: float | None = None,
-                 pg_collection: ProcessGroupCollection | None = None, *, impl: str,
-                 query_rows_only: bool = False):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        cp_comm_type: str | None = None,
+        softmax_scale: float | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
+        *,
+        impl: str,
+        query_rows_only: bool = False,
+    ):
         super().__init__(config=config)
         resolve_attention_impl(impl)
         self.impl = impl
@@ -267,35 +281,51 @@ class SetCausalCoreAttention(MegatronModule):
         self.softmax_scale = softmax_scale
         self.layer_index = layer_number - 1  # megatron counts layers from 1, across pipeline stages
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                attention_mask: torch.Tensor | None, attn_mask_type: AttnMaskType | None = None,
-                attention_bias: torch.Tensor | None = None, packed_seq_params=None) -> torch.Tensor:
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
         if attention_bias is not None or packed_seq_params is not None:
             raise ValueError("set-causal attention takes neither an attention bias nor packed sequences")
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, S, hn]
         if isinstance(attention_mask, StepContext):
             step = attention_mask
-            out = step.cache.attend(self.layer_index, q, k, v, num_commit=step.num_commit,
-                                    commit_valid=step.commit_valid)
+            out = step.cache.attend(
+                self.layer_index, q, k, v, num_commit=step.num_commit, commit_valid=step.commit_valid
+            )
             return out.permute(2, 0, 1, 3).flatten(2)
         if self.query_rows_only:
-            q = q[:, :, q.shape[2] // 2:]
+            q = q[:, :, q.shape[2] // 2 :]
         valid_len, document_ids = _attention_inputs(attention_mask)
         cp = self.config.context_parallel_size
         if cp > 1:  # this rank's zigzag chunks of both streams; the others' clean K/V come by ring
             out = ring_set_causal_attention(
-                q, k, v, scale=self.softmax_scale or q.shape[-1] ** -0.5,
-                group=parallel_state.get_context_parallel_group(), valid_len=valid_len,
-                document_ids=document_ids, kernel=context_parallel_kernel(self.impl, q))
+                q,
+                k,
+                v,
+                scale=self.softmax_scale or q.shape[-1] ** -0.5,
+                group=parallel_state.get_context_parallel_group(),
+                valid_len=valid_len,
+                document_ids=document_ids,
+                kernel=context_parallel_kernel(self.impl, q),
+            )
         else:
-            out = set_causal_attention(q, k, v, impl=self.impl, valid_len=valid_len, scale=self.softmax_scale,
-                                       document_ids=document_ids)
+            out = set_causal_attention(
+                q, k, v, impl=self.impl, valid_len=valid_len, scale=self.softmax_scale, document_ids=document_ids
+            )
         return out.permute(2, 0, 1, 3).flatten(2)
 
 
 def _core_attention_spec(model_cfg: ModelConfig, query_rows_only: bool = False) -> ModuleSpec:
-    return ModuleSpec(module=SetCausalCoreAttention,
-                      params={"impl": model_cfg.attention_impl, "query_rows_only": query_rows_only})
+    return ModuleSpec(
+        module=SetCausalCoreAttention, params={"impl": model_cfg.attention_impl, "query_rows_only": query_rows_only}
+    )
 
 
 def _residual_of_output_rows(training: bool, fused: bool) -> Callable:
@@ -304,7 +334,7 @@ def _residual_of_output_rows(training: bool, fused: bool) -> Callable:
     bda = get_bias_dropout_add(training, fused)
 
     def add(x_with_bias: tuple, residual: torch.Tensor, prob: float) -> torch.Tensor:
-        return bda(x_with_bias, residual[residual.shape[0] - x_with_bias[0].shape[0]:], prob)
+        return bda(x_with_bias, residual[residual.shape[0] - x_with_bias[0].shape[0] :], prob)
 
     return add
 
@@ -365,9 +395,17 @@ def layer_spec(model_cfg: ModelConfig, backend: str = "local", moe: bool = False
 class SetDiffusionGPT(LanguageModule):
     """One pipeline chunk of the set diffusion transformer (the whole model at pp == 1)."""
 
-    def __init__(self, config: TransformerConfig, model_cfg: ModelConfig, *, backend: str = "local",
-                 pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None,
-                 pg_collection: ProcessGroupCollection | None = None):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        model_cfg: ModelConfig,
+        *,
+        backend: str = "local",
+        pre_process: bool = True,
+        post_process: bool = True,
+        vp_stage: int | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
+    ):
         super().__init__(config=config, pg_collection=pg_collection)
         self.model_cfg = model_cfg
         self.pre_process, self.post_process, self.vp_stage = pre_process, post_process, vp_stage
@@ -378,13 +416,21 @@ class SetDiffusionGPT(LanguageModule):
 
         if pre_process:
             self.embedding = LanguageModelEmbedding(
-                config=config, vocab_size=self.vocab_size, max_sequence_length=2 * model_cfg.max_seq_len,
-                position_embedding_type="none", tp_group=self.tp_group,
+                config=config,
+                vocab_size=self.vocab_size,
+                max_sequence_length=2 * model_cfg.max_seq_len,
+                position_embedding_type="none",
+                tp_group=self.tp_group,
             )
         # A plain attribute, not a buffer: Float16Module casts buffers, and bf16 angles are wrong.
         self.inv_freq = Rotary(model_cfg.head_dim, model_cfg.rope_theta).inv_freq
-        layers = stage_layers(model_cfg.num_layers, self.pp_group.size(), self.pp_group.rank(),
-                              config.virtual_pipeline_model_parallel_size, vp_stage)
+        layers = stage_layers(
+            model_cfg.num_layers,
+            self.pp_group.size(),
+            self.pp_group.rank(),
+            config.virtual_pipeline_model_parallel_size,
+            vp_stage,
+        )
         specs = [layer_spec(model_cfg, backend, moe=model_cfg.moe_layers[i])[0] for i in layers]
         final_norm = layer_spec(model_cfg, backend)[1]
         num_layers = len(specs)
@@ -393,25 +439,34 @@ class SetDiffusionGPT(LanguageModule):
         if post_process and num_layers and not config.sequence_parallel:
             specs[-1] = query_rows_layer_spec(specs[-1], model_cfg)
         self.decoder = TransformerBlock(
-            config=config, spec=TransformerBlockSubmodules(layer_specs=specs, layer_norm=final_norm),
-            pre_process=pre_process, post_process=post_process, pg_collection=self.pg_collection,
+            config=config,
+            spec=TransformerBlockSubmodules(layer_specs=specs, layer_norm=final_norm),
+            pre_process=pre_process,
+            post_process=post_process,
+            pg_collection=self.pg_collection,
             vp_stage=vp_stage,
         )
         if post_process:
             self.output_layer = tensor_parallel.ColumnParallelLinear(
-                config.hidden_size, self.vocab_size, config=config, init_method=config.init_method,
-                bias=model_cfg.output_bias, gather_output=False,
+                config.hidden_size,
+                self.vocab_size,
+                config=config,
+                init_method=config.init_method,
+                bias=model_cfg.output_bias,
+                gather_output=False,
                 skip_weight_param_allocation=pre_process and model_cfg.tie_embeddings,
                 # Under SP _query_output gathers the sequence itself, and that gather's backward
                 # already sums the input gradient over TP: the layer must neither gather nor reduce.
-                disable_grad_reduce=config.sequence_parallel, tp_group=self.tp_group,
+                disable_grad_reduce=config.sequence_parallel,
+                tp_group=self.tp_group,
             )
             self.output_layer.sequence_parallel = False
             start = tp_rank * (self.vocab_size // tp_size)
             ids = torch.arange(start, start + self.vocab_size // tp_size)
             # MASK is never a prediction and padding rows are no tokens: both leave the softmax.
-            self.register_buffer("excluded_vocab", (ids == model_cfg.mask_token_id) | (ids >= model_cfg.vocab_size),
-                                 persistent=False)
+            self.register_buffer(
+                "excluded_vocab", (ids == model_cfg.mask_token_id) | (ids >= model_cfg.vocab_size), persistent=False
+            )
         if pre_process or post_process:
             self.setup_embeddings_and_output_layer()
 
@@ -429,9 +484,15 @@ class SetDiffusionGPT(LanguageModule):
         angles = position_ids[..., None].float() * self.inv_freq
         return torch.cat([angles, angles], dim=-1).transpose(0, 1)[:, :, None]
 
-    def forward(self, clean_tokens: torch.Tensor | None, query_tokens: torch.Tensor | None,
-                position_ids: torch.Tensor, valid_len: torch.Tensor | None = None,
-                targets: torch.Tensor | None = None, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        clean_tokens: torch.Tensor | None,
+        query_tokens: torch.Tensor | None,
+        position_ids: torch.Tensor,
+        valid_len: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Two streams of [b, L] tokens in rank order (needed on the first stage only); with
         `document_ids` [b, L] (rank order) attention stays within each document. Under context
         parallelism the streams are this rank's zigzag chunks, and valid_len and document_ids
@@ -445,24 +506,33 @@ class SetDiffusionGPT(LanguageModule):
         if length > self.model_cfg.max_seq_len:
             raise ValueError(f"sequence length {length} exceeds the model's max_seq_len={self.model_cfg.max_seq_len}")
         if self.config.sequence_parallel and 2 * length % self.tp_group.size():
-            raise ValueError(f"sequence parallelism splits the {2 * length} tokens of both streams over "
-                             f"{self.tp_group.size()} ranks: 2L must be divisible by the TP size")
+            raise ValueError(
+                f"sequence parallelism splits the {2 * length} tokens of both streams over "
+                f"{self.tp_group.size()} ranks: 2L must be divisible by the TP size"
+            )
         hidden = None
         if self.pre_process:
             hidden = self.embedding(input_ids=torch.cat([clean_tokens, query_tokens], dim=1), position_ids=None)
-        hidden = self.decoder(hidden_states=hidden, attention_mask=attention_mask_slot(valid_len, document_ids),
-                              rotary_pos_emb=self.rotary_freqs(position_ids.repeat(1, 2)))
+        hidden = self.decoder(
+            hidden_states=hidden,
+            attention_mask=attention_mask_slot(valid_len, document_ids),
+            rotary_pos_emb=self.rotary_freqs(position_ids.repeat(1, 2)),
+        )
         if not self.post_process:
             return hidden
         return self._query_output(hidden, length, targets)
 
     def _check_sampling(self) -> None:
         if self.config.context_parallel_size > 1:
-            raise UserError("sampling runs the whole sequence on each rank: use context parallel size 1 "
-                            "(tensor parallelism is supported)")
+            raise UserError(
+                "sampling runs the whole sequence on each rank: use context parallel size 1 "
+                "(tensor parallelism is supported)"
+            )
         if not (self.pre_process and self.post_process):
-            raise UserError("sampling runs the whole model on each rank: use pipeline parallel size 1 "
-                            "(tensor parallelism is supported)")
+            raise UserError(
+                "sampling runs the whole model on each rank: use pipeline parallel size 1 "
+                "(tensor parallelism is supported)"
+            )
         if self.config.sequence_parallel:
             raise UserError("sampling needs sequence_parallel off: a step's few tokens do not split over TP ranks")
 
@@ -471,21 +541,34 @@ class SetDiffusionGPT(LanguageModule):
         self._check_sampling()
         weight = self.embedding.word_embeddings.weight
         return KVCache.allocate(
-            num_layers=len(self.decoder.layers), batch_size=batch_size,
-            num_kv_heads=self.model_cfg.num_kv_heads // self.tp_group.size(), head_dim=self.model_cfg.head_dim,
-            capacity=capacity, dtype=weight.dtype, device=weight.device,
+            num_layers=len(self.decoder.layers),
+            batch_size=batch_size,
+            num_kv_heads=self.model_cfg.num_kv_heads // self.tp_group.size(),
+            head_dim=self.model_cfg.head_dim,
+            capacity=capacity,
+            dtype=weight.dtype,
+            device=weight.device,
             attention_impl=cache_attention_impl(self.model_cfg, weight),
         )
 
-    def step(self, tokens: torch.Tensor, position_ids: torch.Tensor, cache: KVCache, num_commit: int,
-             commit_valid: torch.Tensor | None = None) -> torch.Tensor:
+    def step(
+        self,
+        tokens: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: KVCache,
+        num_commit: int,
+        commit_valid: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """One sampling forward (torch_model.SetDiffusionTransformer.step's contract): commit the
         first num_commit tokens [B, T], return the other queries' logits [B, T - num_commit, V],
         gathered over TP so every rank decides the same tokens."""
         self._check_sampling()
         hidden = self.embedding(input_ids=tokens, position_ids=None)
-        hidden = self.decoder(hidden_states=hidden, attention_mask=StepContext(cache, num_commit, commit_valid),
-                              rotary_pos_emb=self.rotary_freqs(position_ids))
+        hidden = self.decoder(
+            hidden_states=hidden,
+            attention_mask=StepContext(cache, num_commit, commit_valid),
+            rotary_pos_emb=self.rotary_freqs(position_ids),
+        )
         cache.advance()
         return self._query_output(hidden, tokens.shape[1] - num_commit, None)
 
@@ -495,7 +578,7 @@ class SetDiffusionGPT(LanguageModule):
         if self.config.sequence_parallel:
             hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, group=self.tp_group)
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
-        logits, _ = self.output_layer(hidden[hidden.shape[0] - num_queries:], weight=weight)  # [L, b, Vp/tp]
+        logits, _ = self.output_layer(hidden[hidden.shape[0] - num_queries :], weight=weight)  # [L, b, Vp/tp]
         if targets is None:
             logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits, group=self.tp_group)
             return logits[..., : self.model_cfg.vocab_size].transpose(0, 1).contiguous()
@@ -504,21 +587,35 @@ class SetDiffusionGPT(LanguageModule):
         return nll.transpose(0, 1).contiguous()
 
 
-def build_model_chunks(model_cfg: ModelConfig, config: TransformerConfig, *, backend: str = "local",
-                       pg_collection: ProcessGroupCollection | None = None) -> list[SetDiffusionGPT]:
+def build_model_chunks(
+    model_cfg: ModelConfig,
+    config: TransformerConfig,
+    *,
+    backend: str = "local",
+    pg_collection: ProcessGroupCollection | None = None,
+) -> list[SetDiffusionGPT]:
     """This rank's model chunks (one per virtual pipeline stage), with megatron's first/last
     stage roles. parallel_state must be initialised, and on a machine without a GPU
     distributed.megatron_cpu.auto_cpu_mode() must have run (distributed.runtime does it first)."""
-    pp_size, pp_rank = (parallel_state.get_pipeline_model_parallel_world_size(),
-                        parallel_state.get_pipeline_model_parallel_rank())
+    pp_size, pp_rank = (
+        parallel_state.get_pipeline_model_parallel_world_size(),
+        parallel_state.get_pipeline_model_parallel_rank(),
+    )
     vpp = config.virtual_pipeline_model_parallel_size
     chunks = []
     for vp_stage in range(vpp) if vpp else [None]:
         first_chunk, last_chunk = vp_stage in (None, 0), vp_stage in (None, vpp - 1 if vpp else None)
-        chunks.append(SetDiffusionGPT(
-            config, model_cfg, backend=backend, vp_stage=vp_stage, pg_collection=pg_collection,
-            pre_process=pp_rank == 0 and first_chunk, post_process=pp_rank == pp_size - 1 and last_chunk,
-        ))
+        chunks.append(
+            SetDiffusionGPT(
+                config,
+                model_cfg,
+                backend=backend,
+                vp_stage=vp_stage,
+                pg_collection=pg_collection,
+                pre_process=pp_rank == 0 and first_chunk,
+                post_process=pp_rank == pp_size - 1 and last_chunk,
+            )
+        )
     for chunk in chunks:
         _keep_experts_apart(chunk)
     return chunks
@@ -547,10 +644,14 @@ def context_parallel_slice(batch: TwoStreamBatch) -> TwoStreamBatch:
     cp = parallel_state.get_context_parallel_world_size()
     if cp == 1:
         return batch
-    rows = zigzag_ranks(batch.position_ids.shape[1], cp, parallel_state.get_context_parallel_rank(),
-                        device=batch.position_ids.device)
-    per_rank = {f.name: t[:, rows] for f in fields(batch)
-                if (t := getattr(batch, f.name)) is not None and t.dim() == 2 and f.name != "document_ids"}
+    rows = zigzag_ranks(
+        batch.position_ids.shape[1], cp, parallel_state.get_context_parallel_rank(), device=batch.position_ids.device
+    )
+    per_rank = {
+        f.name: t[:, rows]
+        for f in fields(batch)
+        if (t := getattr(batch, f.name)) is not None and t.dim() == 2 and f.name != "document_ids"
+    }
     return replace(batch, **per_rank)
 
 
@@ -564,8 +665,9 @@ def loss_func(loss_mask: torch.Tensor, nll: torch.Tensor) -> tuple[torch.Tensor,
     return nll_sum, num_tokens, {"lm loss": torch.stack([nll_sum.detach(), num_tokens.float()])}
 
 
-def forward_step(data_iterator: Iterator[TwoStreamBatch], model: torch.nn.Module
-                 ) -> tuple[torch.Tensor, Callable[[torch.Tensor], tuple]]:
+def forward_step(
+    data_iterator: Iterator[TwoStreamBatch], model: torch.nn.Module
+) -> tuple[torch.Tensor, Callable[[torch.Tensor], tuple]]:
     """Megatron's forward_step(data_iterator, model) -> (output, loss function of the output).
 
     Every pipeline stage draws the whole batch: each one needs the positions (rotary), valid_len
@@ -574,6 +676,12 @@ def forward_step(data_iterator: Iterator[TwoStreamBatch], model: torch.nn.Module
     sum the NLL, the target count and the gradients over the CP ranks too.
     """
     batch = context_parallel_slice(next(data_iterator))
-    nll = model(batch.clean_tokens, batch.query_tokens, batch.position_ids,
-                valid_len=batch.valid_len, targets=batch.targets, document_ids=batch.document_ids)
+    nll = model(
+        batch.clean_tokens,
+        batch.query_tokens,
+        batch.position_ids,
+        valid_len=batch.valid_len,
+        targets=batch.targets,
+        document_ids=batch.document_ids,
+    )
     return nll, partial(loss_func, batch.loss_mask)

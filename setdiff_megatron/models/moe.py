@@ -82,8 +82,9 @@ class MoE(nn.Module):
         self.cfg = cfg
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
-        self.shared_experts = (MLP(cfg.hidden_size, cfg.num_shared_experts * cfg.moe_intermediate_size)
-                               if cfg.num_shared_experts else None)
+        self.shared_experts = (
+            MLP(cfg.hidden_size, cfg.num_shared_experts * cfg.moe_intermediate_size) if cfg.num_shared_experts else None
+        )
         self.stats: RouterStats | None = None
 
     def route(self, logits_TN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -97,8 +97,9 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x_BSE: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
-                first_row: int = 0) -> torch.Tensor:
+    def forward(
+        self, x_BSE: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend, first_row: int = 0
+    ) -> torch.Tensor:
         """Outputs of tokens first_row.. only; every token still contributes its key and value."""
         b, s, _ = x_BSE.shape
         rows = s - first_row
@@ -118,11 +119,13 @@ class Block(nn.Module):
         self.input_layernorm = make_norm(cfg)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = make_norm(cfg)
-        self.mlp = MoE(cfg) if moe else MLP(cfg.hidden_size, cfg.intermediate_size, gelu=cfg.mlp == "gelu",
-                                            bias=cfg.mlp_bias)
+        self.mlp = (
+            MoE(cfg) if moe else MLP(cfg.hidden_size, cfg.intermediate_size, gelu=cfg.mlp == "gelu", bias=cfg.mlp_bias)
+        )
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
-                first_row: int = 0) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend, first_row: int = 0
+    ) -> torch.Tensor:
         """The hidden states of tokens first_row.. (the last layer skips the rows nobody reads)."""
         x = x[:, first_row:] + self.self_attn(self.input_layernorm(x), cos, sin, attend, first_row)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -157,8 +160,11 @@ class SetDiffusionTransformer(nn.Module):
 
     def router_stats(self) -> dict[int, RouterStats]:
         """Each MoE layer's routing in the last forward, by layer index (empty for dense models)."""
-        return {i: layer.mlp.stats for i, layer in enumerate(self.layers)
-                if isinstance(layer.mlp, MoE) and layer.mlp.stats is not None}
+        return {
+            i: layer.mlp.stats
+            for i, layer in enumerate(self.layers)
+            if isinstance(layer.mlp, MoE) and layer.mlp.stats is not None
+        }
 
     def router_loss(self) -> torch.Tensor | float:
         """The last forward's router losses, weighted per routed token: add to the NLL sum."""
@@ -168,64 +174,111 @@ class SetDiffusionTransformer(nn.Module):
         hidden = self.norm(hidden)
         return F.linear(hidden, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(hidden)
 
-    def forward(self, clean_tokens: torch.Tensor, query_tokens: torch.Tensor, position_ids: torch.Tensor,
-                valid_len: torch.Tensor | None = None, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        clean_tokens: torch.Tensor,
+        query_tokens: torch.Tensor,
+        position_ids: torch.Tensor,
+        valid_len: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Query-stream logits [B, L, V] for two streams of [B, L] tokens in rank order; with
         `document_ids` [B, L] (rank order) attention stays within each document."""
-        return self.output_logits(self.hidden_states(clean_tokens, query_tokens, position_ids, valid_len,
-                                                     document_ids=document_ids))
+        return self.output_logits(
+            self.hidden_states(clean_tokens, query_tokens, position_ids, valid_len, document_ids=document_ids)
+        )
 
-    def hidden_states(self, clean_tokens: torch.Tensor, query_tokens: torch.Tensor, position_ids: torch.Tensor,
-                      valid_len: torch.Tensor | None = None, *, document_ids: torch.Tensor | None = None,
-                      clean_rows: bool = False) -> torch.Tensor:
+    def hidden_states(
+        self,
+        clean_tokens: torch.Tensor,
+        query_tokens: torch.Tensor,
+        position_ids: torch.Tensor,
+        valid_len: torch.Tensor | None = None,
+        *,
+        document_ids: torch.Tensor | None = None,
+        clean_rows: bool = False,
+    ) -> torch.Tensor:
         """The last layer's output (before the final norm): the query stream's [B, L, E].
 
         Nothing reads the clean stream after the last layer, so that layer computes the query rows
         only. `clean_rows` makes it compute both streams, [B, 2L, E], for callers that do read the
         clean stream: the check that it is an imported AR model's computation (hf/verify.py).
         """
-        if clean_tokens.dim() != 2 or query_tokens.shape != clean_tokens.shape or position_ids.shape != clean_tokens.shape:
+        if (
+            clean_tokens.dim() != 2
+            or query_tokens.shape != clean_tokens.shape
+            or position_ids.shape != clean_tokens.shape
+        ):
             raise ValueError(
                 "clean_tokens, query_tokens and position_ids must all be [batch, length]; got "
                 f"{tuple(clean_tokens.shape)}, {tuple(query_tokens.shape)}, {tuple(position_ids.shape)}"
             )
         length = clean_tokens.shape[1]
         if length > self.config.max_seq_len:
-            raise ValueError(
-                f"sequence length {length} exceeds the model's max_seq_len={self.config.max_seq_len}"
-            )
+            raise ValueError(f"sequence length {length} exceeds the model's max_seq_len={self.config.max_seq_len}")
         x = self.embed_tokens(torch.cat([clean_tokens, query_tokens], dim=1))
         cos, sin = self.rotary(position_ids.repeat(1, 2))
-        attend = partial(document_attention, self._attention, scale=self._scale, valid_len=valid_len,
-                         document_ids=document_ids)
+        attend = partial(
+            document_attention, self._attention, scale=self._scale, valid_len=valid_len, document_ids=document_ids
+        )
         for layer in self.layers[:-1]:
             x = layer(x, cos, sin, attend)
         return self.layers[-1](x, cos, sin, attend, first_row=0 if clean_rows else length)
 
-    def loss(self, tokens: torch.Tensor, policy: OrderPolicy, *, prompt_mask: torch.Tensor | None = None,
-             pad_mask: torch.Tensor | None = None, keep_clean_bos: bool = False, eod_id: int | None = None,
-             generator: torch.Generator | None = None) -> LossOutput:
+    def loss(
+        self,
+        tokens: torch.Tensor,
+        policy: OrderPolicy,
+        *,
+        prompt_mask: torch.Tensor | None = None,
+        pad_mask: torch.Tensor | None = None,
+        keep_clean_bos: bool = False,
+        eod_id: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> LossOutput:
         """Training objective: sample an order, build the two streams, score the queries; with
         `eod_id` attention stays within the documents the EOD tokens end."""
         batch = sample_two_stream_batch(
-            tokens, policy, mask_token_id=self.config.mask_token_id, prompt_mask=prompt_mask,
-            pad_mask=pad_mask, keep_clean_bos=keep_clean_bos, eod_id=eod_id, generator=generator,
+            tokens,
+            policy,
+            mask_token_id=self.config.mask_token_id,
+            prompt_mask=prompt_mask,
+            pad_mask=pad_mask,
+            keep_clean_bos=keep_clean_bos,
+            eod_id=eod_id,
+            generator=generator,
         )
-        logits = self(batch.clean_tokens, batch.query_tokens, batch.position_ids,
-                      None if pad_mask is None else batch.valid_len, batch.document_ids)
+        logits = self(
+            batch.clean_tokens,
+            batch.query_tokens,
+            batch.position_ids,
+            None if pad_mask is None else batch.valid_len,
+            batch.document_ids,
+        )
         out = set_diffusion_loss(logits, batch.targets, batch.loss_mask, mask_token_id=self.config.mask_token_id)
         return out.with_router_loss(self.router_loss())
 
     def new_cache(self, batch_size: int, capacity: int) -> KVCache:
         p = self.embed_tokens.weight
         return KVCache.allocate(
-            num_layers=self.config.num_layers, batch_size=batch_size, num_kv_heads=self.config.num_kv_heads,
-            head_dim=self.config.head_dim, capacity=capacity, dtype=p.dtype, device=p.device,
+            num_layers=self.config.num_layers,
+            batch_size=batch_size,
+            num_kv_heads=self.config.num_kv_heads,
+            head_dim=self.config.head_dim,
+            capacity=capacity,
+            dtype=p.dtype,
+            device=p.device,
             attention_impl=cache_attention_impl(self.config, p),
         )
 
-    def step(self, tokens: torch.Tensor, position_ids: torch.Tensor, cache: KVCache, num_commit: int,
-             commit_valid: torch.Tensor | None = None) -> torch.Tensor:
+    def step(
+        self,
+        tokens: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: KVCache,
+        num_commit: int,
+        commit_valid: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """One sampling forward: commit `num_commit` clean tokens and score the remaining queries.
 
         tokens/position_ids [B, T] (or [1, N], packed as the layout planned on `cache` says);

@@ -43,9 +43,23 @@ import torch
 
 from setdiff_megatron.models.config import ModelConfig
 
-__all__ = ["BACKENDS", "DIT_ROTARY", "add_vocabulary_rows", "check_backend", "check_ep_split", "check_tp_split",
-           "dit_to_torch", "hf_to_torch", "megatron_to_torch", "padded_vocab_size", "stage_layers", "torch_shapes",
-           "torch_to_dit", "torch_to_hf", "torch_to_megatron"]
+__all__ = [
+    "BACKENDS",
+    "DIT_ROTARY",
+    "add_vocabulary_rows",
+    "check_backend",
+    "check_ep_split",
+    "check_tp_split",
+    "dit_to_torch",
+    "hf_to_torch",
+    "megatron_to_torch",
+    "padded_vocab_size",
+    "stage_layers",
+    "torch_shapes",
+    "torch_to_dit",
+    "torch_to_hf",
+    "torch_to_megatron",
+]
 
 BACKENDS = ("local", "te")
 VOCAB_PAD_MULTIPLE = 128
@@ -62,10 +76,14 @@ _LAYER_PLAIN: dict[str, tuple[str, int | None]] = {
     "self_attn.k_norm.weight": ("self_attention.k_layernorm.weight", None),
 }
 _LAYER_NORMS: dict[str, dict[str, str]] = {
-    "local": {"input_layernorm.weight": "input_layernorm.weight",
-              "post_attention_layernorm.weight": "pre_mlp_layernorm.weight"},
-    "te": {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
-           "post_attention_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"},
+    "local": {
+        "input_layernorm.weight": "input_layernorm.weight",
+        "post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
+    },
+    "te": {
+        "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+        "post_attention_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+    },
 }
 _QKV = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
 _QKV_MEGATRON = "self_attention.linear_qkv.weight"
@@ -89,14 +107,21 @@ _HF_OUTSIDE = (_OUTPUT[0], _OUTPUT_BIAS[0])
 """Torch names that Hugging Face keeps beside the body, not under `model.`."""
 _DIT_LAYER = {
     # the reference DiT's name under blocks.{i}. -> the torch name under layers.{i}.
-    "norm1.weight": "input_layernorm.weight", "attn_out.weight": "self_attn.o_proj.weight",
+    "norm1.weight": "input_layernorm.weight",
+    "attn_out.weight": "self_attn.o_proj.weight",
     "norm2.weight": "post_attention_layernorm.weight",
-    "mlp.0.weight": "mlp.up_proj.weight", "mlp.0.bias": "mlp.up_proj.bias",
-    "mlp.2.weight": "mlp.down_proj.weight", "mlp.2.bias": "mlp.down_proj.bias",
+    "mlp.0.weight": "mlp.up_proj.weight",
+    "mlp.0.bias": "mlp.up_proj.bias",
+    "mlp.2.weight": "mlp.down_proj.weight",
+    "mlp.2.bias": "mlp.down_proj.bias",
 }
 _DIT_QKV = "attn_qkv.weight"
-_DIT_GLOBAL = {"vocab_embed.embedding": _EMBED[0], "output_layer.norm_final.weight": _FINAL_NORM[0],
-               "output_layer.linear.weight": _OUTPUT[0], "output_layer.linear.bias": _OUTPUT_BIAS[0]}
+_DIT_GLOBAL = {
+    "vocab_embed.embedding": _EMBED[0],
+    "output_layer.norm_final.weight": _FINAL_NORM[0],
+    "output_layer.linear.weight": _OUTPUT[0],
+    "output_layer.linear.bias": _OUTPUT_BIAS[0],
+}
 DIT_ROTARY = _HF_IGNORED[0]
 """The reference DiT's stored rotary frequencies: no weight (its importer checks them against rope_theta)."""
 
@@ -106,8 +131,9 @@ def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
-def stage_layers(num_layers: int, pp_size: int, pp_rank: int, vp_size: int | None = None,
-                 vp_stage: int | None = None) -> range:
+def stage_layers(
+    num_layers: int, pp_size: int, pp_rank: int, vp_size: int | None = None, vp_stage: int | None = None
+) -> range:
     """Global layer indices held by one (virtual) pipeline stage: megatron's even split.
 
     With virtual stages, chunk `vp_stage` of rank `pp_rank` is model chunk vp_stage * pp + pp_rank.
@@ -128,8 +154,10 @@ def check_backend(cfg: ModelConfig, backend: str) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
     if backend == "te" and (cfg.norm != "rmsnorm" or cfg.mlp_bias):
-        raise ValueError("the 'te' backend holds norm: rmsnorm without mlp_bias only; use backend 'local' for the "
-                         "DiT layout (norm: layernorm, mlp_bias)")
+        raise ValueError(
+            "the 'te' backend holds norm: rmsnorm without mlp_bias only; use backend 'local' for the "
+            "DiT layout (norm: layernorm, mlp_bias)"
+        )
 
 
 def _layer_plain(cfg: ModelConfig, backend: str, moe: bool) -> dict[str, tuple[str, int | None]]:
@@ -152,12 +180,18 @@ def _mlps(cfg: ModelConfig, moe: bool, backend: str, ep_rank: int, ep_size: int)
         return [("mlp.", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight")]
     per_rank = cfg.num_experts // ep_size
     grouped = backend == "te"
-    mlps = [(f"mlp.experts.{ep_rank * per_rank + j}.",
-             f"mlp.experts.linear_fc1.weight{j}" if grouped else f"mlp.experts.local_experts.{j}.linear_fc1.weight",
-             f"mlp.experts.linear_fc2.weight{j}" if grouped else f"mlp.experts.local_experts.{j}.linear_fc2.weight")
-            for j in range(per_rank)]
+    mlps = [
+        (
+            f"mlp.experts.{ep_rank * per_rank + j}.",
+            f"mlp.experts.linear_fc1.weight{j}" if grouped else f"mlp.experts.local_experts.{j}.linear_fc1.weight",
+            f"mlp.experts.linear_fc2.weight{j}" if grouped else f"mlp.experts.local_experts.{j}.linear_fc2.weight",
+        )
+        for j in range(per_rank)
+    ]
     if cfg.num_shared_experts:
-        mlps.append(("mlp.shared_experts.", "mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.linear_fc2.weight"))
+        mlps.append(
+            ("mlp.shared_experts.", "mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.linear_fc2.weight")
+        )
     return mlps
 
 
@@ -237,10 +271,12 @@ def torch_to_megatron(
         for prefix, fc1, fc2 in _mlps(cfg, moe, backend, ep_rank, ep_size):
             for suffix in _mlp_params(cfg, moe):
                 out[dst + fc1.replace(".weight", suffix)] = torch.cat(
-                    [_shard(state_dict[src + prefix + n + suffix], 0, tp_rank, tp_size) for n in _mlp_in(cfg, moe)])
+                    [_shard(state_dict[src + prefix + n + suffix], 0, tp_rank, tp_size) for n in _mlp_in(cfg, moe)]
+                )
                 down = state_dict[src + prefix + _DOWN + suffix]  # its bias is added after the TP reduction
-                out[dst + fc2.replace(".weight", suffix)] = _shard(down, 1 if down.dim() == 2 else None, tp_rank,
-                                                                   tp_size).clone()
+                out[dst + fc2.replace(".weight", suffix)] = _shard(
+                    down, 1 if down.dim() == 2 else None, tp_rank, tp_size
+                ).clone()
     embed = _shard(_pad_vocab(state_dict[_EMBED[0]], cfg, tp_size), 0, tp_rank, tp_size)
     if first:
         out[_EMBED[1]] = embed.clone()
@@ -249,8 +285,9 @@ def torch_to_megatron(
         if not cfg.tie_embeddings:
             out[_OUTPUT[1]] = _shard(_pad_vocab(state_dict[_OUTPUT[0]], cfg, tp_size), 0, tp_rank, tp_size).clone()
         if cfg.output_bias:
-            out[_OUTPUT_BIAS[1]] = _shard(_pad_vocab(state_dict[_OUTPUT_BIAS[0]], cfg, tp_size), 0, tp_rank,
-                                          tp_size).clone()
+            out[_OUTPUT_BIAS[1]] = _shard(
+                _pad_vocab(state_dict[_OUTPUT_BIAS[0]], cfg, tp_size), 0, tp_rank, tp_size
+            ).clone()
         if cfg.tie_embeddings and not first:
             out[_OUTPUT[1]] = embed.clone()
     return out
@@ -303,9 +340,12 @@ def torch_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every torch model weight and its shape, derived from the config alone."""
     e, d = cfg.hidden_size, cfg.head_dim
     layer = {
-        "input_layernorm.weight": (e,), "post_attention_layernorm.weight": (e,),
-        "self_attn.q_proj.weight": (cfg.num_heads * d, e), "self_attn.k_proj.weight": (cfg.num_kv_heads * d, e),
-        "self_attn.v_proj.weight": (cfg.num_kv_heads * d, e), "self_attn.o_proj.weight": (e, cfg.num_heads * d),
+        "input_layernorm.weight": (e,),
+        "post_attention_layernorm.weight": (e,),
+        "self_attn.q_proj.weight": (cfg.num_heads * d, e),
+        "self_attn.k_proj.weight": (cfg.num_kv_heads * d, e),
+        "self_attn.v_proj.weight": (cfg.num_kv_heads * d, e),
+        "self_attn.o_proj.weight": (e, cfg.num_heads * d),
     }
     if cfg.qk_norm:
         layer |= {"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)}
@@ -327,8 +367,11 @@ def torch_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             moe |= mlp(f"mlp.experts.{x}.", cfg.moe_intermediate_size)
         if cfg.num_shared_experts:
             moe |= mlp("mlp.shared_experts.", cfg.num_shared_experts * cfg.moe_intermediate_size)
-    shapes = {TORCH_LAYER.format(n) + k: s for n, is_moe in enumerate(cfg.moe_layers)
-              for k, s in (moe if is_moe else dense).items()}
+    shapes = {
+        TORCH_LAYER.format(n) + k: s
+        for n, is_moe in enumerate(cfg.moe_layers)
+        for k, s in (moe if is_moe else dense).items()
+    }
     shapes |= {_EMBED[0]: (cfg.vocab_size, e), _FINAL_NORM[0]: (e,)}
     if not cfg.tie_embeddings:
         shapes[_OUTPUT[0]] = (cfg.vocab_size, e)
@@ -357,7 +400,7 @@ def hf_to_torch(state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig) -> Sta
         if name in _HF_OUTSIDE:
             out[name] = t
         elif name.startswith(HF_BODY):
-            out[name[len(HF_BODY):]] = t
+            out[name[len(HF_BODY) :]] = t
         else:
             unknown.append(name)
     if unknown:
@@ -426,8 +469,9 @@ def torch_to_dit(state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig) -> St
 def _check_shapes(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> None:
     expected = torch_shapes(cfg)
     if set(sd) != set(expected):
-        raise KeyError(f"torch weights: missing {sorted(set(expected) - set(sd))}, "
-                       f"unexpected {sorted(set(sd) - set(expected))}")
+        raise KeyError(
+            f"torch weights: missing {sorted(set(expected) - set(sd))}, unexpected {sorted(set(sd) - set(expected))}"
+        )
     bad = {k: (tuple(sd[k].shape), s) for k, s in expected.items() if tuple(sd[k].shape) != s}
     if bad:
         raise ValueError(f"torch weights with wrong shapes (got, expected): {bad}")

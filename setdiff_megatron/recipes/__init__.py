@@ -5,6 +5,12 @@ from setdiff_megatron.recipes.schema import Recipe
 from setdiff_megatron.recipes.validation import check_engine_installed, check_recipe, validate_recipe
 
 __all__ = [
-    "Recipe", "RecipeError", "load_recipe", "save_resolved_recipe", "dump_recipe",
-    "validate_recipe", "check_recipe", "check_engine_installed",
+    "Recipe",
+    "RecipeError",
+    "load_recipe",
+    "save_resolved_recipe",
+    "dump_recipe",
+    "validate_recipe",
+    "check_recipe",
+    "check_engine_installed",
 ]

@@ -98,7 +98,7 @@ def apply_overrides(data: dict, overrides: Iterable[str]) -> dict:
         for i, part in enumerate(parents):
             child = node.setdefault(part, {})
             if not isinstance(child, dict):
-                raise RecipeError(f"override {item!r}: {'.'.join(parents[:i + 1])} is not a section")
+                raise RecipeError(f"override {item!r}: {'.'.join(parents[: i + 1])} is not a section")
             node = child
         node[leaf] = value
     return data
@@ -118,8 +118,9 @@ def _interpolate(value: Any, where: str, source: Path) -> Any:
             return os.environ[name]
         if default is not None:
             return default
-        raise RecipeError(f"{source}: {where}: environment variable {name} is not set "
-                          f"(set it, or write ${{env:{name},default}})")
+        raise RecipeError(
+            f"{source}: {where}: environment variable {name} is not set (set it, or write ${{env:{name},default}})"
+        )
 
     return _ENV.sub(lookup, value)
 

@@ -17,10 +17,21 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, N
 from setdiff_megatron.models.config import ModelConfig
 
 __all__ = [
-    "BUILTIN_CORPORA", "Recipe", "ModelSection", "MethodSection", "DatasetSpec", "SupervisedSection", "DataSection",
+    "BUILTIN_CORPORA",
+    "Recipe",
+    "ModelSection",
+    "MethodSection",
+    "DatasetSpec",
+    "SupervisedSection",
+    "DataSection",
     "ParallelSection",
-    "TrainSection", "CheckpointSection", "EvalSection", "WandbSection", "LogSection",
-    "SlurmSection", "LaunchSection",
+    "TrainSection",
+    "CheckpointSection",
+    "EvalSection",
+    "WandbSection",
+    "LogSection",
+    "SlurmSection",
+    "LaunchSection",
 ]
 
 
@@ -152,6 +163,7 @@ class SpikePolicy(Section):
     losses (training/spikes.py) is a spike. `warn` logs it; `skip` drops the step's update;
     `rollback` reloads the newest checkpoint and goes on with the data after the spike's batch,
     and a spike again before the run is past the step that caused a rollback stops the run."""
+
     action: Literal["warn", "skip", "rollback"] = "warn"
     window: PositiveInt = 100
     threshold: PositiveFloat = 6.0

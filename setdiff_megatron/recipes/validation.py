@@ -16,8 +16,14 @@ from setdiff_megatron.models.weight_maps import check_backend
 from setdiff_megatron.recipes.loading import RecipeError
 from setdiff_megatron.recipes.schema import BUILTIN_CORPORA, SUPERVISED_CORPORA, Recipe
 
-__all__ = ["validate_recipe", "check_recipe", "check_engine_installed", "data_parallel_size", "ENGINE_EXTRAS",
-           "offload_host_bytes"]
+__all__ = [
+    "validate_recipe",
+    "check_recipe",
+    "check_engine_installed",
+    "data_parallel_size",
+    "ENGINE_EXTRAS",
+    "offload_host_bytes",
+]
 
 # Host bytes per parameter of offloaded optimizer state: fp32 master weights, two Adam moments
 # and fp32 gradients.
@@ -37,8 +43,9 @@ def _parallel_rules(r: Recipe, world_size: int) -> list[str]:
     p, m = r.parallel, r.model
     errors = []
     if m.num_heads % p.tp or m.num_kv_heads % p.tp:
-        errors.append(f"parallel.tp: {p.tp} must divide model.num_heads ({m.num_heads}) and "
-                      f"model.num_kv_heads ({m.num_kv_heads})")
+        errors.append(
+            f"parallel.tp: {p.tp} must divide model.num_heads ({m.num_heads}) and model.num_kv_heads ({m.num_kv_heads})"
+        )
     stages = p.pp * (p.vpp or 1)
     if m.num_layers % stages:
         errors.append(f"parallel.pp: pp x vpp = {stages} must divide model.num_layers ({m.num_layers})")
@@ -47,23 +54,33 @@ def _parallel_rules(r: Recipe, world_size: int) -> list[str]:
     if p.sequence_parallel and p.tp == 1:
         errors.append("parallel.sequence_parallel: needs parallel.tp > 1")
     if world_size % (p.tp * p.pp * p.cp):
-        errors.append(f"parallel: tp x pp x cp = {p.tp * p.pp * p.cp} does not divide the {world_size} processes "
-                      "(launch.nnodes x launch.nproc_per_node)")
+        errors.append(
+            f"parallel: tp x pp x cp = {p.tp * p.pp * p.cp} does not divide the {world_size} processes "
+            "(launch.nnodes x launch.nproc_per_node)"
+        )
     else:
         dp = data_parallel_size(r, world_size)
         if p.global_batch_size % (p.micro_batch_size * dp):
-            errors.append(f"parallel.global_batch_size: {p.global_batch_size} must be a multiple of "
-                          f"micro_batch_size x data-parallel size = {p.micro_batch_size} x {dp}")
+            errors.append(
+                f"parallel.global_batch_size: {p.global_batch_size} must be a multiple of "
+                f"micro_batch_size x data-parallel size = {p.micro_batch_size} x {dp}"
+            )
     errors += _expert_rules(r, world_size) + _context_rules(r)
     if r.engine == "deepspeed" and (p.tp > 1 or p.pp > 1):
-        errors.append("parallel: tensor and pipeline parallelism (tp, pp > 1) are megatron-engine features; "
-                      "the deepspeed engine is data-parallel (ZeRO): set tp = pp = 1 or engine: megatron")
+        errors.append(
+            "parallel: tensor and pipeline parallelism (tp, pp > 1) are megatron-engine features; "
+            "the deepspeed engine is data-parallel (ZeRO): set tp = pp = 1 or engine: megatron"
+        )
     if r.engine == "megatron" and r.train.compile:
-        errors.append("train.compile: the deepspeed engine compiles its torch model; megatron-core's layers are "
-                      "not compiled: set train.compile=false or engine: deepspeed")
+        errors.append(
+            "train.compile: the deepspeed engine compiles its torch model; megatron-core's layers are "
+            "not compiled: set train.compile=false or engine: deepspeed"
+        )
     if r.engine == "megatron" and p.zero_stage > 1:
-        errors.append("parallel.zero_stage: ZeRO stages 2-3 are DeepSpeed's; with engine megatron use "
-                      "parallel.distributed_optimizer")
+        errors.append(
+            "parallel.zero_stage: ZeRO stages 2-3 are DeepSpeed's; with engine megatron use "
+            "parallel.distributed_optimizer"
+        )
     return errors
 
 
@@ -75,15 +92,21 @@ def _expert_rules(r: Recipe, world_size: int) -> list[str]:
     elif m.num_experts % p.ep:
         errors.append(f"parallel.ep: {p.ep} must divide model.num_experts ({m.num_experts})")
     if p.ep > 1 and r.engine == "deepspeed":
-        errors.append("parallel.ep: expert parallelism is a megatron-engine feature (the deepspeed engine runs MoE "
-                      "models data-parallel); set ep = 1 or engine: megatron")
+        errors.append(
+            "parallel.ep: expert parallelism is a megatron-engine feature (the deepspeed engine runs MoE "
+            "models data-parallel); set ep = 1 or engine: megatron"
+        )
     dp = data_parallel_size(r, world_size) if world_size % (p.tp * p.pp * p.cp) == 0 else None
     if dp is not None and p.ep > 1 and (dp * p.cp) % p.ep:
-        errors.append(f"parallel.ep: {p.ep} must divide the data- x context-parallel size ({dp} x {p.cp}): experts "
-                      "are spread over those ranks of a stage")
+        errors.append(
+            f"parallel.ep: {p.ep} must divide the data- x context-parallel size ({dp} x {p.cp}): experts "
+            "are spread over those ranks of a stage"
+        )
     if m.num_experts and p.tp > 1 and r.engine == "megatron" and not p.sequence_parallel:
-        errors.append("parallel.sequence_parallel: megatron-core trains MoE layers under tp > 1 only with sequence "
-                      "parallelism; set sequence_parallel: true")
+        errors.append(
+            "parallel.sequence_parallel: megatron-core trains MoE layers under tp > 1 only with sequence "
+            "parallelism; set sequence_parallel: true"
+        )
     return errors
 
 
@@ -93,8 +116,10 @@ def _context_rules(r: Recipe) -> list[str]:
         return []
     errors = []
     if r.data.seq_len % (2 * p.cp):
-        errors.append(f"parallel.cp: each stream is split into 2 x cp = {2 * p.cp} chunks; data.seq_len "
-                      f"({r.data.seq_len}) must be divisible by {2 * p.cp}")
+        errors.append(
+            f"parallel.cp: each stream is split into 2 x cp = {2 * p.cp} chunks; data.seq_len "
+            f"({r.data.seq_len}) must be divisible by {2 * p.cp}"
+        )
     if r.engine == "deepspeed":
         errors.append("parallel.cp: context parallelism is a megatron-engine feature; set cp = 1 or engine: megatron")
     if r.model.num_experts:
@@ -105,34 +130,50 @@ def _context_rules(r: Recipe) -> list[str]:
 def _deepspeed_rules(r: Recipe, has_gpu: bool, host_memory: int | None) -> list[str]:
     p = r.parallel
     if r.engine != "deepspeed":
-        return ["parallel.offload_optimizer: optimizer offload is a deepspeed-engine feature; "
-                "set engine: deepspeed or offload_optimizer=false"] if p.offload_optimizer else []
+        return (
+            [
+                "parallel.offload_optimizer: optimizer offload is a deepspeed-engine feature; "
+                "set engine: deepspeed or offload_optimizer=false"
+            ]
+            if p.offload_optimizer
+            else []
+        )
     errors = []
     if r.checkpoint.async_save:
-        errors.append("checkpoint.async_save: the deepspeed engine saves synchronously: DeepSpeed 0.19's decoupled "
-                      "checkpoint writer commits inside the next optimizer step, with no point at which the "
-                      "checkpoint could be hashed and published once its files are on disk; set "
-                      "checkpoint.async_save=false or engine: megatron")
+        errors.append(
+            "checkpoint.async_save: the deepspeed engine saves synchronously: DeepSpeed 0.19's decoupled "
+            "checkpoint writer commits inside the next optimizer step, with no point at which the "
+            "checkpoint could be hashed and published once its files are on disk; set "
+            "checkpoint.async_save=false or engine: megatron"
+        )
     if p.distributed_optimizer and p.zero_stage == 0:
-        errors.append("parallel.distributed_optimizer: with engine deepspeed the optimizer is sharded by "
-                      "parallel.zero_stage (1 is megatron's distributed optimizer); set zero_stage >= 1 "
-                      "or distributed_optimizer=false")
+        errors.append(
+            "parallel.distributed_optimizer: with engine deepspeed the optimizer is sharded by "
+            "parallel.zero_stage (1 is megatron's distributed optimizer); set zero_stage >= 1 "
+            "or distributed_optimizer=false"
+        )
     if p.offload_optimizer and p.zero_stage == 0:
-        errors.append("parallel.offload_optimizer: DeepSpeed offloads only ZeRO-partitioned optimizer state; "
-                      "set parallel.zero_stage >= 1")
+        errors.append(
+            "parallel.offload_optimizer: DeepSpeed offloads only ZeRO-partitioned optimizer state; "
+            "set parallel.zero_stage >= 1"
+        )
     if r.train.precision == "bf16" and p.zero_stage == 0:
         # Stage 0 would update bf16 weights in place: DeepSpeed keeps fp32 master weights in ZeRO only.
-        errors.append("train.precision: bf16 under engine deepspeed needs parallel.zero_stage >= 1 (fp32 master "
-                      "weights live in DeepSpeed's ZeRO optimizer); or use train.precision=fp32")
+        errors.append(
+            "train.precision: bf16 under engine deepspeed needs parallel.zero_stage >= 1 (fp32 master "
+            "weights live in DeepSpeed's ZeRO optimizer); or use train.precision=fp32"
+        )
     if r.train.precision == "fp16" and not has_gpu:
         errors.append("train.precision: DeepSpeed has no fp16 on the CPU; use bf16 or fp32 here")
     if p.offload_optimizer and p.zero_stage and host_memory is not None:
         need = offload_host_bytes(r)
         if need > host_memory:
-            errors.append(f"parallel.offload_optimizer: the offloaded optimizer state needs about "
-                          f"{need / 2**30:.1f} GiB of host memory on this node ({OFFLOAD_BYTES_PER_PARAM} bytes per "
-                          f"parameter, shared over data-parallel ranks), but {host_memory / 2**30:.1f} GiB is "
-                          "available; use more nodes or offload_optimizer=false")
+            errors.append(
+                f"parallel.offload_optimizer: the offloaded optimizer state needs about "
+                f"{need / 2**30:.1f} GiB of host memory on this node ({OFFLOAD_BYTES_PER_PARAM} bytes per "
+                f"parameter, shared over data-parallel ranks), but {host_memory / 2**30:.1f} GiB is "
+                "available; use more nodes or offload_optimizer=false"
+            )
     return errors
 
 
@@ -158,8 +199,9 @@ def _method_rules(r: Recipe) -> list[str]:
         if me.d > m:
             errors.append(f"method.d: d ({me.d}) must be <= m ({m})")
         elif m > seq_len and me.d > 1:
-            errors.append(f"method.m: m ({m}) must be <= data.seq_len ({seq_len}); "
-                          "for a uniform order set d = m = seq_len")
+            errors.append(
+                f"method.m: m ({m}) must be <= data.seq_len ({seq_len}); for a uniform order set d = m = seq_len"
+            )
         if me.k is not None and me.b is not None:
             errors.append("method.k: k and b are exclusive; set at most one")
     if me.order == "block":
@@ -179,15 +221,22 @@ def _supervised_rules(r: Recipe) -> list[str]:
     s, seq_len = r.data.supervised, r.data.seq_len
     if formats != {"supervised"}:
         return []
-    errors = [f"data.datasets.{i}.format: the built-in corpus {ds.path!r} has no supervised records (only "
-              f"{', '.join(SUPERVISED_CORPORA)} has)" for i, ds in enumerate(r.data.datasets)
-              if ds.path in BUILTIN_CORPORA and ds.path not in SUPERVISED_CORPORA]
+    errors = [
+        f"data.datasets.{i}.format: the built-in corpus {ds.path!r} has no supervised records (only "
+        f"{', '.join(SUPERVISED_CORPORA)} has)"
+        for i, ds in enumerate(r.data.datasets)
+        if ds.path in BUILTIN_CORPORA and ds.path not in SUPERVISED_CORPORA
+    ]
     if r.data.document_mask:
-        errors.append("data.document_mask: applies to packed pretraining windows; supervised rows always keep "
-                      "attention within each record: remove it")
+        errors.append(
+            "data.document_mask: applies to packed pretraining windows; supervised rows always keep "
+            "attention within each record: remove it"
+        )
     if s.max_prompt_tokens is not None and s.max_prompt_tokens >= seq_len:
-        errors.append(f"data.supervised.max_prompt_tokens: {s.max_prompt_tokens} leaves no room for a response in "
-                      f"data.seq_len ({seq_len})")
+        errors.append(
+            f"data.supervised.max_prompt_tokens: {s.max_prompt_tokens} leaves no room for a response in "
+            f"data.seq_len ({seq_len})"
+        )
     return errors
 
 
@@ -195,8 +244,10 @@ def _data_rules(r: Recipe) -> list[str]:
     names = [ds.path for ds in r.data.datasets]
     builtin = [n for n in names if n in BUILTIN_CORPORA]
     if builtin and len(names) > 1:
-        return [f"data.datasets: the built-in corpus {builtin[0]!r} trains alone; blend preprocessed datasets "
-                "(setdiff preprocess) instead"]
+        return [
+            f"data.datasets: the built-in corpus {builtin[0]!r} trains alone; blend preprocessed datasets "
+            "(setdiff preprocess) instead"
+        ]
     if builtin and r.data.tokenizer is not None:
         return [f"data.tokenizer: the built-in corpus {builtin[0]!r} brings its own tokenizer; remove data.tokenizer"]
     if not builtin and r.data.tokenizer is None:
@@ -213,14 +264,20 @@ def _train_rules(r: Recipe, has_gpu: bool) -> list[str]:
         errors.append(f"train.min_lr: {t.min_lr} exceeds train.lr ({t.lr})")
     spikes = t.spike_policy
     if spikes.min_history > spikes.window:
-        errors.append(f"train.spike_policy.min_history: {spikes.min_history} exceeds train.spike_policy.window "
-                      f"({spikes.window}), so no loss would ever be judged")
+        errors.append(
+            f"train.spike_policy.min_history: {spikes.min_history} exceeds train.spike_policy.window "
+            f"({spikes.window}), so no loss would ever be judged"
+        )
     if spikes.action == "skip" and r.engine == "deepspeed" and r.parallel.zero_stage > 0:
-        errors.append("train.spike_policy.action: skip cannot drop a step under ZeRO (DeepSpeed applies finite "
-                      "gradients from its own partitions); use action rollback, or warn")
+        errors.append(
+            "train.spike_policy.action: skip cannot drop a step under ZeRO (DeepSpeed applies finite "
+            "gradients from its own partitions); use action rollback, or warn"
+        )
     if 0 < t.straggler_factor <= 1:
-        errors.append(f"train.straggler_factor: {t.straggler_factor} would call every run's slowest rank a straggler; "
-                      "use a factor above 1 (1.5 is the default), or 0 to turn the warning off")
+        errors.append(
+            f"train.straggler_factor: {t.straggler_factor} would call every run's slowest rank a straggler; "
+            "use a factor above 1 (1.5 is the default), or 0 to turn the warning off"
+        )
     if t.fp8 is not None and r.model.backend != "te":
         errors.append("train.fp8: FP8 needs model.backend: te (Transformer Engine, GPU only)")
     try:
@@ -231,8 +288,10 @@ def _train_rules(r: Recipe, has_gpu: bool) -> list[str]:
         if r.model.backend == "te":
             errors.append("model.backend: te (Transformer Engine) needs a GPU; use model.backend=local here")
         if r.model.attention_impl in GPU_ATTENTION:
-            errors.append(f"model.attention_impl: {r.model.attention_impl} ({GPU_ATTENTION[r.model.attention_impl]}) "
-                          "needs a GPU; use model.attention_impl=auto here")
+            errors.append(
+                f"model.attention_impl: {r.model.attention_impl} ({GPU_ATTENTION[r.model.attention_impl]}) "
+                "needs a GPU; use model.attention_impl=auto here"
+            )
         if t.fp8 is not None:
             errors.append("train.fp8: FP8 needs a GPU with Transformer Engine; use train.fp8=null here")
         if r.launch.device == "cuda":
@@ -244,8 +303,10 @@ def _path_rules(r: Recipe) -> list[str]:
     errors = []
     for i, ds in enumerate(r.data.datasets):
         if ds.path not in BUILTIN_CORPORA and not Path(f"{ds.path}.idx").is_file():
-            errors.append(f"data.datasets.{i}.path: no indexed dataset at {ds.path}(.bin/.idx); "
-                          "build it with `setdiff preprocess`")
+            errors.append(
+                f"data.datasets.{i}.path: no indexed dataset at {ds.path}(.bin/.idx); "
+                "build it with `setdiff preprocess`"
+            )
     for key, value in (("data.tokenizer", r.data.tokenizer), ("model.init_from", r.model.init_from)):
         if value is not None and not Path(value).exists():
             errors.append(f"{key}: {value} does not exist")
@@ -255,8 +316,14 @@ def _path_rules(r: Recipe) -> list[str]:
     return errors
 
 
-def validate_recipe(recipe: Recipe, *, world_size: int | None = None, has_gpu: bool | None = None,
-                    check_paths: bool = True, host_memory: int | None = None) -> list[str]:
+def validate_recipe(
+    recipe: Recipe,
+    *,
+    world_size: int | None = None,
+    has_gpu: bool | None = None,
+    check_paths: bool = True,
+    host_memory: int | None = None,
+) -> list[str]:
     """`host_memory` (bytes) is what optimizer offload may fill on a node; None measures this
     machine's available memory when checking against it (`check_paths`), else skips that rule."""
     if has_gpu is None:
@@ -266,8 +333,13 @@ def validate_recipe(recipe: Recipe, *, world_size: int | None = None, has_gpu: b
     if host_memory is None and check_paths and recipe.parallel.offload_optimizer:
         host_memory = _host_memory()
     world = world_size if world_size is not None else recipe.launch.world_size
-    errors = (_parallel_rules(recipe, world) + _deepspeed_rules(recipe, has_gpu, host_memory)
-              + _method_rules(recipe) + _train_rules(recipe, has_gpu) + _supervised_rules(recipe))
+    errors = (
+        _parallel_rules(recipe, world)
+        + _deepspeed_rules(recipe, has_gpu, host_memory)
+        + _method_rules(recipe)
+        + _train_rules(recipe, has_gpu)
+        + _supervised_rules(recipe)
+    )
     if check_paths:
         errors += _path_rules(recipe)
     return errors + _data_rules(recipe)
@@ -287,5 +359,6 @@ def check_engine_installed(recipe: Recipe) -> None:
     except (ImportError, ValueError):
         found = False
     if not found:
-        raise RecipeError(f"engine {recipe.engine} needs {module.split('.')[0]}: "
-                          f"pip install 'setdiff-megatron[{extra}]'")
+        raise RecipeError(
+            f"engine {recipe.engine} needs {module.split('.')[0]}: pip install 'setdiff-megatron[{extra}]'"
+        )

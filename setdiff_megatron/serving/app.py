@@ -32,8 +32,15 @@ from setdiff_megatron.inference.prompts import infill_prompt
 from setdiff_megatron.serving.metrics import ServingStats, exposition, metrics_registry
 from setdiff_megatron.serving.protocol import ChatBody, CompletionBody, RequestError, decoding_of, validation_message
 from setdiff_megatron.serving.replicas import Job, Replica
-from setdiff_megatron.serving.responses import (ChatResponses, ChoiceText, CompletionResponses, Responses, Usage,
-                                                error_json, model_list)
+from setdiff_megatron.serving.responses import (
+    ChatResponses,
+    ChoiceText,
+    CompletionResponses,
+    Responses,
+    Usage,
+    error_json,
+    model_list,
+)
 
 require("fastapi", "serve", "setdiff serve")
 
@@ -83,8 +90,9 @@ class Server:
         """`make_replicas(on_event)` builds the replicas once the event loop runs."""
         self.model, self._make_replicas = model, make_replicas
         self.replicas: list[Replica] = []
-        self.checker = SetSampler(None, mask_token_id=model.tokenizer.mask_id, context_len=model.context_len,
-                                  kv_budget=model.kv_budget)  # no model: it only checks requests
+        self.checker = SetSampler(
+            None, mask_token_id=model.tokenizer.mask_id, context_len=model.context_len, kv_budget=model.kv_budget
+        )  # no model: it only checks requests
         self.choices: dict[str, _Choice] = {}
         self.owner: dict[str, int] = {}
         self.outstanding: list[int] = []
@@ -178,8 +186,11 @@ class Server:
     def jobs(self, body, prompt: list[int], max_tokens: int) -> list[_Choice]:
         """Check the request and make its n jobs (seeds: seed + i, or random ones)."""
         if body.model != self.model.name:
-            raise RequestError(f"The model '{body.model}' does not exist; this server serves '{self.model.name}'",
-                               param="model", code="model_not_found")
+            raise RequestError(
+                f"The model '{body.model}' does not exist; this server serves '{self.model.name}'",
+                param="model",
+                code="model_not_found",
+            )
         body.check_unsupported()
         tok = self.model.tokenizer
         base_seed = body.seed if body.seed is not None else random.randrange(2**31)
@@ -188,15 +199,22 @@ class Server:
         cfg = DecodingConfig(**{**cfg.__dict__, "eos_token_ids": (tok.eos_id,), "stop_sequences": stops})
         problem = self.checker.request_problem(prompt, cfg)
         if problem:
-            raise RequestError(f"The prompt {problem}", param="prompt", code="context_length_exceeded"
-                               if "longer than the context" in problem else None)
+            raise RequestError(
+                f"The prompt {problem}",
+                param="prompt",
+                code="context_length_exceeded" if "longer than the context" in problem else None,
+            )
         rid = uuid.uuid4().hex[:24]
         choices = []
         for i in range(body.n):
             choice = _Choice(key=f"{rid}-{i}", index=i)
             self.choices[choice.key] = choice
-            job = Job(key=choice.key, prompt=tuple(prompt), cfg=DecodingConfig(**{**cfg.__dict__, "seed": base_seed + i}),
-                      stream=body.stream)
+            job = Job(
+                key=choice.key,
+                prompt=tuple(prompt),
+                cfg=DecodingConfig(**{**cfg.__dict__, "seed": base_seed + i}),
+                stream=body.stream,
+            )
             replica = min(range(len(self.replicas)), key=lambda r: self.outstanding[r])
             self.outstanding[replica] += 1
             self.owner[choice.key] = replica
@@ -219,7 +237,7 @@ class Server:
         ends = [i for i in (text.find(s) for s in stops) if i >= 0]
         if ends:
             choice.stopped = stops[[text.find(s) for s in stops].index(min(ends))]
-            return text[:min(ends)]
+            return text[: min(ends)]
         return text
 
     async def wait(self, choice: _Choice, stops: list[str]) -> AsyncIterator[str]:
@@ -235,7 +253,7 @@ class Server:
                 choice.tokens = list(payload["completion"]) or [t for span in payload["spans"] for t in span]
             text = self.text_of(choice, stops)
             if len(text) > choice.sent:
-                yield text[choice.sent:]
+                yield text[choice.sent :]
                 choice.sent = len(text)
             if choice.done is not None or choice.stopped is not None:
                 return
@@ -267,8 +285,10 @@ class _Reply:
                     pass
         finally:
             self.server.cancel(self.choices)
-        return self.responses.response([ChoiceText(c.index, self.server.text_of(c, self.body.stops),
-                                                   _finish_reason(c)) for c in self.choices], self.usage())
+        return self.responses.response(
+            [ChoiceText(c.index, self.server.text_of(c, self.body.stops), _finish_reason(c)) for c in self.choices],
+            self.usage(),
+        )
 
     async def events(self) -> AsyncIterator[str]:
         """The choices' deltas as they come, interleaved; an error ends the stream."""
@@ -303,17 +323,23 @@ class _Reply:
     def usage(self) -> Usage:
         """Prompt and completion tokens, and what the finished jobs cost (NFE, tokens per step)."""
         tok = self.server.model.tokenizer
-        completion = sum(len(tok.encode(self.server.text_of(c, []))) if c.stopped else len(c.tokens)
-                         for c in self.choices)
+        completion = sum(
+            len(tok.encode(self.server.text_of(c, []))) if c.stopped else len(c.tokens) for c in self.choices
+        )
         done = [c.done for c in self.choices if c.done]
         decoded, steps = sum(d["num_decoded"] for d in done), sum(d["steps"] for d in done)
-        return Usage(prompt_tokens=len(self.prompt), completion_tokens=completion,
-                     total_tokens=len(self.prompt) + completion, nfe=sum(d["nfe"] for d in done),
-                     tokens_per_step=round(decoded / max(steps, 1), 4))
+        return Usage(
+            prompt_tokens=len(self.prompt),
+            completion_tokens=completion,
+            total_tokens=len(self.prompt) + completion,
+            nfe=sum(d["nfe"] for d in done),
+            tokens_per_step=round(decoded / max(steps, 1), 4),
+        )
 
 
-async def _reply(server: Server, body: CompletionBody | ChatBody, prompt: list[int], max_tokens: int,
-                 responses: type[Responses]) -> dict | StreamingResponse:
+async def _reply(
+    server: Server, body: CompletionBody | ChatBody, prompt: list[int], max_tokens: int, responses: type[Responses]
+) -> dict | StreamingResponse:
     """Start the request's jobs; answer whole, or with a stream the jobs feed."""
     choices = server.jobs(body, prompt, max_tokens)
     reply = _Reply(server, body, prompt, choices, responses(choices[0].key.split("-")[0], server.model.name))
@@ -337,8 +363,7 @@ def _answer_errors(app: FastAPI, server: Server) -> None:
     @app.exception_handler(RequestError)
     async def refused(request: Request, exc: RequestError) -> JSONResponse:
         server.stats.errors += 1
-        return JSONResponse(error_json(str(exc), param=exc.param, code=exc.code, kind=exc.kind),
-                            status_code=exc.status)
+        return JSONResponse(error_json(str(exc), param=exc.param, code=exc.code, kind=exc.kind), status_code=exc.status)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -32,9 +32,15 @@ def _served_model(args, source):
     from setdiff_megatron.serving.app import ServedModel
 
     name = args.model_name or Path(args.source).resolve().name
-    return ServedModel(name=name, tokenizer=source.tokenizer, context_len=source.config.max_seq_len,
-                       defaults=default_decoding(source), chat_template=source.tokenizer.chat_template,
-                       kv_budget=args.kv_budget, prompt_format=prompt_format(source.recipe, source.tokenizer))
+    return ServedModel(
+        name=name,
+        tokenizer=source.tokenizer,
+        context_len=source.config.max_seq_len,
+        defaults=default_decoding(source),
+        chat_template=source.tokenizer.chat_template,
+        kv_budget=args.kv_budget,
+        prompt_format=prompt_format(source.recipe, source.tokenizer),
+    )
 
 
 def _local_replicas(args, defaults):
@@ -46,12 +52,20 @@ def _local_replicas(args, defaults):
     sm = load_sampling_model(args.source, Ranks(), device=args.device, dtype=args.dtype)
 
     def make(on_event):
-        sampler = SetSampler(sm.model, mask_token_id=sm.tokenizer.mask_id, context_len=sm.config.max_seq_len,
-                             max_rows=args.batch_size, kv_budget=args.kv_budget, prefill_chunk=args.prefill_chunk,
-                             static=args.batching == "static", compile=args.compile)
+        sampler = SetSampler(
+            sm.model,
+            mask_token_id=sm.tokenizer.mask_id,
+            context_len=sm.config.max_seq_len,
+            max_rows=args.batch_size,
+            kv_budget=args.kv_budget,
+            prefill_chunk=args.prefill_chunk,
+            static=args.batching == "static",
+            compile=args.compile,
+        )
         if args.compile == "on":
-            seconds = sampler.warm_up(defaults, WARM_UP_PROMPT_TOKENS,
-                                      lambda line: print(f"setdiff: {line}", file=sys.stderr, flush=True))
+            seconds = sampler.warm_up(
+                defaults, WARM_UP_PROMPT_TOKENS, lambda line: print(f"setdiff: {line}", file=sys.stderr, flush=True)
+            )
             print(f"setdiff: decode steps compiled in {seconds:.1f} s", file=sys.stderr, flush=True)
         return [LocalReplica(sampler, lambda event: on_event(event, 0))]
 
@@ -69,11 +83,27 @@ def _process_replicas(args):
     authkey = secrets.token_hex(16)
     listener = Listener(("127.0.0.1", 0), authkey=authkey.encode())
     host, port = listener.address
-    cmd = torchrun_argv(args.nproc, [args.source, "--address", f"{host}:{port}", "--tp", str(args.tp),
-                                     "--device", args.device, "--max-rows", str(args.batch_size)],
-                        module="setdiff_megatron.serving.replicas")
-    for flag, value in (("--dtype", args.dtype), ("--kv-budget", args.kv_budget),
-                        ("--prefill-chunk", args.prefill_chunk), ("--batching", args.batching)):
+    cmd = torchrun_argv(
+        args.nproc,
+        [
+            args.source,
+            "--address",
+            f"{host}:{port}",
+            "--tp",
+            str(args.tp),
+            "--device",
+            args.device,
+            "--max-rows",
+            str(args.batch_size),
+        ],
+        module="setdiff_megatron.serving.replicas",
+    )
+    for flag, value in (
+        ("--dtype", args.dtype),
+        ("--kv-budget", args.kv_budget),
+        ("--prefill-chunk", args.prefill_chunk),
+        ("--batching", args.batching),
+    ):
         if value is not None:
             cmd += [flag, str(value)]
     workers = subprocess.Popen(cmd, env={**os.environ, "SETDIFF_SERVE_AUTHKEY": authkey})
@@ -85,8 +115,7 @@ def _process_replicas(args):
                 raise UserError(f"the worker processes exited with code {workers.returncode} before serving")
             connection = listener.accept()
             kind, dp_rank, _ = connection.recv()
-            replicas[dp_rank] = ProcessReplica(connection, args.batch_size,
-                                               lambda event, r=dp_rank: on_event(event, r))
+            replicas[dp_rank] = ProcessReplica(connection, args.batch_size, lambda event, r=dp_rank: on_event(event, r))
         listener.close()
         return [replicas[i] for i in sorted(replicas)]
 
@@ -123,9 +152,12 @@ def _run(args) -> int:
 
     server, workers = build_server(args)
     config = uvicorn.Config(create_app(server), host=args.host, port=args.port, log_level=args.log_level)
-    print(f"setdiff: serving {server.model.name} on http://{args.host}:{args.port}/v1 "
-          f"({args.nproc // args.tp} replica(s), tp {args.tp}, {args.batch_size} rows each)", file=sys.stderr,
-          flush=True)
+    print(
+        f"setdiff: serving {server.model.name} on http://{args.host}:{args.port}/v1 "
+        f"({args.nproc // args.tp} replica(s), tp {args.tp}, {args.batch_size} rows each)",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         uvicorn.Server(config).run()
     finally:
@@ -139,28 +171,45 @@ def _run(args) -> int:
 
 
 def add_parser(sub) -> None:
-    parser = sub.add_parser("serve", help="serve a model behind an OpenAI-compatible HTTP API",
-                            description=__doc__.split("\n\n")[0].replace("\n", " "))
+    parser = sub.add_parser(
+        "serve",
+        help="serve a model behind an OpenAI-compatible HTTP API",
+        description=__doc__.split("\n\n")[0].replace("\n", " "),
+    )
     parser.add_argument("source", help="a run directory, step_* directory, Hugging Face export or SetDLM release")
     add_base_argument(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--model-name", default=None, help="the name clients ask for (default: the source's "
-                        "directory name)")
+    parser.add_argument(
+        "--model-name", default=None, help="the name clients ask for (default: the source's directory name)"
+    )
     parser.add_argument("--batch-size", type=int, default=16, help="rows of each replica's batch (default 16)")
-    parser.add_argument("--kv-budget", type=int, default=None, help="KV cache slots per layer of a replica "
-                        "(rows x capacity); a request that does not fit waits")
+    parser.add_argument(
+        "--kv-budget",
+        type=int,
+        default=None,
+        help="KV cache slots per layer of a replica (rows x capacity); a request that does not fit waits",
+    )
     parser.add_argument("--prefill-chunk", type=int, default=None, help="tokens a joining prompt prefills per step")
-    parser.add_argument("--batching", default="continuous", choices=["continuous", "static"],
-                        help="continuous (requests join a running batch) or static (a batch runs until its last "
-                        "row ends; the baseline of benchmarks/serving.py)")
-    parser.add_argument("--compile", default="auto", choices=list(COMPILE_MODES),
-                        help="decode steps at bucketed static shapes, compiled (one process, TP=1): auto compiles "
-                        "a bucket once its eager steps have taken what a compile costs; on compiles the buckets of a "
-                        f"full batch of {WARM_UP_PROMPT_TOKENS}-token prompts before serving, the others at first use; "
-                        "off never (docs/sampling.md)")
-    parser.add_argument("--nproc", type=int, default=1, help="worker processes (torchrun); data-parallel replicas "
-                        "of --tp ranks each")
+    parser.add_argument(
+        "--batching",
+        default="continuous",
+        choices=["continuous", "static"],
+        help="continuous (requests join a running batch) or static (a batch runs until its last "
+        "row ends; the baseline of benchmarks/serving.py)",
+    )
+    parser.add_argument(
+        "--compile",
+        default="auto",
+        choices=list(COMPILE_MODES),
+        help="decode steps at bucketed static shapes, compiled (one process, TP=1): auto compiles "
+        "a bucket once its eager steps have taken what a compile costs; on compiles the buckets of a "
+        f"full batch of {WARM_UP_PROMPT_TOKENS}-token prompts before serving, the others at first use; "
+        "off never (docs/sampling.md)",
+    )
+    parser.add_argument(
+        "--nproc", type=int, default=1, help="worker processes (torchrun); data-parallel replicas of --tp ranks each"
+    )
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per replica (megatron model)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"])

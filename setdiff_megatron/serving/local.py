@@ -22,10 +22,24 @@ class LiveServer:
 
         self.port, self.model_name = free_port(), model_name
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "setdiff_megatron.cli", "serve", str(source), "--port",
-                                      str(self.port), "--model-name", model_name, *args],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "setdiff_megatron.cli",
+                "serve",
+                str(source),
+                "--port",
+                str(self.port),
+                "--model-name",
+                model_name,
+                *args,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -71,12 +71,24 @@ class StatsCollector(Collector):
             (GaugeMetricFamily, "setdiff_jobs_running", "rows decoding in the replicas' batches", running),
             (GaugeMetricFamily, "setdiff_queue_depth", "jobs waiting for a row", s.load_total("waiting")),
             (CounterMetricFamily, "setdiff_tokens_total", "tokens decoded", s.tokens),
-            (GaugeMetricFamily, "setdiff_tokens_per_second", "decoded tokens per second over the last minute",
-             s.tokens_per_s()),
-            (GaugeMetricFamily, "setdiff_tokens_per_step", "mean tokens per step of finished jobs",
-             s.tokens_per_step_sum / max(s.jobs_done, 1)),
-            (GaugeMetricFamily, "setdiff_batch_occupancy", "running rows over the replicas' max rows",
-             running / (s.rows or 1)),
+            (
+                GaugeMetricFamily,
+                "setdiff_tokens_per_second",
+                "decoded tokens per second over the last minute",
+                s.tokens_per_s(),
+            ),
+            (
+                GaugeMetricFamily,
+                "setdiff_tokens_per_step",
+                "mean tokens per step of finished jobs",
+                s.tokens_per_step_sum / max(s.jobs_done, 1),
+            ),
+            (
+                GaugeMetricFamily,
+                "setdiff_batch_occupancy",
+                "running rows over the replicas' max rows",
+                running / (s.rows or 1),
+            ),
         ):
             yield family(name, documentation, value=value)
 

@@ -23,8 +23,15 @@ __all__ = ["CompletionBody", "ChatBody", "ChatMessage", "RequestError", "decodin
 class RequestError(Exception):
     """A bad request: answered with HTTP `status` and an OpenAI error object."""
 
-    def __init__(self, message: str, *, param: str | None = None, status: int = 400,
-                 code: str | None = None, kind: str = "invalid_request_error"):
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        status: int = 400,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+    ):
         super().__init__(message)
         self.param, self.status, self.code, self.kind = param, status, code, kind
 
@@ -65,8 +72,12 @@ class _Body(BaseModel):
         return stops
 
     def check_unsupported(self) -> None:
-        for name, default in (("logprobs", None), ("logit_bias", None), ("presence_penalty", 0.0),
-                              ("frequency_penalty", 0.0)):
+        for name, default in (
+            ("logprobs", None),
+            ("logit_bias", None),
+            ("presence_penalty", 0.0),
+            ("frequency_penalty", 0.0),
+        ):
             if getattr(self, name) not in (default, False, 0, {}):
                 raise RequestError(f"{name} is not supported by this server", param=name)
 
@@ -96,13 +107,19 @@ class CompletionBody(_Body):
             raise RequestError("best_of > 1 is not supported by this server", param="best_of")
         if (self.prompt is None) == (self.segments is None):
             raise RequestError("give exactly one of prompt and segments", param="prompt")
-        if self.segments is not None and (self.suffix is not None or not self.segments or any(
-                isinstance(s, bool) or (isinstance(s, int) and s < 1) for s in self.segments)):
-            raise RequestError("segments must be a non-empty list of strings and span lengths >= 1 "
-                               "(and excludes suffix)", param="segments")
+        if self.segments is not None and (
+            self.suffix is not None
+            or not self.segments
+            or any(isinstance(s, bool) or (isinstance(s, int) and s < 1) for s in self.segments)
+        ):
+            raise RequestError(
+                "segments must be a non-empty list of strings and span lengths >= 1 (and excludes suffix)",
+                param="segments",
+            )
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) and len(self.prompt) != 1:
-            raise RequestError("one prompt per request: send a list of one string, or use n for several "
-                               "completions", param="prompt")
+            raise RequestError(
+                "one prompt per request: send a list of one string, or use n for several completions", param="prompt"
+            )
 
 
 class ChatMessage(BaseModel):
@@ -131,13 +148,30 @@ class ChatBody(_Body):
 
 def decoding_of(body: _Body, defaults: DecodingConfig, *, max_tokens: int, seed: int) -> DecodingConfig:
     """The request's DecodingConfig: its fields over the served model's defaults."""
-    knobs = {name: getattr(body, name) for name in ("window", "threshold", "tokens_per_step", "fill_window",
-                                                    "block_size", "top_k", "repetition_penalty")
-             if getattr(body, name) is not None}
+    knobs = {
+        name: getattr(body, name)
+        for name in (
+            "window",
+            "threshold",
+            "tokens_per_step",
+            "fill_window",
+            "block_size",
+            "top_k",
+            "repetition_penalty",
+        )
+        if getattr(body, name) is not None
+    }
     try:
-        return DecodingConfig(**{**_fields(defaults), **knobs, "temperature": body.temperature,
-                                 "top_p": None if body.top_p >= 1 else body.top_p, "max_new_tokens": max_tokens,
-                                 "seed": seed})
+        return DecodingConfig(
+            **{
+                **_fields(defaults),
+                **knobs,
+                "temperature": body.temperature,
+                "top_p": None if body.top_p >= 1 else body.top_p,
+                "max_new_tokens": max_tokens,
+                "seed": seed,
+            }
+        )
     except ValueError as exc:
         raise RequestError(str(exc)) from None
 

@@ -50,13 +50,25 @@ def row_summary(row: RowResult, prompt: tuple[int, ...], mask_token_id: int) -> 
             current.append(row.tokens[i] if i < len(row.tokens) else mask_token_id)
         else:
             current = None
-    return {"completion": row.completion, "spans": spans, "finish_reason": row.finish_reason,
-            "num_decoded": row.num_decoded, "steps": row.steps, "nfe": row.nfe, "busy_s": row.busy_s,
-            "seconds": row.seconds}
+    return {
+        "completion": row.completion,
+        "spans": spans,
+        "finish_reason": row.finish_reason,
+        "num_decoded": row.num_decoded,
+        "steps": row.steps,
+        "nfe": row.nfe,
+        "busy_s": row.busy_s,
+        "seconds": row.seconds,
+    }
 
 
-def serve_loop(sampler: SetSampler, next_commands: Callable[[bool], list], emit: Callable[[tuple], None] | None,
-               share: Callable[[list], list] | None = None, stats_every_s: float = 0.5) -> None:
+def serve_loop(
+    sampler: SetSampler,
+    next_commands: Callable[[bool], list],
+    emit: Callable[[tuple], None] | None,
+    share: Callable[[list], list] | None = None,
+    stats_every_s: float = 0.5,
+) -> None:
     """Run commands and steps until a ("stop",) command. `next_commands(block)` waits for commands
     when `block` (the engine is idle); `share` hands the commands of each loop to the peers of a
     tensor-parallel group (identity without peers); `emit` (None on peers) reports events:
@@ -120,8 +132,9 @@ class LocalReplica(Replica):
 
     def __post_init__(self) -> None:
         self.max_rows = self.sampler.max_rows
-        self._thread = threading.Thread(target=serve_loop, name="setdiff-engine", daemon=True,
-                                        args=(self.sampler, self._commands, self.on_event))
+        self._thread = threading.Thread(
+            target=serve_loop, name="setdiff-engine", daemon=True, args=(self.sampler, self._commands, self.on_event)
+        )
         self._thread.start()
 
     def _commands(self, block: bool) -> list:
@@ -203,9 +216,15 @@ def replica_main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     ranks = join(args.tp)
     sm = load_sampling_model(args.source, ranks, device=args.device, dtype=args.dtype)
-    sampler = SetSampler(sm.model, mask_token_id=sm.tokenizer.mask_id, context_len=sm.config.max_seq_len,
-                         max_rows=args.max_rows, kv_budget=args.kv_budget, prefill_chunk=args.prefill_chunk,
-                         static=args.batching == "static")
+    sampler = SetSampler(
+        sm.model,
+        mask_token_id=sm.tokenizer.mask_id,
+        context_len=sm.config.max_seq_len,
+        max_rows=args.max_rows,
+        kv_budget=args.kv_budget,
+        prefill_chunk=args.prefill_chunk,
+        static=args.batching == "static",
+    )
     leader = ranks.rank % args.tp == 0
     group = None
     if args.tp > 1:  # every process builds every TP group, as torch.distributed asks

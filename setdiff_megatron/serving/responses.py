@@ -113,18 +113,34 @@ class ChatResponses(Responses):
     id_prefix = "chatcmpl-"
 
     def response(self, choices: list[ChoiceText], usage: Usage) -> dict:
-        return _json(ChatCompletion(**self._stamp(), object="chat.completion", usage=usage, choices=[
-            ChatChoice(index=c.index, message=ChatCompletionMessage(role="assistant", content=c.text),
-                       finish_reason=c.finish_reason, logprobs=None) for c in choices]))
+        return _json(
+            ChatCompletion(
+                **self._stamp(),
+                object="chat.completion",
+                usage=usage,
+                choices=[
+                    ChatChoice(
+                        index=c.index,
+                        message=ChatCompletionMessage(role="assistant", content=c.text),
+                        finish_reason=c.finish_reason,
+                        logprobs=None,
+                    )
+                    for c in choices
+                ],
+            )
+        )
 
     def opening_chunks(self, indices: list[int]) -> list[dict]:
-        return [self._chunk_of([ChunkChoice(index=i, delta=ChoiceDelta(role="assistant", content=""),
-                                            finish_reason=None)]) for i in indices]
+        return [
+            self._chunk_of([ChunkChoice(index=i, delta=ChoiceDelta(role="assistant", content=""), finish_reason=None)])
+            for i in indices
+        ]
 
     def chunk(self, choice: ChoiceText) -> dict:
         delta = ChoiceDelta(content=choice.text) if choice.text else ChoiceDelta()
-        return self._chunk_of([ChunkChoice(index=choice.index, delta=delta, finish_reason=choice.finish_reason,
-                                           logprobs=None)])
+        return self._chunk_of(
+            [ChunkChoice(index=choice.index, delta=delta, finish_reason=choice.finish_reason, logprobs=None)]
+        )
 
     def _chunk_of(self, choices: list, **usage: Usage) -> dict:
         return _json(ChatCompletionChunk(**self._stamp(), object="chat.completion.chunk", choices=choices, **usage))
@@ -135,8 +151,9 @@ def model_list(name: str) -> dict:
     return _json(ModelList(object="list", data=[Model(id=name, object="model", created=0, owned_by="setdiff")]))
 
 
-def error_json(message: str, *, param: str | None = None, code: str | None = None,
-               kind: str = "invalid_request_error") -> dict:
+def error_json(
+    message: str, *, param: str | None = None, code: str | None = None, kind: str = "invalid_request_error"
+) -> dict:
     """OpenAI's error object, as its API answers a bad request."""
     return {"error": _json(ErrorObject(message=message, type=kind, param=param, code=code))}
 

@@ -34,10 +34,16 @@ from setdiff_megatron.sources.hf_config import rope_theta_of
 
 __all__ = ["SUPPORTED", "ar_model_config", "ar_state_dict", "unsupported_architecture"]
 
-SUPPORTED = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-             "qwen3_moe": "Qwen3MoeForCausalLM"}
-_WHY_NOT = {"qwen2_moe": "its shared expert is scaled by a learnt sigmoid gate (shared_expert_gate), which set "
-                         "diffusion models' shared experts do not have"}
+SUPPORTED = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+_WHY_NOT = {
+    "qwen2_moe": "its shared expert is scaled by a learnt sigmoid gate (shared_expert_gate), which set "
+    "diffusion models' shared experts do not have"
+}
 """Architectures near a supported one, and what keeps them out."""
 _EMBED = "embed_tokens.weight"
 _FUSED_GATE_UP, _FUSED_DOWN = "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
@@ -83,14 +89,19 @@ def ar_model_config(config: Mapping[str, Any], path: Path, *, vocab_size: int, m
     heads = config["num_attention_heads"]
     try:
         return ModelConfig(
-            vocab_size=vocab_size, mask_token_id=mask_token_id, hidden_size=config["hidden_size"],
-            num_layers=config["num_hidden_layers"], num_heads=heads,
+            vocab_size=vocab_size,
+            mask_token_id=mask_token_id,
+            hidden_size=config["hidden_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=heads,
             num_kv_heads=config.get("num_key_value_heads") or heads,
             head_dim=config.get("head_dim") or config["hidden_size"] // heads,
             intermediate_size=config["intermediate_size"],
             max_seq_len=config.get("max_position_embeddings", 4096),
-            rope_theta=float(rope_theta_of(config) or 10000.0), norm_eps=config.get("rms_norm_eps", 1e-6),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"), qkv_bias=model_type == "qwen2",
+            rope_theta=float(rope_theta_of(config) or 10000.0),
+            norm_eps=config.get("rms_norm_eps", 1e-6),
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qkv_bias=model_type == "qwen2",
             tie_embeddings=bool(config.get("tie_word_embeddings", False)),
             **(_qwen3_moe_fields(config, path) if model_type == "qwen3_moe" else {}),
         )
@@ -109,10 +120,14 @@ def _qwen3_moe_fields(config: Mapping[str, Any], path: Path) -> dict[str, Any]:
     sparse = [int(experts > 0 and i not in dense and (i + 1) % step == 0) for i in range(config["num_hidden_layers"])]
     if not any(sparse):
         return {}  # every layer's MLP is dense: a dense model
-    return dict(num_experts=experts, moe_top_k=config["num_experts_per_tok"],
-                moe_intermediate_size=config["moe_intermediate_size"], moe_layer_freq=sparse,
-                moe_router_pre_softmax=not config.get("norm_topk_prob", False),
-                moe_aux_loss_coeff=config.get("router_aux_loss_coef", 0.001))
+    return dict(
+        num_experts=experts,
+        moe_top_k=config["num_experts_per_tok"],
+        moe_intermediate_size=config["moe_intermediate_size"],
+        moe_layer_freq=sparse,
+        moe_router_pre_softmax=not config.get("norm_topk_prob", False),
+        moe_aux_loss_coeff=config.get("router_aux_loss_coef", 0.001),
+    )
 
 
 def _per_expert(hf_weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -133,8 +148,9 @@ def _per_expert(hf_weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tenso
     return out
 
 
-def ar_state_dict(hf_weights: Mapping[str, torch.Tensor], config: ModelConfig, tokenizer: SetDiffTokenizer,
-                  path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def ar_state_dict(
+    hf_weights: Mapping[str, torch.Tensor], config: ModelConfig, tokenizer: SetDiffTokenizer, path: Path
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Torch-named weights of an AR checkpoint, with embedding (and output) rows added for token
     ids beyond the source's vocabulary (the MASK among them); returns the final config too."""
     rows = hf_weights[f"model.{_EMBED}"].shape[0] if f"model.{_EMBED}" in hf_weights else config.vocab_size

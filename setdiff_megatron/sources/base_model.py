@@ -12,6 +12,10 @@ BASE_ENV = "SETDIFF_BASE_MODEL"
 
 
 def add_base_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--base", default=None, metavar="DIR",
-                        help=f"a SetDLM release on Qwen3: a local copy of the base model its config names (its "
-                        f"config.json is enough); also read from ${BASE_ENV}")
+    parser.add_argument(
+        "--base",
+        default=None,
+        metavar="DIR",
+        help=f"a SetDLM release on Qwen3: a local copy of the base model its config names (its "
+        f"config.json is enough); also read from ${BASE_ENV}",
+    )

@@ -40,17 +40,19 @@ def _bf16_optimizer_weights(ds_dir: Path) -> dict[str, torch.Tensor]:
     from deepspeed.utils.tensor_fragment import fragment_address
 
     shapes = torch.load(ds_dir / "mp_rank_00_model_states.pt", weights_only=True)["param_shapes"]
-    files = sorted(ds_dir.glob("bf16_zero_pp_rank_*_mp_rank_00_optim_states.pt"),
-                   key=lambda f: int(f.name.split("_")[4]))
+    files = sorted(
+        ds_dir.glob("bf16_zero_pp_rank_*_mp_rank_00_optim_states.pt"), key=lambda f: int(f.name.split("_")[4])
+    )
     with torch.serialization.safe_globals([fragment_address]):
-        partitions = [torch.load(f, weights_only=True)["optimizer_state_dict"]["single_partition_of_fp32_groups"]
-                      for f in files]
+        partitions = [
+            torch.load(f, weights_only=True)["optimizer_state_dict"]["single_partition_of_fp32_groups"] for f in files
+        ]
     weights = {}
     for group, group_shapes in enumerate(shapes):
         flat = torch.cat([parts[group] for parts in partitions])
         offset = 0
         for name, shape in group_shapes.items():
-            weights[name] = flat[offset:offset + shape.numel()].view(shape).clone()
+            weights[name] = flat[offset : offset + shape.numel()].view(shape).clone()
             offset += shape.numel()
     return weights
 

@@ -52,32 +52,45 @@ def is_dit_config(config: Mapping[str, Any]) -> bool:
 
 def _model_config(backbone: Mapping[str, Any], where: Path, mask_token_id: int) -> ModelConfig:
     if backbone.get("adaln"):
-        raise UserError(f"{where}: adaln: true (time conditioning) is not part of set diffusion models; the paper's "
-                        "set diffusion DiTs have adaln: false")
+        raise UserError(
+            f"{where}: adaln: true (time conditioning) is not part of set diffusion models; the paper's "
+            "set diffusion DiTs have adaln: false"
+        )
     if backbone.get("causal_attention"):
-        raise UserError(f"{where}: causal_attention: true is the reference's autoregressive baseline, not a set "
-                        "diffusion model")
+        raise UserError(
+            f"{where}: causal_attention: true is the reference's autoregressive baseline, not a set diffusion model"
+        )
     try:
-        return ModelConfig(vocab_size=int(backbone["vocab_size"]), mask_token_id=mask_token_id,
-                           hidden_size=int(backbone["hidden_size"]), num_layers=int(backbone["num_layers"]),
-                           num_heads=int(backbone["n_heads"]), max_seq_len=int(backbone["length"]), **DIT_BODY)
+        return ModelConfig(
+            vocab_size=int(backbone["vocab_size"]),
+            mask_token_id=mask_token_id,
+            hidden_size=int(backbone["hidden_size"]),
+            num_layers=int(backbone["num_layers"]),
+            num_heads=int(backbone["n_heads"]),
+            max_seq_len=int(backbone["length"]),
+            **DIT_BODY,
+        )
     except (TypeError, ValueError) as exc:
         raise UserError(f"{where}: not a valid DiT config: {exc}") from None
 
 
-def dit_state_dict(weights: Mapping[str, torch.Tensor], backbone: Mapping[str, Any], tokenizer: SetDiffTokenizer,
-                   where: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def dit_state_dict(
+    weights: Mapping[str, torch.Tensor], backbone: Mapping[str, Any], tokenizer: SetDiffTokenizer, where: Path
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """The ModelConfig and torch weights of a DiT's backbone weights (its own names) and config."""
     rows = int(backbone["vocab_size"])
     if not 0 <= tokenizer.mask_id < rows:
-        raise UserError(f"{where}: the tokenizer's MASK {tokenizer.special_tokens['mask']!r} (id {tokenizer.mask_id}) "
-                        f"is not one of the checkpoint's {rows} rows; use the tokenizer the model was trained with")
+        raise UserError(
+            f"{where}: the tokenizer's MASK {tokenizer.special_tokens['mask']!r} (id {tokenizer.mask_id}) "
+            f"is not one of the checkpoint's {rows} rows; use the tokenizer the model was trained with"
+        )
     cfg = _model_config(backbone, where, tokenizer.mask_id)
     stored = weights.get(DIT_ROTARY)
     expected = Rotary(cfg.head_dim, cfg.rope_theta).inv_freq
     if stored is not None and (stored.shape != expected.shape or not torch.allclose(stored.float(), expected)):
-        raise UserError(f"{where}: its rotary frequencies are not theta {cfg.rope_theta:g}'s at head dim "
-                        f"{cfg.head_dim}")
+        raise UserError(
+            f"{where}: its rotary frequencies are not theta {cfg.rope_theta:g}'s at head dim {cfg.head_dim}"
+        )
     try:
         state = dit_to_torch(weights, cfg)
     except (KeyError, ValueError) as exc:
@@ -99,8 +112,10 @@ class ComposerParts:
     """What a composer checkpoint of the reference's denoiser holds for an import."""
 
     def __init__(self, path: Path):
-        ckpt = load_pickle(path, "where the file is trusted, save its state['model'] tensors with "
-                           "safetensors.torch.save_file and read that")
+        ckpt = load_pickle(
+            path,
+            "where the file is trusted, save its state['model'] tensors with safetensors.torch.save_file and read that",
+        )
         model = _dig(ckpt, "state", "model")
         if not isinstance(model, dict):
             raise UserError(f"{path} is not a composer checkpoint: it has no state.model")
@@ -129,15 +144,18 @@ class ComposerParts:
             return load_tokenizer(scratch)
 
 
-def read_composer_checkpoint(path: Path, beside_config: dict | None, beside_tokenizer: Callable[[], SetDiffTokenizer]
-                             ) -> tuple[ModelConfig, dict[str, torch.Tensor], SetDiffTokenizer]:
+def read_composer_checkpoint(
+    path: Path, beside_config: dict | None, beside_tokenizer: Callable[[], SetDiffTokenizer]
+) -> tuple[ModelConfig, dict[str, torch.Tensor], SetDiffTokenizer]:
     """(config, torch weights, tokenizer) of a composer .pt; `beside_config` (a config.json next
     to it, or None) and `beside_tokenizer()` stand in for what the checkpoint does not record."""
     parts = ComposerParts(path)
     backbone = parts.backbone or beside_config
     if backbone is None or not is_dit_config(backbone):
-        raise UserError(f"{path}: no DiT config, neither recorded by composer (integrations.huggingface) nor in a "
-                        "config.json beside it (the released model's)")
+        raise UserError(
+            f"{path}: no DiT config, neither recorded by composer (integrations.huggingface) nor in a "
+            "config.json beside it (the released model's)"
+        )
     tokenizer = parts.tokenizer(path) if parts.tokenizer_files else beside_tokenizer()
     cfg, state = dit_state_dict(parts.weights, backbone, tokenizer, path)
     return cfg, state, tokenizer

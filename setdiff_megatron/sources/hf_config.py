@@ -15,8 +15,14 @@ from typing import Any, Mapping
 from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.models.config import ModelConfig
 
-__all__ = ["MOE_CONFIG_KEYS", "hf_config_from_model_config", "model_config_from_hf_config", "rope_theta_of",
-           "generation_config_from_decoding", "decoding_config_from_generation"]
+__all__ = [
+    "MOE_CONFIG_KEYS",
+    "hf_config_from_model_config",
+    "model_config_from_hf_config",
+    "rope_theta_of",
+    "generation_config_from_decoding",
+    "decoding_config_from_generation",
+]
 
 HF_CONFIG_KEYS: dict[str, str] = {
     # Hugging Face config key -> ModelConfig field

@@ -33,8 +33,10 @@ def load_hf_export(directory: str | Path) -> tuple[ModelConfig, dict[str, torch.
     directory = Path(directory)
     config = read_hf_config(directory)
     if config.get("model_type") != "setdiff":
-        raise UserError(f"{directory} holds a {config.get('model_type')!r} model, not a set diffusion export; "
-                        "import it first with `setdiff convert from-hf`")
+        raise UserError(
+            f"{directory} holds a {config.get('model_type')!r} model, not a set diffusion export; "
+            "import it first with `setdiff convert from-hf`"
+        )
     try:
         cfg = model_config_from_hf_config(config)
     except (TypeError, ValueError) as exc:
@@ -47,6 +49,8 @@ def load_hf_export(directory: str | Path) -> tuple[ModelConfig, dict[str, torch.
         raise UserError(f"{directory} has no tokenizer.json; a set diffusion export ships its tokenizer")
     tokenizer = load_tokenizer(directory, add_missing_tokens=False)
     if tokenizer.mask_id != cfg.mask_token_id:
-        raise UserError(f"{directory}: config.json says mask_token_id {cfg.mask_token_id}, the tokenizer's MASK is "
-                        f"{tokenizer.mask_id}")
+        raise UserError(
+            f"{directory}: config.json says mask_token_id {cfg.mask_token_id}, the tokenizer's MASK is "
+            f"{tokenizer.mask_id}"
+        )
     return cfg, state, tokenizer

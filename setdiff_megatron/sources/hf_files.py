@@ -40,9 +40,11 @@ def _weight_files(directory: Path) -> list[Path]:
         return [directory / SINGLE]
     pickled = [n for n in _PICKLED if (directory / n).is_file()]
     if pickled:
-        raise UserError(f"{directory} holds only pickled weights ({', '.join(pickled)}); only safetensors are "
-                        "read (no pickle). Convert them once with transformers: "
-                        "AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)")
+        raise UserError(
+            f"{directory} holds only pickled weights ({', '.join(pickled)}); only safetensors are "
+            "read (no pickle). Convert them once with transformers: "
+            "AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)"
+        )
     raise UserError(f"{directory} has no {SINGLE} or {INDEX}")
 
 

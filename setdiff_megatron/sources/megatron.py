@@ -24,8 +24,10 @@ from setdiff_megatron.models.weight_maps import MEGATRON_LAYER, megatron_to_torc
 __all__ = ["torch_weights"]
 
 _STACKED = MEGATRON_LAYER.format("").rstrip(".")  # "decoder.layers": one tensor per weight, layers first
-_CHECKPOINT_NORMS = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-                     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
+_CHECKPOINT_NORMS = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
 """megatron stores the norms under Transformer Engine's fused names whatever the backend."""
 _STACKED_EXPERTS = ".mlp.experts.experts."
 """An MoE layer's experts are stored as one tensor per weight, experts first."""
@@ -39,9 +41,11 @@ def _global_tensors(path: Path) -> dict[str, torch.Tensor]:
 
     reader = dcp.FileSystemReader(str(path))
     metadata = reader.read_metadata().state_dict_metadata
-    state = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
-             for key, meta in metadata.items()
-             if isinstance(meta, TensorStorageMetadata) and "optimizer" not in key.split(".")[:2]}
+    state = {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in metadata.items()
+        if isinstance(meta, TensorStorageMetadata) and "optimizer" not in key.split(".")[:2]
+    }
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
         dcp.load(state, storage_reader=reader, no_dist=True)
@@ -54,7 +58,7 @@ def _local_chunk(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     their local names, each MoE layer's stacked experts split into local experts."""
     out = {}
     for key, tensor in state.items():
-        suffix = key[len(_STACKED) + 1:]
+        suffix = key[len(_STACKED) + 1 :]
         if key.startswith(_STACKED + ".") and not suffix.split(".")[0].isdigit():
             out |= {MEGATRON_LAYER.format(i) + suffix: layer for i, layer in enumerate(tensor.unbind(0))}
         else:

@@ -72,9 +72,13 @@ class Source:
         return self.recipe is not None and self.recipe.method.keep_clean_bos
 
     def describe(self) -> str:
-        what = {"megatron": "megatron checkpoint", "deepspeed": "DeepSpeed checkpoint",
-                "setdiff": "set diffusion Hugging Face export",
-                DIT_KIND: "reference DiT checkpoint", RELEASE_KIND: "reference SetDLM release"}.get(self.kind, f"{self.kind} causal LM")
+        what = {
+            "megatron": "megatron checkpoint",
+            "deepspeed": "DeepSpeed checkpoint",
+            "setdiff": "set diffusion Hugging Face export",
+            DIT_KIND: "reference DiT checkpoint",
+            RELEASE_KIND: "reference SetDLM release",
+        }.get(self.kind, f"{self.kind} causal LM")
         extra = f", step {self.step}" if self.step is not None else ""
         if self.layout and self.kind == "megatron":
             extra += f", saved at tp {self.layout.get('tp')} pp {self.layout.get('pp')}"
@@ -86,11 +90,13 @@ def _read_run(path: Path, weights: bool) -> Source:
     state = read_train_state(step_dir)
     recipe = load_recipe(step_dir / RESOLVED_NAME)
     if not (step_dir / TOKENIZER_DIR).is_dir():
-        raise UserError(f"checkpoint {step_dir} has no {TOKENIZER_DIR}/ directory; it cannot encode prompts or be "
-                        "exported")
+        raise UserError(
+            f"checkpoint {step_dir} has no {TOKENIZER_DIR}/ directory; it cannot encode prompts or be exported"
+        )
     tokenizer = load_tokenizer(step_dir / TOKENIZER_DIR, add_missing_tokens=False)
-    config = config_from_identity(state.model, attention_impl=recipe.model.attention_impl,
-                                  init_std=recipe.model.init_std)
+    config = config_from_identity(
+        state.model, attention_impl=recipe.model.attention_impl, init_std=recipe.model.init_std
+    )
     kind = "deepspeed" if is_deepspeed_checkpoint(step_dir) else "megatron"
     state_dict = None
     if weights and kind == "megatron":
@@ -98,8 +104,9 @@ def _read_run(path: Path, weights: bool) -> Source:
     elif weights:
         state_dict = consolidated_state_dict(step_dir)
         shapes = torch_shapes(config)
-        bad = sorted(set(shapes) ^ set(state_dict)) + [k for k in shapes if k in state_dict
-                                                        and tuple(state_dict[k].shape) != shapes[k]]
+        bad = sorted(set(shapes) ^ set(state_dict)) + [
+            k for k in shapes if k in state_dict and tuple(state_dict[k].shape) != shapes[k]
+        ]
         if bad:
             raise UserError(f"checkpoint {step_dir} does not match its recorded model config: {bad[:5]}")
     return Source(kind, step_dir, config, state_dict, tokenizer, recipe, state.progress.step, state.layout)
@@ -107,8 +114,10 @@ def _read_run(path: Path, weights: bool) -> Source:
 
 def _hf_tokenizer(directory: Path) -> SetDiffTokenizer:
     if not any((directory / f).is_file() for f in ("tokenizer.json", "vocab.json", "tokenizer.model")):
-        raise UserError(f"{directory} has no tokenizer (tokenizer.json); the conversion needs it to fix the "
-                        "MASK token and to ship the tokenizer with the weights")
+        raise UserError(
+            f"{directory} has no tokenizer (tokenizer.json); the conversion needs it to fix the "
+            "MASK token and to ship the tokenizer with the weights"
+        )
     return load_tokenizer(directory, add_missing_tokens=True)
 
 
@@ -125,8 +134,15 @@ def read_hf_dir(directory: str | Path, *, weights: bool = True, base: str | Path
         tokenizer = _hf_tokenizer(directory)
         base = base or os.environ.get(BASE_ENV) or None
         cfg, state, release = read_release(directory, config, tokenizer, base=Path(base) if base else None)
-        return Source(RELEASE_KIND, directory, cfg, state if weights else None, tokenizer, release.recipe(cfg),
-                      notes=release.notes)
+        return Source(
+            RELEASE_KIND,
+            directory,
+            cfg,
+            state if weights else None,
+            tokenizer,
+            release.recipe(cfg),
+            notes=release.notes,
+        )
     if is_dit_config(config):
         tokenizer = _hf_tokenizer(directory)
         cfg, state = dit_state_dict(load_safetensors_dir(directory), config, tokenizer, directory)
@@ -135,7 +151,9 @@ def read_hf_dir(directory: str | Path, *, weights: bool = True, base: str | Path
         raise unsupported_architecture(config, directory)
     tokenizer = _hf_tokenizer(directory)
     rows = int(config.get("vocab_size") or 0)
-    cfg = ar_model_config(config, directory, vocab_size=max(rows, tokenizer.vocab_size), mask_token_id=tokenizer.mask_id)
+    cfg = ar_model_config(
+        config, directory, vocab_size=max(rows, tokenizer.vocab_size), mask_token_id=tokenizer.mask_id
+    )
     cfg, state = ar_state_dict(load_safetensors_dir(directory), cfg, tokenizer, directory)
     return Source(config["model_type"], directory, cfg, state if weights else None, tokenizer)
 
@@ -152,9 +170,11 @@ def read_source(path: str | Path, *, weights: bool = True, base: str | Path | No
         return read_hf_dir(path, weights=weights, base=base)
     if path.is_file() and path.suffix == ".pt":
         return _read_composer(path, weights)
-    raise UserError(f"{path} is neither a setdiff checkpoint (a run directory with checkpoints/latest, or a step_* "
-                    "directory with train_state.json), a Hugging Face directory (config.json) nor a composer .pt "
-                    "checkpoint of the reference's DiT")
+    raise UserError(
+        f"{path} is neither a setdiff checkpoint (a run directory with checkpoints/latest, or a step_* "
+        "directory with train_state.json), a Hugging Face directory (config.json) nor a composer .pt "
+        "checkpoint of the reference's DiT"
+    )
 
 
 def _read_composer(path: Path, weights: bool) -> Source:
@@ -166,8 +186,9 @@ def _read_composer(path: Path, weights: bool) -> Source:
 _FREE = ("vocab_size", "max_seq_len", "attention_impl", "init_std")
 
 
-def fit_source(source: Source, model_cfg: ModelConfig, tokenizer: SetDiffTokenizer,
-               where: str = "model.init_from") -> dict[str, torch.Tensor]:
+def fit_source(
+    source: Source, model_cfg: ModelConfig, tokenizer: SetDiffTokenizer, where: str = "model.init_from"
+) -> dict[str, torch.Tensor]:
     """The source's torch weights fitted to `model_cfg`, or a UserError naming what differs.
 
     The tokenizer must be the one the weights were trained with (compared by sha256).
@@ -180,20 +201,29 @@ def fit_source(source: Source, model_cfg: ModelConfig, tokenizer: SetDiffTokeniz
         raise UserError(
             f"{where} {source.path}: its tokenizer differs from data.tokenizer's (vocabulary {theirs.vocab_size} vs "
             f"{ours.vocab_size}, MASK id {theirs.mask_id} vs {ours.mask_id}); set data.tokenizer to the tokenizer "
-            f"saved with it ({hint})")
+            f"saved with it ({hint})"
+        )
     ours, theirs = asdict(model_cfg), asdict(source.config)
-    diffs = [f"model.{k} is {ours[k]} in the recipe, {theirs[k]} there" for k in ours
-             if k not in _FREE and ours[k] != theirs[k]]
+    diffs = [
+        f"model.{k} is {ours[k]} in the recipe, {theirs[k]} there"
+        for k in ours
+        if k not in _FREE and ours[k] != theirs[k]
+    ]
     if diffs:
         raise UserError(f"{where} {source.path} is another model: {'; '.join(diffs)}")
     state = dict(source.state_dict)
     rows, want = source.config.vocab_size, model_cfg.vocab_size
     if rows != want:
         if min(rows, want) < tokenizer.vocab_size:
-            raise UserError(f"{where} {source.path} has {rows} vocabulary rows and the recipe {want}; both must cover "
-                            f"the tokenizer's {tokenizer.vocab_size} tokens")
-        names = (("embed_tokens.weight",) + (() if model_cfg.tie_embeddings else ("lm_head.weight",))
-                 + (("lm_head.bias",) if model_cfg.output_bias else ()))
+            raise UserError(
+                f"{where} {source.path} has {rows} vocabulary rows and the recipe {want}; both must cover "
+                f"the tokenizer's {tokenizer.vocab_size} tokens"
+            )
+        names = (
+            ("embed_tokens.weight",)
+            + (() if model_cfg.tie_embeddings else ("lm_head.weight",))
+            + (("lm_head.bias",) if model_cfg.output_bias else ())
+        )
         for name in names:
             w = state[name]
             mean = w[: tokenizer.vocab_size].float().mean(0, keepdim=True).to(w.dtype)

@@ -46,5 +46,6 @@ def load_pickle(path: Path, hint: str) -> Any:
         with torch.serialization.safe_globals([(_Inert, name) for name in refused]):
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - the unpickler raises many types
-        raise UserError(f"cannot read {path} safely with torch.load(weights_only=True) ({_reason(exc)}); "
-                        f"{hint}") from None
+        raise UserError(
+            f"cannot read {path} safely with torch.load(weights_only=True) ({_reason(exc)}); {hint}"
+        ) from None

@@ -42,9 +42,18 @@ from setdiff_megatron.sources.ar_import import ar_model_config, ar_state_dict
 from setdiff_megatron.sources.dit_import import dit_state_dict, is_dit_config
 from setdiff_megatron.sources.safe_pickle import load_pickle
 
-__all__ = ["RELEASE_KIND", "QWEN3_TARGET", "DIT_TARGET", "STAGGERED_TARGET", "WEIGHTS",
-           "QWEN3_ARCHITECTURE", "Release", "is_release_config", "read_release",
-           "static_attention_mask"]
+__all__ = [
+    "RELEASE_KIND",
+    "QWEN3_TARGET",
+    "DIT_TARGET",
+    "STAGGERED_TARGET",
+    "WEIGHTS",
+    "QWEN3_ARCHITECTURE",
+    "Release",
+    "is_release_config",
+    "read_release",
+    "static_attention_mask",
+]
 
 RELEASE_KIND = "setdlm"
 QWEN3_TARGET = "backbone_automodel.AutoModelFromPreTrained"
@@ -52,12 +61,33 @@ DIT_TARGET = "backbone_dit.DIT"
 STAGGERED_TARGET = "noise_schedule_noise_schedules.StaggeredNoise"
 WEIGHTS = "pytorch_model.bin"
 MASK_BUFFERS = ("static_attention_mask", "encoder_static_attention_mask")
-_AUTOMODEL_ARGS = frozenset({"_target_", "automodel_cls", "pretrained_model_name_or_path", "revision",
-                             "trust_remote_code", "num_layers", "keep_top_layers", "reinit_model", "use_causal_mask",
-                             "attn_implementation"})
+_AUTOMODEL_ARGS = frozenset(
+    {
+        "_target_",
+        "automodel_cls",
+        "pretrained_model_name_or_path",
+        "revision",
+        "trust_remote_code",
+        "num_layers",
+        "keep_top_layers",
+        "reinit_model",
+        "use_causal_mask",
+        "attn_implementation",
+    }
+)
 """AutoModelFromPreTrained's own arguments; its other keys go to the base's config."""
-QWEN3_ARCHITECTURE = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                      "rope_theta", "rms_norm_eps", "vocab_size", "max_position_embeddings", "tie_word_embeddings")
+QWEN3_ARCHITECTURE = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rope_theta",
+    "rms_norm_eps",
+    "vocab_size",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+)
 """The Qwen3 config keys a backbone_config that re-initialises its model (reinit_model) may set
 over the base's; with all of them there, the base's config.json adds nothing."""
 _IDS = ("mask_token_id", "bos_token_id", "eos_token_id", "pad_token_id")
@@ -98,12 +128,16 @@ class Release:
         self.backbone, self.noise = backbone, noise
         self.target = _unflattened(str(backbone.get("_target_")))
         if self.target not in (QWEN3_TARGET, DIT_TARGET):
-            raise UserError(f"{self.where}: backbone_config._target_ {backbone.get('_target_')!r} is not a released "
-                            f"backbone ({QWEN3_TARGET} on Qwen3, or {DIT_TARGET})")
+            raise UserError(
+                f"{self.where}: backbone_config._target_ {backbone.get('_target_')!r} is not a released "
+                f"backbone ({QWEN3_TARGET} on Qwen3, or {DIT_TARGET})"
+            )
         noise_target = _unflattened(str(noise.get("_target_")))
         if noise_target != STAGGERED_TARGET:
-            raise UserError(f"{self.where}: noise_config._target_ {noise.get('_target_')!r} is not set diffusion's "
-                            f"{STAGGERED_TARGET} (a BD3-LM or MDLM release?)")
+            raise UserError(
+                f"{self.where}: noise_config._target_ {noise.get('_target_')!r} is not set diffusion's "
+                f"{STAGGERED_TARGET} (a BD3-LM or MDLM release?)"
+            )
         try:
             self.length = int(config.get("length") or noise["length"])
         except (KeyError, TypeError, ValueError):
@@ -115,14 +149,18 @@ class Release:
         noise = self.noise
         block = int(noise.get("block_size") or self.length)
         if block != self.length:
-            raise UserError(f"{self.where}: noise_config.block_size {block} differs from length {self.length}; "
-                            "block-wise set diffusion releases are not supported (nor by the reference's sampler)")
+            raise UserError(
+                f"{self.where}: noise_config.block_size {block} differs from length {self.length}; "
+                "block-wise set diffusion releases are not supported (nor by the reference's sampler)"
+            )
         d = int(noise.get("desired_block_size") or block)
         m = noise.get("max_block_size")
         m = int(m) if m is not None and int(m) < block else min(2 * d, block)
         if not self.config.get("keep_clean_bos", True):
-            self.notes.append("keep_clean_bos: false in config.json, but the reference's loader evaluates SetDLM "
-                              "releases with a clean BOS, and so does this reader")
+            self.notes.append(
+                "keep_clean_bos: false in config.json, but the reference's loader evaluates SetDLM "
+                "releases with a clean BOS, and so does this reader"
+            )
         shape = {k: float(noise[k]) for k in ("k", "b") if noise.get(k) is not None}
         try:
             return MethodSection(order="staggered", d=d, m=m, keep_clean_bos=True, **shape)
@@ -130,11 +168,13 @@ class Release:
             raise UserError(f"{self.where}: its noise_config is not a valid order law: {exc}") from None
 
     def recipe(self, model: ModelConfig) -> Recipe:
-        return Recipe(name=f"release-{self.directory.name}",
-                      description=f"the reference's SetDLM release {self.directory}",
-                      model=ModelSection(**asdict(model)),
-                      method=self.method(),
-                      data=DataSection(tokenizer=str(self.directory), seq_len=self.length))
+        return Recipe(
+            name=f"release-{self.directory.name}",
+            description=f"the reference's SetDLM release {self.directory}",
+            model=ModelSection(**asdict(model)),
+            method=self.method(),
+            data=DataSection(tokenizer=str(self.directory), seq_len=self.length),
+        )
 
     def check_ids(self, tokenizer: SetDiffTokenizer) -> None:
         ids = self.config.get("tokenization_config") or {}
@@ -142,8 +182,10 @@ class Release:
             want = ids.get(key, self.config.get(key))
             have = getattr(tokenizer, _ROLE[key])
             if want is not None and int(want) != have and key in ("mask_token_id", "bos_token_id"):
-                raise UserError(f"{self.where}: {key} is {want}, but the tokenizer beside it has id {have}; put the "
-                                "tokenizer the model was trained with beside its weights")
+                raise UserError(
+                    f"{self.where}: {key} is {want}, but the tokenizer beside it has id {have}; put the "
+                    "tokenizer the model was trained with beside its weights"
+                )
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The backbone's tensors under its own names; the mask buffer checked against L."""
@@ -155,9 +197,11 @@ class Release:
             raise UserError(f"{path} is not a state dict of tensors")
         mask = state.get(MASK_BUFFERS[0])
         if mask is not None and tuple(mask.shape) != (2 * self.length, 2 * self.length):
-            raise UserError(f"{self.where}: length is {self.length}, but {WEIGHTS}'s static_attention_mask is "
-                            f"{tuple(mask.shape)}, not {(2 * self.length,) * 2}; the config and weights are of "
-                            "different models")
+            raise UserError(
+                f"{self.where}: length is {self.length}, but {WEIGHTS}'s static_attention_mask is "
+                f"{tuple(mask.shape)}, not {(2 * self.length,) * 2}; the config and weights are of "
+                "different models"
+            )
         unknown = sorted(k for k in state if not k.startswith("backbone.") and k not in MASK_BUFFERS)
         if unknown:
             raise UserError(f"{path}: tensors outside the backbone that this reader does not know: {unknown[:5]}")
@@ -173,14 +217,20 @@ def _qwen3_config(release: Release, base: Path | None) -> dict[str, Any]:
         raise UserError(f"{release.where}: use_causal_mask: true is an autoregressive backbone, not set diffusion")
     layers = int(bb.get("num_layers", -1))
     if bb.get("reinit_model") and layers > 0 and all(k in bb for k in QWEN3_ARCHITECTURE):
-        return {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "num_hidden_layers": layers,
-                **{k: bb[k] for k in QWEN3_ARCHITECTURE}}
+        return {
+            "model_type": "qwen3",
+            "architectures": ["Qwen3ForCausalLM"],
+            "num_hidden_layers": layers,
+            **{k: bb[k] for k in QWEN3_ARCHITECTURE},
+        }
     if base is None and name and (Path(str(name)) / "config.json").is_file():
         base = Path(str(name))
     if base is None:
-        raise UserError(f"{release.where}: its Qwen3 backbone is built from the base model {name!r}, which is not "
-                        f"here (no hub); pass --base DIR (or set {BASE_ENV}), a local copy of it: its config.json "
-                        "is enough")
+        raise UserError(
+            f"{release.where}: its Qwen3 backbone is built from the base model {name!r}, which is not "
+            f"here (no hub); pass --base DIR (or set {BASE_ENV}), a local copy of it: its config.json "
+            "is enough"
+        )
     path = Path(base) / "config.json"
     if not path.is_file():
         raise UserError(f"--base {base}: no config.json there (the base model {name!r} of {release.directory})")
@@ -189,16 +239,19 @@ def _qwen3_config(release: Release, base: Path | None) -> dict[str, Any]:
     except ValueError as exc:
         raise UserError(f"cannot read {path}: {exc}") from None
     if config.get("model_type") != "qwen3":
-        raise UserError(f"--base {base} is a {config.get('model_type')!r} model; the release's backbone "
-                        "(CustomQwen3ForCausalLM) is built from a Qwen3 base")
+        raise UserError(
+            f"--base {base} is a {config.get('model_type')!r} model; the release's backbone "
+            "(CustomQwen3ForCausalLM) is built from a Qwen3 base"
+        )
     config |= {k: v for k, v in bb.items() if k not in _AUTOMODEL_ARGS}
     if layers != -1:
         config["num_hidden_layers"] = layers
     return config
 
 
-def read_release(directory: Path, config: Mapping[str, Any], tokenizer: SetDiffTokenizer, *,
-                 base: Path | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor], Release]:
+def read_release(
+    directory: Path, config: Mapping[str, Any], tokenizer: SetDiffTokenizer, *, base: Path | None = None
+) -> tuple[ModelConfig, dict[str, torch.Tensor], Release]:
     """(ModelConfig, torch weights, the checked Release) of a SetDLM release folder."""
     release = Release(directory, config)
     release.check_ids(tokenizer)
@@ -206,15 +259,22 @@ def read_release(directory: Path, config: Mapping[str, Any], tokenizer: SetDiffT
     if release.target == DIT_TARGET:
         backbone = dict(release.backbone)
         if not is_dit_config(backbone):
-            raise UserError(f"{release.where}: its DIT backbone_config lacks the DiT's numbers (hidden_size, "
-                            "n_heads, num_layers, vocab_size, length, ...)")
+            raise UserError(
+                f"{release.where}: its DIT backbone_config lacks the DiT's numbers (hidden_size, "
+                "n_heads, num_layers, vocab_size, length, ...)"
+            )
         cfg, state = dit_state_dict(weights, backbone, tokenizer, directory)
     else:
         hf = _qwen3_config(release, base)
-        rows = weights["model.model.embed_tokens.weight"].shape[0] if "model.model.embed_tokens.weight" in weights \
+        rows = (
+            weights["model.model.embed_tokens.weight"].shape[0]
+            if "model.model.embed_tokens.weight" in weights
             else int(hf.get("vocab_size", 0))
+        )
         hf_weights = {k.removeprefix("model."): t for k, t in weights.items()}
-        cfg = ar_model_config(hf, directory, vocab_size=max(rows, tokenizer.vocab_size), mask_token_id=tokenizer.mask_id)
+        cfg = ar_model_config(
+            hf, directory, vocab_size=max(rows, tokenizer.vocab_size), mask_token_id=tokenizer.mask_id
+        )
         cfg, state = ar_state_dict(hf_weights, cfg, tokenizer, directory)
     if release.length > cfg.max_seq_len:
         cfg = cfg.replace(max_seq_len=release.length)
@@ -226,12 +286,16 @@ def _ignored(release: Release) -> list[str]:
     """One line for each thing of the folder that does not change what this reader computes."""
     notes = []
     if release.config.get("attn_backend"):
-        notes.append(f"ignored attn_backend {release.config['attn_backend']!r}: attention is computed by this "
-                     "framework's kernels")
+        notes.append(
+            f"ignored attn_backend {release.config['attn_backend']!r}: attention is computed by this "
+            "framework's kernels"
+        )
     if release.config.get("setdlm_fht_cache_order"):
         notes.append("ignored setdlm_fht_cache_order: true: the sampler caches committed tokens in decode order")
     sources = sorted(p.name for p in release.directory.glob("*.py"))
     if sources:
-        notes.append(f"ignored {len(sources)} python source files ({', '.join(sources[:3])}"
-                     f"{', ...' if len(sources) > 3 else ''}): never executed")
+        notes.append(
+            f"ignored {len(sources)} python source files ({', '.join(sources[:3])}"
+            f"{', ...' if len(sources) > 3 else ''}): never executed"
+        )
     return notes

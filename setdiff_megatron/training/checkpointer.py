@@ -32,14 +32,23 @@ from setdiff_megatron.training.metrics import MetricsLogger
 __all__ = ["Checkpointer"]
 
 
-def _write_run_files(tmp: Path, recipe: Recipe, engine: Engine, progress: Progress, identity: dict, tokenizer,
-                     run_id: str) -> None:
+def _write_run_files(
+    tmp: Path, recipe: Recipe, engine: Engine, progress: Progress, identity: dict, tokenizer, run_id: str
+) -> None:
     """Rank 0's files of a checkpoint: the train state (progress as of the save), recipe, tokenizer."""
     if runtime.rank() != 0:
         return
-    write_train_state(tmp, TrainState(
-        progress=progress, scheduler=engine.scheduler_state(), layout=engine.layout_record(), model=identity,
-        tokenizer={"vocab_size": tokenizer.vocab_size, "mask_id": tokenizer.mask_id}, run_id=run_id))
+    write_train_state(
+        tmp,
+        TrainState(
+            progress=progress,
+            scheduler=engine.scheduler_state(),
+            layout=engine.layout_record(),
+            model=identity,
+            tokenizer={"vocab_size": tokenizer.vocab_size, "mask_id": tokenizer.mask_id},
+            run_id=run_id,
+        ),
+    )
     save_resolved_recipe(recipe, tmp)
     tokenizer.save(tmp / TOKENIZER_DIR)
 
@@ -54,9 +63,23 @@ class _InFlight:
 class Checkpointer:
     """Saves of one run, each published once complete; `last` is the newest published."""
 
-    def __init__(self, recipe: Recipe, engine: Engine, identity: dict, tokenizer, run_id: str,
-                 logger: MetricsLogger, last: Path | None = None):
-        self.recipe, self.engine, self.identity, self.tokenizer, self.run_id = recipe, engine, identity, tokenizer, run_id
+    def __init__(
+        self,
+        recipe: Recipe,
+        engine: Engine,
+        identity: dict,
+        tokenizer,
+        run_id: str,
+        logger: MetricsLogger,
+        last: Path | None = None,
+    ):
+        self.recipe, self.engine, self.identity, self.tokenizer, self.run_id = (
+            recipe,
+            engine,
+            identity,
+            tokenizer,
+            run_id,
+        )
         self.logger, self.last = logger, last
         self.root = Path(recipe.checkpoint.dir) / CHECKPOINTS
         self.retention = Retention(recipe.checkpoint.keep_last_n, recipe.checkpoint.keep_every_n_steps)
@@ -70,11 +93,18 @@ class Checkpointer:
         if self._in_flight is not None:
             self.wait(because=f"the save of step {progress.step} came due")
         if not background:
-            self.last = publish(self.root, progress.step, lambda tmp: self._write(tmp, progress), run_id=self.run_id,
-                                retention=self.retention)
+            self.last = publish(
+                self.root,
+                progress.step,
+                lambda tmp: self._write(tmp, progress),
+                run_id=self.run_id,
+                retention=self.retention,
+            )
             seconds = time.perf_counter() - start
-            self.logger.log(progress.step, {"checkpoint/step": progress.step, "checkpoint/blocked_s": seconds,
-                                            "checkpoint/write_s": seconds})
+            self.logger.log(
+                progress.step,
+                {"checkpoint/step": progress.step, "checkpoint/blocked_s": seconds, "checkpoint/write_s": seconds},
+            )
             return
         step = progress.step
         with blocked():
@@ -99,8 +129,10 @@ class Checkpointer:
         start, saving = time.perf_counter(), self._in_flight.step
         self._finish(step if step is not None else saving, blocking=True)
         if because is not None:
-            self.logger.message(f"{because} while the save of step {saving} was still writing: waited "
-                                f"{time.perf_counter() - start:.1f} s for it")
+            self.logger.message(
+                f"{because} while the save of step {saving} was still writing: waited "
+                f"{time.perf_counter() - start:.1f} s for it"
+            )
 
     def _finish(self, step: int, *, blocking: bool) -> None:
         if self._in_flight is None:
@@ -111,9 +143,14 @@ class Checkpointer:
         saving, self._in_flight = self._in_flight, None
         now = time.perf_counter()
         self.last = self._published
-        self.logger.log(step, {"checkpoint/step": saving.step,
-                               "checkpoint/blocked_s": saving.blocked_s + (now - waited if blocking else 0.0),
-                               "checkpoint/write_s": now - saving.started})
+        self.logger.log(
+            step,
+            {
+                "checkpoint/step": saving.step,
+                "checkpoint/blocked_s": saving.blocked_s + (now - waited if blocking else 0.0),
+                "checkpoint/write_s": now - saving.started,
+            },
+        )
 
     def _publish(self, step: int, tmp: Path) -> None:
         """The second half of a background save, run on every rank by the engine's finalization."""

@@ -32,8 +32,9 @@ class TrainingData:
     valid: torch.utils.data.Dataset | None
 
 
-def prepare_data(recipe: Recipe, *, num_train_samples: int, num_valid_samples: int,
-                 is_first_rank: bool, barrier=lambda: None) -> TrainingData:
+def prepare_data(
+    recipe: Recipe, *, num_train_samples: int, num_valid_samples: int, is_first_rank: bool, barrier=lambda: None
+) -> TrainingData:
     """Tokenizer and train/valid samples. The first rank prepares a built-in corpus while
     the others wait at `barrier`; megatron's builder orders the index caches the same way."""
     data, cache = recipe.data, data_dir(recipe)
@@ -59,35 +60,62 @@ def prepare_data(recipe: Recipe, *, num_train_samples: int, num_valid_samples: i
     def build(split: str, prefixes: list[Path]) -> dict[str, torch.utils.data.Dataset | None]:
         weights = [w for p, w in train_sets if p in prefixes] if len(prefixes) > 1 else None
         return build_datasets(
-            prefixes, tokenizer, sequence_length=data.seq_len, cache_dir=cache / "index",
-            num_samples=(num_train_samples, num_valid_samples, 0), split=split, weights=weights,
-            seed=recipe.train.seed, prepend_bos=recipe.method.keep_clean_bos, supervised=rows,
+            prefixes,
+            tokenizer,
+            sequence_length=data.seq_len,
+            cache_dir=cache / "index",
+            num_samples=(num_train_samples, num_valid_samples, 0),
+            split=split,
+            weights=weights,
+            seed=recipe.train.seed,
+            prepend_bos=recipe.method.keep_clean_bos,
+            supervised=rows,
         )
 
     # Every rank builds; megatron's builder lets rank 0 write the index caches first.
     built = {name: build(*args) for name, args in splits.items()}
-    train, valid = (built["train"]["train"], built["valid"]["valid"]) if builtin else (
-        built["all"]["train"], built["all"]["valid"])
+    train, valid = (
+        (built["train"]["train"], built["valid"]["valid"])
+        if builtin
+        else (built["all"]["train"], built["all"]["valid"])
+    )
     if supervised and is_first_rank:
         cut, records = truncation_report(train)
         if cut:
-            print(f"setdiff: data: {cut} of {records} training responses are cut to fit data.seq_len = {data.seq_len}"
-                  + (" (EOS kept last: data.supervised.force_eos)" if data.supervised.force_eos else ""), flush=True)
+            print(
+                f"setdiff: data: {cut} of {records} training responses are cut to fit data.seq_len = {data.seq_len}"
+                + (" (EOS kept last: data.supervised.force_eos)" if data.supervised.force_eos else ""),
+                flush=True,
+            )
     return TrainingData(tokenizer, train, valid)
 
 
 class DataLoaders:
     """Per-step lists of two-stream micro-batches for one data-parallel rank."""
 
-    def __init__(self, recipe: Recipe, data: TrainingData, *, dp_rank: int, dp_size: int,
-                 consumed_samples: int = 0, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        recipe: Recipe,
+        data: TrainingData,
+        *,
+        dp_rank: int,
+        dp_size: int,
+        consumed_samples: int = 0,
+        device: torch.device | str = "cpu",
+    ):
         self.recipe, self.data, self.device = recipe, data, torch.device(device)
         self.policy = order_policy_from(recipe.method)
         self.dp_rank, self.dp_size = dp_rank, dp_size
         mbs = recipe.parallel.micro_batch_size
         self.num_microbatches = recipe.parallel.global_batch_size // (mbs * dp_size)
-        self.train = ResumableLoader(data.train, micro_batch_size=mbs, consumed_samples=consumed_samples,
-                                     dp_rank=dp_rank, dp_size=dp_size, num_workers=recipe.data.num_workers)
+        self.train = ResumableLoader(
+            data.train,
+            micro_batch_size=mbs,
+            consumed_samples=consumed_samples,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            num_workers=recipe.data.num_workers,
+        )
         self._train_iter: Iterator | None = None
 
     @property
@@ -100,9 +128,13 @@ class DataLoaders:
         if "document_ids" in sample:  # rows that pack supervised records
             records = (sample["document_ids"].to(self.device), sample["position_ids"].to(self.device))
         return sample_two_stream_batch(
-            tokens, self.policy, mask_token_id=self.data.tokenizer.mask_id,
-            prompt_mask=sample["prompt_mask"].to(self.device), pad_mask=sample["pad_mask"].to(self.device),
-            eod_id=self.data.tokenizer.eod if self.recipe.data.document_mask else None, records=records,
+            tokens,
+            self.policy,
+            mask_token_id=self.data.tokenizer.mask_id,
+            prompt_mask=sample["prompt_mask"].to(self.device),
+            pad_mask=sample["pad_mask"].to(self.device),
+            eod_id=self.data.tokenizer.eod if self.recipe.data.document_mask else None,
+            records=records,
             generator=generator,
         )
 
@@ -128,8 +160,12 @@ class DataLoaders:
         """The same held-out micro-batches and orders at every evaluation, so curves compare."""
         if self.data.valid is None:
             return []
-        loader = ResumableLoader(self.data.valid, micro_batch_size=self.recipe.parallel.micro_batch_size,
-                                 dp_rank=self.dp_rank, dp_size=self.dp_size)
+        loader = ResumableLoader(
+            self.data.valid,
+            micro_batch_size=self.recipe.parallel.micro_batch_size,
+            dp_rank=self.dp_rank,
+            dp_size=self.dp_size,
+        )
         out = []
         for i, sample in zip(range(num_batches), loader):
             out.append(self._two_stream(sample, self._generator(1, i)))

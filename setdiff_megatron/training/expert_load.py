@@ -45,7 +45,7 @@ class ExpertLoad:
         out: dict[str, float | list[float]] = {}
         balance, z, ratio = [], [], []
         for i in self.layers:
-            tokens, (lb, zl, count) = sums[i, : self.num_experts], sums[i, self.num_experts:].tolist()
+            tokens, (lb, zl, count) = sums[i, : self.num_experts], sums[i, self.num_experts :].tolist()
             if count == 0:
                 continue
             load = float(tokens.max() / tokens.mean().clamp(min=1e-12))
@@ -56,6 +56,9 @@ class ExpertLoad:
             out[f"moe/layer{i}/load_balancing_loss"] = lb / count
             out[f"moe/layer{i}/tokens_per_expert"] = tokens.tolist()
         if ratio:
-            out |= {"moe/load_balancing_loss": sum(balance) / len(balance), "moe/z_loss": sum(z) / len(z),
-                    "moe/max_over_mean_load": sum(ratio) / len(ratio)}
+            out |= {
+                "moe/load_balancing_loss": sum(balance) / len(balance),
+                "moe/z_loss": sum(z) / len(z),
+                "moe/max_over_mean_load": sum(ratio) / len(ratio),
+            }
         return out

@@ -26,11 +26,20 @@ def build_lr_scheduler(recipe: Recipe, optimizer, total_steps: int):
     t = recipe.train
     warmup = min(t.warmup_steps, total_steps - 1)  # megatron needs warmup < decay steps
     return OptimizerParamScheduler(
-        optimizer, init_lr=0.0 if warmup else t.lr, max_lr=t.lr, min_lr=t.min_lr, lr_warmup_steps=warmup,
-        lr_decay_steps=total_steps, lr_decay_style={"wsd": "WSD"}.get(t.schedule, t.schedule),
-        start_wd=t.weight_decay, end_wd=t.weight_decay, wd_incr_steps=total_steps, wd_incr_style="constant",
+        optimizer,
+        init_lr=0.0 if warmup else t.lr,
+        max_lr=t.lr,
+        min_lr=t.min_lr,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=total_steps,
+        lr_decay_style={"wsd": "WSD"}.get(t.schedule, t.schedule),
+        start_wd=t.weight_decay,
+        end_wd=t.weight_decay,
+        wd_incr_steps=total_steps,
+        wd_incr_style="constant",
         wsd_decay_steps=max(1, int(t.decay_fraction * total_steps)) if t.schedule == "wsd" else None,
         lr_wsd_decay_style="linear" if t.schedule == "wsd" else None,
         # The recipe's schedule wins over a resumed checkpoint's; the checkpoint gives the step.
-        override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=True,
+        use_checkpoint_opt_param_scheduler=False,
     )

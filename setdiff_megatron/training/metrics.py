@@ -36,10 +36,15 @@ def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     h = cfg.hidden_size
     attention_weights = h * q + 2 * h * kv + q * h
     # A token runs through the router, its top-k experts and the shared experts of an MoE layer.
-    mlp_weights = sum(h * cfg.num_experts + 3 * h * cfg.moe_intermediate_size * (cfg.moe_top_k + cfg.num_shared_experts)
-                      if moe else 3 * h * cfg.intermediate_size for moe in cfg.moe_layers)
-    per_example = (2 * seq_len * 2 * (cfg.num_layers * attention_weights + mlp_weights)
-                   + cfg.num_layers * 4 * seq_len**2 * q)
+    mlp_weights = sum(
+        h * cfg.num_experts + 3 * h * cfg.moe_intermediate_size * (cfg.moe_top_k + cfg.num_shared_experts)
+        if moe
+        else 3 * h * cfg.intermediate_size
+        for moe in cfg.moe_layers
+    )
+    per_example = (
+        2 * seq_len * 2 * (cfg.num_layers * attention_weights + mlp_weights) + cfg.num_layers * 4 * seq_len**2 * q
+    )
     per_example += seq_len * 2 * h * cfg.vocab_size
     return 3.0 * per_example / seq_len
 
@@ -55,8 +60,17 @@ def peak_flops(device_name: str | None) -> float | None:
 
 
 class MetricsLogger:
-    def __init__(self, section: LogSection, out_dir: Path, *, total_steps: int, start_step: int,
-                 enabled: bool, run_name: str, config: dict[str, Any]):
+    def __init__(
+        self,
+        section: LogSection,
+        out_dir: Path,
+        *,
+        total_steps: int,
+        start_step: int,
+        enabled: bool,
+        run_name: str,
+        config: dict[str, Any],
+    ):
         self.enabled = enabled
         self.interval = section.interval
         self._bar = self._tb = self._wandb = None
@@ -77,8 +91,14 @@ class MetricsLogger:
             self._tb = tensorboard.SummaryWriter(log_dir=str(out_dir / "tensorboard"))
         if section.wandb is not None:
             wandb = require("wandb", "wandb", "Weights & Biases logging (log.wandb)")
-            self._wandb = wandb.init(project=section.wandb.project, entity=section.wandb.entity,
-                                     mode=section.wandb.mode, name=run_name, dir=str(out_dir), config=config)
+            self._wandb = wandb.init(
+                project=section.wandb.project,
+                entity=section.wandb.entity,
+                mode=section.wandb.mode,
+                name=run_name,
+                dir=str(out_dir),
+                config=config,
+            )
 
     def log(self, step: int, metrics: dict[str, float | list[float]]) -> None:
         if not self.enabled:
@@ -102,12 +122,18 @@ class MetricsLogger:
     def line(self, step: int, metrics: dict[str, float]) -> str:
         """The plain console line of a step's metrics."""
         parts = [f"step {step}/{self.total_steps}"]
-        for key, label, spec in (("train/loss", "loss", ".4f"), ("valid/loss", "valid loss", ".4f"),
-                                 ("train/lr", "lr", ".3e"), ("train/grad_norm", "grad norm", ".3g"),
-                                 ("moe/load_balancing_loss", "lb loss", ".4f"),
-                                 ("moe/max_over_mean_load", "max/mean load", ".3f"),
-                                 ("perf/tokens_per_s", "tokens/s", ",.0f"), ("checkpoint/step", "checkpoint of step", "d"),
-                                 ("checkpoint/blocked_s", "blocked s", ".2f"), ("checkpoint/write_s", "written s", ".2f")):
+        for key, label, spec in (
+            ("train/loss", "loss", ".4f"),
+            ("valid/loss", "valid loss", ".4f"),
+            ("train/lr", "lr", ".3e"),
+            ("train/grad_norm", "grad norm", ".3g"),
+            ("moe/load_balancing_loss", "lb loss", ".4f"),
+            ("moe/max_over_mean_load", "max/mean load", ".3f"),
+            ("perf/tokens_per_s", "tokens/s", ",.0f"),
+            ("checkpoint/step", "checkpoint of step", "d"),
+            ("checkpoint/blocked_s", "blocked s", ".2f"),
+            ("checkpoint/write_s", "written s", ".2f"),
+        ):
             if key in metrics:
                 parts.append(f"{label} {metrics[key]:{spec}}")
         elapsed, done = time.monotonic() - self.start, step - self.start_step
@@ -151,14 +177,28 @@ def memory_gb() -> float:
     return psutil.Process().memory_info().rss / 2**30
 
 
-def step_metrics(*, loss: float, lr: float, step_time_s: float, tokens: int, flops_per_token: float,
-                 world_size: int, peak: float | None) -> dict[str, float]:
+def step_metrics(
+    *,
+    loss: float,
+    lr: float,
+    step_time_s: float,
+    tokens: int,
+    flops_per_token: float,
+    world_size: int,
+    peak: float | None,
+) -> dict[str, float]:
     """What both engines log for an optimizer step: loss, LR, throughput, TFLOP/s and MFU per
     process, memory."""
     tps = tokens / step_time_s
     tflops = flops_per_token * tps / world_size
-    metrics = {"train/loss": loss, "train/lr": lr, "perf/tokens_per_s": tps, "perf/step_time_s": step_time_s,
-               "perf/tflops": tflops / 1e12, "perf/memory_gb": memory_gb()}
+    metrics = {
+        "train/loss": loss,
+        "train/lr": lr,
+        "perf/tokens_per_s": tps,
+        "perf/step_time_s": step_time_s,
+        "perf/tflops": tflops / 1e12,
+        "perf/memory_gb": memory_gb(),
+    }
     if peak:
         metrics["perf/mfu"] = tflops / peak
     return metrics

@@ -29,8 +29,10 @@ class Spike:
     deviation: float
 
     def describe(self) -> str:
-        return (f"loss {self.loss:.4f} is {(self.loss - self.median) / self.deviation:.1f} robust deviations above "
-                f"the recent median {self.median:.4f}")
+        return (
+            f"loss {self.loss:.4f} is {(self.loss - self.median) / self.deviation:.1f} robust deviations above "
+            f"the recent median {self.median:.4f}"
+        )
 
 
 @dataclass

@@ -37,14 +37,19 @@ class StragglerMonitor:
         times = [float(t) for t in runtime.gather_objects(mine)]
         median, slowest = statistics.median(times), max(range(len(times)), key=times.__getitem__)
         metrics: dict[str, float | list[float]] = {
-            "ranks/compute_s_median": median, "ranks/compute_s_max": times[slowest],
-            "ranks/slowest": float(slowest), "ranks/compute_s": times}
+            "ranks/compute_s_median": median,
+            "ranks/compute_s_max": times[slowest],
+            "ranks/slowest": float(slowest),
+            "ranks/compute_s": times,
+        }
         warning = None
         if len(times) == 1 or self.factor == 0:
             return metrics, warning
         others = statistics.median(t for rank, t in enumerate(times) if rank != slowest)
         if times[slowest] >= self.factor * others > 0:
-            warning = (f"rank {slowest} is a straggler: {times[slowest]:.3f} s of forward-backward per step against "
-                       f"the other ranks' median of {others:.3f} s ({times[slowest] / others:.1f}x; "
-                       f"train.straggler_factor = {self.factor:g})")
+            warning = (
+                f"rank {slowest} is a straggler: {times[slowest]:.3f} s of forward-backward per step against "
+                f"the other ranks' median of {others:.3f} s ({times[slowest] / others:.1f}x; "
+                f"train.straggler_factor = {self.factor:g})"
+            )
         return metrics, warning

@@ -120,9 +120,13 @@ class _Run:
         steps = self.total_steps
         if r.train.spike_policy.action == "rollback":  # the steps replayed after rollbacks take new samples
             steps += r.train.spike_policy.max_rollbacks * r.checkpoint.interval
-        return prepare_data(r, num_train_samples=steps * r.parallel.global_batch_size,
-                            num_valid_samples=r.eval.batches * r.parallel.micro_batch_size * self.engine.dp_size,
-                            is_first_rank=self.first, barrier=runtime.barrier)
+        return prepare_data(
+            r,
+            num_train_samples=steps * r.parallel.global_batch_size,
+            num_valid_samples=r.eval.batches * r.parallel.micro_batch_size * self.engine.dp_size,
+            is_first_rank=self.first,
+            barrier=runtime.barrier,
+        )
 
     def _start(self) -> None:
         r, engine = self.recipe, self.engine
@@ -130,8 +134,9 @@ class _Run:
         tok = self.data.tokenizer
         self.model_cfg = r.model.to_model_config(vocab_size=tok.vocab_size, mask_token_id=tok.mask_id)
         self.identity = model_identity(self.model_cfg)
-        resumed = resume_target(self.run_dir, r.checkpoint.resume,
-                                None if r.checkpoint.allow_model_change else self.identity)
+        resumed = resume_target(
+            self.run_dir, r.checkpoint.resume, None if r.checkpoint.allow_model_change else self.identity
+        )
         if self.first:  # only once the run directory is known to be this run's to write in
             save_resolved_recipe(r, self.run_dir)
         engine.build(self.model_cfg, self.total_steps)
@@ -182,8 +187,10 @@ class _Run:
             grad_norm, problem = outcome.grad_norm, outcome.problem
         if problem is not None:
             if self.recipe.train.nan_policy == "stop":
-                raise UserError(f"{problem} at step {step}; stopping (train.nan_policy=stop). "
-                                "Lower train.lr or raise train.warmup_steps; the last checkpoint is intact")
+                raise UserError(
+                    f"{problem} at step {step}; stopping (train.nan_policy=stop). "
+                    "Lower train.lr or raise train.warmup_steps; the last checkpoint is intact"
+                )
             what = "step skipped" if skipped else "update applied (its gradients were finite)"
             logger.message(f"step {step}: {problem}, {what} (train.nan_policy=skip)")
             self.progress.skipped_steps += 1
@@ -201,17 +208,23 @@ class _Run:
             logger.message(f"{what}; update applied")
             return None
         if self.rollbacks and step <= self.rollbacks[-1]:
-            raise UserError(f"{what}: a spike again at step {step} after rolling back for the one at step "
-                            f"{self.rollbacks[-1]}, on other data: it comes from the model's state, not a batch; "
-                            "stopping. Lower train.lr or resume from an earlier checkpoint (checkpoint.resume)")
+            raise UserError(
+                f"{what}: a spike again at step {step} after rolling back for the one at step "
+                f"{self.rollbacks[-1]}, on other data: it comes from the model's state, not a batch; "
+                "stopping. Lower train.lr or resume from an earlier checkpoint (checkpoint.resume)"
+            )
         if policy.action == "skip" or saves.last is None:
             self.engine.discard()
             self.progress.skipped_steps += 1
-            logger.message(f"{what}; update skipped" + (" (no checkpoint to roll back to yet)" if saves.last is None else ""))
+            logger.message(
+                f"{what}; update skipped" + (" (no checkpoint to roll back to yet)" if saves.last is None else "")
+            )
             return "skipped"
         if len(self.rollbacks) >= policy.max_rollbacks:
-            raise UserError(f"{what}: train.spike_policy.max_rollbacks = {policy.max_rollbacks} rollbacks already "
-                            "done; stopping. Lower train.lr or raise train.spike_policy.max_rollbacks")
+            raise UserError(
+                f"{what}: train.spike_policy.max_rollbacks = {policy.max_rollbacks} rollbacks already "
+                "done; stopping. Lower train.lr or raise train.spike_policy.max_rollbacks"
+            )
         saves.wait(step=self.progress.step)
         self.engine.discard()
         target = resume_target(self.run_dir, str(saves.last), None)
@@ -219,20 +232,35 @@ class _Run:
         self.rollbacks.append(step)
         self.progress.step = target.state.progress.step
         self.progress.consumed_samples = self.loaders.consumed_samples  # past the bad batch
-        logger.message(f"{what}; rolled back to the checkpoint of step {self.progress.step}, its data order "
-                       f"moved past the batches up to step {step} (rollback {len(self.rollbacks)} of "
-                       f"{policy.max_rollbacks})")
+        logger.message(
+            f"{what}; rolled back to the checkpoint of step {self.progress.step}, its data order "
+            f"moved past the batches up to step {step} (rollback {len(self.rollbacks)} of "
+            f"{policy.max_rollbacks})"
+        )
         return "rolled back"
 
     def loop(self) -> TrainResult:
         self._start()
         r, engine, progress = self.recipe, self.engine, self.progress
         gbs, seq_len = r.parallel.global_batch_size, r.data.seq_len
-        self.loaders = DataLoaders(r, self.data, dp_rank=engine.dp_rank, dp_size=engine.dp_size,
-                                   consumed_samples=progress.consumed_samples, device=engine.device)
+        self.loaders = DataLoaders(
+            r,
+            self.data,
+            dp_rank=engine.dp_rank,
+            dp_size=engine.dp_size,
+            consumed_samples=progress.consumed_samples,
+            device=engine.device,
+        )
         valid_batches = self.loaders.valid_batches(r.eval.batches)
-        logger = MetricsLogger(r.log, self.run_dir / "logs", total_steps=self.total_steps, start_step=progress.step,
-                               enabled=self.first, run_name=r.name, config=r.model_dump(mode="json"))
+        logger = MetricsLogger(
+            r.log,
+            self.run_dir / "logs",
+            total_steps=self.total_steps,
+            start_step=progress.step,
+            enabled=self.first,
+            run_name=r.name,
+            config=r.model_dump(mode="json"),
+        )
         if self.resumed is not None:
             logger.message(f"resumed from {self.resumed.path} at step {progress.step}")
         flops_per_token = training_flops_per_token(self.model_cfg, seq_len)
@@ -249,8 +277,9 @@ class _Run:
             validate()
         tokens_seen, train_time = 0, 0.0
         saved_step = progress.step if self.resumed is not None else None
-        saves = Checkpointer(r, engine, self.identity, self.data.tokenizer, self.run_id, logger,
-                             last=self.resumed and self.resumed.path)
+        saves = Checkpointer(
+            r, engine, self.identity, self.data.tokenizer, self.run_id, logger, last=self.resumed and self.resumed.path
+        )
         try:
             with Watchdog(r.train.hang_timeout_s, runtime.rank(), self.run_dir / "logs") as watchdog:
                 while progress.step < self.total_steps:
@@ -270,9 +299,15 @@ class _Run:
                     logger.advance()
                     last = progress.step == self.total_steps
                     if progress.step % r.log.interval == 0 or last:
-                        metrics = step_metrics(loss=loss, lr=engine.lr(), step_time_s=elapsed, tokens=gbs * seq_len,
-                                               flops_per_token=flops_per_token, world_size=runtime.world_size(),
-                                               peak=peak)
+                        metrics = step_metrics(
+                            loss=loss,
+                            lr=engine.lr(),
+                            step_time_s=elapsed,
+                            tokens=gbs * seq_len,
+                            flops_per_token=flops_per_token,
+                            world_size=runtime.world_size(),
+                            peak=peak,
+                        )
                         if grad_norm is not None:
                             metrics["train/grad_norm"] = grad_norm
                         ranks, straggler = self.stragglers.report()  # collective
@@ -298,7 +333,10 @@ class _Run:
         result.tokens_per_s = tokens_seen / train_time if train_time else 0.0
         if self.first:
             curve = ", ".join(f"{s}: {v:.3f}" for s, v in result.valid_losses)
-            print(f"done: {result.steps} steps, {result.tokens_per_s:.0f} tokens/s; validation loss by step {{{curve}}}"
-                  if tokens_seen else f"done: the run was already at step {result.steps}; nothing to train")
+            print(
+                f"done: {result.steps} steps, {result.tokens_per_s:.0f} tokens/s; validation loss by step {{{curve}}}"
+                if tokens_seen
+                else f"done: the run was already at step {result.steps}; nothing to train"
+            )
             print(f"checkpoint: {result.checkpoint}  logs: {self.run_dir / 'logs'} (metrics.jsonl, tensorboard/)")
         return result

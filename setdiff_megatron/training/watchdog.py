@@ -65,9 +65,12 @@ class Watchdog:
                     faulthandler.dump_traceback(f, all_threads=True)
             except OSError:
                 dump = None
-            print(f"setdiff: rank {self.rank}: no progress for {waited:.0f} s {step} (train.hang_timeout_s = "
-                  f"{self.timeout_s:g}), stuck in {self._where()}; "
-                  + (f"stacks in {dump}; " if dump else "")
-                  + f"exiting with code {EXIT_HANG} so the launcher restarts from the last checkpoint",
-                  file=sys.stderr, flush=True)
+            print(
+                f"setdiff: rank {self.rank}: no progress for {waited:.0f} s {step} (train.hang_timeout_s = "
+                f"{self.timeout_s:g}), stuck in {self._where()}; "
+                + (f"stacks in {dump}; " if dump else "")
+                + f"exiting with code {EXIT_HANG} so the launcher restarts from the last checkpoint",
+                file=sys.stderr,
+                flush=True,
+            )
             os._exit(EXIT_HANG)

@@ -34,8 +34,9 @@ def recipe_for(run_dir: Path, *overrides: str):
 
 def identity_of(*model_overrides: str) -> dict:
     recipe = recipe_for(Path("."), *model_overrides)
-    return model_identity(recipe.model.to_model_config(vocab_size=TOKENIZER.vocab_size,
-                                                       mask_token_id=TOKENIZER.mask_id))
+    return model_identity(
+        recipe.model.to_model_config(vocab_size=TOKENIZER.vocab_size, mask_token_id=TOKENIZER.mask_id)
+    )
 
 
 def fake_checkpoint(run_dir: Path, step: int, *model_overrides: str, run_id: str = "run-a") -> Path:
@@ -46,9 +47,17 @@ def fake_checkpoint(run_dir: Path, step: int, *model_overrides: str, run_id: str
     (path / "__0_0.distcp").write_bytes(os.urandom(4096))
     (path / "tokenizer" / "tokenizer.json").write_text("{}")
     (path / "recipe.yaml").write_text(f"name: {recipe.name}\n")
-    write_train_state(path, TrainState(progress=Progress(step, 8 * step), scheduler={}, layout=LAYOUT,
-                                       model=identity_of(*model_overrides), run_id=run_id,
-                                       tokenizer={"vocab_size": TOKENIZER.vocab_size, "mask_id": TOKENIZER.mask_id}))
+    write_train_state(
+        path,
+        TrainState(
+            progress=Progress(step, 8 * step),
+            scheduler={},
+            layout=LAYOUT,
+            model=identity_of(*model_overrides),
+            run_id=run_id,
+            tokenizer={"vocab_size": TOKENIZER.vocab_size, "mask_id": TOKENIZER.mask_id},
+        ),
+    )
     write_manifest(path)
     (path.parent / LATEST).write_text(path.name + "\n")
     return path
@@ -96,7 +105,9 @@ def test_a_run_dir_of_another_model_is_refused_and_a_bad_explicit_path_named(tmp
     model = identity_of()
     with pytest.raises(UserError, match="holds checkpoints, and none can be resumed") as err:
         resume_target(tmp_path, "auto", model)
-    assert "step_00000008: " in str(err.value) and "is for another model: hidden_size 64 there, 128 here" in str(err.value)
+    assert "step_00000008: " in str(err.value) and "is for another model: hidden_size 64 there, 128 here" in str(
+        err.value
+    )
     assert "checkpoint.allow_model_change=true" in str(err.value)
     broken = fake_checkpoint(tmp_path, 9)
     flip_a_byte(broken / "train_state.json")
@@ -122,7 +133,9 @@ def test_every_checkpoint_unusable_stops_with_one_line_naming_each(tmp_path):
 def test_resume_none_moves_every_checkpoint_aside(tmp_path, capsys):
     kept = [fake_checkpoint(tmp_path, step) for step in (2, 4)]
     truncate(kept[1] / "__0_0.distcp")
-    before = {p.relative_to(kept[0].parent).parts[1:]: p.read_bytes() for c in kept for p in c.rglob("*") if p.is_file()}
+    before = {
+        p.relative_to(kept[0].parent).parts[1:]: p.read_bytes() for c in kept for p in c.rglob("*") if p.is_file()
+    }
     assert resume_target(tmp_path, "none", identity_of()) is None
     assert find_checkpoints(tmp_path / CHECKPOINTS) == []
     aside = sorted(p for p in (tmp_path / CHECKPOINTS).iterdir() if ".aside-" in p.name)
@@ -176,8 +189,10 @@ def test_checkpoint_inspect_command(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("step_00000004  INVALID: ") and "__0_0.distcp has 100 bytes" in lines[0]
     assert lines[0].endswith("<- latest")
-    assert lines[1] == ("step_00000002  valid  | step 2, recipe tiny-cpu, tp 1 pp 1 vpp 1 dp 1, distributed "
-                        "optimizer, tokenizer vocab 2048 mask id 3")
+    assert lines[1] == (
+        "step_00000002  valid  | step 2, recipe tiny-cpu, tp 1 pp 1 vpp 1 dp 1, distributed "
+        "optimizer, tokenizer vocab 2048 mask id 3"
+    )
     assert lines[2].startswith("step_00000006.tmp  partial save")
     assert main(["checkpoint", "inspect", str(tmp_path / "nothing")]) == 2
     assert capsys.readouterr().err.strip() == f"setdiff: error: no checkpoints under {tmp_path / 'nothing'}"

@@ -47,8 +47,12 @@ def check(impl: str) -> dict:
     model.load_state_dict(torch_to_megatron(reference.state_dict(), kernel_cfg))
     CALLS.clear()
     result = compare_sampling(model.eval(), reference.eval(), cfg)
-    return {**result, "cache_impl": model.new_cache(1, 4).attention_impl, "kernel_calls": CALLS.count(impl),
-            "other_calls": len(CALLS) - CALLS.count(impl)}
+    return {
+        **result,
+        "cache_impl": model.new_cache(1, 4).attention_impl,
+        "kernel_calls": CALLS.count(impl),
+        "other_calls": len(CALLS) - CALLS.count(impl),
+    }
 
 
 def main(out: Path) -> None:

@@ -18,18 +18,14 @@ def rule(q: int, k: int, length: int) -> bool:
     s_q, r_q = divmod(q, length)
     s_k, r_k = divmod(k, length)
     return (
-        (s_q == 0 and s_k == 0 and r_q >= r_k)
-        or (s_q == 1 and s_k == 0 and r_q > r_k)
-        or (s_q == s_k and r_q == r_k)
+        (s_q == 0 and s_k == 0 and r_q >= r_k) or (s_q == 1 and s_k == 0 and r_q > r_k) or (s_q == s_k and r_q == r_k)
     )
 
 
 @pytest.mark.parametrize("length", range(1, 9))
 def test_mask_equals_rule_exhaustively(length):
     mask = set_causal_mask(length)
-    expected = torch.tensor(
-        [[rule(q, k, length) for k in range(2 * length)] for q in range(2 * length)]
-    )
+    expected = torch.tensor([[rule(q, k, length) for k in range(2 * length)] for q in range(2 * length)])
     assert torch.equal(mask, expected)
 
 
@@ -40,7 +36,9 @@ def explicit_attention(q, k, v, length, valid_len=None):
     out = torch.zeros_like(q)
     for bi, hi, qi in itertools.product(range(b), range(h), range(s)):
         keys = [
-            ki for ki in range(s) if rule(qi, ki, length)
+            ki
+            for ki in range(s)
+            if rule(qi, ki, length)
             and (valid_len is None or (qi % length < valid_len[bi] and ki % length < valid_len[bi]))
         ]
         if not keys:
@@ -125,7 +123,7 @@ def documents_reference(q, k, v, valid_len, document_ids):
     doc = document_ids.repeat(1, 2)
     real = (torch.arange(length) < valid_len[:, None]).repeat(1, 2)
     allowed = set_causal_mask(length) & (doc[:, :, None] == doc[:, None, :]) & real[:, :, None] & real[:, None, :]
-    allowed = allowed[:, None, -q.shape[2]:]
+    allowed = allowed[:, None, -q.shape[2] :]
     scores = q @ k.repeat_interleave(groups, 1).transpose(-1, -2) / q.shape[-1] ** 0.5
     has_key = allowed.any(-1, keepdim=True)
     p = scores.masked_fill(~allowed, float("-inf")).masked_fill(~has_key, 0.0).softmax(-1)
@@ -151,8 +149,9 @@ def _document_grads(fn, q, k, v, dout):
 
 
 @pytest.mark.parametrize("impl", ["dense", *IMPLS])
-@pytest.mark.parametrize("shape", [(3, 4, 2, 9, 8), (2, 6, 3, 33, 16), (1, 2, 1, 1, 4)],
-                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize(
+    "shape", [(3, 4, 2, 9, 8), (2, 6, 3, 33, 16), (1, 2, 1, 1, 4)], ids=lambda s: "x".join(map(str, s))
+)
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)], ids=["f64", "f32"])
 @pytest.mark.parametrize("query_rows_only", [False, True], ids=["both", "queries"])
 def test_document_mask_matches_masked_dense(impl, shape, dtype, tol, query_rows_only):
@@ -160,10 +159,16 @@ def test_document_mask_matches_masked_dense(impl, shape, dtype, tol, query_rows_
     softmax under the set-causal mask AND-ed with same-document, with padding and GQA."""
     q, k, v, dout, valid_len, docs = _document_case(shape, dtype, hash((shape, query_rows_only)) % 2**31)
     rows = slice(shape[3] if query_rows_only else 0, None)
-    got = _document_grads(partial(set_causal_attention, impl=impl, valid_len=valid_len, document_ids=docs),
-                          q[:, :, rows], k, v, dout[:, :, rows])
-    expected = _document_grads(lambda q_, k_, v_: documents_reference(q_, k_, v_, valid_len, docs),
-                               q[:, :, rows], k, v, dout[:, :, rows])
+    got = _document_grads(
+        partial(set_causal_attention, impl=impl, valid_len=valid_len, document_ids=docs),
+        q[:, :, rows],
+        k,
+        v,
+        dout[:, :, rows],
+    )
+    expected = _document_grads(
+        lambda q_, k_, v_: documents_reference(q_, k_, v_, valid_len, docs), q[:, :, rows], k, v, dout[:, :, rows]
+    )
     for name, e, a in zip(["out", "dq", "dk", "dv"], expected, got):
         torch.testing.assert_close(a, e, rtol=tol, atol=tol, msg=f"{impl} {name} differs")
 
@@ -185,7 +190,10 @@ def test_one_document_equals_no_document_ids():
     q, k, v, _, valid_len, docs = _document_case((2, 4, 2, 12, 8), torch.float64, 6)
     torch.testing.assert_close(
         set_causal_attention(q, k, v, valid_len=valid_len, document_ids=torch.zeros_like(docs)),
-        set_causal_attention(q, k, v, valid_len=valid_len), rtol=0, atol=1e-14)
+        set_causal_attention(q, k, v, valid_len=valid_len),
+        rtol=0,
+        atol=1e-14,
+    )
 
 
 def test_fused_accepts_strided_inputs_and_bf16():
@@ -194,9 +202,7 @@ def test_fused_accepts_strided_inputs_and_bf16():
     base = torch.randn(2, 40, 4, 16, generator=gen)
     q = base.transpose(1, 2)
     k = v = base[:, :, :2].transpose(1, 2)
-    torch.testing.assert_close(
-        set_causal_attention(q, k, v, impl="fused"), set_causal_attention(q, k, v, impl="dense")
-    )
+    torch.testing.assert_close(set_causal_attention(q, k, v, impl="fused"), set_causal_attention(q, k, v, impl="dense"))
     out16 = set_causal_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), impl="fused")
     torch.testing.assert_close(out16.float(), set_causal_attention(q, k, v, impl="dense"), atol=3e-2, rtol=3e-2)
 
@@ -248,8 +254,12 @@ def test_step_matches_training_attention():
     train = set_causal_attention(q, k, v, impl="dense")
     for j in range(length):
         step = set_causal_step_attention(
-            q[:, :, [length + j]], k[:, :, [length + j]], v[:, :, [length + j]],
-            k[:, :, :j], v[:, :, :j], num_commit=0,
+            q[:, :, [length + j]],
+            k[:, :, [length + j]],
+            v[:, :, [length + j]],
+            k[:, :, :j],
+            v[:, :, :j],
+            num_commit=0,
         )
         torch.testing.assert_close(step[:, :, 0], train[:, :, length + j], rtol=0, atol=1e-12)
 

@@ -21,8 +21,10 @@ from tests.core.test_sampler import MASK, Recorder, random_prompts
 from tests.kernels import emulation
 from tests.megatron.cases import run_worker
 
-KERNELS = {"te": (te_fused.te_step_attention, emulation.te_api),
-           "flash_attn": (flash_attn.flash_step_attention, emulation.flash_api)}
+KERNELS = {
+    "te": (te_fused.te_step_attention, emulation.te_api),
+    "flash_attn": (flash_attn.flash_step_attention, emulation.flash_api),
+}
 
 
 def emulated_step(name: str, calls: list | None = None):
@@ -64,10 +66,18 @@ CASES = {
     # equal rows, one commit each per step: the cache never turns ragged (no key lengths)
     "uniform": (DecodingConfig(window=4, max_new_tokens=6), [5, 5, 5], (), 128),
     # ragged prefill (different visible counts, one row with nothing to cache), threshold sets
-    "mixed-infill": (DecodingConfig(window=4, threshold=0.025, max_new_tokens=5), [12, 10, 7, 0, 3],
-                     ((2, 3), (7, 2)), 128),
-    "fill-k2-tau": (DecodingConfig(window=4, fill_window=True, tokens_per_step=2, threshold=0.025, max_new_tokens=6),
-                    [6, 2, 9, 11], ((1, 2), (5, 3)), 128),
+    "mixed-infill": (
+        DecodingConfig(window=4, threshold=0.025, max_new_tokens=5),
+        [12, 10, 7, 0, 3],
+        ((2, 3), (7, 2)),
+        128,
+    ),
+    "fill-k2-tau": (
+        DecodingConfig(window=4, fill_window=True, tokens_per_step=2, threshold=0.025, max_new_tokens=6),
+        [6, 2, 9, 11],
+        ((1, 2), (5, 3)),
+        128,
+    ),
     # outputs past the context: rows evict their oldest generated entries (cache.drop)
     "evict": (DecodingConfig(window=3, threshold=0.025, max_new_tokens=30), [6, 4, 9], ((1, 2),), 16),
 }
@@ -140,11 +150,14 @@ def test_cache_steps_with_dummy_commits_eviction_and_retired_rows(monkeypatch):
     outs = {}
     for impl in ("sdpa", "te", "flash_attn"):
         gen.manual_seed(0)
-        cache = KVCache.allocate(num_layers=1, batch_size=3, num_kv_heads=g, head_dim=d, capacity=32,
-                                 attention_impl=impl)
-        outs[impl] = [step(cache, 4, 0, torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0]]).bool()),
-                      step(cache, 2, 3, torch.tensor([[1, 1], [1, 0], [1, 1]]).bool()),
-                      step(cache, 1, 2, None)]
+        cache = KVCache.allocate(
+            num_layers=1, batch_size=3, num_kv_heads=g, head_dim=d, capacity=32, attention_impl=impl
+        )
+        outs[impl] = [
+            step(cache, 4, 0, torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0]]).bool()),
+            step(cache, 2, 3, torch.tensor([[1, 1], [1, 0], [1, 1]]).bool()),
+            step(cache, 1, 2, None),
+        ]
         cache.length = int(cache.lengths.max())
         cache.drop(torch.tensor([1, 0, 0]), torch.tensor([2, 1, 0]))
         cache = cache.select_rows(torch.tensor([2, 0]))
@@ -162,8 +175,11 @@ def test_models_choose_the_cache_path(reference, monkeypatch):
     auto = kernel_model(reference, "auto")
     assert auto.new_cache(2, 8).attention_impl == "fused"
     asked = []
-    monkeypatch.setattr(torch_model, "choose_attention_impl",
-                        lambda *key: asked.append(key) or Choice("te", "a GPU with Transformer Engine"))
+    monkeypatch.setattr(
+        torch_model,
+        "choose_attention_impl",
+        lambda *key: asked.append(key) or Choice("te", "a GPU with Transformer Engine"),
+    )
     assert auto.new_cache(2, 8).attention_impl == "te" and asked == [("cpu", torch.float32, 16)]
     for impl in ("sdpa", "dense"):
         assert kernel_model(reference, impl).new_cache(1, 4).attention_impl == impl

@@ -37,6 +37,7 @@ def _assert_is_perm(perm_BL: torch.Tensor) -> None:
 
 # -- Staggered schedule -------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize(
     "length,d,m,k,b",
     [
@@ -126,16 +127,17 @@ def test_block_order(size, length):
 
 # -- prompts, padding, BOS ----------------------------------------------------------------------
 
+
 def _mixed_masks() -> tuple[torch.Tensor, torch.Tensor]:
     length = 12
     prompt_BL = torch.zeros(4, length, dtype=torch.bool)
     pad_BL = torch.zeros(4, length, dtype=torch.bool)
-    prompt_BL[0, :3] = True                   # prompt 3, no pad
+    prompt_BL[0, :3] = True  # prompt 3, no pad
     prompt_BL[1, :5] = True
-    pad_BL[1, 9:] = True                      # prompt 5, pad 3
-    prompt_BL[2, [0, 3, 4, 8]] = True         # non-contiguous prompt
-    pad_BL[2, [6, 11]] = True                 # non-contiguous pad
-    pad_BL[3, :] = True                       # fully padded row
+    pad_BL[1, 9:] = True  # prompt 5, pad 3
+    prompt_BL[2, [0, 3, 4, 8]] = True  # non-contiguous prompt
+    pad_BL[2, [6, 11]] = True  # non-contiguous pad
+    pad_BL[3, :] = True  # fully padded row
     return prompt_BL, pad_BL
 
 
@@ -143,8 +145,9 @@ def _mixed_masks() -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("keep_clean_bos", [False, True])
 def test_mixed_batch_prompt_first_pad_last(policy, keep_clean_bos):
     prompt_BL, pad_BL = _mixed_masks()
-    perm_BL = sample_order(policy, prompt_mask=prompt_BL, pad_mask=pad_BL,
-                           keep_clean_bos=keep_clean_bos, generator=_gen(3))
+    perm_BL = sample_order(
+        policy, prompt_mask=prompt_BL, pad_mask=pad_BL, keep_clean_bos=keep_clean_bos, generator=_gen(3)
+    )
     _assert_is_perm(perm_BL)
     # scores the policy drew in that call, to check the target order
     scores_BL = policy.reveal_scores(4, 12, generator=_gen(3), device="cpu")
@@ -157,8 +160,8 @@ def test_mixed_batch_prompt_first_pad_last(policy, keep_clean_bos):
         order = perm_BL[row].tolist()
         n_first, n_pad = len(first_pos), len(pad_pos)
         assert order[:n_first] == first_pos
-        assert order[len(order) - n_pad:] == pad_pos
-        targets = order[n_first:len(order) - n_pad]
+        assert order[len(order) - n_pad :] == pad_pos
+        targets = order[n_first : len(order) - n_pad]
         assert sorted(targets) == sorted(set(range(12)) - set(first_pos) - set(pad_pos))
         target_scores = scores_BL[row, targets]
         assert torch.all(target_scores[:-1] >= target_scores[1:])
@@ -177,6 +180,7 @@ def test_masks_infer_shape_and_device():
 
 
 # -- reproducibility ----------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("policy", [Staggered(4), Uniform(), Block(4)])
 def test_seeded_reproducibility(policy):
@@ -219,8 +223,7 @@ BAD_INPUTS = [
     ("prompt shape", lambda: sample_order(Uniform(), 2, 5, prompt_mask=_BOOL_2x4), "prompt_mask"),
     ("pad shape", lambda: sample_order(Uniform(), 3, 4, pad_mask=_BOOL_2x4), "pad_mask"),
     ("prompt dtype", lambda: sample_order(Uniform(), prompt_mask=_BOOL_2x4.long()), "prompt_mask"),
-    ("prompt and pad",
-     lambda: sample_order(Uniform(), prompt_mask=_BOTH, pad_mask=_BOTH), "prompt_mask"),
+    ("prompt and pad", lambda: sample_order(Uniform(), prompt_mask=_BOTH, pad_mask=_BOTH), "prompt_mask"),
     ("no shape", lambda: sample_order(Uniform()), "batch_size"),
 ]
 

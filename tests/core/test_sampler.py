@@ -39,7 +39,7 @@ def random_prompts(gen, lengths, spans=()):
         p = torch.randint(0, 60, (n,), generator=gen).tolist()
         for start, size in spans:
             if start + size < n:
-                p[start:start + size] = [MASK] * size
+                p[start : start + size] = [MASK] * size
         prompts.append(p)
     return prompts
 
@@ -60,8 +60,8 @@ def training_logits(model, items):
     clean = torch.zeros(len(items), length, dtype=torch.long)
     pos = torch.zeros(len(items), length, dtype=torch.long)
     for i, (toks, positions, q) in enumerate(items):
-        clean[i, :len(toks)] = torch.tensor(toks, dtype=torch.long)
-        pos[i, :len(toks)] = torch.tensor(positions, dtype=torch.long)
+        clean[i, : len(toks)] = torch.tensor(toks, dtype=torch.long)
+        pos[i, : len(toks)] = torch.tensor(positions, dtype=torch.long)
         pos[i, len(toks)] = q
     logits = model(clean, torch.full_like(clean, MASK), pos)
     rank = torch.tensor([len(toks) for toks, _, _ in items])
@@ -81,15 +81,32 @@ EXACTNESS_CASES = {
     "ar": (DecodingConfig(window=1, max_new_tokens=6), [5, 1, 8], ()),
     "span-k1": (DecodingConfig(window=3, max_new_tokens=7), [4, 9, 2, 6], ()),
     "span-tau": (DecodingConfig(window=5, threshold=0.025, max_new_tokens=9), [3, 7, 0, 5], ()),
-    "fill-k2-tau": (DecodingConfig(window=4, fill_window=True, tokens_per_step=2, threshold=0.025,
-                                   max_new_tokens=6), [6, 2, 9], ()),
+    "fill-k2-tau": (
+        DecodingConfig(window=4, fill_window=True, tokens_per_step=2, threshold=0.025, max_new_tokens=6),
+        [6, 2, 9],
+        (),
+    ),
     "block-4": (DecodingConfig(window=8, block_size=4, threshold=0.025, max_new_tokens=9), [3, 6, 0], ()),
-    "infill-2-spans": (DecodingConfig(window=4, threshold=0.025, max_new_tokens=3), [12, 10, 7],
-                       ((2, 3), (7, 2))),
-    "infill-only-fill": (DecodingConfig(window=3, fill_window=True, tokens_per_step=2, max_new_tokens=0),
-                         [11, 9, 14], ((1, 2), (5, 3))),
-    "sampled": (DecodingConfig(window=4, temperature=0.8, top_k=20, top_p=0.9, repetition_penalty=1.3,
-                               threshold=0.04, max_new_tokens=8, seed=3), [4, 6], ((1, 2),)),
+    "infill-2-spans": (DecodingConfig(window=4, threshold=0.025, max_new_tokens=3), [12, 10, 7], ((2, 3), (7, 2))),
+    "infill-only-fill": (
+        DecodingConfig(window=3, fill_window=True, tokens_per_step=2, max_new_tokens=0),
+        [11, 9, 14],
+        ((1, 2), (5, 3)),
+    ),
+    "sampled": (
+        DecodingConfig(
+            window=4,
+            temperature=0.8,
+            top_k=20,
+            top_p=0.9,
+            repetition_penalty=1.3,
+            threshold=0.04,
+            max_new_tokens=8,
+            seed=3,
+        ),
+        [4, 6],
+        ((1, 2),),
+    ),
 }
 
 
@@ -113,7 +130,7 @@ def test_every_step_equals_a_training_forward(models, case):
                 continue
             items = scratch_queries(prompts[i], out.rows[i].trace, step)
             want = training_logits(dense, items)
-            torch.testing.assert_close(logits[slot_row, :len(items)], want, rtol=0, atol=1e-5)
+            torch.testing.assert_close(logits[slot_row, : len(items)], want, rtol=0, atol=1e-5)
     if cfg.threshold is not None:  # rows then commit different numbers of tokens in a step
         assert any(len({len(r.trace[s].decoded) for r in out.rows if r.steps > s}) > 1 for s in range(3))
     for prompt, row in zip(prompts, out.rows):
@@ -144,8 +161,13 @@ def test_batch_invariance_of_greedy_decoding(debug_model):
 def test_dropless_moe_decodes_the_same_rows_in_any_batch():
     """Routing is per token without a capacity, so batch invariance stays exact for an MoE model."""
     torch.manual_seed(0)
-    model = SetDiffusionTransformer(debug_config(num_experts=4, moe_top_k=2, moe_intermediate_size=32,
-                                                 num_shared_experts=1)).double().eval()
+    model = (
+        SetDiffusionTransformer(
+            debug_config(num_experts=4, moe_top_k=2, moe_intermediate_size=32, num_shared_experts=1)
+        )
+        .double()
+        .eval()
+    )
     gen = torch.Generator().manual_seed(8)
     prompts = random_prompts(gen, torch.randint(1, 16, (8,), generator=gen).tolist(), ((2, 3),))
     cfg = DecodingConfig(window=4, threshold=0.05, max_new_tokens=8)
@@ -159,7 +181,8 @@ def test_dropless_moe_decodes_the_same_rows_in_any_batch():
 def test_window_one_is_greedy_left_to_right(debug_model):
     prompt = [3, 17, 42, 8]
     out = SetSampler(debug_model, mask_token_id=MASK, context_len=128).generate(
-        [prompt], DecodingConfig(window=1, max_new_tokens=10))
+        [prompt], DecodingConfig(window=1, max_new_tokens=10)
+    )
     seq = list(prompt)
     for i in range(len(prompt), len(prompt) + 10):
         x = torch.tensor([seq + [0]])
@@ -177,8 +200,9 @@ def test_block_decoding_finishes_each_block_before_the_next(copying_model, fill_
     masked position, however wide the window and however confident the model is further right."""
     model, rows = copying_model
     cfg = DecodingConfig(window=16, block_size=4, threshold=0.5, fill_window=fill_window, max_new_tokens=13)
-    free = SetSampler(model, mask_token_id=MASK, context_len=32).generate(rows[:4, :3].tolist(),
-                                                                         replace(cfg, block_size=None), trace=True)
+    free = SetSampler(model, mask_token_id=MASK, context_len=32).generate(
+        rows[:4, :3].tolist(), replace(cfg, block_size=None), trace=True
+    )
     assert max(len(s.queried) for r in free.rows for s in r.trace) > 4, "without blocks the window reaches further"
     out = SetSampler(model, mask_token_id=MASK, context_len=32).generate(rows[:4, :3].tolist(), cfg, trace=True)
     for row in out.rows:
@@ -195,8 +219,8 @@ def test_stop_sequence_cuts_completion(debug_model):
     free = sampler.generate([[1, 2, 3]], DecodingConfig(window=4, max_new_tokens=12)).rows[0]
     stop = tuple(free.completion[4:6])
     cut = sampler.generate([[1, 2, 3]], DecodingConfig(window=4, max_new_tokens=12, stop_sequences=(stop,))).rows[0]
-    first = next(i for i in range(len(free.completion) - 1) if tuple(free.completion[i:i + 2]) == stop)
-    assert cut.finish_reason == "stop" and cut.completion == free.completion[:first + 2]
+    first = next(i for i in range(len(free.completion) - 1) if tuple(free.completion[i : i + 2]) == stop)
+    assert cut.finish_reason == "stop" and cut.completion == free.completion[: first + 2]
     assert cut.steps <= free.steps
 
 
@@ -214,26 +238,27 @@ def test_long_output_keeps_the_prompt_and_evicts_the_middle(debug_model):
 
         def step(self, tokens, positions, cache, num_commit, commit_valid=None):
             out = inner(tokens, positions, cache, num_commit, commit_valid)
-            snapshots.append(cache.keys[:, 0, :, :int(cache.lengths[0])].clone())
+            snapshots.append(cache.keys[:, 0, :, : int(cache.lengths[0])].clone())
             return out
 
     cfg = DecodingConfig(window=3, threshold=0.025, max_new_tokens=40)
     row = SetSampler(Spy(), mask_token_id=MASK, context_len=context).generate([prompt], cfg, trace=True).rows[0]
-    assert len(row.tokens) == len(prompt) + 40 and row.tokens[:len(prompt)] == prompt
+    assert len(row.tokens) == len(prompt) + 40 and row.tokens[: len(prompt)] == prompt
     budget, sink = context - 1, len(prompt)
     chunk, length, pending, evictions = (budget - sink) // 8, sink, 0, 0
     for before, after, trace in zip(snapshots, snapshots[1:], row.trace):
         drop = max(length + pending - budget, chunk) if length + pending > budget else 0
-        kept = torch.cat([before[..., :sink, :], before[..., sink + drop:, :]], dim=2)
+        kept = torch.cat([before[..., :sink, :], before[..., sink + drop :, :]], dim=2)
         assert after.shape[2] == length - drop + pending <= budget
-        torch.testing.assert_close(after[..., :length - drop, :], kept, rtol=0, atol=0)
+        torch.testing.assert_close(after[..., : length - drop, :], kept, rtol=0, atol=0)
         length, pending, evictions = length - drop + pending, len(trace.decoded), evictions + (drop > 0)
     assert evictions >= 5
 
 
 def test_metrics(debug_model):
     out = SetSampler(debug_model, mask_token_id=MASK, context_len=128).generate(
-        [[1, 2], [3, 4, 5, 6]], DecodingConfig(window=4, tokens_per_step=2, max_new_tokens=8))
+        [[1, 2], [3, 4, 5, 6]], DecodingConfig(window=4, tokens_per_step=2, max_new_tokens=8)
+    )
     m = out.metrics
     assert m.num_rows == 2 and m.num_tokens == 16 and m.row_steps == 8 and m.tokens_per_step == 2
     assert m.forwards == 1 + 4 and 0 < m.prefill_s < m.total_s and 0 < m.forward_s < m.total_s
@@ -273,27 +298,34 @@ def test_rows_of_one_batch_each_get_their_own_policy():
     """Four policies in one batch: each row's processed logits are what that row gets alone."""
     logits = torch.randn(4, 3, 9, generator=torch.Generator().manual_seed(0))
     canvas = torch.tensor([[0, 3], [1, 1], [5, 8], [2, 0]])
-    cfgs = [DecodingConfig(top_k=2), DecodingConfig(top_p=0.5, temperature=0.7), DecodingConfig(),
-            DecodingConfig(repetition_penalty=1.5, top_k=4)]
+    cfgs = [
+        DecodingConfig(top_k=2),
+        DecodingConfig(top_p=0.5, temperature=0.7),
+        DecodingConfig(),
+        DecodingConfig(repetition_penalty=1.5, top_k=4),
+    ]
     together = process_logits(logits, canvas, RowPolicy.of(cfgs), 4)
     for i, cfg in enumerate(cfgs):
-        alone = process_logits(logits[i:i + 1], canvas[i:i + 1], RowPolicy.of([cfg]), 4)
-        assert torch.equal(together[i:i + 1], alone)
+        alone = process_logits(logits[i : i + 1], canvas[i : i + 1], RowPolicy.of([cfg]), 4)
+        assert torch.equal(together[i : i + 1], alone)
 
 
-@pytest.mark.parametrize("changes, match", [
-    (dict(window=0), "window must be >= 1"),
-    (dict(tokens_per_step=0), "tokens_per_step must be >= 1"),
-    (dict(block_size=0), "block_size must be >= 1"),
-    (dict(threshold=0.0), r"threshold must be in \(0, 1\]"),
-    (dict(threshold=1.5), r"threshold must be in \(0, 1\]"),
-    (dict(top_p=0.0), "top_p"),
-    (dict(top_k=0), "top_k"),
-    (dict(temperature=-1.0), "temperature"),
-    (dict(repetition_penalty=0.0), "repetition_penalty"),
-    (dict(max_new_tokens=-1), "max_new_tokens"),
-    (dict(stop_sequences=((),)), "stop_sequences"),
-])
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        (dict(window=0), "window must be >= 1"),
+        (dict(tokens_per_step=0), "tokens_per_step must be >= 1"),
+        (dict(block_size=0), "block_size must be >= 1"),
+        (dict(threshold=0.0), r"threshold must be in \(0, 1\]"),
+        (dict(threshold=1.5), r"threshold must be in \(0, 1\]"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_k=0), "top_k"),
+        (dict(temperature=-1.0), "temperature"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(max_new_tokens=-1), "max_new_tokens"),
+        (dict(stop_sequences=((),)), "stop_sequences"),
+    ],
+)
 def test_bad_config(changes, match):
     with pytest.raises(ValueError, match=match):
         DecodingConfig(**changes)
@@ -336,10 +368,14 @@ def copying_model():
     return model, corpus[:16]
 
 
-@pytest.mark.parametrize("cfg, min_tokens_per_step", [
-    (DecodingConfig(window=8, threshold=0.9, max_new_tokens=13), 4.0),  # saw 6.5 (13 tokens in 2 steps)
-    (DecodingConfig(window=8, tokens_per_step=3, max_new_tokens=13), 2.5),  # saw 2.6 (3, 3, 3, 3, 1)
-], ids=["threshold", "set-size"])
+@pytest.mark.parametrize(
+    "cfg, min_tokens_per_step",
+    [
+        (DecodingConfig(window=8, threshold=0.9, max_new_tokens=13), 4.0),  # saw 6.5 (13 tokens in 2 steps)
+        (DecodingConfig(window=8, tokens_per_step=3, max_new_tokens=13), 2.5),  # saw 2.6 (3, 3, 3, 3, 1)
+    ],
+    ids=["threshold", "set-size"],
+)
 def test_parallel_policies_decode_sets_on_a_trained_model(copying_model, cfg, min_tokens_per_step):
     model, rows = copying_model
     out = SetSampler(model, mask_token_id=MASK, context_len=32).generate(rows[:, :3].tolist(), cfg)
@@ -365,9 +401,19 @@ def test_requests_joining_a_running_batch_decode_as_alone(debug_model, monkeypat
     gen = torch.Generator().manual_seed(11)
     lengths = torch.randint(0, 24, (32,), generator=gen).tolist()
     prompts = random_prompts(gen, lengths, ((2, 3),))
-    cfgs = [DecodingConfig(window=1 + i % 6, threshold=(0.025 if i % 3 else None), tokens_per_step=1 + i % 2,
-                           max_new_tokens=4 + i % 9, eos_token_ids=(62,) if i % 4 == 0 else (),
-                           fill_window=i % 5 == 0, temperature=0.9 if i == 7 else 0.0, seed=i) for i in range(32)]
+    cfgs = [
+        DecodingConfig(
+            window=1 + i % 6,
+            threshold=(0.025 if i % 3 else None),
+            tokens_per_step=1 + i % 2,
+            max_new_tokens=4 + i % 9,
+            eos_token_ids=(62,) if i % 4 == 0 else (),
+            fill_window=i % 5 == 0,
+            temperature=0.9 if i == 7 else 0.0,
+            seed=i,
+        )
+        for i in range(32)
+    ]
     make = lambda **kw: SetSampler(debug_model, mask_token_id=MASK, context_len=64, prefill_chunk=5, **kw)
     alone = []
     for i, (prompt, cfg) in enumerate(zip(prompts, cfgs)):
@@ -406,4 +452,5 @@ def test_cancel_frees_the_row_and_a_request_over_the_budget_waits(debug_model):
     assert [r.request.key for r in engine.rows] == ["b", "c"]  # the waiting one took the freed row
     with pytest.raises(ValueError, match="needs more KV cache than the whole budget"):
         SetSampler(debug_model, mask_token_id=MASK, context_len=64, kv_budget=20).submit(
-            Request(key="big", prompt=(1,) * 10, cfg=cfg))
+            Request(key="big", prompt=(1,) * 10, cfg=cfg)
+        )

@@ -121,6 +121,7 @@ def test_a_model_that_does_not_compile_decodes_eagerly(debug_model, monkeypatch)
     def broken(self):
         def step(*args):
             raise RuntimeError("cannot trace this\nsecond line")
+
         return step
 
     monkeypatch.setattr(StepCompiler, "_compile", broken)

@@ -32,7 +32,11 @@ def test_loss_mask_is_in_rank_order_for_middle_prompts():
     pad = torch.zeros(2, 8, dtype=torch.bool)
     pad[1, 6:] = True
     batch = sample_two_stream_batch(
-        tokens, Uniform(), mask_token_id=MASK, prompt_mask=prompt, pad_mask=pad,
+        tokens,
+        Uniform(),
+        mask_token_id=MASK,
+        prompt_mask=prompt,
+        pad_mask=pad,
         generator=torch.Generator().manual_seed(0),
     )
     assert batch.position_ids[0, :2].tolist() == [0, 4]
@@ -46,7 +50,10 @@ def test_loss_mask_is_in_rank_order_for_middle_prompts():
 def test_keep_clean_bos_pins_and_excludes_position_zero():
     tokens = torch.arange(16)[None].repeat(4, 1)
     batch = sample_two_stream_batch(
-        tokens, Staggered(d=2), mask_token_id=MASK, keep_clean_bos=True,
+        tokens,
+        Staggered(d=2),
+        mask_token_id=MASK,
+        keep_clean_bos=True,
         generator=torch.Generator().manual_seed(1),
     )
     assert (batch.position_ids[:, 0] == 0).all()
@@ -58,8 +65,9 @@ def test_document_ids_count_eod_tokens_and_follow_the_order():
     eod = 7
     tokens = torch.tensor([[1, 2, eod, 3, eod, eod, 4, 5], [eod, 1, 2, 3, 4, 5, 6, 8]])
     assert document_ids(tokens, eod).tolist() == [[0, 0, 0, 1, 1, 2, 3, 3], [0, 1, 1, 1, 1, 1, 1, 1]]
-    batch = sample_two_stream_batch(tokens, Uniform(), mask_token_id=MASK, eod_id=eod,
-                                    generator=torch.Generator().manual_seed(0))
+    batch = sample_two_stream_batch(
+        tokens, Uniform(), mask_token_id=MASK, eod_id=eod, generator=torch.Generator().manual_seed(0)
+    )
     assert torch.equal(batch.document_ids, document_ids(tokens, eod).gather(1, batch.position_ids))
     assert sample_two_stream_batch(tokens, Uniform(), mask_token_id=MASK).document_ids is None
 
@@ -102,8 +110,8 @@ def _records(lengths, prompts, length):
     offset = 0
     for i, (n, p) in enumerate(zip(lengths, prompts)):
         pad[i, :n], prompt[i, :p] = False, True
-        docs[0, offset:offset + n], pos[0, offset:offset + n] = i, torch.arange(n)
-        packed_pad[0, offset:offset + n], packed_prompt[0, offset:offset + p] = False, True
+        docs[0, offset : offset + n], pos[0, offset : offset + n] = i, torch.arange(n)
+        packed_pad[0, offset : offset + n], packed_prompt[0, offset : offset + p] = False, True
         offset += n
     return (prompt, pad), (docs, pos, packed_prompt, packed_pad)
 
@@ -118,10 +126,18 @@ def test_a_packed_record_is_ordered_positioned_and_scored_as_its_padded_row(debu
     packed_tokens = torch.cat([tokens[i, :n] for i, n in enumerate(lengths)])
     packed_tokens = torch.cat([packed_tokens, torch.zeros(length - len(packed_tokens), dtype=torch.long)])[None]
     policy = Staggered(d=2)
-    rows = sample_two_stream_batch(tokens, policy, mask_token_id=63, prompt_mask=prompt, pad_mask=pad,
-                                   generator=torch.Generator().manual_seed(1))
-    packed = sample_two_stream_batch(packed_tokens, policy, mask_token_id=63, prompt_mask=packed_prompt,
-                                     pad_mask=packed_pad, records=(docs, pos), generator=torch.Generator().manual_seed(1))
+    rows = sample_two_stream_batch(
+        tokens, policy, mask_token_id=63, prompt_mask=prompt, pad_mask=pad, generator=torch.Generator().manual_seed(1)
+    )
+    packed = sample_two_stream_batch(
+        packed_tokens,
+        policy,
+        mask_token_id=63,
+        prompt_mask=packed_prompt,
+        pad_mask=packed_pad,
+        records=(docs, pos),
+        generator=torch.Generator().manual_seed(1),
+    )
     assert packed.valid_len.tolist() == [sum(lengths)] and int(packed.loss_mask.sum()) == int(rows.loss_mask.sum())
     real = torch.arange(length) < packed.valid_len[0]
     for i, n in enumerate(lengths):  # each record's ranks, in order, are its padded row's
@@ -130,8 +146,9 @@ def test_a_packed_record_is_ordered_positioned_and_scored_as_its_padded_row(debu
         assert packed.clean_tokens[0, mine].tolist() == rows.clean_tokens[i, :n].tolist()
 
     def nll(batch):
-        logits = debug_model(batch.clean_tokens, batch.query_tokens, batch.position_ids, batch.valid_len,
-                             batch.document_ids)
+        logits = debug_model(
+            batch.clean_tokens, batch.query_tokens, batch.position_ids, batch.valid_len, batch.document_ids
+        )
         from setdiff_megatron.core.loss import token_nll
 
         return torch.where(batch.loss_mask, token_nll(logits, batch.targets, 63), 0.0)

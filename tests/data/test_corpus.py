@@ -17,8 +17,7 @@ def test_stdlib_documents_are_sorted_sources_without_tests():
     assert paths == sorted(paths) and len(paths) > 300
     assert "os.py" in paths and "json/decoder.py" in paths
     assert not any(
-        set(p.split("/")[:-1]) & {"test", "tests", "idle_test", "site-packages"}
-        or p.split("/")[-1].startswith("test_")
+        set(p.split("/")[:-1]) & {"test", "tests", "idle_test", "site-packages"} or p.split("/")[-1].startswith("test_")
         for p in paths
     )
     capped = stdlib_documents(max_bytes=500_000)
@@ -57,6 +56,5 @@ def test_full_default_corpus_takes_under_a_minute(tmp_path, capsys):
     seconds = time.perf_counter() - start
     manifest = read_manifest(tmp_path / "train")
     with capsys.disabled():
-        print(f"\ndefault corpus: {manifest['documents']} train documents, {manifest['tokens']} tokens, "
-              f"{seconds:.1f}s")
+        print(f"\ndefault corpus: {manifest['documents']} train documents, {manifest['tokens']} tokens, {seconds:.1f}s")
     assert seconds < 60

@@ -111,8 +111,12 @@ def test_bad_lines_stop_with_file_and_line(workers, bpe_tokenizer, tmp_path, cap
     bpe_tokenizer.save(tmp_path / "tok")
     out = tmp_path / "out"
     args = [
-        "--input", str(bad_jsonl(tmp_path)),
-        "--output-dir", str(out), "--tokenizer", str(tmp_path / "tok"),
+        "--input",
+        str(bad_jsonl(tmp_path)),
+        "--output-dir",
+        str(out),
+        "--tokenizer",
+        str(tmp_path / "tok"),
     ]
     code, err = run_main(args, capsys, workers)
     assert code == 2 and len(err) == 1
@@ -188,8 +192,19 @@ def test_tools_script_runs_from_a_checkout(bpe_tokenizer, tmp_path):
     bpe_tokenizer.save(tmp_path / "tok")
     script = Path(__file__).parents[2] / "tools" / "preprocess_data.py"
     done = subprocess.run(
-        [sys.executable, str(script), "--input", str(tmp_path / "absent.jsonl"),
-         "--output-dir", str(tmp_path / "o"), "--tokenizer", str(tmp_path / "tok")],
-        capture_output=True, text=True, cwd=tmp_path, timeout=120,
+        [
+            sys.executable,
+            str(script),
+            "--input",
+            str(tmp_path / "absent.jsonl"),
+            "--output-dir",
+            str(tmp_path / "o"),
+            "--tokenizer",
+            str(tmp_path / "tok"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
     )
     assert done.returncode == 2 and done.stderr.strip().endswith("absent.jsonl")

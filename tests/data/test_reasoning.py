@@ -8,15 +8,21 @@ import re
 import pytest
 
 from setdiff_megatron.data.indexed import read_manifest
-from setdiff_megatron.data.reasoning import (TEST_LEVELS, TRAIN_LEVELS, Level, char_tokenizer, make_problem,
-                                             prepare_reasoning_corpus, problems)
+from setdiff_megatron.data.reasoning import (
+    TEST_LEVELS,
+    TRAIN_LEVELS,
+    Level,
+    char_tokenizer,
+    make_problem,
+    prepare_reasoning_corpus,
+    problems,
+)
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.evaluation.infilling import jsonl_examples
 from setdiff_megatron.evaluation.scoring import gsm8k_answer
 from setdiff_megatron.evaluation.tasks import read_tasks
 
 STEP = re.compile(r"^(\d+)([+*-])(\d+)=(\d+)$")
-
 
 
 @pytest.mark.parametrize("level", TRAIN_LEVELS, ids=lambda lv: lv.name)
@@ -54,8 +60,9 @@ def test_char_tokenizer_spells_every_character():
 
 
 def test_corpus_splits_tasks_and_rerun(tmp_path):
-    corpus = prepare_reasoning_corpus(tmp_path, num_train=3000, num_valid=100, num_test=20, num_infill=30,
-                                      progress=False)
+    corpus = prepare_reasoning_corpus(
+        tmp_path, num_train=3000, num_valid=100, num_test=20, num_infill=30, progress=False
+    )
     train = [json.loads(line)["text"] for line in (tmp_path / "raw" / "train.jsonl").read_text().splitlines()]
     expressions = {t.split("=")[0] for t in train}
     assert len(train) == 3000 and read_manifest(corpus.train_prefix)["documents"] == 3000

@@ -51,7 +51,7 @@ def test_packed_samples_have_length_L_and_keep_document_boundaries(corpus, bpe_t
             assert any(_contains(d, pieces[0]) for d in encoded)
             continue
         assert all(p in whole for p in pieces[1:-1])
-        assert any(d[len(d) - len(pieces[0]):] == pieces[0] for d in encoded)
+        assert any(d[len(d) - len(pieces[0]) :] == pieces[0] for d in encoded)
         assert any(d[: len(pieces[-1])] == pieces[-1] for d in encoded)
 
 
@@ -111,9 +111,13 @@ def test_blend_weights_give_proportions_within_two_percent(corpus, bpe_tokenizer
     root, _ = corpus
     a_token = bpe_tokenizer.encode("a" * 10)[0]
     splits = build(
-        corpus, bpe_tokenizer, tmp_path,
-        prefixes=[root / "out" / "a", root / "out" / "b"], weights=[0.7, 0.3],
-        num_samples=(10_000, 100, 0), split="90,10,0",
+        corpus,
+        bpe_tokenizer,
+        tmp_path,
+        prefixes=[root / "out" / "a", root / "out" / "b"],
+        weights=[0.7, 0.3],
+        num_samples=(10_000, 100, 0),
+        split="90,10,0",
     )
     train = splits["train"]
     assert len(train) == 10_000

@@ -15,8 +15,10 @@ from setdiff_megatron.errors import UserError
 L = 32
 QUIET = dict(workers=1, progress=False)
 SUPERVISED = PreprocessOptions(supervised=RecordFields(), **QUIET)
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def write_records(path, records):
@@ -25,8 +27,16 @@ def write_records(path, records):
 
 
 def rows(prefix, tokenizer, cache, *, layout="padded", fmt=RowFormat(), num_samples=(None, None, 0), **kwargs):
-    splits = build_datasets([prefix], tokenizer, sequence_length=L, cache_dir=cache, split="100,0,0",
-                            num_samples=num_samples, supervised=SupervisedRows(fmt, layout), **kwargs)
+    splits = build_datasets(
+        [prefix],
+        tokenizer,
+        sequence_length=L,
+        cache_dir=cache,
+        split="100,0,0",
+        num_samples=num_samples,
+        supervised=SupervisedRows(fmt, layout),
+        **kwargs,
+    )
     return splits["train"]
 
 
@@ -45,8 +55,9 @@ def qa(bpe_tokenizer, tmp_path_factory):
 
 def test_padded_rows_pin_the_prompt_and_pad_the_tail(bpe_tokenizer, tmp_path):
     records = [{"prompt": "Q: two plus two?", "response": " A: four."}, {"prompt": "", "response": "x" * 200}]
-    manifest, = preprocess([write_records(tmp_path / "sft.jsonl", records)], tmp_path / "out", bpe_tokenizer,
-                           SUPERVISED)
+    (manifest,) = preprocess(
+        [write_records(tmp_path / "sft.jsonl", records)], tmp_path / "out", bpe_tokenizer, SUPERVISED
+    )
     assert manifest["kind"] == "supervised" and manifest["documents"] == 2
     data = rows(tmp_path / "out" / "sft", bpe_tokenizer, tmp_path / "cache", fmt=RowFormat(bos_id=bpe_tokenizer.bos_id))
     assert len(data) == 2 and data.num_truncated == 1
@@ -74,8 +85,12 @@ def test_bad_records_name_their_file_and_line(bpe_tokenizer, tmp_path):
     with pytest.raises(UserError, match=r"empty\.jsonl:1: no 'question' field"):
         preprocess([empty], out, bpe_tokenizer, renamed)
     long = tmp_path / "long.jsonl"
-    long.write_text(json.dumps({"prompt": "a", "response": "b"}) + "\n\n"
-                    + json.dumps({"prompt": "word " * 100, "response": "r"}) + "\n")
+    long.write_text(
+        json.dumps({"prompt": "a", "response": "b"})
+        + "\n\n"
+        + json.dumps({"prompt": "word " * 100, "response": "r"})
+        + "\n"
+    )
     preprocess([long], out, bpe_tokenizer, SUPERVISED)
     with pytest.raises(UserError, match=r"long\.jsonl:3: the prompt \(\d+ tokens\) fills all 32 positions"):
         rows(out / "long", bpe_tokenizer, tmp_path / "cache")
@@ -102,8 +117,9 @@ def chat_tokenizer(bpe_tokenizer, tmp_path_factory):
     directory = tmp_path_factory.mktemp("chat-tokenizer")
     bpe_tokenizer.save(directory)
     backend = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
-    backend.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False)
-                                for t in ("<|im_start|>", "<|im_end|>")])
+    backend.add_special_tokens(
+        [tokenizers.AddedToken(t, special=True, normalized=False) for t in ("<|im_start|>", "<|im_end|>")]
+    )
     backend.save(str(directory / "tokenizer.json"))
     config = json.loads((directory / "tokenizer_config.json").read_text())
     (directory / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
@@ -142,8 +158,9 @@ def test_parquet_and_datasets_inputs_give_the_jsonl_rows(qa, bpe_tokenizer, tmp_
     table = datasets.Dataset.from_list([{"question": r["prompt"], "answer": r["response"]} for r in records])
     table.save_to_disk(str(tmp_path / "qa_arrow"))
     table.to_parquet(str(tmp_path / "qa_parquet.parquet"))
-    options = PreprocessOptions(supervised=RecordFields(prompt="question", response="answer"), workers=2,
-                                batch_bytes=64, progress=False)  # records in small batches over 2 processes
+    options = PreprocessOptions(
+        supervised=RecordFields(prompt="question", response="answer"), workers=2, batch_bytes=64, progress=False
+    )  # records in small batches over 2 processes
     preprocess([tmp_path / "qa_arrow", tmp_path / "qa_parquet.parquet"], tmp_path / "out", bpe_tokenizer, options)
     want = rows(prefix, bpe_tokenizer, tmp_path / "c0")
     for name in ("qa_arrow", "qa_parquet"):
@@ -192,9 +209,16 @@ def test_blends_mix_supervised_datasets_by_weight(bpe_tokenizer, tmp_path):
     a = write_records(tmp_path / "a.jsonl", [{"prompt": "a", "response": "aaaa"}] * 30)
     b = write_records(tmp_path / "b.jsonl", [{"prompt": "b", "response": "bbbb"}] * 30)
     preprocess([a, b], tmp_path / "out", bpe_tokenizer, SUPERVISED)
-    blend = build_datasets([tmp_path / "out" / "a", tmp_path / "out" / "b"], bpe_tokenizer, sequence_length=L,
-                           cache_dir=tmp_path / "cache", split="90,10,0", weights=[0.75, 0.25],
-                           num_samples=(4000, 20, 0), supervised=SupervisedRows(RowFormat()))
+    blend = build_datasets(
+        [tmp_path / "out" / "a", tmp_path / "out" / "b"],
+        bpe_tokenizer,
+        sequence_length=L,
+        cache_dir=tmp_path / "cache",
+        split="90,10,0",
+        weights=[0.75, 0.25],
+        num_samples=(4000, 20, 0),
+        supervised=SupervisedRows(RowFormat()),
+    )
     train = blend["train"]
     a_id = bpe_tokenizer.encode("a")[0]
     share = np.mean([int(train[i]["tokens"][0]) == a_id for i in range(len(train))])

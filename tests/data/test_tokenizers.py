@@ -60,8 +60,15 @@ def test_qwen_style_directory_reuses_fim_middle_as_mask(tmp_path):
     spec = json.loads((qwen / "tokenizer.json").read_text())
     # Replace our specials by Qwen's: <|endoftext|> pad, <|im_end|> eos, FIM tokens, no BOS/MASK.
     spec["added_tokens"] = [
-        {"id": i, "content": c, "single_word": False, "lstrip": False, "rstrip": False,
-         "normalized": False, "special": True}
+        {
+            "id": i,
+            "content": c,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
         for i, c in enumerate(["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|fim_middle|>"])
     ]
     for i, c in enumerate(["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|fim_middle|>"]):
@@ -69,8 +76,14 @@ def test_qwen_style_directory_reuses_fim_middle_as_mask(tmp_path):
         spec["model"]["vocab"][c] = i
     (qwen / "tokenizer.json").write_text(json.dumps(spec))
     (qwen / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-                    "tokenizer_class": "Qwen2Tokenizer"})
+        json.dumps(
+            {
+                "bos_token": None,
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "tokenizer_class": "Qwen2Tokenizer",
+            }
+        )
     )
     loaded = load_tokenizer(qwen, add_missing_tokens=False)
     assert (loaded.mask_id, loaded.eos_id, loaded.pad_id) == (3, 2, 0)

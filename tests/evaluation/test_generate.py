@@ -23,8 +23,25 @@ PROMPTS = ["x = 1\ny = 2\nz = ", "for i in range(", "def main(", "import os\n", 
 STOP = "\n\n"
 # Sampled decoding: the tiny model's greedy output is a run of commas, which no metric can tell apart.
 DECODING = dict(window=4, threshold=0.3, tokens_per_step=2, temperature=1.0, max_new_tokens=10, seed=3)
-ARGS = ["--window", "4", "--threshold", "0.3", "--tokens-per-step", "2", "--temperature", "1.0",
-        "--max-new-tokens", "10", "--seed", "3", "--batch-size", "2", "--stop", STOP, "--no-progress"]
+ARGS = [
+    "--window",
+    "4",
+    "--threshold",
+    "0.3",
+    "--tokens-per-step",
+    "2",
+    "--temperature",
+    "1.0",
+    "--max-new-tokens",
+    "10",
+    "--seed",
+    "3",
+    "--batch-size",
+    "2",
+    "--stop",
+    STOP,
+    "--no-progress",
+]
 TIMING = ("tokens_per_s", "decode_seconds")
 
 
@@ -36,10 +53,13 @@ def direct(trained_run):
     model.load_state_dict(ckpt.state_dict)
     tok = ckpt.tokenizer
     cfg = DecodingConfig(**DECODING, eos_token_ids=(tok.eos_id,), stop_sequences=(tuple(tok.encode(STOP)),))
-    rows = SetSampler(model.eval(), mask_token_id=tok.mask_id, context_len=ckpt.config.max_seq_len).generate(
-        [tok.encode(p) for p in PROMPTS], cfg, batch_size=2).rows
+    rows = (
+        SetSampler(model.eval(), mask_token_id=tok.mask_id, context_len=ckpt.config.max_seq_len)
+        .generate([tok.encode(p) for p in PROMPTS], cfg, batch_size=2)
+        .rows
+    )
     texts = [tok.decode(r.completion, skip_special_tokens=True) for r in rows]
-    return {"predictions": [t[:t.find(STOP)] if STOP in t else t for t in texts], "rows": rows}
+    return {"predictions": [t[: t.find(STOP)] if STOP in t else t for t in texts], "rows": rows}
 
 
 @pytest.fixture(scope="module")
@@ -49,21 +69,31 @@ def tasks(direct, tmp_path_factory):
     answer = scoring.gsm8k_answer
     references = [
         [p[0]],
-        ["zzz qqq", " ".join(p[1].split()[:max(1, len(p[1].split()) // 2)])],
+        ["zzz qqq", " ".join(p[1].split()[: max(1, len(p[1].split()) // 2)])],
         ["#### 123456789"],
         [p[3] + " and some more words", "unrelated"],
         [f"so #### {answer(p[4])}" if answer(p[4]) else "#### 3"],
     ]
     path = tmp_path_factory.mktemp("tasks") / "tasks.jsonl"
-    path.write_text("".join(json.dumps({"prompt": q, "reference": r if len(r) > 1 else r[0], "id": n}) + "\n"
-                            for n, (q, r) in enumerate(zip(PROMPTS, references))))
+    path.write_text(
+        "".join(
+            json.dumps({"prompt": q, "reference": r if len(r) > 1 else r[0], "id": n}) + "\n"
+            for n, (q, r) in enumerate(zip(PROMPTS, references))
+        )
+    )
     return path, references
 
 
 def job(trained_run, tasks, out, metric="rouge", **changes) -> GenerateJob:
-    return GenerateJob(source=str(trained_run), tasks=str(tasks), out=str(out), metric=metric,
-                       decoding=DecodingConfig(**DECODING), stop=(STOP,),
-                       placement=Placement(batch_size=2, progress=False, **changes))
+    return GenerateJob(
+        source=str(trained_run),
+        tasks=str(tasks),
+        out=str(out),
+        metric=metric,
+        decoding=DecodingConfig(**DECODING),
+        stop=(STOP,),
+        placement=Placement(batch_size=2, progress=False, **changes),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +103,10 @@ def one_process(trained_run, tasks, tmp_path_factory):
 
 
 def scored(out) -> list[dict]:
-    return [{k: v for k, v in json.loads(line).items() if k not in ("seconds", "busy_seconds")}
-            for line in (out / "scored.jsonl").read_text().splitlines()]
+    return [
+        {k: v for k, v in json.loads(line).items() if k not in ("seconds", "busy_seconds")}
+        for line in (out / "scored.jsonl").read_text().splitlines()
+    ]
 
 
 def without_timing(metrics: dict) -> dict:
@@ -84,8 +116,10 @@ def without_timing(metrics: dict) -> dict:
 def test_metrics_equal_a_direct_computation(trained_run, tasks, direct, one_process, tmp_path, capsys):
     out, rouge_metrics = one_process
     preds, refs, rows = direct["predictions"], tasks[1], direct["rows"]
-    expected = {k: sum(max(scoring.rouge(p, r)[k] for r in rs) for p, rs in zip(preds, refs)) / len(preds)
-                for k in scoring.ROUGE_KEYS}
+    expected = {
+        k: sum(max(scoring.rouge(p, r)[k] for r in rs) for p, rs in zip(preds, refs)) / len(preds)
+        for k in scoring.ROUGE_KEYS
+    }
     assert rouge_metrics["quality"] == pytest.approx(expected, abs=1e-12)
     assert 0 < expected["rouge1"] < 1  # the references hit some examples, not all
     assert rouge_metrics["tokens_per_step"] == sum(r.num_decoded for r in rows) / sum(r.steps for r in rows) > 1
@@ -101,11 +135,16 @@ def test_metrics_equal_a_direct_computation(trained_run, tasks, direct, one_proc
     shutil.copytree(one_process[0], out)
     exact = run_generate_job(job(trained_run, tasks[0], out, metric="exact"))
     assert "5 already written" in capsys.readouterr().err
-    assert exact["quality"]["exact_match"] == sum(
-        max(scoring.exact_match(p, r) for r in rs) for p, rs in zip(preds, refs)) / 5 >= 0.2
+    assert (
+        exact["quality"]["exact_match"]
+        == sum(max(scoring.exact_match(p, r) for r in rs) for p, rs in zip(preds, refs)) / 5
+        >= 0.2
+    )
     gsm8k = run_generate_job(job(trained_run, tasks[0], out, metric="gsm8k"))
-    correct = [any(scoring.gsm8k_answer(p) is not None and scoring.gsm8k_answer(p) == scoring.gsm8k_answer(r)
-                   for r in rs) for p, rs in zip(preds, refs)]
+    correct = [
+        any(scoring.gsm8k_answer(p) is not None and scoring.gsm8k_answer(p) == scoring.gsm8k_answer(r) for r in rs)
+        for p, rs in zip(preds, refs)
+    ]
     assert gsm8k["quality"] == {"accuracy": sum(correct) / 5} and gsm8k["score_name"] == "accuracy"
     assert [r["accuracy"] for r in scored(out)] == [float(c) for c in correct]
     assert gsm8k["tokens_per_step"] == rouge_metrics["tokens_per_step"]
@@ -126,10 +165,28 @@ def test_a_rerun_after_an_interruption_gives_the_same_metrics(trained_run, tasks
 
 @pytest.mark.multiproc
 def test_two_processes_give_what_one_process_gives(trained_run, tasks, one_process, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "setdiff_megatron.cli", "eval", "generate", str(trained_run),
-                           "--tasks", str(tasks[0]), "--metric", "rouge", "--out", str(tmp_path), "--nproc", "2",
-                           *ARGS],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "setdiff_megatron.cli",
+            "eval",
+            "generate",
+            str(trained_run),
+            "--tasks",
+            str(tasks[0]),
+            "--metric",
+            "rouge",
+            "--out",
+            str(tmp_path),
+            "--nproc",
+            "2",
+            *ARGS,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["hardware"]["processes"] == 2
@@ -143,18 +200,31 @@ def run_cli(capsys, *args) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
-@pytest.mark.parametrize("content, fragment", [
-    ('{"prompt": "a", "reference": "b"}\n{"prompt": \n', "tasks.jsonl:2: not valid JSON"),
-    ('{"prompt": "a", "reference": "b"}\n\n{"prompt": "c"}\n', "tasks.jsonl:3: 'reference' must be a string or a "
-     "non-empty list of strings (missing)"),
-    ('{"prompt": "a", "reference": []}\n', "tasks.jsonl:1: 'reference' must be"),
-    ('{"prompt": 3, "reference": "b"}\n', "tasks.jsonl:1: 'prompt' must be a string"),
-    ("\n", "holds no examples"),
-])
+@pytest.mark.parametrize(
+    "content, fragment",
+    [
+        ('{"prompt": "a", "reference": "b"}\n{"prompt": \n', "tasks.jsonl:2: not valid JSON"),
+        (
+            '{"prompt": "a", "reference": "b"}\n\n{"prompt": "c"}\n',
+            "tasks.jsonl:3: 'reference' must be a string or a non-empty list of strings (missing)",
+        ),
+        ('{"prompt": "a", "reference": []}\n', "tasks.jsonl:1: 'reference' must be"),
+        ('{"prompt": 3, "reference": "b"}\n', "tasks.jsonl:1: 'prompt' must be a string"),
+        ("\n", "holds no examples"),
+    ],
+)
 def test_bad_task_files(tmp_path, capsys, content, fragment):
     (tmp_path / "tasks.jsonl").write_text(content)
-    code, err = run_cli(capsys, str(tmp_path), "--tasks", str(tmp_path / "tasks.jsonl"), "--metric", "exact",
-                        "--out", str(tmp_path / "out"))
+    code, err = run_cli(
+        capsys,
+        str(tmp_path),
+        "--tasks",
+        str(tmp_path / "tasks.jsonl"),
+        "--metric",
+        "exact",
+        "--out",
+        str(tmp_path / "out"),
+    )
     assert code == 2 and err.count("\n") == 1 and fragment in err, err
 
 
@@ -162,8 +232,16 @@ def test_bad_options(tmp_path, capsys):
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text('{"prompt": "a", "reference": "b"}\n')
     common = [str(tmp_path), "--tasks", str(tasks), "--out", str(tmp_path / "out")]
-    code, err = run_cli(capsys, *common[:1], "--tasks", str(tmp_path / "none.jsonl"), "--metric", "exact",
-                        "--out", str(tmp_path / "out"))
+    code, err = run_cli(
+        capsys,
+        *common[:1],
+        "--tasks",
+        str(tmp_path / "none.jsonl"),
+        "--metric",
+        "exact",
+        "--out",
+        str(tmp_path / "out"),
+    )
     assert code == 2 and err.count("\n") == 1 and "none.jsonl does not exist" in err
     code, err = run_cli(capsys, *common, "--metric", "bleu")
     assert code == 2 and err.count("\n") == 1 and "--metric must be one of exact, rouge, gsm8k; got 'bleu'" in err
@@ -175,6 +253,16 @@ def test_wandb_without_the_package_is_one_line(tmp_path, capsys):
         pytest.skip("wandb is installed here, so its missing-extra error cannot show")
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text('{"prompt": "a", "reference": "b"}\n')
-    code, err = run_cli(capsys, str(tmp_path), "--tasks", str(tasks), "--out", str(tmp_path / "out"), "--metric",
-                        "exact", "--wandb-project", "p")
+    code, err = run_cli(
+        capsys,
+        str(tmp_path),
+        "--tasks",
+        str(tasks),
+        "--out",
+        str(tmp_path / "out"),
+        "--metric",
+        "exact",
+        "--wandb-project",
+        "p",
+    )
     assert code == 2 and err.count("\n") == 1 and "pip install 'setdiff-megatron[wandb]'" in err, err

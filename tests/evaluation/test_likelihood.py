@@ -15,8 +15,11 @@ from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 from setdiff_megatron.sources.read import read_source
 from tests.conftest import debug_config
 
-DOCS = ["import os\nimport sys\n\ndef main():\n    print(os.getcwd())\n", "class A:\n    pass\n",
-        "for i in range(10):\n    total += i * i\n"]
+DOCS = [
+    "import os\nimport sys\n\ndef main():\n    print(os.getcwd())\n",
+    "class A:\n    pass\n",
+    "for i in range(10):\n    total += i * i\n",
+]
 
 
 def ar_nll(model: SetDiffusionTransformer, tokens: list[int]) -> float:
@@ -29,7 +32,9 @@ def ar_nll(model: SetDiffusionTransformer, tokens: list[int]) -> float:
         for i, token in enumerate(tokens):
             step_tokens = ([tokens[i - 1]] if i else []) + [mask]
             positions = list(range(i - 1, i + 1)) if i else [0]
-            logits = model.step(torch.tensor([step_tokens]), torch.tensor([positions]), cache, num_commit=len(step_tokens) - 1)
+            logits = model.step(
+                torch.tensor([step_tokens]), torch.tensor([positions]), cache, num_commit=len(step_tokens) - 1
+            )
             logits = logits[0, -1].double().index_fill(0, torch.tensor([mask]), float("-inf"))
             total -= torch.log_softmax(logits, 0)[token].item()
     return total
@@ -40,8 +45,16 @@ def test_left_to_right_is_the_exact_ar_nll_on_a_random_model():
     model = SetDiffusionTransformer(debug_config()).double().eval()
     gen = torch.Generator().manual_seed(1)
     windows = [Window(i, torch.randint(0, 63, (n,), generator=gen).tolist(), 0) for i, n in enumerate((9, 5, 12))]
-    nll = window_nll(model, windows, make_order_policy("left_to_right"), mask_token_id=63, keep_clean_bos=False,
-                     num_orders=2, seed=0, device="cpu")
+    nll = window_nll(
+        model,
+        windows,
+        make_order_policy("left_to_right"),
+        mask_token_id=63,
+        keep_clean_bos=False,
+        num_orders=2,
+        seed=0,
+        device="cpu",
+    )
     for w, values in zip(windows, nll):
         assert values[0] == pytest.approx(values[1], abs=1e-9)
         assert values[0] == pytest.approx(ar_nll(model, w.tokens), abs=1e-9)
@@ -56,9 +69,17 @@ def test_the_interval_shrinks_with_more_orders_and_ignores_the_batch():
     def records(num_orders, batch):
         out = []
         for first in range(0, len(windows), batch):
-            chunk = windows[first:first + batch]
-            nll = window_nll(model, chunk, make_order_policy("uniform"), mask_token_id=63, keep_clean_bos=False,
-                             num_orders=num_orders, seed=0, device="cpu")
+            chunk = windows[first : first + batch]
+            nll = window_nll(
+                model,
+                chunk,
+                make_order_policy("uniform"),
+                mask_token_id=63,
+                keep_clean_bos=False,
+                num_orders=num_orders,
+                seed=0,
+                device="cpu",
+            )
             out += [{"nll": v, "num_tokens": 16, "num_bytes": w.num_bytes} for w, v in zip(chunk, nll)]
         return out
 
@@ -70,9 +91,29 @@ def test_the_interval_shrinks_with_more_orders_and_ignores_the_batch():
 
 
 def likelihood(source, data, out, *args, nproc=1):
-    return subprocess.run([sys.executable, "-m", "setdiff_megatron.cli", "eval", "likelihood", str(source),
-                           "--data", str(data), "--out", str(out), "--no-progress", "--batch-size", "2",
-                           "--nproc", str(nproc), *args], capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "setdiff_megatron.cli",
+            "eval",
+            "likelihood",
+            str(source),
+            "--data",
+            str(data),
+            "--out",
+            str(out),
+            "--no-progress",
+            "--batch-size",
+            "2",
+            "--nproc",
+            str(nproc),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 @pytest.fixture
@@ -95,7 +136,8 @@ def test_trained_model_left_to_right_equals_direct_ar_nll(trained_run, data, tmp
     assert summary["num_tokens"] == sum(map(len, docs)) and summary["ci95_half_width"] is None
     assert summary["nll_per_token"] == pytest.approx(direct, abs=1e-4)
     assert summary["bits_per_byte"] == pytest.approx(
-        direct * summary["num_tokens"] / math.log(2) / sum(len(d.encode()) for d in DOCS), rel=1e-6)
+        direct * summary["num_tokens"] / math.log(2) / sum(len(d.encode()) for d in DOCS), rel=1e-6
+    )
 
 
 @pytest.mark.multiproc
@@ -108,13 +150,16 @@ def test_two_processes_give_the_one_process_estimate(trained_run, data, tmp_path
     assert a["ci95_half_width"] == pytest.approx(b["ci95_half_width"], abs=1e-6) and a["ci95_half_width"] > 0
 
 
-@pytest.mark.parametrize("args, content, fragment", [
-    ([], '{"text": "a"}\n{"txt": "b"}\n', "docs.jsonl:2: expected a JSON object with a string 'text'"),
-    ([], "", "holds no documents"),
-    (["--order", "random"], '{"text": "a"}\n', "--order must be one of"),
-    (["--num-orders", "0"], '{"text": "a"}\n', "--num-orders must be >= 1"),
-    (["--seq-len", "4096"], '{"text": "a"}\n', "--seq-len must be in [1, 128]"),
-])
+@pytest.mark.parametrize(
+    "args, content, fragment",
+    [
+        ([], '{"text": "a"}\n{"txt": "b"}\n', "docs.jsonl:2: expected a JSON object with a string 'text'"),
+        ([], "", "holds no documents"),
+        (["--order", "random"], '{"text": "a"}\n', "--order must be one of"),
+        (["--num-orders", "0"], '{"text": "a"}\n', "--num-orders must be >= 1"),
+        (["--seq-len", "4096"], '{"text": "a"}\n', "--seq-len must be in [1, 128]"),
+    ],
+)
 def test_bad_input_fails_with_one_line(trained_run, tmp_path, args, content, fragment):
     (tmp_path / "docs.jsonl").write_text(content)
     proc = likelihood(trained_run, tmp_path / "docs.jsonl", tmp_path / "out", *args)
@@ -134,8 +179,20 @@ def test_a_job_killed_mid_run_resumes_to_the_same_numbers(trained_run, tmp_path)
     whole = likelihood(trained_run, docs, tmp_path / "whole", *args)
     assert whole.returncode == 0, whole.stderr[-3000:]
     cut = tmp_path / "cut"
-    command = [sys.executable, "-m", "setdiff_megatron.cli", "eval", "likelihood", str(trained_run), "--data",
-               str(docs), "--out", str(cut), "--no-progress", *args]
+    command = [
+        sys.executable,
+        "-m",
+        "setdiff_megatron.cli",
+        "eval",
+        "likelihood",
+        str(trained_run),
+        "--data",
+        str(docs),
+        "--out",
+        str(cut),
+        "--no-progress",
+        *args,
+    ]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 300
     while proc.poll() is None and time.monotonic() < deadline:

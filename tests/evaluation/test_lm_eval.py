@@ -11,8 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-pytest.importorskip("lm_eval", reason="lm-eval is not installed (an optional extra: "
-                    "pip install 'setdiff-megatron[lm-eval]')")
+pytest.importorskip(
+    "lm_eval", reason="lm-eval is not installed (an optional extra: pip install 'setdiff-megatron[lm-eval]')"
+)
 
 from setdiff_megatron.cli import main  # noqa: E402
 from setdiff_megatron.core.decoding import DecodingConfig  # noqa: E402
@@ -100,8 +101,9 @@ def ar_logprob(model, ctx: list[int], cont: list[int], mask: int) -> tuple[float
     for j, token in enumerate(cont):
         pos = len(ctx) + j
         tokens, positions = ([cont[j - 1]], [pos - 1]) if j else ([], [])
-        logits = model.step(torch.tensor([tokens + [mask]]), torch.tensor([positions + [pos]]), cache,
-                            num_commit=len(tokens))[0, -1].double()
+        logits = model.step(
+            torch.tensor([tokens + [mask]]), torch.tensor([positions + [pos]]), cache, num_commit=len(tokens)
+        )[0, -1].double()
         logits[mask] = float("-inf")
         total += torch.log_softmax(logits, 0)[token].item()
         greedy &= int(logits.argmax()) == token
@@ -110,20 +112,28 @@ def ar_logprob(model, ctx: list[int], cont: list[int], mask: int) -> tuple[float
 
 def test_loglikelihood_is_the_autoregressive_one(lm):
     tok, mask = lm.tokenizer, lm.tokenizer.mask_id
-    pairs = [("def main(", "):\n    pass"), ("import os\n", "import sys"), ("", " hello world"),
-             ("x = 1\n" * 40, "y = 2")]  # the last context is longer than the model's 128 positions
+    pairs = [
+        ("def main(", "):\n    pass"),
+        ("import os\n", "import sys"),
+        ("", " hello world"),
+        ("x = 1\n" * 40, "y = 2"),
+    ]  # the last context is longer than the model's 128 positions
     # What the model writes greedily, one token at a time (the sampler at window 1), as a continuation.
     ar = DecodingConfig(window=1, max_new_tokens=3, eos_token_ids=())
-    greedy = SetSampler(lm.model, mask_token_id=mask, context_len=lm.max_length).generate(
-        [tok.encode("for i in range(")], ar).rows[0].completion
+    greedy = (
+        SetSampler(lm.model, mask_token_id=mask, context_len=lm.max_length)
+        .generate([tok.encode("for i in range(")], ar)
+        .rows[0]
+        .completion
+    )
     pairs.append(("for i in range(", tok.decode(greedy)))
     results = lm.loglikelihood(requests(*pairs))
     assert len(results) == len(pairs)
     for (context, continuation), (value, is_greedy) in zip(pairs, results):
         # The pair is split where the context's tokens end, if they do; an empty context is an EOS.
         ctx, whole = tok.encode(context), tok.encode(context + continuation)
-        cont = whole[len(ctx):] if whole[:len(ctx)] == ctx else tok.encode(continuation)
-        ctx = ((ctx or [tok.eos_id]) + cont)[-lm.max_length:][:-len(cont)]  # the oldest context goes
+        cont = whole[len(ctx) :] if whole[: len(ctx)] == ctx else tok.encode(continuation)
+        ctx = ((ctx or [tok.eos_id]) + cont)[-lm.max_length :][: -len(cont)]  # the oldest context goes
         expected, expected_greedy = ar_logprob(lm.model, ctx, cont, mask)
         assert value == pytest.approx(expected, abs=1e-5) and is_greedy == expected_greedy
     assert results[-1][1] and not results[0][1]
@@ -139,7 +149,7 @@ def test_loglikelihood_rolling_scores_every_token_once(lm, monkeypatch):
     expected, step = 0.0, lm.max_length - 1
     for start in range(1, len(ids), step):
         end = min(start + step, len(ids))
-        expected += ar_logprob(lm.model, ids[max(0, end - lm.max_length):start], ids[start:end], mask)[0]
+        expected += ar_logprob(lm.model, ids[max(0, end - lm.max_length) : start], ids[start:end], mask)[0]
     short_ids = [tok.eos_id] + tok.encode(short)
     values = lm.loglikelihood_rolling(requests((short,), (long,)))
     assert values[0] == pytest.approx(ar_logprob(lm.model, short_ids[:1], short_ids[1:], mask)[0], abs=1e-5)
@@ -151,14 +161,22 @@ def test_generate_until_is_the_sampler_cut_at_the_stop_strings(lm):
     contexts = ["def main(", "import os\n", "class A:\n"]
     gen_kwargs = {"until": ["\n\n", "Question:"], "max_gen_toks": 10}
     outputs = lm.generate_until(requests(*[(c, gen_kwargs) for c in contexts]))
-    cfg = DecodingConfig(window=4, threshold=0.9, max_new_tokens=10, eos_token_ids=(tok.eos_id,),
-                         stop_sequences=(tuple(tok.encode("\n\n")), tuple(tok.encode("Question:"))))
-    rows = SetSampler(lm.model, mask_token_id=tok.mask_id, context_len=lm.max_length).generate(
-        [tok.encode(c) for c in contexts], cfg).rows
+    cfg = DecodingConfig(
+        window=4,
+        threshold=0.9,
+        max_new_tokens=10,
+        eos_token_ids=(tok.eos_id,),
+        stop_sequences=(tuple(tok.encode("\n\n")), tuple(tok.encode("Question:"))),
+    )
+    rows = (
+        SetSampler(lm.model, mask_token_id=tok.mask_id, context_len=lm.max_length)
+        .generate([tok.encode(c) for c in contexts], cfg)
+        .rows
+    )
     for output, row in zip(outputs, rows):
         text = tok.decode(row.completion, skip_special_tokens=True)
         cuts = [i for i in (text.find("\n\n"), text.find("Question:")) if i >= 0]
-        assert output == (text[:min(cuts)] if cuts else text)
+        assert output == (text[: min(cuts)] if cuts else text)
     speed = lm.get_model_info()["setdiff"]["generate_until_speed"]
     assert speed["rows"] >= 3 and speed["tokens_per_step"] >= 1 and speed["tokens_per_s"] > 0
 
@@ -191,9 +209,26 @@ def test_the_lm_eval_command_line_with_our_model(trained_run, task_dir, tmp_path
     command line with --model setdiff registered. Slow: that command line indexes every one of
     lm-eval's built-in task files (about 25 s on 2 cores) before it reads --include_path."""
     monkeypatch.setattr(sys, "argv", sys.argv[:1])
-    code = main(["eval", "lm-eval", "--model", "setdiff", "--model_args",
-                 f"pretrained={trained_run},window=4,threshold=0.9", "--tasks", "tiny_mc,tiny_gsm", "--include_path",
-                 str(task_dir), "--batch_size", "4", "--device", "cpu", "--output_path", str(tmp_path / "results")])
+    code = main(
+        [
+            "eval",
+            "lm-eval",
+            "--model",
+            "setdiff",
+            "--model_args",
+            f"pretrained={trained_run},window=4,threshold=0.9",
+            "--tasks",
+            "tiny_mc,tiny_gsm",
+            "--include_path",
+            str(task_dir),
+            "--batch_size",
+            "4",
+            "--device",
+            "cpu",
+            "--output_path",
+            str(tmp_path / "results"),
+        ]
+    )
     assert code == 0
     (result,) = tmp_path.glob("results/**/results_*.json")
     saved = json.loads(result.read_text())
@@ -205,11 +240,33 @@ def test_the_lm_eval_command_line_with_our_model(trained_run, task_dir, tmp_path
 @pytest.mark.multiproc
 @pytest.mark.slow
 def test_data_parallel_under_torchrun(lm, trained_run, task_dir, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           "-m", "setdiff_megatron.evaluation.lm_eval_adapter", "--model", "setdiff", "--model_args",
-                           f"pretrained={trained_run},window=4", "--tasks", "tiny_mc", "--include_path", str(task_dir),
-                           "--batch_size", "4", "--output_path", str(tmp_path / "results")],
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "setdiff_megatron.evaluation.lm_eval_adapter",
+            "--model",
+            "setdiff",
+            "--model_args",
+            f"pretrained={trained_run},window=4",
+            "--tasks",
+            "tiny_mc",
+            "--include_path",
+            str(task_dir),
+            "--batch_size",
+            "4",
+            "--output_path",
+            str(tmp_path / "results"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (result,) = tmp_path.glob("results/**/results_*.json")
     saved = json.loads(result.read_text())["results"]["tiny_mc"]

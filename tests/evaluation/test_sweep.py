@@ -18,23 +18,49 @@ from setdiff_megatron.evaluation.sweep import load_spec, pareto_front, run_sweep
 from setdiff_megatron.inference.sharding import Placement
 
 EXAMPLE = Path(__file__).parents[2] / "recipes" / "eval" / "sweep-tiny.yaml"
-ROW_FIELDS = {"checkpoint", "source", "point", "decoding", "task", "metric", "score_name", "score", "quality",
-              "tokens_per_s", "tokens_per_step", "mean_nfe", "num_examples", "num_tokens", "batch_size", "hardware",
-              "dir"}
+ROW_FIELDS = {
+    "checkpoint",
+    "source",
+    "point",
+    "decoding",
+    "task",
+    "metric",
+    "score_name",
+    "score",
+    "quality",
+    "tokens_per_s",
+    "tokens_per_step",
+    "mean_nfe",
+    "num_examples",
+    "num_tokens",
+    "batch_size",
+    "hardware",
+    "dir",
+}
 
 
 @pytest.fixture(scope="module")
 def sweep(trained_run, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sweep")
-    (tmp / "tasks.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
-        {"prompt": "def main(", "reference": "):"},
-        {"prompt": "import os\n", "reference": ["import sys", "import re"]},
-        {"prompt": "x = 1\n", "reference": "y = 2"},
-    ]))
-    spec = {"task": str(tmp / "tasks.jsonl"), "metric": "rouge", "checkpoints": {"tiny": str(trained_run)},
-            "out": str(tmp / "out"), "batch_size": 3,
-            "decoding": {"max_new_tokens": 6, "temperature": 1.0, "seed": 1},
-            "points": [{"name": "ar", "window": 1}, {"window": 4}, {"window": 4, "threshold": 0.5}]}
+    (tmp / "tasks.jsonl").write_text(
+        "".join(
+            json.dumps(r) + "\n"
+            for r in [
+                {"prompt": "def main(", "reference": "):"},
+                {"prompt": "import os\n", "reference": ["import sys", "import re"]},
+                {"prompt": "x = 1\n", "reference": "y = 2"},
+            ]
+        )
+    )
+    spec = {
+        "task": str(tmp / "tasks.jsonl"),
+        "metric": "rouge",
+        "checkpoints": {"tiny": str(trained_run)},
+        "out": str(tmp / "out"),
+        "batch_size": 3,
+        "decoding": {"max_new_tokens": 6, "temperature": 1.0, "seed": 1},
+        "points": [{"name": "ar", "window": 1}, {"window": 4}, {"window": 4, "threshold": 0.5}],
+    }
     (tmp / "spec.yaml").write_text(yaml.safe_dump(spec))
     return tmp, run_sweep(tmp / "spec.yaml", placement=Placement(progress=False))
 
@@ -62,8 +88,9 @@ def test_finished_points_are_skipped(sweep, capsys):
     err = capsys.readouterr().err
     assert err.count("is up to date") == 2 and "wrote 3 results" in err
     timing = ("tokens_per_s",)
-    assert [{k: v for k, v in r.items() if k not in timing} for r in again] == \
-           [{k: v for k, v in r.items() if k not in timing} for r in rows]
+    assert [{k: v for k, v in r.items() if k not in timing} for r in again] == [
+        {k: v for k, v in r.items() if k not in timing} for r in rows
+    ]
     assert [r["tokens_per_s"] for r in again][::2] == [r["tokens_per_s"] for r in rows][::2]
 
 
@@ -87,19 +114,22 @@ def sweep_cli(capsys, spec: Path) -> tuple[int, str]:
 BASE = {"task": "t.jsonl", "metric": "exact", "checkpoints": {"a": "run"}, "out": "o", "points": [{"window": 1}]}
 
 
-@pytest.mark.parametrize("changes, fragment", [
-    ({"windw": 4}, "spec.yaml: windw: unknown key; allowed: task, metric"),
-    ({"points": [{"window": 4, "treshold": 0.5}]}, "spec.yaml: points.0.treshold: unknown key; allowed: window,"),
-    ({"points": []}, "spec.yaml: the sweep has no points: give 'points'"),
-    ({"points": [], "grid": {"window": []}}, "spec.yaml: grid.window: expected a non-empty list of values"),
-    ({"grid": {"widow": [1]}}, "spec.yaml: grid.widow: unknown setting; allowed: window,"),
-    ({"metric": "bleu"}, "spec.yaml: metric: Input should be 'exact', 'rouge' or 'gsm8k' (got 'bleu')"),
-    ({"points": [{"window": 0}]}, "spec.yaml: points.0.window: Input should be greater than 0 (got 0)"),
-    ({"points": [{"window": 4, "threshold": 1.5}]}, "spec.yaml: point w4-t1.5: threshold must be in (0, 1]"),
-    ({"points": [{"window": 4}, {"window": 4}]}, "two points are named 'w4'"),
-    ({"checkpoints": {}}, "spec.yaml: checkpoints: Dictionary should have at least 1 item"),
-    ({"checkpoints": {"a/b": "run"}}, "spec.yaml: checkpoints.a/b.[key]: String should match pattern"),
-])
+@pytest.mark.parametrize(
+    "changes, fragment",
+    [
+        ({"windw": 4}, "spec.yaml: windw: unknown key; allowed: task, metric"),
+        ({"points": [{"window": 4, "treshold": 0.5}]}, "spec.yaml: points.0.treshold: unknown key; allowed: window,"),
+        ({"points": []}, "spec.yaml: the sweep has no points: give 'points'"),
+        ({"points": [], "grid": {"window": []}}, "spec.yaml: grid.window: expected a non-empty list of values"),
+        ({"grid": {"widow": [1]}}, "spec.yaml: grid.widow: unknown setting; allowed: window,"),
+        ({"metric": "bleu"}, "spec.yaml: metric: Input should be 'exact', 'rouge' or 'gsm8k' (got 'bleu')"),
+        ({"points": [{"window": 0}]}, "spec.yaml: points.0.window: Input should be greater than 0 (got 0)"),
+        ({"points": [{"window": 4, "threshold": 1.5}]}, "spec.yaml: point w4-t1.5: threshold must be in (0, 1]"),
+        ({"points": [{"window": 4}, {"window": 4}]}, "two points are named 'w4'"),
+        ({"checkpoints": {}}, "spec.yaml: checkpoints: Dictionary should have at least 1 item"),
+        ({"checkpoints": {"a/b": "run"}}, "spec.yaml: checkpoints.a/b.[key]: String should match pattern"),
+    ],
+)
 def test_bad_specs_fail_with_one_line(tmp_path, capsys, changes, fragment):
     (tmp_path / "spec.yaml").write_text(yaml.safe_dump({**BASE, **changes}))
     code, err = sweep_cli(capsys, tmp_path / "spec.yaml")
@@ -119,9 +149,26 @@ def test_missing_and_malformed_spec_files(tmp_path, capsys):
 def test_a_tensor_parallel_sweep_equals_tp1(sweep, tmp_path):
     """Every point loads the megatron model again in the same processes (TP=2 over 2 processes)."""
     tmp, rows = sweep
-    proc = subprocess.run([sys.executable, "-m", "setdiff_megatron.cli", "eval", "sweep", str(tmp / "spec.yaml"),
-                           "--out", str(tmp_path), "--nproc", "2", "--tp", "2", "--no-progress"],
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "setdiff_megatron.cli",
+            "eval",
+            "sweep",
+            str(tmp / "spec.yaml"),
+            "--out",
+            str(tmp_path),
+            "--nproc",
+            "2",
+            "--tp",
+            "2",
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     for row in rows:
         point = Path(row["dir"]).relative_to(tmp / "out")
@@ -129,8 +176,10 @@ def test_a_tensor_parallel_sweep_equals_tp1(sweep, tmp_path):
 
 
 def scored(path: Path) -> list[dict]:
-    return [{k: v for k, v in json.loads(line).items() if k not in ("seconds", "busy_seconds")}
-            for line in (path / "scored.jsonl").read_text().splitlines()]
+    return [
+        {k: v for k, v in json.loads(line).items() if k not in ("seconds", "busy_seconds")}
+        for line in (path / "scored.jsonl").read_text().splitlines()
+    ]
 
 
 def test_wandb_logging_is_offline_by_default(monkeypatch, tmp_path):
@@ -151,10 +200,26 @@ def test_wandb_logging_is_offline_by_default(monkeypatch, tmp_path):
     stub.Table = lambda columns, data: ("table", columns, data)
     monkeypatch.setitem(sys.modules, "wandb", stub)
     rows = [{"point": "ar", "score": 0.5, "tokens_per_s": 10.0}, {"point": "w4", "score": 0.4, "tokens_per_s": 20.0}]
-    log_to_wandb(WandbConfig("proj"), job_type="eval-sweep", config={"a": 1}, summary={"num_points": 2}, rows=rows,
-                 out_dir=tmp_path)
-    assert calls[0] == ("init", {"project": "proj", "name": None, "mode": "offline", "job_type": "eval-sweep",
-                                 "config": {"a": 1}, "dir": str(tmp_path), "reinit": True})
+    log_to_wandb(
+        WandbConfig("proj"),
+        job_type="eval-sweep",
+        config={"a": 1},
+        summary={"num_points": 2},
+        rows=rows,
+        out_dir=tmp_path,
+    )
+    assert calls[0] == (
+        "init",
+        {
+            "project": "proj",
+            "name": None,
+            "mode": "offline",
+            "job_type": "eval-sweep",
+            "config": {"a": 1},
+            "dir": str(tmp_path),
+            "reinit": True,
+        },
+    )
     assert calls[1] == ("log", {"score": 0.5, "tokens_per_s": 10.0}, 0)
     table = ("table", ["point", "score", "tokens_per_s"], [["ar", 0.5, 10.0], ["w4", 0.4, 20.0]])
     assert calls[3][1]["points"] == table

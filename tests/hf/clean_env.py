@@ -64,10 +64,17 @@ def run_clean(script: str, site: Path, workdir: Path, timeout: float = 300) -> d
     path = workdir / "clean_script.py"
     path.write_text(script)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "HF_", "TRANSFORMERS_"))}
-    env |= {"PYTHONPATH": str(site), "PYTHONNOUSERSITE": "1", "HF_HOME": str(workdir / "hf_home"),
-            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, "-S", str(path)], cwd=workdir, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    env |= {
+        "PYTHONPATH": str(site),
+        "PYTHONNOUSERSITE": "1",
+        "HF_HOME": str(workdir / "hf_home"),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "PYTHONWARNINGS": "ignore",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-S", str(path)], cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout
+    )
     if proc.returncode != 0:
         raise AssertionError(f"clean-environment script failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

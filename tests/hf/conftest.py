@@ -38,7 +38,9 @@ def rank_nll(model: SetDiffusionTransformer, batch: list, perm: list, mask: int)
 def greedy_trace(model: SetDiffusionTransformer, decode: dict, mask: int):
     """(row, its steps as the reference fixtures record them) of the set sampler's greedy decode
     of a fixture's prompt at its window and threshold."""
-    cfg = DecodingConfig(window=decode["window"], threshold=decode["threshold"], max_new_tokens=decode["max_new_tokens"])
+    cfg = DecodingConfig(
+        window=decode["window"], threshold=decode["threshold"], max_new_tokens=decode["max_new_tokens"]
+    )
     (row,) = SetSampler(model, mask_token_id=mask, context_len=32).generate([decode["prompt"]], cfg, trace=True).rows
     return row, [{"queried": s.queried, "decoded": [list(d) for d in s.decoded]} for s in row.trace]
 
@@ -65,8 +67,16 @@ def ar_dirs(tmp_path_factory) -> dict[str, Path]:
     }
 
 
-MOE = dict(num_experts=4, moe_top_k=2, moe_intermediate_size=32, num_shared_experts=1, moe_layer_freq=[0, 1],
-           moe_router_pre_softmax=True, moe_aux_loss_coeff=0.02, moe_z_loss_coeff=1e-3)
+MOE = dict(
+    num_experts=4,
+    moe_top_k=2,
+    moe_intermediate_size=32,
+    num_shared_experts=1,
+    moe_layer_freq=[0, 1],
+    moe_router_pre_softmax=True,
+    moe_aux_loss_coeff=0.02,
+    moe_z_loss_coeff=1e-3,
+)
 """The mixture of experts of `moe_export_dir`: every MoE field away from its default."""
 
 
@@ -75,9 +85,19 @@ def random_setdiff_source(directory: Path, *, tie: bool = True, seed: int = 0, *
     ModelConfig fields."""
     make_tokenizer(directory / "tok", "qwen")
     tokenizer = load_tokenizer(directory / "tok")
-    cfg = ModelConfig(vocab_size=tokenizer.vocab_size, mask_token_id=tokenizer.mask_id, hidden_size=64, num_layers=2,
-                      num_heads=4, num_kv_heads=2, intermediate_size=96, max_seq_len=64, qk_norm=True,
-                      tie_embeddings=tie, **fields)
+    cfg = ModelConfig(
+        vocab_size=tokenizer.vocab_size,
+        mask_token_id=tokenizer.mask_id,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=96,
+        max_seq_len=64,
+        qk_norm=True,
+        tie_embeddings=tie,
+        **fields,
+    )
     torch.manual_seed(seed)
     model = SetDiffusionTransformer(cfg)
     return Source("megatron", directory / "source", cfg, model.state_dict(), tokenizer)
@@ -124,10 +144,24 @@ def clean_site(tmp_path_factory) -> Path:
 def trained_tp2(tmp_path_factory) -> Path:
     """A short tiny-cpu run at TP=2 (two gloo processes): a real megatron checkpoint."""
     run = tmp_path_factory.mktemp("tiny_tp2") / "run"
-    cmd = [sys.executable, "-m", "setdiff_megatron.cli", "train", str(TINY_RECIPE), f"checkpoint.dir={run}",
-           "log.tensorboard=false", "parallel.tp=2", "parallel.global_batch_size=8", "parallel.micro_batch_size=4",
-           "train.steps=6", "train.warmup_steps=2", "eval.interval=1000", "eval.batches=1",
-           "checkpoint.interval=1000", "log.interval=1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "setdiff_megatron.cli",
+        "train",
+        str(TINY_RECIPE),
+        f"checkpoint.dir={run}",
+        "log.tensorboard=false",
+        "parallel.tp=2",
+        "parallel.global_batch_size=8",
+        "parallel.micro_batch_size=4",
+        "train.steps=6",
+        "train.warmup_steps=2",
+        "eval.interval=1000",
+        "eval.batches=1",
+        "checkpoint.interval=1000",
+        "log.interval=1",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return run

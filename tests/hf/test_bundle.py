@@ -53,14 +53,26 @@ def test_modeling_file_is_the_package_source(modeling):
     """Built from the modules themselves: the model and its mixture of experts, the sampler,
     decoding, the cache, the attention kernels (optional GPU imports kept, guarded) and the HF
     wrapper."""
-    for module in ("models/torch_model.py", "models/moe.py", "core/sampler.py", "core/decoding.py", "core/kv_cache.py",
-                   "core/attention.py", "core/attention_shapes.py", "core/merged_attention.py",
-                   "core/document_attention.py", "core/step_attention.py", "hf/hf_model.py"):
+    for module in (
+        "models/torch_model.py",
+        "models/moe.py",
+        "core/sampler.py",
+        "core/decoding.py",
+        "core/kv_cache.py",
+        "core/attention.py",
+        "core/attention_shapes.py",
+        "core/merged_attention.py",
+        "core/document_attention.py",
+        "core/step_attention.py",
+        "hf/hf_model.py",
+    ):
         assert f" setdiff_megatron/{module} " in modeling
     again = modeling_source("test")
     assert modeling == again, "\n".join(list(difflib.unified_diff(modeling.splitlines(), again.splitlines()))[:20])
     assert "class SetDiffModel(SetDiffPreTrainedModel)" in modeling
-    ns = _run(modeling.replace("from .configuration_setdiff import", "from setdiff_megatron.hf.configuration_setdiff import"))
+    ns = _run(
+        modeling.replace("from .configuration_setdiff import", "from setdiff_megatron.hf.configuration_setdiff import")
+    )
     # two modules define `Block` (orders, torch_model): both survive, renamed apart
     assert {"orders_Block", "torch_model_Block", "SetDiffusionTransformer", "SetSampler", "DecodingConfig"} <= set(ns)
 
@@ -85,8 +97,10 @@ def _run(text: str) -> dict:
 
 
 def test_bundler_renames_collisions_and_bundles_lazy_kernels(tmp_path):
-    pkg = _package(tmp_path, {
-        "a.py": '''
+    pkg = _package(
+        tmp_path,
+        {
+            "a.py": """
             import torch
 
             class Block:
@@ -94,8 +108,8 @@ def test_bundler_renames_collisions_and_bundles_lazy_kernels(tmp_path):
 
             def make():
                 return Block()
-            ''',
-        "kern.py": '''
+            """,
+            "kern.py": """
             def status():
                 try:
                     import fake_gpu_library_one  # noqa: F401
@@ -106,14 +120,14 @@ def test_bundler_renames_collisions_and_bundles_lazy_kernels(tmp_path):
             def load():
                 import fake_gpu_library_two  # function-level: bundled, marked optional
                 return fake_gpu_library_two
-            ''',
-        "gpu.py": '''
+            """,
+            "gpu.py": """
             import fake_gpu_library_three  # module level: this module cannot be bundled
 
             def fast():
                 return "fast"
-            ''',
-        "b.py": '''
+            """,
+            "b.py": """
             from PKG import kern
             from PKG.a import Block as ABlock, make
 
@@ -129,8 +143,9 @@ def test_bundler_renames_collisions_and_bundles_lazy_kernels(tmp_path):
                 except ImportError:
                     return "slow"
                 return fast()
-            ''',
-    })
+            """,
+        },
+    )
     text = bundle_modules([f"{pkg}.b"])
     ns = _run(text)
     assert ns["both"]() == ("a", "b", "a", "fallback")

@@ -25,8 +25,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
 RECIPE = ROOT / "recipes" / "tiny-dit-cpu.yaml"
 STEPS = 30
-SHORT = ("launch.nproc_per_node=1", f"train.steps={STEPS}", "train.warmup_steps=5", "log.interval=1",
-         "eval.interval=1000", f"checkpoint.interval={STEPS}", "log.tensorboard=false")
+SHORT = (
+    "launch.nproc_per_node=1",
+    f"train.steps={STEPS}",
+    "train.warmup_steps=5",
+    "log.interval=1",
+    "eval.interval=1000",
+    f"checkpoint.interval={STEPS}",
+    "log.tensorboard=false",
+)
 DECODING = dict(max_new_tokens=8, window=4, threshold=0.3)
 PROMPTS = ("def main():\n    ", "import os\n")
 
@@ -39,9 +46,23 @@ def data_cache(tmp_path_factory) -> Path:
 
 def train(run: Path, data_cache: Path, *overrides: str) -> Path:
     """`setdiff train` of the recipe for STEPS steps; its loss must fall by half a nat."""
-    proc = subprocess.run([sys.executable, "-m", "setdiff_megatron.cli", "train", str(RECIPE), f"checkpoint.dir={run}",
-                           f"data.cache_dir={data_cache}", *SHORT, *overrides], cwd=ROOT, capture_output=True,
-                          text=True, timeout=1500)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "setdiff_megatron.cli",
+            "train",
+            str(RECIPE),
+            f"checkpoint.dir={run}",
+            f"data.cache_dir={data_cache}",
+            *SHORT,
+            *overrides,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     lines = (run / "logs" / "metrics.jsonl").read_text().splitlines()
     losses = [m["train/loss"] for m in map(json.loads, lines) if "train/loss" in m]
@@ -51,8 +72,11 @@ def train(run: Path, data_cache: Path, *overrides: str) -> Path:
 
 def decode(source) -> list[list[int]]:
     tok = source.tokenizer
-    sampler = SetSampler(verify.torch_model(source.config, source.state_dict), mask_token_id=tok.mask_id,
-                         context_len=source.config.max_seq_len)
+    sampler = SetSampler(
+        verify.torch_model(source.config, source.state_dict),
+        mask_token_id=tok.mask_id,
+        context_len=source.config.max_seq_len,
+    )
     cfg = DecodingConfig(eos_token_ids=(tok.eos_id,), **DECODING)
     return [row.tokens for row in sampler.generate([tok.encode(p) for p in PROMPTS], cfg).rows]
 

@@ -97,8 +97,12 @@ def test_a_composer_checkpoint_is_read_safely_as_the_released_model(tmp_path):
     any of it: alone (config and tokenizer from its integrations), or without them from a
     config.json and a tokenizer beside it."""
     # In a fresh interpreter: a library imported by other tests may have allowed numpy's globals.
-    plain = subprocess.run([sys.executable, "-c", f"import torch; torch.load({str(COMPOSER)!r}, weights_only=True)"],
-                           capture_output=True, text=True, timeout=120)
+    plain = subprocess.run(
+        [sys.executable, "-c", f"import torch; torch.load({str(COMPOSER)!r}, weights_only=True)"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert plain.returncode != 0 and "UnpicklingError" in plain.stderr, plain.stderr[-2000:]
     hub = read_source(HUB)
     alone = tmp_path / "alone" / "best-rank0.pt"
@@ -127,8 +131,10 @@ class _Touch:
 
 def test_a_malicious_checkpoint_runs_nothing(tmp_path):
     sentinel = tmp_path / "ran"
-    torch.save({"state": {"model": {"model.backbone.vocab_embed.embedding": torch.zeros(2, 2)}, "x": _Touch(sentinel)}},
-               tmp_path / "evil.pt")
+    torch.save(
+        {"state": {"model": {"model.backbone.vocab_embed.embedding": torch.zeros(2, 2)}, "x": _Touch(sentinel)}},
+        tmp_path / "evil.pt",
+    )
     with pytest.raises(UserError, match="cannot read .* safely.*Trying to call reduce") as err:
         read_source(tmp_path / "evil.pt")
     assert not sentinel.exists() and "\n" not in str(err.value)
@@ -144,14 +150,17 @@ def _edited_hub(tmp_path: Path, config: dict | None = None, weights: dict | None
     return out
 
 
-@pytest.mark.parametrize("config,weights,message", [
-    (dict(adaln=True), None, "adaln: true"),
-    (dict(causal_attention=True), None, "autoregressive baseline"),
-    (dict(vocab_size=60), None, "is not one of the checkpoint's 60 rows"),
-    (None, {"rotary_emb.inv_freq": torch.ones(3)}, "rotary frequencies"),
-    (None, {"sigma_map.mlp.0.weight": torch.zeros(2, 2)}, "not mapped: ['sigma_map.mlp.0.weight']"),
-    (dict(num_layers=3), None, "missing ['layers.2.input_layernorm.weight'"),
-])
+@pytest.mark.parametrize(
+    "config,weights,message",
+    [
+        (dict(adaln=True), None, "adaln: true"),
+        (dict(causal_attention=True), None, "autoregressive baseline"),
+        (dict(vocab_size=60), None, "is not one of the checkpoint's 60 rows"),
+        (None, {"rotary_emb.inv_freq": torch.ones(3)}, "rotary frequencies"),
+        (None, {"sigma_map.mlp.0.weight": torch.zeros(2, 2)}, "not mapped: ['sigma_map.mlp.0.weight']"),
+        (dict(num_layers=3), None, "missing ['layers.2.input_layernorm.weight'"),
+    ],
+)
 def test_what_the_family_cannot_hold_is_refused_in_one_line(tmp_path, config, weights, message):
     with pytest.raises(UserError) as err:
         read_source(_edited_hub(tmp_path, config, weights))

@@ -56,20 +56,34 @@ print(json.dumps({{
 def _reference(source, prompts: list[list[int]]):
     model = verify.torch_model(source.config, source.state_dict)
     cfg = DecodingConfig(eos_token_ids=(source.tokenizer.eos_id,), **DECODING)
-    return SetSampler(model, mask_token_id=source.config.mask_token_id, context_len=source.config.max_seq_len).generate(prompts, cfg)
+    return SetSampler(model, mask_token_id=source.config.mask_token_id, context_len=source.config.max_seq_len).generate(
+        prompts, cfg
+    )
 
 
 def _prompts(source) -> list[list[int]]:
     tok = source.tokenizer
-    return [tok.encode("def add(a, b):\n"), tok.encode("import os"), tok.encode("for i in") + [tok.mask_id] * 3 + tok.encode(":")]
+    return [
+        tok.encode("def add(a, b):\n"),
+        tok.encode("import os"),
+        tok.encode("for i in") + [tok.mask_id] * 3 + tok.encode(":"),
+    ]
 
 
 def test_export_files(export_dir):
     out, source = export_dir
     names = {p.name for p in out.iterdir()}
-    assert {"config.json", "configuration_setdiff.py", "modeling_setdiff.py", "model.safetensors.index.json",
-            "generation_config.json", "tokenizer.json", "tokenizer_config.json", "setdiff_tokenizer.json",
-            "README.md"} <= names
+    assert {
+        "config.json",
+        "configuration_setdiff.py",
+        "modeling_setdiff.py",
+        "model.safetensors.index.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "setdiff_tokenizer.json",
+        "README.md",
+    } <= names
     shards = sorted(n for n in names if n.endswith(".safetensors"))
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(shards) > 1 and sorted(set(index["weight_map"].values())) == shards
@@ -98,7 +112,12 @@ def test_config_json_holds_every_moe_field(export_dir, moe_export_dir):
 def test_config_json_holds_the_dit_layout(dit_export_dir):
     out, source = dit_export_dir
     config = json.loads((out / "config.json").read_text())
-    assert (config["norm"], config["mlp"], config["mlp_bias"], config["output_bias"]) == ("layernorm", "gelu", True, True)
+    assert (config["norm"], config["mlp"], config["mlp_bias"], config["output_bias"]) == (
+        "layernorm",
+        "gelu",
+        True,
+        True,
+    )
     assert config["hidden_act"] == "gelu_pytorch_tanh" and config["rms_norm_eps"] == source.config.norm_eps
     weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     assert {"lm_head.bias", "model.layers.0.mlp.up_proj.bias", "model.layers.0.mlp.down_proj.bias"} <= set(weight_map)
@@ -122,8 +141,10 @@ def test_clean_environment_loads_export_with_logit_and_greedy_parity(export, req
     core.sampler.SetSampler."""
     out, source = request.getfixturevalue(export)
     batch = verify.fixed_batch(source.config)
-    save_file({"clean": batch.clean_tokens, "query": batch.query_tokens, "positions": batch.position_ids},
-              str(tmp_path / "batch.safetensors"))
+    save_file(
+        {"clean": batch.clean_tokens, "query": batch.query_tokens, "positions": batch.position_ids},
+        str(tmp_path / "batch.safetensors"),
+    )
     prompts = _prompts(source)
     (tmp_path / "prompts.json").write_text(json.dumps(prompts))
     script = CLEAN_SCRIPT.format(export=str(out), work=str(tmp_path), decoding=DECODING)
@@ -159,8 +180,10 @@ def test_export_errors_are_one_line(export_dir, tmp_path, capsys, ar_dirs):
         (["convert", "to-hf", str(tmp_path / "missing"), str(tmp_path / "o1")], "does not exist"),
         (["convert", "to-hf", str(ar_dirs["llama"]), str(tmp_path / "o2")], "convert from-hf"),
         (["convert", "to-hf", str(out), str(tmp_path / "o3"), "--shard-size", "lots"], "shard size"),
-        (["convert", "to-hf", str(out), str(tmp_path / "o4"), "--check", "--tolerance", "1e-12"],
-         "--check: exported model (transformers AutoModel) vs source differs by"),
+        (
+            ["convert", "to-hf", str(out), str(tmp_path / "o4"), "--check", "--tolerance", "1e-12"],
+            "--check: exported model (transformers AutoModel) vs source differs by",
+        ),
     ]
     for argv, message in cases:
         assert main(argv) == 2, argv
@@ -187,4 +210,3 @@ def test_forward_padding_and_arguments(export_dir):
         model(batch.clean_tokens, attention_mask=mask.flip(1))
     with pytest.raises(TypeError, match="labels"):
         model(batch.clean_tokens, labels=batch.clean_tokens)
-

@@ -29,7 +29,8 @@ MOE_VARIANTS = {
     "norm_topk_prob, mlp_only_layers": (dict(num_hidden_layers=3, mlp_only_layers=[1]), ((True, False, True), False)),
     "softmax before top-k, decoder_sparse_step, fused experts": (
         dict(num_hidden_layers=4, decoder_sparse_step=2, norm_topk_prob=False, fused=True),
-        ((False, True, False, True), True)),
+        ((False, True, False, True), True),
+    ),
 }
 
 
@@ -50,8 +51,11 @@ def test_clean_stream_is_the_ar_model(ar_dirs, kind):
     assert (logits[..., :rows] - expected.logits).abs().max() < 1e-5
     cfg = source.config
     assert (cfg.qkv_bias, cfg.qk_norm, cfg.tie_embeddings, cfg.num_experts) == {
-        "llama": (False, False, False, 0), "qwen2": (True, False, False, 0), "qwen3": (False, True, True, 0),
-        "qwen3_moe": (False, True, False, 4)}[kind]
+        "llama": (False, False, False, 0),
+        "qwen2": (True, False, False, 0),
+        "qwen3": (False, True, True, 0),
+        "qwen3_moe": (False, True, False, 4),
+    }[kind]
     assert cfg.rope_theta == 50000.0 and cfg.head_dim == (24 if kind.startswith("qwen3") else 16)
 
 
@@ -66,7 +70,11 @@ def test_qwen3_moe_import_check_passes(variant, tmp_path):
     source = read_hf_dir(directory)
     cfg = source.config
     assert (cfg.moe_layers, cfg.moe_router_pre_softmax, cfg.moe_top_k, cfg.moe_intermediate_size) == (
-        layers, pre_softmax, 2, 32)
+        layers,
+        pre_softmax,
+        2,
+        32,
+    )
     check = ar_comparison(source, verify.torch_model(cfg, source.state_dict), torch.float32, verify.DEFAULT_TOLERANCE)
     assert check.ok, check.line()
 
@@ -99,15 +107,18 @@ def _edit_config(src: Path, dst: Path, **changes) -> Path:
 def test_refusals_are_one_line_user_errors(ar_dirs, tmp_path):
     llama, moe = ar_dirs["llama"], ar_dirs["qwen3_moe"]
     cases = {
-        "GPT2LMHeadModel' is not supported; supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM":
-            _edit_config(llama, tmp_path / "gpt2", model_type="gpt2", architectures=["GPT2LMHeadModel"]),
-        "rope scaling 'llama3'": _edit_config(llama, tmp_path / "rope", rope_parameters={
-            "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}),
+        "GPT2LMHeadModel' is not supported; supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM": _edit_config(
+            llama, tmp_path / "gpt2", model_type="gpt2", architectures=["GPT2LMHeadModel"]
+        ),
+        "rope scaling 'llama3'": _edit_config(
+            llama, tmp_path / "rope", rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}
+        ),
         "mlp_bias": _edit_config(llama, tmp_path / "mlp_bias", mlp_bias=True),
         "attention_bias": _edit_config(llama, tmp_path / "attn_bias", attention_bias=True),
         "mlp.gate_proj.weight": _edit_config(llama, tmp_path / "shape", intermediate_size=80),
-        "'Qwen2MoeForCausalLM' is not supported (its shared expert is scaled by a learnt sigmoid gate":
-            _edit_config(moe, tmp_path / "qwen2_moe", model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"]),
+        "'Qwen2MoeForCausalLM' is not supported (its shared expert is scaled by a learnt sigmoid gate": _edit_config(
+            moe, tmp_path / "qwen2_moe", model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"]
+        ),
         "sliding-window attention": _edit_config(moe, tmp_path / "moe_window", use_sliding_window=True),
         "decoder_sparse_step must be >= 1": _edit_config(moe, tmp_path / "moe_step", decoder_sparse_step=0),
     }
@@ -136,7 +147,9 @@ def test_convert_from_hf_writes_a_megatron_checkpoint(ar_dirs, kind, tmp_path, c
     assert f"clean stream (left to right) vs {kind} source logits" in proc.stdout and "megatron model vs" in proc.stdout
     step = out / "checkpoints" / "step_00000000"
     assert (out / "checkpoints" / "latest").read_text().strip() == step.name
-    assert {"manifest.json", "train_state.json", "recipe.yaml", "tokenizer", "metadata.json"} <= {p.name for p in step.iterdir()}
+    assert {"manifest.json", "train_state.json", "recipe.yaml", "tokenizer", "metadata.json"} <= {
+        p.name for p in step.iterdir()
+    }
     state = json.loads((step / "train_state.json").read_text())
     source = read_hf_dir(ar_dirs[kind])
     assert state["weights_only"] and "run_id" not in state and state["model"]["qk_norm"]
@@ -185,4 +198,3 @@ def test_reading_never_unpickles(ar_dirs, export_dir, monkeypatch):
     for kind in KINDS:
         read_hf_dir(ar_dirs[kind])
     load_hf_export(export_dir[0])
-

@@ -101,7 +101,10 @@ def test_the_evaluation_settings_are_the_reference_loaders(kind):
     loaded, recipe = REFERENCE[kind]["loaded"], source.recipe
     assert source.kind == "setdlm" and source.add_bos == loaded["keep_clean_bos"] is True
     assert (recipe.method.order, recipe.method.d, recipe.method.m) == (
-        "staggered", loaded["desired_block_size"], loaded["max_block_size"])
+        "staggered",
+        loaded["desired_block_size"],
+        loaded["max_block_size"],
+    )
     assert recipe.data.seq_len == loaded["length"] == 32
     assert source.tokenizer.mask_id == REFERENCE[kind]["settings"]["mask"]
 
@@ -145,13 +148,17 @@ def test_ours_to_a_release_and_back_is_bitwise(kind, tmp_path):
     assert all(torch.equal(back.state_dict[k], source.state_dict[k]) for k in source.state_dict)
     assert (back.recipe.method, back.recipe.data.seq_len) == (source.recipe.method, source.recipe.data.seq_len)
     written = torch.load(out / "pytorch_model.bin", weights_only=True)
-    assert torch.equal(written["static_attention_mask"], torch.load(RELEASES[kind] / "pytorch_model.bin",
-                                                                    weights_only=True)["static_attention_mask"])
+    assert torch.equal(
+        written["static_attention_mask"],
+        torch.load(RELEASES[kind] / "pytorch_model.bin", weights_only=True)["static_attention_mask"],
+    )
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["SetDLM"] and config["model_type"] == "bd3lm"
     if kind == "qwen3":  # tied, as the reference saves it: one storage under both names
-        assert written["backbone.model.lm_head.weight"].data_ptr() == \
-            written["backbone.model.model.embed_tokens.weight"].data_ptr()
+        assert (
+            written["backbone.model.lm_head.weight"].data_ptr()
+            == written["backbone.model.model.embed_tokens.weight"].data_ptr()
+        )
 
 
 def test_the_static_mask_is_the_reference_buffer():
@@ -175,9 +182,24 @@ def test_convert_from_hf_records_the_evaluation_settings(tmp_path):
 def test_sample_reads_a_release_directly(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "w33 w33 w1 w47"}) + "\n")
-    cmd = [sys.executable, "-m", "setdiff_megatron.cli", "sample", str(RELEASES["qwen3"]), "--base", str(BASE),
-           "--prompts", str(prompts), "--out", str(tmp_path / "out.jsonl"), "--max-new-tokens", "6", "--window", "4",
-           "--no-progress"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "setdiff_megatron.cli",
+        "sample",
+        str(RELEASES["qwen3"]),
+        "--base",
+        str(BASE),
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(tmp_path / "out.jsonl"),
+        "--max-new-tokens",
+        "6",
+        "--window",
+        "4",
+        "--no-progress",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (result,) = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
@@ -189,14 +211,21 @@ def _truncated(folder: Path) -> None:
     (folder / "pytorch_model.bin").write_bytes(data[: len(data) // 2])
 
 
-@pytest.mark.parametrize("kind,edit,message", [
-    ("dit", _truncated, "pytorch_model.bin safely"),
-    ("dit", {"length": 16}, "length is 16, but pytorch_model.bin's static_attention_mask is (64, 64)"),
-    ("qwen3", {}, "pass --base DIR"),
-    ("dit", {"backbone_config": {"_target_": "backbone_dit_legacy.DITLegacy"}}, "is not a released backbone"),
-    ("dit", {"noise_config": {"_target_": "noise_schedule_noise_schedules.LinearNoise"}}, "a BD3-LM or MDLM release"),
-    ("dit", {"mask_token_id": 5, "tokenization_config": {"mask_token_id": 5}}, "mask_token_id is 5"),
-])
+@pytest.mark.parametrize(
+    "kind,edit,message",
+    [
+        ("dit", _truncated, "pytorch_model.bin safely"),
+        ("dit", {"length": 16}, "length is 16, but pytorch_model.bin's static_attention_mask is (64, 64)"),
+        ("qwen3", {}, "pass --base DIR"),
+        ("dit", {"backbone_config": {"_target_": "backbone_dit_legacy.DITLegacy"}}, "is not a released backbone"),
+        (
+            "dit",
+            {"noise_config": {"_target_": "noise_schedule_noise_schedules.LinearNoise"}},
+            "a BD3-LM or MDLM release",
+        ),
+        ("dit", {"mask_token_id": 5, "tokenization_config": {"mask_token_id": 5}}, "mask_token_id is 5"),
+    ],
+)
 def test_bad_releases_are_one_line_and_convert_writes_nothing(tmp_path, kind, edit, message):
     folder = _copy(kind, tmp_path, edit if isinstance(edit, dict) else None)
     if callable(edit):

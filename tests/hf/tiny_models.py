@@ -14,8 +14,13 @@ from pathlib import Path
 
 import torch
 
-TEXT = ["def add(a, b):\n    return a + b\n", "import os\nprint(os.getcwd())\n", "class A:\n    pass\n",
-        "for i in range(10):\n    print(i * i)\n", "the quick brown fox jumps over the lazy dog\n"] * 20
+TEXT = [
+    "def add(a, b):\n    return a + b\n",
+    "import os\nprint(os.getcwd())\n",
+    "class A:\n    pass\n",
+    "for i in range(10):\n    print(i * i)\n",
+    "the quick brown fox jumps over the lazy dog\n",
+] * 20
 SPECIALS = {
     "qwen": ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>"],
     "llama": ["<|begin_of_text|>", "<|end_of_text|>"],
@@ -24,11 +29,22 @@ TOKENIZER_CONFIG = {
     "qwen": {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>", "bos_token": None},
     "llama": {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"},
 }
-BODY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            intermediate_size=96, max_position_embeddings=128, rms_norm_eps=1e-6)
+BODY = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=96,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-6,
+)
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
-CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-           "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
+CLASSES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+}
 
 
 def make_tokenizer(directory: Path, family: str, vocab_size: int = 300) -> int:
@@ -38,8 +54,9 @@ def make_tokenizer(directory: Path, family: str, vocab_size: int = 300) -> int:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS[family],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIALS[family], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(TEXT, trainer)
     directory.mkdir(parents=True, exist_ok=True)
     tok.save(str(directory / "tokenizer.json"))
@@ -48,8 +65,16 @@ def make_tokenizer(directory: Path, family: str, vocab_size: int = 300) -> int:
     return tok.get_vocab_size(with_added_tokens=True)
 
 
-def make_ar_model(kind: str, directory: Path, *, tie: bool = False, extra_rows: int = 0, seed: int = 0,
-                  fused: bool = False, **overrides) -> Path:
+def make_ar_model(
+    kind: str,
+    directory: Path,
+    *,
+    tie: bool = False,
+    extra_rows: int = 0,
+    seed: int = 0,
+    fused: bool = False,
+    **overrides,
+) -> Path:
     """A random `kind` (a key of CLASSES) model and tokenizer saved to `directory`; `fused`: its
     experts saved as transformers 5 holds them (mlp.experts.gate_up_proj, down_proj), not one tensor
     per expert as save_pretrained writes them."""

@@ -21,15 +21,18 @@ def test_prompts_keep_order_extra_keys_and_spans(tmp_path):
     assert (second.index, second.line, second.segments, second.extra) == (1, 3, ("x", 3, "y"), {"ref": "z"})
 
 
-@pytest.mark.parametrize("line, fragment", [
-    ('{"prompt": "a"', "p.jsonl:2: not valid JSON"),
-    ('["a"]', "p.jsonl:2: expected a JSON object"),
-    ('{"text": "a"}', "p.jsonl:2: give exactly one of 'prompt'"),
-    ('{"prompt": "a", "segments": ["b"]}', "give exactly one of"),
-    ('{"segments": ["a", 0]}', "span lengths >= 1"),
-    ('{"segments": []}', "non-empty list"),
-    ('{"prompt": 3}', "'prompt' must be a string"),
-])
+@pytest.mark.parametrize(
+    "line, fragment",
+    [
+        ('{"prompt": "a"', "p.jsonl:2: not valid JSON"),
+        ('["a"]', "p.jsonl:2: expected a JSON object"),
+        ('{"text": "a"}', "p.jsonl:2: give exactly one of 'prompt'"),
+        ('{"prompt": "a", "segments": ["b"]}', "give exactly one of"),
+        ('{"segments": ["a", 0]}', "span lengths >= 1"),
+        ('{"segments": []}', "non-empty list"),
+        ('{"prompt": 3}', "'prompt' must be a string"),
+    ],
+)
 def test_malformed_prompt_lines_name_file_and_line(tmp_path, line, fragment):
     with pytest.raises(UserError, match=fragment):
         read_prompts(write(tmp_path / "p.jsonl", '{"prompt": "ok"}', line))

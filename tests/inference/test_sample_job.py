@@ -22,8 +22,18 @@ PROMPTS = [
     {"prompt": ""},
     {"prompt": "    for i in range("},
 ]
-DECODING = ["--max-new-tokens", "12", "--window", "4", "--threshold", "0.3", "--tokens-per-step", "2",
-            "--batch-size", "2"]
+DECODING = [
+    "--max-new-tokens",
+    "12",
+    "--window",
+    "4",
+    "--threshold",
+    "0.3",
+    "--tokens-per-step",
+    "2",
+    "--batch-size",
+    "2",
+]
 
 
 @pytest.fixture(scope="module")
@@ -39,14 +49,35 @@ def prompts(tmp_path) -> Path:
 
 
 def sample(source, prompts, out, *args, nproc=1, progress=False) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "setdiff_megatron.cli", "sample", str(source), "--prompts",
-                           str(prompts), "--out", str(out), *([] if progress else ["--no-progress"]), *DECODING,
-                           "--nproc", str(nproc), *args], capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "setdiff_megatron.cli",
+            "sample",
+            str(source),
+            "--prompts",
+            str(prompts),
+            "--out",
+            str(out),
+            *([] if progress else ["--no-progress"]),
+            *DECODING,
+            "--nproc",
+            str(nproc),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def outputs(path: Path) -> list[dict]:
     """The records without their timings."""
-    return [{k: v for k, v in json.loads(line).items() if k not in ("seconds", "busy_seconds")} for line in path.read_text().splitlines()]
+    return [
+        {k: v for k, v in json.loads(line).items() if k not in ("seconds", "busy_seconds")}
+        for line in path.read_text().splitlines()
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -67,11 +98,18 @@ def test_outputs_are_the_samplers_in_prompt_order(run_dir, one_process):
     model = SetDiffusionTransformer(ckpt.config)
     model.load_state_dict(ckpt.state_dict)
     tok = ckpt.tokenizer
-    encoded = [tok.encode(p["prompt"]) if "prompt" in p else
-               tok.encode(p["segments"][0]) + [tok.mask_id] * 5 + tok.encode(p["segments"][2]) for p in PROMPTS]
+    encoded = [
+        tok.encode(p["prompt"])
+        if "prompt" in p
+        else tok.encode(p["segments"][0]) + [tok.mask_id] * 5 + tok.encode(p["segments"][2])
+        for p in PROMPTS
+    ]
     cfg = DecodingConfig(window=4, threshold=0.3, tokens_per_step=2, max_new_tokens=12, eos_token_ids=(tok.eos_id,))
-    rows = SetSampler(model.eval(), mask_token_id=tok.mask_id, context_len=ckpt.config.max_seq_len).generate(
-        encoded, cfg).rows
+    rows = (
+        SetSampler(model.eval(), mask_token_id=tok.mask_id, context_len=ckpt.config.max_seq_len)
+        .generate(encoded, cfg)
+        .rows
+    )
     assert [r["index"] for r in one_process] == list(range(5))
     assert [r.get("id") for r in one_process] == ["a", None, "infill", None, None]
     for record, row, ids in zip(one_process, rows, encoded):
@@ -110,13 +148,16 @@ def test_a_rerun_skips_what_was_written(run_dir, prompts, tmp_path, one_process)
     assert "5 already written" in again.stderr and outputs(out) == one_process
 
 
-@pytest.mark.parametrize("args, fragment", [
-    (["--window", "0"], "decoding option: window must be >= 1"),
-    (["--tokens-per-step", "0"], "tokens_per_step must be >= 1"),
-    (["--threshold", "1.5"], "threshold must be in (0, 1]"),
-    (["--tp", "2"], "--tp 2 needs a multiple of 2 processes; this job has 1"),
-    (["--nproc", "0"], "--nproc must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--window", "0"], "decoding option: window must be >= 1"),
+        (["--tokens-per-step", "0"], "tokens_per_step must be >= 1"),
+        (["--threshold", "1.5"], "threshold must be in (0, 1]"),
+        (["--tp", "2"], "--tp 2 needs a multiple of 2 processes; this job has 1"),
+        (["--nproc", "0"], "--nproc must be >= 1"),
+    ],
+)
 def test_bad_options_fail_with_one_line_and_keep_outputs(run_dir, prompts, tmp_path, args, fragment):
     out = tmp_path / "o.jsonl"
     proc = sample(run_dir, prompts, out, *args)
@@ -124,10 +165,13 @@ def test_bad_options_fail_with_one_line_and_keep_outputs(run_dir, prompts, tmp_p
     assert proc.stderr.count("\n") == 1 and fragment in proc.stderr, proc.stderr
 
 
-@pytest.mark.parametrize("content, fragment", [
-    ("", "holds no prompts"),
-    ('{"prompt": "a"}\n{"prompt": \n', "prompts.jsonl:2: not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "content, fragment",
+    [
+        ("", "holds no prompts"),
+        ('{"prompt": "a"}\n{"prompt": \n', "prompts.jsonl:2: not valid JSON"),
+    ],
+)
 def test_bad_prompt_files(run_dir, tmp_path, content, fragment):
     (tmp_path / "prompts.jsonl").write_text(content)
     proc = sample(run_dir, tmp_path / "prompts.jsonl", tmp_path / "o.jsonl")
@@ -135,8 +179,9 @@ def test_bad_prompt_files(run_dir, tmp_path, content, fragment):
 
 
 def test_a_prompt_longer_than_the_context(run_dir, tmp_path):
-    (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": "ok"}) + "\n" +
-                                            json.dumps({"prompt": "x = 1\n" * 200}) + "\n")
+    (tmp_path / "prompts.jsonl").write_text(
+        json.dumps({"prompt": "ok"}) + "\n" + json.dumps({"prompt": "x = 1\n" * 200}) + "\n"
+    )
     proc = sample(run_dir, tmp_path / "prompts.jsonl", tmp_path / "o.jsonl")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
     assert "prompts.jsonl:2: the prompt is longer than the context" in proc.stderr

@@ -160,12 +160,37 @@ def _seqlens(cu_seqlens: torch.Tensor, max_len: int):
     return None if bool((lengths == max_len).all()) else lengths
 
 
-def te_fused_attn_fwd(is_training, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, fake_dtype,
-                      fused_attention_backend, attn_bias=None, cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None,
-                      page_table_k=None, page_table_v=None, s_quantizer=None, o_quantizer=None, attn_scale=None,
-                      dropout=0.0, fast_zero_fill=True, qkv_layout="sbh3d", attn_bias_type="no_bias",
-                      attn_mask_type="padding", softmax_type="vanilla", window_size=(-1, -1), rng_gen=None,
-                      softmax_offset=None, return_max_logit=False, cuda_graph=False):
+def te_fused_attn_fwd(
+    is_training,
+    max_seqlen_q,
+    max_seqlen_kv,
+    cu_seqlens_q,
+    cu_seqlens_kv,
+    q,
+    k,
+    v,
+    fake_dtype,
+    fused_attention_backend,
+    attn_bias=None,
+    cu_seqlens_q_padded=None,
+    cu_seqlens_kv_padded=None,
+    page_table_k=None,
+    page_table_v=None,
+    s_quantizer=None,
+    o_quantizer=None,
+    attn_scale=None,
+    dropout=0.0,
+    fast_zero_fill=True,
+    qkv_layout="sbh3d",
+    attn_bias_type="no_bias",
+    attn_mask_type="padding",
+    softmax_type="vanilla",
+    window_size=(-1, -1),
+    rng_gen=None,
+    softmax_offset=None,
+    return_max_logit=False,
+    cuda_graph=False,
+):
     fp8 = fused_attention_backend == "FP8"
     if fp8 != isinstance(q, EmulatedFloat8Tensor) or (fp8 and (s_quantizer is None or o_quantizer is None)):
         raise ValueError("emulation: the FP8 backend takes FP8 q/k/v and S and O quantizers, the F16 one neither")
@@ -175,8 +200,15 @@ def te_fused_attn_fwd(is_training, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu
         raise ValueError("emulation: no bias, no dropout")
     fmt, (q_, k_, v_) = _te_inputs(qkv_layout, q, k, v)
     scale = attn_scale if attn_scale is not None else q_.shape[-1] ** -0.5
-    allowed = _allowed(q_.shape[0], max_seqlen_q, max_seqlen_kv, attn_mask_type,
-                       _seqlens(cu_seqlens_q, max_seqlen_q), _seqlens(cu_seqlens_kv, max_seqlen_kv), q_.device)
+    allowed = _allowed(
+        q_.shape[0],
+        max_seqlen_q,
+        max_seqlen_kv,
+        attn_mask_type,
+        _seqlens(cu_seqlens_q, max_seqlen_q),
+        _seqlens(cu_seqlens_kv, max_seqlen_kv),
+        q_.device,
+    )
     out, lse = attention_forward(q_, k_, v_, scale, allowed, s_quantizer.round if fp8 else None)
     # What a fully masked row holds is unspecified; use the hostile choice so callers must cope.
     lse = lse.masked_fill(~allowed.any(-1), float("inf"))
@@ -189,12 +221,36 @@ def te_fused_attn_fwd(is_training, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu
     return out, ([stats, torch.ones_like(stats), rng_state] if fp8 else [stats, rng_state])
 
 
-def te_fused_attn_bwd(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, o, d_o, fake_dtype,
-                      dqkv_dtype, aux_ctx_tensors, fused_attention_backend, cu_seqlens_q_padded=None,
-                      cu_seqlens_kv_padded=None, s_quantizer=None, dp_quantizer=None, dqkv_quantizer=None,
-                      attn_scale=None, dropout=0.0, fast_zero_fill=True, qkv_layout="sbh3d", attn_bias_type="no_bias",
-                      attn_mask_type="padding", softmax_type="vanilla", window_size=(-1, -1), deterministic=False,
-                      cuda_graph=False):
+def te_fused_attn_bwd(
+    max_seqlen_q,
+    max_seqlen_kv,
+    cu_seqlens_q,
+    cu_seqlens_kv,
+    q,
+    k,
+    v,
+    o,
+    d_o,
+    fake_dtype,
+    dqkv_dtype,
+    aux_ctx_tensors,
+    fused_attention_backend,
+    cu_seqlens_q_padded=None,
+    cu_seqlens_kv_padded=None,
+    s_quantizer=None,
+    dp_quantizer=None,
+    dqkv_quantizer=None,
+    attn_scale=None,
+    dropout=0.0,
+    fast_zero_fill=True,
+    qkv_layout="sbh3d",
+    attn_bias_type="no_bias",
+    attn_mask_type="padding",
+    softmax_type="vanilla",
+    window_size=(-1, -1),
+    deterministic=False,
+    cuda_graph=False,
+):
     fp8 = fused_attention_backend == "FP8"
     if fp8 and (len(aux_ctx_tensors) != 3 or None in (s_quantizer, dp_quantizer, dqkv_quantizer)):
         raise ValueError("emulation: FP8 backward takes [Stats, ZInv, rng_state] and S, dP, dQKV quantizers")
@@ -205,10 +261,27 @@ def te_fused_attn_bwd(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, 
         raise ValueError("emulation: Stats must be contiguous float32 [b, h, sq, 1]")
     fmt, (q_, k_, v_, o_, do_) = _te_inputs(qkv_layout, q, k, v, o, d_o)
     scale = attn_scale if attn_scale is not None else q_.shape[-1] ** -0.5
-    allowed = _allowed(q_.shape[0], max_seqlen_q, max_seqlen_kv, attn_mask_type,
-                       _seqlens(cu_seqlens_q, max_seqlen_q), _seqlens(cu_seqlens_kv, max_seqlen_kv), q_.device)
-    grads = attention_backward(do_, q_, k_, v_, o_, stats[..., 0], scale, allowed,
-                               s_quantizer.round if fp8 else None, dp_quantizer.round if fp8 else None)
+    allowed = _allowed(
+        q_.shape[0],
+        max_seqlen_q,
+        max_seqlen_kv,
+        attn_mask_type,
+        _seqlens(cu_seqlens_q, max_seqlen_q),
+        _seqlens(cu_seqlens_kv, max_seqlen_kv),
+        q_.device,
+    )
+    grads = attention_backward(
+        do_,
+        q_,
+        k_,
+        v_,
+        o_,
+        stats[..., 0],
+        scale,
+        allowed,
+        s_quantizer.round if fp8 else None,
+        dp_quantizer.round if fp8 else None,
+    )
     grads = [g.permute(*_BHSD_TO_PHYSICAL[fmt]).contiguous().to(fake_dtype) for g in grads]
     if fp8:
         grads = [dqkv_quantizer(g) for g in grads]
@@ -227,9 +300,14 @@ def te_api(*, capability: tuple[int, int] = (9, 0), fp8=None) -> SimpleNamespace
         return "F16_arbitrary_seqlen" if head_dim <= 256 else None
 
     return SimpleNamespace(
-        name="emulation", fused_attn_fwd=te_fused_attn_fwd, fused_attn_bwd=te_fused_attn_bwd,
-        fused_backend=fused_backend, backend_names={"FP8": "FP8", "F16": "F16_arbitrary_seqlen"},
-        te_dtype=lambda dtype: dtype, fp8_settings=lambda: fp8, capability=lambda device: capability,
+        name="emulation",
+        fused_attn_fwd=te_fused_attn_fwd,
+        fused_attn_bwd=te_fused_attn_bwd,
+        fused_backend=fused_backend,
+        backend_names={"FP8": "FP8", "F16": "F16_arbitrary_seqlen"},
+        te_dtype=lambda dtype: dtype,
+        fp8_settings=lambda: fp8,
+        capability=lambda device: capability,
         make_quantizer=lambda scale, fp8_dtype: EmulatedQuantizer(scale, torch.zeros_like(scale), fp8_dtype),
     )
 
@@ -252,8 +330,19 @@ def _fa_mask(b, sq, sk, causal, window_size_left, window_size_right, device, kv_
     return _allowed(b, sq, sk, "causal_bottom_right" if causal else "no_mask", None, kv_len, device)
 
 
-def fa_flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
-                          alibi_slopes, return_softmax):
+def fa_flash_attn_forward(
+    q,
+    k,
+    v,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size_left,
+    window_size_right,
+    softcap,
+    alibi_slopes,
+    return_softmax,
+):
     if dropout_p or softcap or alibi_slopes is not None or return_softmax:
         raise ValueError("emulation: no dropout, softcap, alibi or returned softmax")
     q_, k_, v_ = _fa_inputs(q, k, v)
@@ -264,9 +353,26 @@ def fa_flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size
     return out.to(q.dtype).transpose(1, 2).contiguous(), lse, None, rng_state
 
 
-def fa_flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
-                           window_size_left, window_size_right, softcap, alibi_slopes, deterministic,
-                           rng_state=None):
+def fa_flash_attn_backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    softmax_lse,
+    dq,
+    dk,
+    dv,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size_left,
+    window_size_right,
+    softcap,
+    alibi_slopes,
+    deterministic,
+    rng_state=None,
+):
     do_, q_, k_, v_, o_ = _fa_inputs(dout, q, k, v, out)
     allowed = _fa_mask(q_.shape[0], q_.shape[2], k_.shape[2], causal, window_size_left, window_size_right, q.device)
     grads = attention_backward(do_, q_, k_, v_, o_, softmax_lse, softmax_scale, allowed)
@@ -275,10 +381,27 @@ def fa_flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_
     return (do_.float() * o_.float()).sum(-1)  # softmax_d
 
 
-def fa_flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
-                               cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
-                               softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                               rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+def fa_flash_attn_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    cache_seqlens=None,
+    cache_batch_idx=None,
+    cache_leftpad=None,
+    block_table=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    rotary_interleaved=True,
+    alibi_slopes=None,
+    num_splits=0,
+    return_softmax_lse=False,
+):
     if k is not None or v is not None or rotary_cos is not None or block_table is not None:
         raise ValueError("emulation: read-only, unrotated, unpaged cache only")
     q_, k_, v_ = _fa_inputs(q, k_cache, v_cache)
@@ -293,5 +416,9 @@ def fa_flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=N
 
 def flash_api() -> SimpleNamespace:
     """The namespace flash_attn.load_flash_api() builds from flash-attn 2, on the emulation."""
-    return SimpleNamespace(name="emulation", forward=fa_flash_attn_forward, backward=fa_flash_attn_backward,
-                           with_kvcache=fa_flash_attn_with_kvcache)
+    return SimpleNamespace(
+        name="emulation",
+        forward=fa_flash_attn_forward,
+        backward=fa_flash_attn_backward,
+        with_kvcache=fa_flash_attn_with_kvcache,
+    )

@@ -42,7 +42,7 @@ def documents(b: int, length: int, gen: torch.Generator) -> torch.Tensor:
 
 def run_case(dtype, b, h, g, length, valid, query_only, with_documents) -> dict:
     gen = torch.Generator().manual_seed(0)
-    d, scale = 8, 8 ** -0.5
+    d, scale = 8, 8**-0.5
     q = torch.randn(b, h, length if query_only else 2 * length, d, generator=gen, dtype=dtype)
     k, v = (torch.randn(b, g, 2 * length, d, generator=gen, dtype=dtype) for _ in range(2))
     valid_len = None if valid is None else torch.tensor(valid)
@@ -55,8 +55,7 @@ def run_case(dtype, b, h, g, length, valid, query_only, with_documents) -> dict:
     cp, rank = dist.get_world_size(), dist.get_rank()
     rows = zigzag_ranks(length, cp, rank)
     mine = [local_rows(t.detach(), length, rows).requires_grad_() for t in (q, k, v)]
-    out = ring_set_causal_attention(*mine, scale=scale, group=dist.group.WORLD, valid_len=valid_len,
-                                    document_ids=docs)
+    out = ring_set_causal_attention(*mine, scale=scale, group=dist.group.WORLD, valid_len=valid_len, document_ids=docs)
     grads = torch.autograd.grad(out, mine, local_rows(dout, length, rows))
     diffs = [(out - local_rows(ref.detach(), length, rows)).abs().max()]
     diffs += [(a - local_rows(r, length, rows)).abs().max() for a, r in zip(grads, ref_grads)]

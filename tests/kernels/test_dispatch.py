@@ -37,18 +37,23 @@ def qkv(heads=4, kv_heads=2, length=6, head_dim=16, dtype=torch.float32):
 def test_cpu_picks_the_fused_pytorch_path_and_says_why(fresh, caplog):
     choice = choose_attention_impl("cpu", torch.float32, 64)
     assert choice.impl == "fused"
-    assert choice.reason == ("cpu tensors: Transformer Engine and flash-attn run only on CUDA GPUs; using the fused "
-                             "decomposition on PyTorch's cpu flash kernel")
+    assert choice.reason == (
+        "cpu tensors: Transformer Engine and flash-attn run only on CUDA GPUs; using the fused "
+        "decomposition on PyTorch's cpu flash kernel"
+    )
     q, k, v = qkv()
     with caplog.at_level(logging.INFO, logger="setdiff_megatron.kernels"):
         out = set_causal_attention(q, k, v, impl="auto")
         set_causal_attention(q, k, v, impl="auto")
     reason = choose_attention_impl("cpu", torch.float32, 16).reason
     assert [r.getMessage() for r in caplog.records] == [
-        f"attention_impl auto -> fused for cpu torch.float32 head_dim 16: {reason}"]
+        f"attention_impl auto -> fused for cpu torch.float32 head_dim 16: {reason}"
+    ]
     torch.testing.assert_close(out, set_causal_attention(q, k, v, impl="fused"), rtol=0, atol=0)
-    assert torch.equal(set_causal_step_attention(q, k, v, k, v, num_commit=3, impl="auto"),
-                       set_causal_step_attention(q, k, v, k, v, num_commit=3))
+    assert torch.equal(
+        set_causal_step_attention(q, k, v, k, v, num_commit=3, impl="auto"),
+        set_causal_step_attention(q, k, v, k, v, num_commit=3),
+    )
 
 
 def test_cuda_ranking(fresh):
@@ -92,7 +97,8 @@ def test_fp8_with_a_head_dim_the_kernel_cannot_take(fresh, caplog):
     assert str(err.value) == (
         "FP8 attention (train.fp8 with train.fp8_recipe: delayed): cuDNN's FP8 attention trains only head_dim 128 "
         "on sm90; got 64; set model.head_dim: 128, or train.fp8_recipe: tensorwise (FP8 GEMMs, BF16 attention), "
-        "or model.attention_impl: auto")
+        "or model.attention_impl: auto"
+    )
     bf16 = te_attention(q, k, v, 0.125, None, api=emulation.te_api())
     with caplog.at_level(logging.INFO, logger="setdiff_megatron.kernels"):
         for _ in range(2):
@@ -101,8 +107,9 @@ def test_fp8_with_a_head_dim_the_kernel_cannot_take(fresh, caplog):
     with pytest.raises(UserError, match="needs Hopper"):
         te_attention(q, k, v, 0.125, None, api=emulation.te_api(capability=(8, 0), fp8=DELAYED))
     # Blackwell takes head dims up to 128; current scaling has no FP8 attention on Hopper: BF16.
-    assert not torch.equal(te_attention(q, k, v, 0.125, None, api=emulation.te_api(capability=(10, 0), fp8=DELAYED)),
-                           bf16)
+    assert not torch.equal(
+        te_attention(q, k, v, 0.125, None, api=emulation.te_api(capability=(10, 0), fp8=DELAYED)), bf16
+    )
     assert torch.equal(te_attention(q, k, v, 0.125, None, api=emulation.te_api(fp8=CURRENT)), bf16)
 
 
@@ -133,7 +140,9 @@ def test_config_takes_the_new_names_and_checks_only_spelling():
 
 
 def test_importing_the_kernels_imports_no_gpu_package():
-    code = ("import sys, setdiff_megatron.kernels, setdiff_megatron.models.config; "
-            "print([m for m in sys.modules if m.split('.')[0] in ('transformer_engine', 'flash_attn')])")
+    code = (
+        "import sys, setdiff_megatron.kernels, setdiff_megatron.models.config; "
+        "print([m for m in sys.modules if m.split('.')[0] in ('transformer_engine', 'flash_attn')])"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert result.stdout.strip() == "[]"

@@ -77,7 +77,7 @@ def test_query_rows_only_match_dense(kernel, layout):
     """The last layer's mode (q of the query stream only) through each adapter, with padding."""
     shape = (2, 4, 2, 9, 16)
     q, k, v, dout = inputs(shape, torch.float32, 7, layout)
-    q, dout = q[:, :, shape[3]:], dout[:, :, shape[3]:]
+    q, dout = q[:, :, shape[3] :], dout[:, :, shape[3] :]
     valid_len = torch.tensor([9, 4])
     expected = outputs_and_grads(lambda *a: dense(*a, valid_len), *(t.double() for t in (q, k, v, dout)))
     got = outputs_and_grads(lambda *a: TRAIN[kernel](*a, shape[-1] ** -0.5, valid_len), q, k, v, dout)
@@ -102,7 +102,7 @@ def test_bf16_matches_dense(kernel):
     """bf16 inputs, fp32 statistics: within 3e-2 of the fp64 reference (observed ~1e-2)."""
     q, k, v, dout = inputs((2, 4, 2, 24, 32), torch.bfloat16, 3)
     expected = outputs_and_grads(dense, *(t.double() for t in (q, k, v, dout)))
-    got = outputs_and_grads(lambda *a: TRAIN[kernel](*a, 32 ** -0.5, None), q, k, v, dout)
+    got = outputs_and_grads(lambda *a: TRAIN[kernel](*a, 32**-0.5, None), q, k, v, dout)
     assert_all_close(got, expected, 3e-2, kernel)
 
 
@@ -112,12 +112,13 @@ def test_te_fp8_within_fp8_rounding():
     ~0.07 and ~0.15); and it really is the FP8 path: far from the BF16 result."""
     q, k, v, dout = inputs((2, 4, 2, 16, 128), torch.bfloat16, 5)
     expected = outputs_and_grads(dense, *(t.double() for t in (q, k, v, dout)))
-    fp8 = outputs_and_grads(lambda *a: TRAIN["te"](*a, 128 ** -0.5, None, api=emulation.te_api(fp8=DELAYED_HYBRID)),
-                            q, k, v, dout)
+    fp8 = outputs_and_grads(
+        lambda *a: TRAIN["te"](*a, 128**-0.5, None, api=emulation.te_api(fp8=DELAYED_HYBRID)), q, k, v, dout
+    )
     for name, a, e, tol in zip(["out", "dq", "dk", "dv"], fp8, expected, [0.12, 0.25, 0.25, 0.25]):
         rel = ((a.double() - e).abs().max() / e.abs().max()).item()
         assert rel < tol, f"FP8 {name}: relative max error {rel:.3f}"
-    bf16 = outputs_and_grads(lambda *a: TRAIN["te"](*a, 128 ** -0.5, None), q, k, v, dout)
+    bf16 = outputs_and_grads(lambda *a: TRAIN["te"](*a, 128**-0.5, None), q, k, v, dout)
     assert (fp8[0].float() - bf16[0].float()).abs().max() > 1e-2
 
 
@@ -149,5 +150,6 @@ def test_step_matches_masked_step(kernel, cached, commits, queries):
 def test_step_kernel_path_refuses_holes():
     x, cache = torch.zeros(1, 2, 2, 4), torch.zeros(1, 2, 3, 4)
     with pytest.raises(ValueError, match="prefix"):
-        set_causal_step_attention(x, x, x, cache, cache, num_commit=1, cache_mask=torch.tensor([[True, False, True]]),
-                                  impl="te")
+        set_causal_step_attention(
+            x, x, x, cache, cache, num_commit=1, cache_mask=torch.tensor([[True, False, True]]), impl="te"
+        )

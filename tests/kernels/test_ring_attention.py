@@ -19,8 +19,17 @@ def ring_results(tmp_path_factory) -> dict:
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("case", ["fp32_gqa_padding", "fp32_odd_chunks_mha", "fp32_query_rows_only",
-                                  "fp64_gqa_padding", "fp32_documents", "fp64_documents_query_rows_only"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "fp32_gqa_padding",
+        "fp32_odd_chunks_mha",
+        "fp32_query_rows_only",
+        "fp64_gqa_padding",
+        "fp32_documents",
+        "fp64_documents_query_rows_only",
+    ],
+)
 def test_cp2_ring_attention_equals_single_rank_attention(ring_results, case):
     r = ring_results[case]
     assert max(r.values()) <= TOLERANCE[case[:4]], r

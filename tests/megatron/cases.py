@@ -36,8 +36,15 @@ def parallel_config(**changes) -> ModelConfig:
 def moe_config(**changes) -> ModelConfig:
     """parallel_config with 4 experts (top-2, a shared expert, z-loss) in layers 0, 2 and 3:
     a dense layer between MoE ones, and the last layer's query-rows-only MoE."""
-    return parallel_config(num_experts=4, moe_top_k=2, moe_intermediate_size=48, num_shared_experts=1,
-                           moe_layer_freq=[1, 0, 1, 1], moe_z_loss_coeff=1e-3, **changes)
+    return parallel_config(
+        num_experts=4,
+        moe_top_k=2,
+        moe_intermediate_size=48,
+        num_shared_experts=1,
+        moe_layer_freq=[1, 0, 1, 1],
+        moe_z_loss_coeff=1e-3,
+        **changes,
+    )
 
 
 def dit_parallel_config(**changes) -> ModelConfig:
@@ -67,14 +74,15 @@ def _record_rows() -> dict[str, torch.Tensor]:
     for row, records in enumerate((RECORDS, ((12, 4),))):
         offset = 0
         for doc, (n, p) in enumerate(records):
-            docs[row, offset:offset + n], pos[row, offset:offset + n] = doc, torch.arange(n)
-            pad[row, offset:offset + n], prompt[row, offset:offset + p] = False, True
+            docs[row, offset : offset + n], pos[row, offset : offset + n] = doc, torch.arange(n)
+            pad[row, offset : offset + n], prompt[row, offset : offset + p] = False, True
             offset += n
     return {"records": (docs, pos), "prompt_mask": prompt, "pad_mask": pad}
 
 
-def batches(cfg: ModelConfig, count: int = NUM_MICROBATCHES, seed: int = 0, *,
-            documents: bool = False, records: bool = False) -> list[TwoStreamBatch]:
+def batches(
+    cfg: ModelConfig, count: int = NUM_MICROBATCHES, seed: int = 0, *, documents: bool = False, records: bool = False
+) -> list[TwoStreamBatch]:
     """Micro-batches in sampled orders; the second row of each is padded at its last 4 ranks.
     With `documents` each window packs three documents (EOD at positions 4 and 9) and the
     batches carry their ids; with `records` the rows are supervised records (prompts pinned,
@@ -84,8 +92,11 @@ def batches(cfg: ModelConfig, count: int = NUM_MICROBATCHES, seed: int = 0, *,
     if records:
         for _ in range(count):
             tokens = torch.randint(0, cfg.mask_token_id, (MICRO_BATCH, LENGTH), generator=gen)
-            out.append(sample_two_stream_batch(tokens, Staggered(d=4), mask_token_id=cfg.mask_token_id,
-                                               generator=gen, **_record_rows()))
+            out.append(
+                sample_two_stream_batch(
+                    tokens, Staggered(d=4), mask_token_id=cfg.mask_token_id, generator=gen, **_record_rows()
+                )
+            )
         return out
     for _ in range(count):
         tokens = torch.randint(int(documents), cfg.mask_token_id, (MICRO_BATCH, LENGTH), generator=gen)
@@ -93,18 +104,30 @@ def batches(cfg: ModelConfig, count: int = NUM_MICROBATCHES, seed: int = 0, *,
             tokens[:, [4, 9]] = EOD
         pad = torch.zeros_like(tokens, dtype=torch.bool)
         pad[1, -4:] = True
-        out.append(sample_two_stream_batch(tokens, Staggered(d=4), mask_token_id=cfg.mask_token_id,
-                                           pad_mask=pad, generator=gen, eod_id=EOD if documents else None))
+        out.append(
+            sample_two_stream_batch(
+                tokens,
+                Staggered(d=4),
+                mask_token_id=cfg.mask_token_id,
+                pad_mask=pad,
+                generator=gen,
+                eod_id=EOD if documents else None,
+            )
+        )
     return out
 
 
 def run_worker(module: str, out: Path, nproc: int = 1, timeout: float = 240) -> dict:
     """Run `python -m module out` (under torchrun when nproc > 1) and return the JSON it wrote."""
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-                if nproc > 1 else [sys.executable])
+    launcher = (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        if nproc > 1
+        else [sys.executable]
+    )
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([*launcher, "-m", module, str(out)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    proc = subprocess.run(
+        [*launcher, "-m", module, str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
     if proc.returncode != 0 or not out.exists():
         raise AssertionError(f"{module} failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return json.loads(out.read_text())
@@ -142,8 +165,14 @@ def compare_sampling(model, reference: SetDiffusionTransformer, cfg: ModelConfig
             body.step(tokens, positions, cache, num_commit=6)
             logits.append(body.step(query, torch.tensor([[6, 8, 9], [7, 10, 11]]), cache, num_commit=0))
     decoding = DecodingConfig(window=4, threshold=0.2, max_new_tokens=6)
-    outputs = [SetSampler(body, mask_token_id=cfg.mask_token_id, context_len=cfg.max_seq_len)
-               .generate(sampling_prompts(cfg), decoding, batch_size=2).rows for body in (model, reference)]
-    return {"step_logits_diff": (logits[0] - logits[1]).abs().max().item(),
-            "tokens_equal": [a.tokens == b.tokens for a, b in zip(*outputs)],
-            "nfe_equal": [a.nfe == b.nfe for a, b in zip(*outputs)]}
+    outputs = [
+        SetSampler(body, mask_token_id=cfg.mask_token_id, context_len=cfg.max_seq_len)
+        .generate(sampling_prompts(cfg), decoding, batch_size=2)
+        .rows
+        for body in (model, reference)
+    ]
+    return {
+        "step_logits_diff": (logits[0] - logits[1]).abs().max().item(),
+        "tokens_equal": [a.tokens == b.tokens for a, b in zip(*outputs)],
+        "nfe_equal": [a.nfe == b.nfe for a, b in zip(*outputs)],
+    }

@@ -12,5 +12,4 @@ def single_results(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="session")
 def parallel_results(tmp_path_factory) -> dict:
-    return run_worker("tests.megatron.parallel_worker", tmp_path_factory.mktemp("megatron") / "parallel.json",
-                      nproc=2)
+    return run_worker("tests.megatron.parallel_worker", tmp_path_factory.mktemp("megatron") / "parallel.json", nproc=2)

@@ -16,14 +16,22 @@ _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.*)")
 _LOCAL_EXPERT = re.compile(r"(mlp\.experts\.(?:local_experts\.|linear_fc[12]\.weight))(\d+)")
 _FC1 = re.compile(r"\.linear_fc1\.(weight\d*|bias)$")
 """Each TP rank holds [gate ; up] of its own shard of the MLP width (a gelu MLP: its shard of up)."""
-_TP_DIM = [(re.compile(r"\.(linear_proj|linear_fc2)\.weight\d*$"), 1),
-           (re.compile(r"(\.linear_qkv\.(weight|bias)|^embedding\.word_embeddings\.weight"
-                       r"|^output_layer\.(weight|bias))$"), 0)]
+_TP_DIM = [
+    (re.compile(r"\.(linear_proj|linear_fc2)\.weight\d*$"), 1),
+    (
+        re.compile(
+            r"(\.linear_qkv\.(weight|bias)|^embedding\.word_embeddings\.weight"
+            r"|^output_layer\.(weight|bias))$"
+        ),
+        0,
+    ),
+]
 """Weights split over TP along a dim (whole KV groups for linear_qkv); the others are replicated."""
 
 
-def merge_megatron_shards(shards: Mapping[tuple[int, ...], Mapping[str, torch.Tensor]], cfg: ModelConfig, *,
-                          ep_size: int = 1) -> dict[str, torch.Tensor]:
+def merge_megatron_shards(
+    shards: Mapping[tuple[int, ...], Mapping[str, torch.Tensor]], cfg: ModelConfig, *, ep_size: int = 1
+) -> dict[str, torch.Tensor]:
     """One TP = PP = EP = 1 megatron state dict from every chunk of a split.
 
     `shards` is keyed by (tp_rank, pp_rank) or, with virtual pipeline stages, by
@@ -38,16 +46,22 @@ def merge_megatron_shards(shards: Mapping[tuple[int, ...], Mapping[str, torch.Te
     model_keys = sorted({k[:-1] for k in keys}) if with_ep else keys
     tp_size, pp_size = model_keys[-1][0] + 1, max(k[1] for k in model_keys) + 1
     vp_size = max(k[2] for k in model_keys) + 1 if len(model_keys[0]) == 3 else None
-    grid = {(t, p) + ((v,) if vp_size else ()) + ((e,) if with_ep else ()) for t in range(tp_size)
-            for p in range(pp_size) for v in range(vp_size or 1) for e in range(ep_size)}
+    grid = {
+        (t, p) + ((v,) if vp_size else ()) + ((e,) if with_ep else ())
+        for t in range(tp_size)
+        for p in range(pp_size)
+        for v in range(vp_size or 1)
+        for e in range(ep_size)
+    }
     if set(keys) != grid:
-        raise KeyError("shards must cover every (tp_rank, pp_rank[, vp_stage][, ep_rank]); "
-                       f"missing {sorted(grid - set(keys))}")
+        raise KeyError(
+            f"shards must cover every (tp_rank, pp_rank[, vp_stage][, ep_rank]); missing {sorted(grid - set(keys))}"
+        )
     check_tp_split(cfg, tp_size)
     per_rank = cfg.num_experts // ep_size
     parts: dict[str, dict[int, torch.Tensor]] = {}
     for key in keys:  # EP rank 0 first within each (tp_rank, chunk)
-        chunk, ep_rank = key[1:len(key) - with_ep], key[-1] if with_ep else 0
+        chunk, ep_rank = key[1 : len(key) - with_ep], key[-1] if with_ep else 0
         layers = stage_layers(cfg.num_layers, pp_size, chunk[0], vp_size, chunk[1] if vp_size else None)
         for name, t in shards[key].items():
             if not name.endswith("_extra_state"):

@@ -38,14 +38,26 @@ NUM_EXPERTS, HIDDEN = 4, 32
 
 
 def moe_layer(ep: int) -> torch.nn.Module:
-    cfg = TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=4, ffn_hidden_size=64,
-                            num_moe_experts=NUM_EXPERTS, moe_router_topk=2, moe_ffn_hidden_size=48,
-                            moe_aux_loss_coeff=1e-2, moe_router_load_balancing_type="aux_loss",
-                            moe_token_dispatcher_type="alltoall", expert_model_parallel_size=ep,
-                            use_cpu_initialization=True, params_dtype=torch.float32, add_bias_linear=False,
-                            gated_linear_unit=True)
-    layer = build_module(get_gpt_layer_local_spec(num_experts=NUM_EXPERTS, moe_grouped_gemm=False).submodules.mlp,
-                         config=cfg)
+    cfg = TransformerConfig(
+        num_layers=1,
+        hidden_size=HIDDEN,
+        num_attention_heads=4,
+        ffn_hidden_size=64,
+        num_moe_experts=NUM_EXPERTS,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=48,
+        moe_aux_loss_coeff=1e-2,
+        moe_router_load_balancing_type="aux_loss",
+        moe_token_dispatcher_type="alltoall",
+        expert_model_parallel_size=ep,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        add_bias_linear=False,
+        gated_linear_unit=True,
+    )
+    layer = build_module(
+        get_gpt_layer_local_spec(num_experts=NUM_EXPERTS, moe_grouped_gemm=False).submodules.mlp, config=cfg
+    )
     first = parallel_state.get_expert_model_parallel_rank() * (NUM_EXPERTS // ep)
     with torch.no_grad():
         layer.router.weight.copy_(torch.randn(layer.router.weight.shape, generator=torch.Generator().manual_seed(7)))
@@ -63,12 +75,16 @@ def run(ep: int) -> dict[str, torch.Tensor]:
     layer = moe_layer(ep)
     x = torch.randn(16, 2, HIDDEN, generator=torch.Generator().manual_seed(0), requires_grad=True)
     out, _ = layer(x)
-    (out ** 2).sum().backward()
+    (out**2).sum().backward()
     first = parallel_state.get_expert_model_parallel_rank() * (NUM_EXPERTS // ep)
-    local = torch.stack([torch.cat([e.linear_fc1.weight.grad.flatten(), e.linear_fc2.weight.grad.flatten()])
-                         for e in layer.experts.local_experts])
+    local = torch.stack(
+        [
+            torch.cat([e.linear_fc1.weight.grad.flatten(), e.linear_fc2.weight.grad.flatten()])
+            for e in layer.experts.local_experts
+        ]
+    )
     experts = torch.zeros(NUM_EXPERTS, local.shape[1])
-    experts[first:first + len(local)] = local
+    experts[first : first + len(local)] = local
     # At EP = 2 each expert serves the tokens of both ranks; at EP = 1 each rank's copy serves its
     # own: summed over the ranks, both are the gradient over all tokens.
     torch.distributed.all_reduce(experts)
@@ -97,12 +113,17 @@ def model_parity() -> dict:
     opt_data = batches(cfg, count=12, seed=1)
     plain = _merged([optimizer_params(cfg, weights, opt_data, use_distributed_optimizer=False)], cfg)
     distributed = _merged([optimizer_params(cfg, weights, opt_data, use_distributed_optimizer=True, ep=2)], cfg)
-    return {"losses": ref_losses, "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
-            "records_loss_diff": max(abs(a - b) for a, b in zip(ep2_losses, record_losses)),
-            "records_grad_diff": _max_diff(ep2_grads, record_grads),
-            "grad_diff": _max_diff(grads, ref_grads), "grad_scale": max(g.abs().max().item() for g in ref_grads.values()),
-            "router_grad_norm": sum(g.norm().item() for k, g in ref_grads.items() if k.endswith("mlp.gate.weight")),
-            "param_diff": _max_diff(plain, distributed), "param_change": _max_diff(plain, weights)}
+    return {
+        "losses": ref_losses,
+        "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+        "records_loss_diff": max(abs(a - b) for a, b in zip(ep2_losses, record_losses)),
+        "records_grad_diff": _max_diff(ep2_grads, record_grads),
+        "grad_diff": _max_diff(grads, ref_grads),
+        "grad_scale": max(g.abs().max().item() for g in ref_grads.values()),
+        "router_grad_norm": sum(g.norm().item() for k, g in ref_grads.items() if k.endswith("mlp.gate.weight")),
+        "param_diff": _max_diff(plain, distributed),
+        "param_change": _max_diff(plain, weights),
+    }
 
 
 def sampling(*, tp: int = 1, ep: int = 1) -> dict:
@@ -114,9 +135,16 @@ def sampling(*, tp: int = 1, ep: int = 1) -> dict:
     parallel_state.destroy_model_parallel()
     init_model_parallel(Layout.of(world_size(), tp=tp, ep=ep), seed=1)
     (chunk,) = build_model_chunks(cfg, transformer_config_from(cfg, tp=tp, ep=ep))
-    chunk.load_state_dict(torch_to_megatron(
-        weights, cfg, tp_rank=parallel_state.get_tensor_model_parallel_rank(), tp_size=tp,
-        ep_rank=parallel_state.get_expert_model_parallel_rank(), ep_size=ep))
+    chunk.load_state_dict(
+        torch_to_megatron(
+            weights,
+            cfg,
+            tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+            tp_size=tp,
+            ep_rank=parallel_state.get_expert_model_parallel_rank(),
+            ep_size=ep,
+        )
+    )
     reference = SetDiffusionTransformer(cfg)
     reference.load_state_dict(weights)
     result = compare_sampling(chunk.eval(), reference.eval(), cfg)
@@ -133,16 +161,27 @@ def tp2_ep2_parity() -> dict:
     weights, data = reference_weights(cfg), batches(cfg)
     ref_losses, ref_grads, _ = run_layout(cfg, weights, data, tp=2, sequence_parallel=True)
     losses, grads, _ = run_layout(cfg, weights, data, tp=2, ep=2, sequence_parallel=True)
-    return {"losses": ref_losses, "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
-            "grad_diff": _max_diff(grads, ref_grads), "grad_scale": max(g.abs().max().item() for g in ref_grads.values())}
+    return {
+        "losses": ref_losses,
+        "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+        "grad_diff": _max_diff(grads, ref_grads),
+        "grad_scale": max(g.abs().max().item() for g in ref_grads.values()),
+    }
 
 
 def main(out: Path) -> None:
     if world_size() == 4:
         write_worker_results(out, {"tp2_ep2": tp2_ep2_parity()})
         return
-    write_worker_results(out, {"layer": layer_parity(), "model": model_parity(),
-                               "tp2_sampling": sampling(tp=2), "ep2_sampling": sampling(ep=2)})
+    write_worker_results(
+        out,
+        {
+            "layer": layer_parity(),
+            "model": model_parity(),
+            "tp2_sampling": sampling(tp=2),
+            "ep2_sampling": sampling(ep=2),
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -57,24 +57,38 @@ LAYOUTS = {
 
 def _init(tp: int = 1, pp: int = 1, vpp: int | None = None, ep: int = 1, cp: int = 1) -> None:
     parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vpp,
-                                             expert_model_parallel_size=ep, context_parallel_size=cp)
+    parallel_state.initialize_model_parallel(
+        tp, pp, virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep, context_parallel_size=cp
+    )
     model_parallel_seed(1234)
 
 
 def _ddp_chunks(cfg, weights, tc, *, use_distributed_optimizer: bool = False):
     """Model chunks of this rank loaded with `weights` and wrapped in megatron DDP."""
-    tp_rank, pp_rank = (parallel_state.get_tensor_model_parallel_rank(),
-                        parallel_state.get_pipeline_model_parallel_rank())
+    tp_rank, pp_rank = (
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_pipeline_model_parallel_rank(),
+    )
     vpp = tc.virtual_pipeline_model_parallel_size
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
-                                               use_distributed_optimizer=use_distributed_optimizer)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=use_distributed_optimizer
+    )
     chunks = []
     for vp_stage, chunk in enumerate(build_model_chunks(cfg, tc)):
-        chunk.load_state_dict(torch_to_megatron(
-            weights, cfg, tp_rank=tp_rank, tp_size=tc.tensor_model_parallel_size, pp_rank=pp_rank,
-            pp_size=tc.pipeline_model_parallel_size, vp_size=vpp, vp_stage=vp_stage if vpp else None,
-            ep_rank=parallel_state.get_expert_model_parallel_rank(), ep_size=tc.expert_model_parallel_size))
+        chunk.load_state_dict(
+            torch_to_megatron(
+                weights,
+                cfg,
+                tp_rank=tp_rank,
+                tp_size=tc.tensor_model_parallel_size,
+                pp_rank=pp_rank,
+                pp_size=tc.pipeline_model_parallel_size,
+                vp_size=vpp,
+                vp_stage=vp_stage if vpp else None,
+                ep_rank=parallel_state.get_expert_model_parallel_rank(),
+                ep_size=tc.expert_model_parallel_size,
+            )
+        )
         chunks.append(DistributedDataParallel(tc, ddp_config, chunk))
     tc.finalize_model_grads_func = finalize_model_grads
     return chunks
@@ -87,9 +101,14 @@ def _train_step(chunks, data) -> tuple[list[float], str]:
         chunk.zero_grad_buffer()
     schedule = get_forward_backward_func()
     cp = parallel_state.get_context_parallel_world_size()
-    reports = schedule(forward_step_func=forward_step, data_iterator=[iter(data) for _ in chunks],
-                       model=chunks, num_microbatches=len(data), seq_length=pipeline_seq_length(LENGTH),
-                       micro_batch_size=MICRO_BATCH)
+    reports = schedule(
+        forward_step_func=forward_step,
+        data_iterator=[iter(data) for _ in chunks],
+        model=chunks,
+        num_microbatches=len(data),
+        seq_length=pipeline_seq_length(LENGTH),
+        micro_batch_size=MICRO_BATCH,
+    )
     if not reports:
         return [], schedule.__name__
     sums = torch.stack([r["lm loss"] for r in reports])
@@ -119,12 +138,12 @@ def _losses_everywhere(losses: list[float]) -> list[float]:
     return next(g for g in gathered if g)
 
 
-def run_layout(cfg, weights, data, *, tp=1, pp=1, vpp=None, ep=1, cp=1, sequence_parallel=False,
-               recompute="none"):
+def run_layout(cfg, weights, data, *, tp=1, pp=1, vpp=None, ep=1, cp=1, sequence_parallel=False, recompute="none"):
     """Per-micro-batch losses, merged gradients and the schedule's name for one layout."""
     _init(tp, pp, vpp, ep, cp)
-    tc = transformer_config_from(cfg, tp=tp, pp=pp, vpp=vpp, ep=ep, cp=cp, sequence_parallel=sequence_parallel,
-                                 recompute=recompute)
+    tc = transformer_config_from(
+        cfg, tp=tp, pp=pp, vpp=vpp, ep=ep, cp=cp, sequence_parallel=sequence_parallel, recompute=recompute
+    )
     chunks = _ddp_chunks(cfg, weights, tc)
     losses, schedule = _train_step(chunks, data)
     grads = _merged([{n: p.main_grad for n, p in c.module.named_parameters()} for c in chunks], cfg)
@@ -141,13 +160,20 @@ def optimizer_params(cfg, weights, data, *, use_distributed_optimizer: bool, ste
     tc = transformer_config_from(cfg, ep=ep)
     chunks = _ddp_chunks(cfg, weights, tc, use_distributed_optimizer=use_distributed_optimizer)
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, clip_grad=1.0,
-                        use_distributed_optimizer=use_distributed_optimizer), chunks)
+        OptimizerConfig(
+            optimizer="adam",
+            lr=1e-2,
+            weight_decay=0.1,
+            clip_grad=1.0,
+            use_distributed_optimizer=use_distributed_optimizer,
+        ),
+        chunks,
+    )
     rank, per_rank = dist.get_rank(), len(data) // (2 * steps)
     for step in range(steps):
         first = (2 * step + rank) * per_rank
         optimizer.zero_grad()
-        _train_step(chunks, data[first: first + per_rank])
+        _train_step(chunks, data[first : first + per_rank])
         ok, grad_norm, _ = optimizer.step()
         assert ok and grad_norm > 0
     return {n: p.detach().clone() for n, p in chunks[0].module.named_parameters()}
@@ -158,8 +184,9 @@ def tp2_sampling(cfg, weights) -> dict:
     model: the tokens every rank decides must be the torch model's."""
     _init(tp=2)
     (chunk,) = build_model_chunks(cfg, transformer_config_from(cfg, tp=2))
-    chunk.load_state_dict(torch_to_megatron(weights, cfg, tp_rank=parallel_state.get_tensor_model_parallel_rank(),
-                                            tp_size=2))
+    chunk.load_state_dict(
+        torch_to_megatron(weights, cfg, tp_rank=parallel_state.get_tensor_model_parallel_rank(), tp_size=2)
+    )
     reference = SetDiffusionTransformer(cfg)
     reference.load_state_dict(weights)
     result = compare_sampling(chunk.eval(), reference.eval(), cfg)
@@ -168,8 +195,12 @@ def tp2_sampling(cfg, weights) -> dict:
     return {**result, "ranks_agree": all(g == gathered[0] for g in gathered)}
 
 
-RECORD_LAYOUTS = {"tp2_records": dict(tp=2, sequence_parallel=True), "pp2_records": dict(pp=2),
-                  "pp2_vpp2_records": dict(pp=2, vpp=2), "cp2_records": dict(cp=2)}
+RECORD_LAYOUTS = {
+    "tp2_records": dict(tp=2, sequence_parallel=True),
+    "pp2_records": dict(pp=2),
+    "pp2_vpp2_records": dict(pp=2, vpp=2),
+    "cp2_records": dict(cp=2),
+}
 """Layouts checked on supervised records against one rank (test_parallel_parity)."""
 DIT_LAYOUTS = {"dit_tp2": dict(tp=2), "dit_tp2_sp": dict(tp=2, sequence_parallel=True), "dit_pp2": dict(pp=2)}
 """The reference DiT's layout (LayerNorm, GELU MLP with biases, output bias) against one rank."""
@@ -188,9 +219,12 @@ def main(out: Path) -> None:
     four = dist.get_world_size() == 4
     for name, layout in (FOUR_RANK_LAYOUTS if four else LAYOUTS).items():
         losses, grads, schedule = run_layout(cfg, weights, data, **layout)
-        results[name] = {"loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
-                         "num_losses": len(losses), "grad_diff": _max_diff(grads, ref_grads),
-                         "schedule": schedule}
+        results[name] = {
+            "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+            "num_losses": len(losses),
+            "grad_diff": _max_diff(grads, ref_grads),
+            "schedule": schedule,
+        }
     if four:
         write_worker_results(out, results)
         return
@@ -199,30 +233,41 @@ def main(out: Path) -> None:
     doc_losses, doc_grads, _ = run_layout(cfg, weights, doc_data)
     cp_losses, cp_grads, _ = run_layout(cfg, weights, doc_data, cp=2)
     unmasked, _, _ = run_layout(cfg, weights, [replace(b, document_ids=None) for b in doc_data])
-    results["cp2_documents"] = {"loss_diff": max(abs(a - b) for a, b in zip(cp_losses, doc_losses)),
-                                "num_losses": len(cp_losses), "grad_diff": _max_diff(cp_grads, doc_grads),
-                                "differs_from_unmasked": max(abs(a - b) for a, b in zip(doc_losses, unmasked))}
+    results["cp2_documents"] = {
+        "loss_diff": max(abs(a - b) for a, b in zip(cp_losses, doc_losses)),
+        "num_losses": len(cp_losses),
+        "grad_diff": _max_diff(cp_grads, doc_grads),
+        "differs_from_unmasked": max(abs(a - b) for a, b in zip(doc_losses, unmasked)),
+    }
     # Rows of supervised records (two packed in a row): per-record positions and document ids.
     record_data = batches(cfg, records=True)
     record_losses, record_grads, _ = run_layout(cfg, weights, record_data)
     for name, layout in RECORD_LAYOUTS.items():
         losses, grads, _ = run_layout(cfg, weights, record_data, **layout)
-        results[name] = {"loss_diff": max(abs(a - b) for a, b in zip(losses, record_losses)),
-                         "num_losses": len(losses), "grad_diff": _max_diff(grads, record_grads)}
+        results[name] = {
+            "loss_diff": max(abs(a - b) for a, b in zip(losses, record_losses)),
+            "num_losses": len(losses),
+            "grad_diff": _max_diff(grads, record_grads),
+        }
     dit = dit_parallel_config()
     dit_weights, dit_data = reference_weights(dit), batches(dit)
     dit_losses, dit_grads, _ = run_layout(dit, dit_weights, dit_data)
     for name, layout in DIT_LAYOUTS.items():
         losses, grads, _ = run_layout(dit, dit_weights, dit_data, **layout)
-        results[name] = {"loss_diff": max(abs(a - b) for a, b in zip(losses, dit_losses)),
-                         "num_losses": len(losses), "grad_diff": _max_diff(grads, dit_grads),
-                         "grad_scale": max(g.abs().max().item() for g in dit_grads.values())}
+        results[name] = {
+            "loss_diff": max(abs(a - b) for a, b in zip(losses, dit_losses)),
+            "num_losses": len(losses),
+            "grad_diff": _max_diff(grads, dit_grads),
+            "grad_scale": max(g.abs().max().item() for g in dit_grads.values()),
+        }
     results["tp2_sampling"] = tp2_sampling(cfg, weights)
     opt_data = batches(cfg, count=12, seed=1)
     plain = _merged([optimizer_params(cfg, weights, opt_data, use_distributed_optimizer=False)])
     distributed = _merged([optimizer_params(cfg, weights, opt_data, use_distributed_optimizer=True)])
-    results["distributed_optimizer"] = {"param_diff": _max_diff(plain, distributed),
-                                        "param_change": _max_diff(plain, weights)}
+    results["distributed_optimizer"] = {
+        "param_diff": _max_diff(plain, distributed),
+        "param_change": _max_diff(plain, weights),
+    }
     write_worker_results(out, results)
 
 

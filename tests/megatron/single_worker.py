@@ -26,8 +26,14 @@ from setdiff_megatron.models.weight_maps import megatron_to_torch, torch_to_mega
 from setdiff_megatron.distributed import megatron_cpu
 from setdiff_megatron.models.config import DIT_BODY
 from tests.conftest import debug_config, randomized
-from tests.megatron.cases import (batches, compare_sampling, dit_parallel_config, moe_config, parallel_config,
-                                  reference_weights)
+from tests.megatron.cases import (
+    batches,
+    compare_sampling,
+    dit_parallel_config,
+    moe_config,
+    parallel_config,
+    reference_weights,
+)
 
 warnings.filterwarnings("ignore")
 
@@ -101,22 +107,31 @@ def recompute_with_dropout() -> dict:
     """Full and selective recompute replay dropout exactly: the RNG shims restore CPU states."""
     cfg = debug_config()
     weights, (batch,) = reference_weights(cfg), batches(cfg, count=1)
-    variants = {"none": dict(hidden_dropout=0.2), "selective": dict(hidden_dropout=0.2, recompute="selective"),
-                "full": dict(hidden_dropout=0.2, recompute="full"), "no_dropout": {}}
+    variants = {
+        "none": dict(hidden_dropout=0.2),
+        "selective": dict(hidden_dropout=0.2, recompute="selective"),
+        "full": dict(hidden_dropout=0.2, recompute="full"),
+        "no_dropout": {},
+    }
     runs = {}
     for name, changes in variants.items():
         megatron_cpu.model_parallel_seed(5)
         model = _megatron_model(cfg, **changes)
         model.load_state_dict(torch_to_megatron(weights, cfg))
-        nll = model(batch.clean_tokens, batch.query_tokens, batch.position_ids, valid_len=batch.valid_len,
-                    targets=batch.targets)
+        nll = model(
+            batch.clean_tokens, batch.query_tokens, batch.position_ids, valid_len=batch.valid_len, targets=batch.targets
+        )
         nll_sum, num_tokens, _ = loss_func(batch.loss_mask, nll)
         (nll_sum / num_tokens).backward()
         runs[name] = (nll_sum.item() / num_tokens.item(), {n: p.grad for n, p in model.named_parameters()})
     ref_loss, ref_grads = runs.pop("none")
-    return {name: {"loss_diff": abs(loss - ref_loss),
-                   "grad_diff": max((g - ref_grads[k]).abs().max().item() for k, g in grads.items())}
-            for name, (loss, grads) in runs.items()}
+    return {
+        name: {
+            "loss_diff": abs(loss - ref_loss),
+            "grad_diff": max((g - ref_grads[k]).abs().max().item() for k, g in grads.items()),
+        }
+        for name, (loss, grads) in runs.items()
+    }
 
 
 def _with_documents(batch: TwoStreamBatch) -> TwoStreamBatch:
@@ -135,14 +150,18 @@ def torch_parity() -> dict:
     megatron's attention-mask slot with save_for_backward).
     """
     moe = dict(num_experts=4, moe_intermediate_size=48, moe_layer_freq=[1, 1])
-    variants = {"tied_fused": {}, "untied_qknorm_sdpa": dict(tie_embeddings=False, qk_norm=True, attention_impl="sdpa"),
-                "gqa1_dense": dict(num_kv_heads=1, attention_impl="dense"),
-                "moe_shared_zloss": moe | dict(num_shared_experts=1, moe_z_loss_coeff=1e-3),
-                "moe_capacity": moe | dict(moe_capacity_factor=1.0, moe_layer_freq=[0, 1]),
-                "moe_top1_pre_softmax": moe | dict(moe_top_k=1, moe_router_pre_softmax=True),
-                "documents_fused": {}, "documents_gqa1_sdpa_recompute": dict(num_kv_heads=1, attention_impl="sdpa"),
-                "dit_fused": DIT_BODY | dict(num_kv_heads=None),
-                "dit_sdpa_recompute": DIT_BODY | dict(attention_impl="sdpa")}
+    variants = {
+        "tied_fused": {},
+        "untied_qknorm_sdpa": dict(tie_embeddings=False, qk_norm=True, attention_impl="sdpa"),
+        "gqa1_dense": dict(num_kv_heads=1, attention_impl="dense"),
+        "moe_shared_zloss": moe | dict(num_shared_experts=1, moe_z_loss_coeff=1e-3),
+        "moe_capacity": moe | dict(moe_capacity_factor=1.0, moe_layer_freq=[0, 1]),
+        "moe_top1_pre_softmax": moe | dict(moe_top_k=1, moe_router_pre_softmax=True),
+        "documents_fused": {},
+        "documents_gqa1_sdpa_recompute": dict(num_kv_heads=1, attention_impl="sdpa"),
+        "dit_fused": DIT_BODY | dict(num_kv_heads=None),
+        "dit_sdpa_recompute": DIT_BODY | dict(attention_impl="sdpa"),
+    }
     recompute = {"documents_gqa1_sdpa_recompute": dict(recompute="full"), "dit_sdpa_recompute": dict(recompute="full")}
     out = {}
     for dtype in (torch.float32, torch.float64):
@@ -171,7 +190,8 @@ def torch_parity() -> dict:
             # An expert no token reached has no gradient in the torch body, zeros in megatron's.
             ref_grads = {n: torch.zeros_like(p) if p.grad is None else p.grad for n, p in ref.named_parameters()}
             out[f"{name}_{str(dtype).removeprefix('torch.')}"] = {
-                "logits_shape": list(logits.shape), "ref_shape": list(ref_logits.shape),
+                "logits_shape": list(logits.shape),
+                "ref_shape": list(ref_logits.shape),
                 "logits_diff": (logits - ref_logits).abs().max().item(),
                 "loss_diff": abs(loss.item() - ref_loss.item()),
                 "grad_diff": max((grads[k] - g).abs().max().item() for k, g in ref_grads.items()),
@@ -196,8 +216,7 @@ def main(out: Path) -> None:
     dist.init_process_group(megatron_cpu.dist_backend(), store=store, rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
     results = {"auto_cpu_mode": megatron_cpu.auto_cpu_mode()}
-    for check in (device_redirect, backward_reentry, rng_tracker, recompute_with_dropout, torch_parity,
-                  sampling):
+    for check in (device_redirect, backward_reentry, rng_tracker, recompute_with_dropout, torch_parity, sampling):
         results[check.__name__] = check()
     results["moe_sampling"] = sampling(moe_config())
     results["dit_sampling"] = sampling(dit_parallel_config())

@@ -21,10 +21,13 @@ def test_a_release_outside_the_range_is_named(monkeypatch):
     monkeypatch.setattr(megatron_cpu.importlib.metadata, "version", lambda name: "0.18.0")
     monkeypatch.setitem(megatron_cpu.PRIVATE_NAMES, "megatron.core.tensor_parallel.mappings", ("_no_such_helper",))
     problems = megatron_cpu.compatibility_problems()
-    assert problems[0].startswith("megatron-core 0.18.0 is installed; the CPU layer and the engine's patches were "
-                                  "written for 0.16.x")
-    assert problems[1:] == ["megatron-core 0.18.0: megatron.core.tensor_parallel.mappings._no_such_helper is gone, "
-                            "which megatron_cpu.py relies on"]
+    assert problems[0].startswith(
+        "megatron-core 0.18.0 is installed; the CPU layer and the engine's patches were written for 0.16.x"
+    )
+    assert problems[1:] == [
+        "megatron-core 0.18.0: megatron.core.tensor_parallel.mappings._no_such_helper is gone, "
+        "which megatron_cpu.py relies on"
+    ]
 
 
 def test_cuda_device_arguments_land_on_the_cpu(single_results):

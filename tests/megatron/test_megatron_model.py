@@ -10,13 +10,16 @@ from tests.conftest import debug_config
 megatron_model = pytest.importorskip("setdiff_megatron.models.megatron_model")
 
 
-@pytest.mark.parametrize("layout,message", [
-    (dict(tp=3), "num_heads"),
-    (dict(tp=4), "num_kv_heads"),
-    (dict(pp=3), "num_layers"),
-    (dict(pp=2, vpp=2), "4 pipeline chunks"),
-    (dict(recompute="some"), "recompute"),
-])
+@pytest.mark.parametrize(
+    "layout,message",
+    [
+        (dict(tp=3), "num_heads"),
+        (dict(tp=4), "num_kv_heads"),
+        (dict(pp=3), "num_layers"),
+        (dict(pp=2, vpp=2), "4 pipeline chunks"),
+        (dict(recompute="some"), "recompute"),
+    ],
+)
 def test_impossible_layouts_are_user_errors(layout, message):
     with pytest.raises(UserError, match=message):
         megatron_model.transformer_config_from(debug_config(), **layout)
@@ -24,8 +27,9 @@ def test_impossible_layouts_are_user_errors(layout, message):
 
 def test_config_mirrors_the_model_config():
     cfg = debug_config(qk_norm=True)
-    tc = megatron_model.transformer_config_from(cfg, tp=2, sequence_parallel=True, recompute="full",
-                                                params_dtype=torch.bfloat16, hidden_dropout=0.1)
+    tc = megatron_model.transformer_config_from(
+        cfg, tp=2, sequence_parallel=True, recompute="full", params_dtype=torch.bfloat16, hidden_dropout=0.1
+    )
     assert (tc.num_query_groups, tc.kv_channels, tc.ffn_hidden_size) == (2, 16, cfg.intermediate_size)
     assert tc.gated_linear_unit and tc.qk_layernorm and tc.normalization == "RMSNorm"
     assert (tc.sequence_parallel, tc.recompute_granularity, tc.recompute_method) == (True, "full", "uniform")

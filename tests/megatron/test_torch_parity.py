@@ -3,18 +3,25 @@ order: query logits, loss and gradients. Measured in single_worker.py."""
 
 import pytest
 
-VARIANTS = ["tied_fused", "untied_qknorm_sdpa", "gqa1_dense",
-            # mixtures of experts: router, experts, shared experts, z-loss, capacity dropping, top-1
-            "moe_shared_zloss", "moe_capacity", "moe_top1_pre_softmax",
-            # document masking: three documents per window; the second through full recompute
-            "documents_fused", "documents_gqa1_sdpa_recompute",
-            # the reference DiT's layout (LayerNorm, GELU MLP with biases, output bias); the second
-            # with GQA, SDPA and full recompute
-            "dit_fused", "dit_sdpa_recompute"]
+VARIANTS = [
+    "tied_fused",
+    "untied_qknorm_sdpa",
+    "gqa1_dense",
+    # mixtures of experts: router, experts, shared experts, z-loss, capacity dropping, top-1
+    "moe_shared_zloss",
+    "moe_capacity",
+    "moe_top1_pre_softmax",
+    # document masking: three documents per window; the second through full recompute
+    "documents_fused",
+    "documents_gqa1_sdpa_recompute",
+    # the reference DiT's layout (LayerNorm, GELU MLP with biases, output bias); the second
+    # with GQA, SDPA and full recompute
+    "dit_fused",
+    "dit_sdpa_recompute",
+]
 # float32 runs the same kernels in the same order (logits agree bit for bit); the loss goes through
 # megatron's vocab-parallel cross-entropy, which computes in float32 even for float64 logits.
-TOLERANCES = {"float32": dict(logits=1e-6, loss=1e-6, grad=1e-6),
-              "float64": dict(logits=1e-7, loss=1e-6, grad=1e-7)}
+TOLERANCES = {"float32": dict(logits=1e-6, loss=1e-6, grad=1e-6), "float64": dict(logits=1e-7, loss=1e-6, grad=1e-7)}
 
 
 @pytest.mark.parametrize("dtype", sorted(TOLERANCES))

@@ -24,10 +24,22 @@ def _weights(**changes):
 
 
 def _split(sd, cfg, tp, pp, vp=None, backend="local"):
-    return {(t, p) + ((v,) if vp else ()): torch_to_megatron(
-                sd, cfg, tp_rank=t, tp_size=tp, pp_rank=p, pp_size=pp, vp_size=vp, vp_stage=v if vp else None,
-                backend=backend)
-            for t in range(tp) for p in range(pp) for v in range(vp or 1)}
+    return {
+        (t, p) + ((v,) if vp else ()): torch_to_megatron(
+            sd,
+            cfg,
+            tp_rank=t,
+            tp_size=tp,
+            pp_rank=p,
+            pp_size=pp,
+            vp_size=vp,
+            vp_stage=v if vp else None,
+            backend=backend,
+        )
+        for t in range(tp)
+        for p in range(pp)
+        for v in range(vp or 1)
+    }
 
 
 @pytest.mark.parametrize("tie,qk_norm,backend", list(itertools.product([True, False], [True, False], ["local", "te"])))
@@ -68,17 +80,25 @@ MOE = dict(num_experts=4, moe_top_k=2, moe_intermediate_size=32, num_shared_expe
 @pytest.mark.parametrize("tp,pp,ep", [(1, 1, 1), (2, 1, 2), (2, 2, 2), (1, 2, 4), (2, 2, 1)])
 def test_moe_round_trip_covers_every_key_and_expert(backend, tp, pp, ep):
     cfg, sd = _weights(**MOE)
-    shards = {(t, p) + ((e,) if ep > 1 else ()): torch_to_megatron(
-                  sd, cfg, tp_rank=t, tp_size=tp, pp_rank=p, pp_size=pp, ep_rank=e, ep_size=ep, backend=backend)
-              for t in range(tp) for p in range(pp) for e in range(ep)}
+    shards = {
+        (t, p) + ((e,) if ep > 1 else ()): torch_to_megatron(
+            sd, cfg, tp_rank=t, tp_size=tp, pp_rank=p, pp_size=pp, ep_rank=e, ep_size=ep, backend=backend
+        )
+        for t in range(tp)
+        for p in range(pp)
+        for e in range(ep)
+    }
     back = megatron_to_torch(merge_megatron_shards(shards, cfg, ep_size=ep), cfg, backend=backend)
     assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
     # Expert e sits on EP rank e // (4 / ep) as local expert e % (4 / ep); the shared experts on every one.
-    local = ("mlp.experts.linear_fc1.weight{}" if backend == "te" else "mlp.experts.local_experts.{}.linear_fc1.weight")
+    local = "mlp.experts.linear_fc1.weight{}" if backend == "te" else "mlp.experts.local_experts.{}.linear_fc1.weight"
     last = shards[(0, 0) + ((ep - 1,) if ep > 1 else ())]
     gate = sd["layers.0.mlp.experts.3.gate_proj.weight"].chunk(tp)[0]
     assert torch.equal(last["decoder.layers.0." + local.format(4 // ep - 1)][: gate.shape[0]], gate)
-    assert "decoder.layers.0.mlp.shared_experts.linear_fc1.weight" in last and "decoder.layers.1.mlp.router.weight" not in last
+    assert (
+        "decoder.layers.0.mlp.shared_experts.linear_fc1.weight" in last
+        and "decoder.layers.1.mlp.router.weight" not in last
+    )
 
 
 def test_moe_shards_missing_an_expert_parallel_rank_are_refused():
@@ -95,8 +115,13 @@ def test_fused_qkv_and_fc1_follow_megatron_layout():
     for tp_rank in range(2):
         shard = torch_to_megatron(sd, cfg, tp_rank=tp_rank, tp_size=2)
         # TP rank r holds KV group r: its two query heads, then its key, then its value.
-        expected = torch.cat([q[2 * d * tp_rank: 2 * d * (tp_rank + 1)], k[d * tp_rank: d * (tp_rank + 1)],
-                              v[d * tp_rank: d * (tp_rank + 1)]])
+        expected = torch.cat(
+            [
+                q[2 * d * tp_rank : 2 * d * (tp_rank + 1)],
+                k[d * tp_rank : d * (tp_rank + 1)],
+                v[d * tp_rank : d * (tp_rank + 1)],
+            ]
+        )
         assert torch.equal(shard["decoder.layers.0.self_attention.linear_qkv.weight"], expected)
         half = slice(i // 2 * tp_rank, i // 2 * (tp_rank + 1))
         gate_up = torch.cat([sd["layers.0.mlp.gate_proj.weight"][half], sd["layers.0.mlp.up_proj.weight"][half]])

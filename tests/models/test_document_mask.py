@@ -28,8 +28,9 @@ def test_each_document_is_computed_as_if_alone(impl):
     torch.manual_seed(0)
     model = SetDiffusionTransformer(debug_config(attention_impl=impl)).double()
     tokens, pad = _window()
-    batch = sample_two_stream_batch(tokens, Uniform(), mask_token_id=MASK, pad_mask=pad, eod_id=EOD,
-                                    generator=torch.Generator().manual_seed(1))
+    batch = sample_two_stream_batch(
+        tokens, Uniform(), mask_token_id=MASK, pad_mask=pad, eod_id=EOD, generator=torch.Generator().manual_seed(1)
+    )
     logits = model(batch.clean_tokens, batch.query_tokens, batch.position_ids, batch.valid_len, batch.document_ids)
     for row in range(2):
         real = torch.arange(14) < batch.valid_len[row]
@@ -49,8 +50,9 @@ def test_changing_one_document_changes_no_other():
     other[:, 4:9] = (other[:, 4:9] + 1) % 60
     logits = {}
     for name, t in (("before", tokens), ("after", other)):
-        batch = sample_two_stream_batch(t, Uniform(), mask_token_id=MASK, pad_mask=pad, eod_id=EOD,
-                                        generator=torch.Generator().manual_seed(2))
+        batch = sample_two_stream_batch(
+            t, Uniform(), mask_token_id=MASK, pad_mask=pad, eod_id=EOD, generator=torch.Generator().manual_seed(2)
+        )
         args = (batch.clean_tokens, batch.query_tokens, batch.position_ids, batch.valid_len)
         logits[name], logits[name + "_crossing"] = model(*args, batch.document_ids), model(*args)
     kept = batch.document_ids != 1

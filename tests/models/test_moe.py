@@ -96,12 +96,15 @@ def test_active_parameters_count_top_k_experts():
     assert cfg.num_params() - cfg.num_params(active=True) == cfg.num_layers * 2 * expert
 
 
-@pytest.mark.parametrize("changes,fragment", [
-    (dict(num_experts=4, moe_top_k=5), "moe_top_k must lie in [1, num_experts=4]"),
-    (dict(num_experts=4, moe_layer_freq=0), "moe_layer_freq must be >= 1"),
-    (dict(num_experts=4, moe_layer_freq=[0, 0]), "at least one 1"),
-    (dict(num_experts=-1), "num_experts must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "changes,fragment",
+    [
+        (dict(num_experts=4, moe_top_k=5), "moe_top_k must lie in [1, num_experts=4]"),
+        (dict(num_experts=4, moe_layer_freq=0), "moe_layer_freq must be >= 1"),
+        (dict(num_experts=4, moe_layer_freq=[0, 0]), "at least one 1"),
+        (dict(num_experts=-1), "num_experts must be >= 0"),
+    ],
+)
 def test_bad_moe_configs_are_refused(changes, fragment):
     with pytest.raises(ValueError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
         debug_config(**changes)

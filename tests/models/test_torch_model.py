@@ -142,8 +142,12 @@ def test_bad_inputs():
 
 
 def test_num_params_matches_module():
-    for cfg in (debug_config(), debug_config(tie_embeddings=False, qk_norm=True), dit_config(),
-                dit_config(mlp="swiglu", tie_embeddings=True, output_bias=False)):
+    for cfg in (
+        debug_config(),
+        debug_config(tie_embeddings=False, qk_norm=True),
+        dit_config(),
+        dit_config(mlp="swiglu", tie_embeddings=True, output_bias=False),
+    ):
         assert cfg.num_params() == sum(p.numel() for p in SetDiffusionTransformer(cfg).parameters())
     assert dit_config().intermediate_size == 4 * 64  # the DiT's MLP ratio
 

@@ -42,8 +42,15 @@ def reference(trained_run):
     sampler = SetSampler(sm.model, mask_token_id=sm.tokenizer.mask_id, context_len=sm.config.max_seq_len)
 
     def decode(prompt: str, max_tokens: int, **knobs) -> str:
-        cfg = DecodingConfig(**{**defaults.__dict__, "temperature": 0.0, "max_new_tokens": max_tokens,
-                                "eos_token_ids": (sm.tokenizer.eos_id,), **knobs})
+        cfg = DecodingConfig(
+            **{
+                **defaults.__dict__,
+                "temperature": 0.0,
+                "max_new_tokens": max_tokens,
+                "eos_token_ids": (sm.tokenizer.eos_id,),
+                **knobs,
+            }
+        )
         row = sampler.generate([sm.tokenizer.encode(prompt)], cfg).rows[0]
         return sm.tokenizer.decode(row.completion, skip_special_tokens=True)
 
@@ -51,8 +58,13 @@ def reference(trained_run):
 
 
 def test_completion_equals_the_samplers_decode_and_reports_usage(server, reference):
-    r = server.client.completions.create(model=NAME, prompt="def fibonacci(n):\n", max_tokens=16, temperature=0,
-                                         extra_body={"window": 4, "threshold": 0.3})
+    r = server.client.completions.create(
+        model=NAME,
+        prompt="def fibonacci(n):\n",
+        max_tokens=16,
+        temperature=0,
+        extra_body={"window": 4, "threshold": 0.3},
+    )
     assert r.choices[0].text == reference("def fibonacci(n):\n", 16, window=4, threshold=0.3)
     assert r.object == "text_completion" and r.model == NAME and r.choices[0].finish_reason in ("stop", "length")
     usage = r.usage.model_dump()
@@ -73,8 +85,9 @@ def test_chat_uses_a_transcript_without_a_template_and_streams(server):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "import os"}]
     r = server.client.chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0)
     assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
-    streamed = server.client.chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0,
-                                                     stream=True)
+    streamed = server.client.chat.completions.create(
+        model=NAME, messages=messages, max_tokens=10, temperature=0, stream=True
+    )
     assert "".join(c.choices[0].delta.content or "" for c in streamed) == r.choices[0].message.content
 
 
@@ -82,15 +95,17 @@ def test_stop_strings_cut_the_text(server):
     free = server.client.completions.create(model=NAME, prompt="def f(x):\n", max_tokens=24, temperature=0).choices[0]
     stop = free.text[5:8]
     assert stop.strip(), "the free completion should have text to stop at"
-    cut = server.client.completions.create(model=NAME, prompt="def f(x):\n", max_tokens=24, temperature=0,
-                                           stop=[stop]).choices[0]
-    assert cut.text == free.text[:free.text.find(stop)] and cut.finish_reason == "stop"
+    cut = server.client.completions.create(
+        model=NAME, prompt="def f(x):\n", max_tokens=24, temperature=0, stop=[stop]
+    ).choices[0]
+    assert cut.text == free.text[: free.text.find(stop)] and cut.finish_reason == "stop"
 
 
 def test_n_choices_and_seeds_reproduce(server):
     def sample(seed):
-        r = server.client.completions.create(model=NAME, prompt="import ", max_tokens=12, temperature=1.0, n=3,
-                                             seed=seed)
+        r = server.client.completions.create(
+            model=NAME, prompt="import ", max_tokens=12, temperature=1.0, n=3, seed=seed
+        )
         return [c.text for c in sorted(r.choices, key=lambda c: c.index)]
 
     first = sample(7)
@@ -98,13 +113,16 @@ def test_n_choices_and_seeds_reproduce(server):
     assert len(set(first)) > 1  # each choice draws with its own seed (seed + index)
 
 
-@pytest.mark.parametrize("kwargs, fragment", [
-    (dict(prompt="x", max_tokens=4, extra_body={"bogus": 1}), "Unrecognized request argument supplied: bogus"),
-    (dict(prompt="x", max_tokens=4, extra_body={"window": 0}), "window"),
-    (dict(prompt="x = 1\n" * 200, max_tokens=4), "longer than the context"),
-    (dict(prompt="x", max_tokens=4, model="nope"), "does not exist"),
-    (dict(prompt="x", max_tokens=4, logprobs=2), "logprobs is not supported"),
-])
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        (dict(prompt="x", max_tokens=4, extra_body={"bogus": 1}), "Unrecognized request argument supplied: bogus"),
+        (dict(prompt="x", max_tokens=4, extra_body={"window": 0}), "window"),
+        (dict(prompt="x = 1\n" * 200, max_tokens=4), "longer than the context"),
+        (dict(prompt="x", max_tokens=4, model="nope"), "does not exist"),
+        (dict(prompt="x", max_tokens=4, logprobs=2), "logprobs is not supported"),
+    ],
+)
 def test_bad_requests_get_400_and_the_server_stays_up(server, kwargs, fragment):
     with pytest.raises(openai.BadRequestError) as err:
         server.client.completions.create(**{"model": NAME, **kwargs})
@@ -113,25 +131,35 @@ def test_bad_requests_get_400_and_the_server_stays_up(server, kwargs, fragment):
 
 
 def test_infill_through_suffix_and_segments(server):
-    a = server.client.completions.create(model=NAME, prompt="def g(", suffix="):\n    return 1\n", max_tokens=5,
-                                         temperature=0)
-    b = server.client.completions.create(model=NAME, prompt=None, max_tokens=0, temperature=0,
-                                         extra_body={"segments": ["def g(", 5, "):\n    return 1\n"]})
+    a = server.client.completions.create(
+        model=NAME, prompt="def g(", suffix="):\n    return 1\n", max_tokens=5, temperature=0
+    )
+    b = server.client.completions.create(
+        model=NAME,
+        prompt=None,
+        max_tokens=0,
+        temperature=0,
+        extra_body={"segments": ["def g(", 5, "):\n    return 1\n"]},
+    )
     assert a.choices[0].text == b.choices[0].text and a.usage.completion_tokens == 5
 
 
 def test_a_dropped_stream_frees_its_row_and_waiting_requests_complete(trained_run):
     live = Live(trained_run, "--batch-size", "1")
     try:
-        stream = live.client.completions.create(model=NAME, prompt="def f(x):\n", max_tokens=100, stream=True,
-                                                temperature=0, extra_body={"window": 1})
+        stream = live.client.completions.create(
+            model=NAME, prompt="def f(x):\n", max_tokens=100, stream=True, temperature=0, extra_body={"window": 1}
+        )
         next(iter(stream))
         stream.response.close()  # the client goes away mid-stream
         results = []
 
         def ask(i: int) -> None:
-            results.append(live.client.completions.create(model=NAME, prompt=f"x{i} = ", max_tokens=8,
-                                                          temperature=0).choices[0].text)
+            results.append(
+                live.client.completions.create(model=NAME, prompt=f"x{i} = ", max_tokens=8, temperature=0)
+                .choices[0]
+                .text
+            )
 
         threads = [threading.Thread(target=ask, args=(i,)) for i in range(3)]  # one row: two of them wait
         for t in threads:
@@ -158,8 +186,9 @@ def test_bounded_load_stops_by_itself(server):
             if time.monotonic() > deadline:
                 return
             try:
-                r = server.client.completions.create(model=NAME, prompt="x = 1\n" * (1 + (i + j) % 5),
-                                                     max_tokens=4 + 5 * ((i * j) % 4), temperature=0)
+                r = server.client.completions.create(
+                    model=NAME, prompt="x = 1\n" * (1 + (i + j) % 5), max_tokens=4 + 5 * ((i * j) % 4), temperature=0
+                )
                 done.append(r.usage.completion_tokens)
             except Exception as exc:  # noqa: BLE001 - a failure is what the test counts
                 failures.append(repr(exc))

@@ -23,8 +23,14 @@ def isolated_env(config_home: Path, **extra: str) -> dict[str, str]:
 
 
 def setdiff(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "setdiff_megatron.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "setdiff_megatron.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env=env,
+    )
 
 
 def job(job_id: str) -> dict[str, str]:

@@ -44,36 +44,68 @@ def cluster_file(tmp_path: Path, **settings) -> Path:
 def test_tiny_cpu_renders_srun_tasks_on_cpus_with_signal_and_requeue(capsys, tmp_path):
     script = dry_run(capsys, str(TINY), f"checkpoint.dir={tmp_path}/run", "train.steps=20")
     bash_syntax_ok(script)
-    for line in ("#SBATCH --nodes=1", "#SBATCH --ntasks-per-node=2", "#SBATCH --time=01:00:00",
-                 f"#SBATCH --output={tmp_path}/run/slurm/%x-%j.out", "#SBATCH --signal=B:USR1@300",
-                 "#SBATCH --requeue", "export CUDA_VISIBLE_DEVICES=''",
-                 'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
-                 f"RECIPE={TINY}", f"OVERRIDES=(checkpoint.dir={tmp_path}/run train.steps=20)",
-                 'scontrol requeue "$SLURM_JOB_ID"', 'kill -USR1 "$pid"'):
+    for line in (
+        "#SBATCH --nodes=1",
+        "#SBATCH --ntasks-per-node=2",
+        "#SBATCH --time=01:00:00",
+        f"#SBATCH --output={tmp_path}/run/slurm/%x-%j.out",
+        "#SBATCH --signal=B:USR1@300",
+        "#SBATCH --requeue",
+        "export CUDA_VISIBLE_DEVICES=''",
+        'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
+        f"RECIPE={TINY}",
+        f"OVERRIDES=(checkpoint.dir={tmp_path}/run train.steps=20)",
+        'scontrol requeue "$SLURM_JOB_ID"',
+        'kill -USR1 "$pid"',
+    ):
         assert line in script, line
     assert "--gpus-per-node" not in script and "NCCL" not in script
     assert not (tmp_path / "run").exists()  # a dry run writes nothing
 
 
 def test_gpu_recipe_takes_cluster_settings_and_the_recipe_wins(capsys, tmp_path, monkeypatch):
-    path = cluster_file(tmp_path, partition="gpu", account="proj", gpus_per_node=8, cpus_per_task=12,
-                        setup=["module load cuda/12.4"], env={"NCCL_SOCKET_IFNAME": "ib0"},
-                        sbatch_args=["--exclusive"], srun_args=["--cpu-bind=none"])
+    path = cluster_file(
+        tmp_path,
+        partition="gpu",
+        account="proj",
+        gpus_per_node=8,
+        cpus_per_task=12,
+        setup=["module load cuda/12.4"],
+        env={"NCCL_SOCKET_IFNAME": "ib0"},
+        sbatch_args=["--exclusive"],
+        srun_args=["--cpu-bind=none"],
+    )
     monkeypatch.setenv("SETDIFF_CLUSTER_FILE", str(path))
     script = dry_run(capsys, str(OWT), "launch.slurm.partition=big", "launch.slurm.setup=[source venv/bin/activate]")
     bash_syntax_ok(script)
-    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8",
-                 "#SBATCH --cpus-per-task=12", "#SBATCH --time=48:00:00", "#SBATCH --partition=big",
-                 "#SBATCH --account=proj", "#SBATCH --exclusive", "module load cuda/12.4\nsource venv/bin/activate",
-                 "export NCCL_SOCKET_IFNAME=ib0", "export CUDA_DEVICE_MAX_CONNECTIONS=1",
-                 "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1", "srun --kill-on-bad-exit=1 --label --cpu-bind=none"):
+    for line in (
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=8",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --cpus-per-task=12",
+        "#SBATCH --time=48:00:00",
+        "#SBATCH --partition=big",
+        "#SBATCH --account=proj",
+        "#SBATCH --exclusive",
+        "module load cuda/12.4\nsource venv/bin/activate",
+        "export NCCL_SOCKET_IFNAME=ib0",
+        "export CUDA_DEVICE_MAX_CONNECTIONS=1",
+        "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1",
+        "srun --kill-on-bad-exit=1 --label --cpu-bind=none",
+    ):
         assert line in script, line
     assert f"cluster file: {path}" in script
 
 
 def test_torchrun_launcher_runs_one_task_per_node_and_maps_its_exit_code(capsys, tmp_path):
-    script = dry_run(capsys, str(TINY), f"checkpoint.dir={tmp_path}", "launch.slurm.launcher=torchrun",
-                     "launch.slurm.cpus_per_task=1", "launch.max_restarts=2")
+    script = dry_run(
+        capsys,
+        str(TINY),
+        f"checkpoint.dir={tmp_path}",
+        "launch.slurm.launcher=torchrun",
+        "launch.slurm.cpus_per_task=1",
+        "launch.max_restarts=2",
+    )
     bash_syntax_ok(script)
     assert "#SBATCH --ntasks-per-node=1" in script and "#SBATCH --cpus-per-task=2" in script
     assert "torchrun --nnodes=$SLURM_NNODES --nproc_per_node=2 --max-restarts=2 --rdzv_id=$SLURM_JOB_ID" in script
@@ -117,7 +149,8 @@ def test_missing_cluster_file_is_one_line(capsys, tmp_path, monkeypatch, how):
         assert f"SETDIFF_CLUSTER_FILE={missing}: no such file" in error(capsys, str(TINY))
     else:
         assert f"launch.slurm.cluster_file: {missing} does not exist" in error(
-            capsys, str(TINY), f"launch.slurm.cluster_file={missing}")
+            capsys, str(TINY), f"launch.slurm.cluster_file={missing}"
+        )
 
 
 def test_bad_cluster_file_is_one_line(capsys, tmp_path):
@@ -126,12 +159,14 @@ def test_bad_cluster_file_is_one_line(capsys, tmp_path):
 
 
 def test_array_command_placeholders(tmp_path):
-    script = render_array(Resources(job_name="s", array="0-3"), ["run", "--shard={shard}", "a b", "{num_shards}"],
-                          num_shards=4)
+    script = render_array(
+        Resources(job_name="s", array="0-3"), ["run", "--shard={shard}", "a b", "{num_shards}"], num_shards=4
+    )
     bash_syntax_ok(script)
     assert "run --shard=\"$SLURM_ARRAY_TASK_ID\" 'a b' 4" in script
-    jobs = submit_sharded("work --shard {shard} --of {num_shards}", "work", num_shards=3, work_dir=tmp_path,
-                          max_parallel=2, dry_run=True)
+    jobs = submit_sharded(
+        "work --shard {shard} --of {num_shards}", "work", num_shards=3, work_dir=tmp_path, max_parallel=2, dry_run=True
+    )
     assert "#SBATCH --array=0-2%2" in jobs.array.text
     assert 'work --shard "$SLURM_ARRAY_TASK_ID" --of 3' in jobs.array.text
     assert jobs.merge.text.rstrip().endswith("work") and jobs.array_id is None
@@ -140,6 +175,7 @@ def test_array_command_placeholders(tmp_path):
 def test_slurm_templates_match_the_renderer():
     for name, text in templates().items():
         bash_syntax_ok(text)
-        assert (REPO / "slurm" / name).read_text() == text, \
+        assert (REPO / "slurm" / name).read_text() == text, (
             f"slurm/{name} is stale: python -m setdiff_megatron.launch.sbatch slurm/"
+        )
     bash_syntax_ok((REPO / "slurm" / "sample.sbatch").read_text())

@@ -23,7 +23,18 @@ from pathlib import Path
 import pytest
 
 from setdiff_megatron.launch.slurm import submit_sharded
-from tests.slurm.jobs import REPO, TINY, cancel, finished, isolated_env, job, losses, setdiff, wait_for_file_line, wait_until
+from tests.slurm.jobs import (
+    REPO,
+    TINY,
+    cancel,
+    finished,
+    isolated_env,
+    job,
+    losses,
+    setdiff,
+    wait_for_file_line,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slurm
 
@@ -31,9 +42,19 @@ STEPS = 20
 
 
 def submit(run_dir: Path, cache: Path, env: dict[str, str], *overrides: str) -> tuple[str, Path]:
-    out = setdiff("launch", str(TINY), "--slurm", f"train.steps={STEPS}", "checkpoint.interval=10",
-                  "eval.interval=10", "log.interval=1", f"checkpoint.dir={run_dir}", f"data.cache_dir={cache}",
-                  *overrides, env=env)
+    out = setdiff(
+        "launch",
+        str(TINY),
+        "--slurm",
+        f"train.steps={STEPS}",
+        "checkpoint.interval=10",
+        "eval.interval=10",
+        "log.interval=1",
+        f"checkpoint.dir={run_dir}",
+        f"data.cache_dir={cache}",
+        *overrides,
+        env=env,
+    )
     assert out.returncode == 0, out.stderr
     job_id = re.search(r"submitted job (\d+)", out.stdout).group(1)
     log = Path(re.search(r"^log: (\S+)", out.stdout, re.M).group(1))
@@ -73,9 +94,13 @@ def test_launch_slurm_trains_two_ranks_through_srun(reference):
     assert (STEPS, "train/loss") in losses(run_dir)
 
 
-@pytest.mark.parametrize("signal,overrides", [
-    pytest.param("USR1", (), id="usr1-batch-shell", marks=pytest.mark.slow),  # 50 s; the requeue path is shared
-    pytest.param("TERM", ("checkpoint.async_save=true", "checkpoint.interval=3"), id="sigterm-async-saves")])
+@pytest.mark.parametrize(
+    "signal,overrides",
+    [
+        pytest.param("USR1", (), id="usr1-batch-shell", marks=pytest.mark.slow),  # 50 s; the requeue path is shared
+        pytest.param("TERM", ("checkpoint.async_save=true", "checkpoint.interval=3"), id="sigterm-async-saves"),
+    ],
+)
 def test_a_signal_checkpoints_requeues_and_resumes_to_the_same_losses(shared, reference, tmp_path, signal, overrides):
     cache, env = shared
     run_dir = tmp_path / "preempted"
@@ -84,13 +109,19 @@ def test_a_signal_checkpoints_requeues_and_resumes_to_the_same_losses(shared, re
         # Step 5 logged: training is under way. USR1 goes to the batch shell only, as the
         # scheduler's --signal=B:USR1@lead does before a time limit; TERM to the training tasks, as
         # a preemption sends it.
-        wait_for_file_line(run_dir / "logs" / "metrics.jsonl", lambda line: '"step": 5,' in line,
-                           timeout=300, job_id=job_id)
+        wait_for_file_line(
+            run_dir / "logs" / "metrics.jsonl", lambda line: '"step": 5,' in line, timeout=300, job_id=job_id
+        )
         assert job(job_id)["JobState"] == "RUNNING"
         where = ["--batch"] if signal == "USR1" else []
         subprocess.run(["scancel", f"--signal={signal}", *where, job_id], check=True, timeout=30)
-        state = wait_until(job_id, lambda s: s.get("Restarts") == "1" and s.get("JobState") == "PENDING",
-                           timeout=180, what="requeued", log=log)
+        state = wait_until(
+            job_id,
+            lambda s: s.get("Restarts") == "1" and s.get("JobState") == "PENDING",
+            timeout=180,
+            what="requeued",
+            log=log,
+        )
         text = log.read_text(errors="replace")
         stopped = int(re.search(rf"stopped at step (\d+) by SIG{signal}", text).group(1))
         assert 5 <= stopped < STEPS
@@ -114,8 +145,14 @@ def test_a_signal_checkpoints_requeues_and_resumes_to_the_same_losses(shared, re
 def multi_node_problem() -> str | None:
     out = subprocess.run(["sinfo", "-N", "-h", "-p", "multi", "-o", "%T"], capture_output=True, text=True, timeout=30)
     idle = [s for s in out.stdout.split() if s.rstrip("*~#") in ("idle", "mixed")]
-    return None if len(idle) >= 2 else (f"no partition `multi` with two idle nodes ({out.stdout.split() or out.stderr.strip()}); "
-                                         "tools/local_slurm.sh start makes one where network namespaces can be made")
+    return (
+        None
+        if len(idle) >= 2
+        else (
+            f"no partition `multi` with two idle nodes ({out.stdout.split() or out.stderr.strip()}); "
+            "tools/local_slurm.sh start makes one where network namespaces can be made"
+        )
+    )
 
 
 def completed(run_dir: Path, cache: Path, env: dict[str, str], *overrides: str) -> tuple[dict[str, str], str]:
@@ -140,8 +177,15 @@ def test_two_nodes_train_as_one_and_their_checkpoint_resumes_on_one_node(shared,
         pytest.skip(problem)
     cache, env = shared
     two = tmp_path / "two"
-    state, text = completed(two, cache, env, "launch.nnodes=2", "launch.nproc_per_node=1",
-                            "launch.slurm.launcher=torchrun", "launch.slurm.partition=multi")
+    state, text = completed(
+        two,
+        cache,
+        env,
+        "launch.nnodes=2",
+        "launch.nproc_per_node=1",
+        "launch.slurm.launcher=torchrun",
+        "launch.slurm.partition=multi",
+    )
     assert state["NodeList"] == "sdnode[1-2]" and "rendezvous sdnode1:" in text
     assert any(line.startswith("1: ") for line in text.splitlines())  # srun --label: the second node's torchrun
     assert losses(two) == losses(reference[1])
@@ -165,17 +209,33 @@ def test_a_node_lost_mid_run_requeues_and_resumes_to_the_same_losses(shared, ref
         pytest.skip(problem)
     cache, env = shared
     run_dir = tmp_path / "lost"
-    job_id, log = submit(run_dir, cache, env, "launch.nnodes=2", "launch.nproc_per_node=1",
-                         "launch.slurm.launcher=torchrun", "launch.slurm.partition=multi", "launch.max_restarts=1")
+    job_id, log = submit(
+        run_dir,
+        cache,
+        env,
+        "launch.nnodes=2",
+        "launch.nproc_per_node=1",
+        "launch.slurm.launcher=torchrun",
+        "launch.slurm.partition=multi",
+        "launch.max_restarts=1",
+    )
     try:
-        wait_for_file_line(run_dir / "logs" / "metrics.jsonl", lambda line: '"step": 12,' in line,
-                           timeout=300, job_id=job_id)
+        wait_for_file_line(
+            run_dir / "logs" / "metrics.jsonl", lambda line: '"step": 12,' in line, timeout=300, job_id=job_id
+        )
         pids = subprocess.run(["ip", "netns", "pids", "sdnode2"], capture_output=True, text=True, timeout=30).stdout
         for pid in map(int, pids.split()):
             os.kill(pid, signal.SIGKILL)
-        wait_until(job_id, lambda s: s.get("Restarts") == "1" and s.get("JobState") == "PENDING",
-                   timeout=240, what="requeued after the node failure", log=log)
-        back = subprocess.run([str(REPO / "tools" / "local_slurm.sh"), "start"], capture_output=True, text=True, timeout=120)
+        wait_until(
+            job_id,
+            lambda s: s.get("Restarts") == "1" and s.get("JobState") == "PENDING",
+            timeout=240,
+            what="requeued after the node failure",
+            log=log,
+        )
+        back = subprocess.run(
+            [str(REPO / "tools" / "local_slurm.sh"), "start"], capture_output=True, text=True, timeout=120
+        )
         assert back.returncode == 0, back.stdout + back.stderr
         time.sleep(5)  # see the preemption test: a credential from the second the job ended is refused
         subprocess.run(["scontrol", "update", f"jobid={job_id}", "StartTime=now"], check=True, timeout=30)
@@ -196,19 +256,41 @@ def test_sample_array_of_two_shards_then_merge_equals_a_local_run(reference, sha
     _, run_dir, _ = reference
     _, env = shared
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": text}) + "\n" for i, text in
-                               enumerate(["def f(x):\n", "import os\n", "class A:\n", "for i in range(3):\n", "x = "])))
+    prompts.write_text(
+        "".join(
+            json.dumps({"id": f"p{i}", "prompt": text}) + "\n"
+            for i, text in enumerate(["def f(x):\n", "import os\n", "class A:\n", "for i in range(3):\n", "x = "])
+        )
+    )
     options = ["--prompts", str(prompts), "--batch-size", "2", "--max-new-tokens", "8", "--no-progress"]
     local = setdiff("sample", str(run_dir), *options, "--out", str(tmp_path / "local.jsonl"), env=env, timeout=300)
     assert local.returncode == 0, local.stderr
 
-    base = [sys.executable, "-m", "setdiff_megatron.cli", "sample", str(run_dir), *options,
-            "--out", str(tmp_path / "out.jsonl")]
-    jobs = submit_sharded([*base, "--shard", "{shard}", "--num-shards", "{num_shards}"], base, num_shards=2,
-                          work_dir=tmp_path, job_name="sample")
+    base = [
+        sys.executable,
+        "-m",
+        "setdiff_megatron.cli",
+        "sample",
+        str(run_dir),
+        *options,
+        "--out",
+        str(tmp_path / "out.jsonl"),
+    ]
+    jobs = submit_sharded(
+        [*base, "--shard", "{shard}", "--num-shards", "{num_shards}"],
+        base,
+        num_shards=2,
+        work_dir=tmp_path,
+        job_name="sample",
+    )
     try:
-        merge = wait_until(jobs.merge_id, finished, timeout=300, what="finished",
-                           log=tmp_path / "slurm" / f"sample-merge-{jobs.merge_id}.out")
+        merge = wait_until(
+            jobs.merge_id,
+            finished,
+            timeout=300,
+            what="finished",
+            log=tmp_path / "slurm" / f"sample-merge-{jobs.merge_id}.out",
+        )
         shards = [job(f"{jobs.array_id}_{i}") for i in range(2)]
     finally:
         cancel(jobs.array_id)
@@ -217,7 +299,10 @@ def test_sample_array_of_two_shards_then_merge_equals_a_local_run(reference, sha
     assert (merge["JobState"], merge["ExitCode"]) == ("COMPLETED", "0:0")
 
     def results(path: Path) -> list[dict]:  # all but the wall-clock time
-        return [{k: v for k, v in json.loads(line).items() if k not in ("seconds", "busy_seconds")} for line in path.read_text().splitlines()]
+        return [
+            {k: v for k, v in json.loads(line).items() if k not in ("seconds", "busy_seconds")}
+            for line in path.read_text().splitlines()
+        ]
 
     assert len(results(tmp_path / "out.jsonl")) == 5
     assert results(tmp_path / "out.jsonl") == results(tmp_path / "local.jsonl")

@@ -12,8 +12,19 @@ from benchmarks.study.__main__ import main
 
 
 def test_a_smoke_run_writes_the_tables_and_plots(tmp_path):
-    results = main(["--quick", "--steps", "6", "--per-level", "2", "--out", str(tmp_path / "runs"),
-                    "--results", str(tmp_path / "results")])
+    results = main(
+        [
+            "--quick",
+            "--steps",
+            "6",
+            "--per-level",
+            "2",
+            "--out",
+            str(tmp_path / "runs"),
+            "--results",
+            str(tmp_path / "results"),
+        ]
+    )
     assert set(results["models"]) == {"sd-d4"}
     model = results["models"]["sd-d4"]
     assert model["steps"] == 6 and model["valid_curve"][-1][0] == 6 and model["train_minutes"] > 0
@@ -27,16 +38,40 @@ def test_a_smoke_run_writes_the_tables_and_plots(tmp_path):
     for name in ("results.md", "pareto.png", "loss_curves.png"):
         assert (tmp_path / "results" / name).stat().st_size > 0
 
-    again = main(["--quick", "--steps", "6", "--per-level", "2", "--out", str(tmp_path / "runs"),
-                  "--results", str(tmp_path / "results")])  # a rerun trains and decodes nothing again
+    again = main(
+        [
+            "--quick",
+            "--steps",
+            "6",
+            "--per-level",
+            "2",
+            "--out",
+            str(tmp_path / "runs"),
+            "--results",
+            str(tmp_path / "results"),
+        ]
+    )  # a rerun trains and decodes nothing again
     assert again["models"]["sd-d4"]["points"] == results["models"]["sd-d4"]["points"]
     assert again["wall_minutes"] < results["wall_minutes"] / 3
 
 
 @pytest.mark.slow  # 45 s; the committed three-seed run is what test_quick reads
 def test_over_seeds_every_model_trains_per_seed_and_reports_mean_and_spread(tmp_path):
-    results = main(["--quick", "--steps", "2", "--per-level", "1", "--seeds", "1,2", "--out", str(tmp_path / "runs"),
-                    "--results", str(tmp_path / "results")])
+    results = main(
+        [
+            "--quick",
+            "--steps",
+            "2",
+            "--per-level",
+            "1",
+            "--seeds",
+            "1,2",
+            "--out",
+            str(tmp_path / "runs"),
+            "--results",
+            str(tmp_path / "results"),
+        ]
+    )
     assert results["seeds"]["training"] == [1, 2]
     model = results["models"]["sd-d4"]
     assert model["seeds"] == [1, 2] and set(model["by_seed"]) == {"1", "2"}

@@ -26,6 +26,7 @@ from benchmarks.study.__main__ import main
 FULL_RUN = Path(__file__).parents[2] / "benchmarks" / "results" / "study" / "adapted" / "results.json"
 SPREADS = 5
 
+
 def _point(model: dict, **decoding) -> dict:
     (point,) = [p for p in model["points"] if all(p[key] == value for key, value in decoding.items())]
     return point
@@ -40,8 +41,11 @@ def _bounds() -> dict[str, float]:
     def low(values: list[float]) -> float:
         return statistics.mean(values) - SPREADS * statistics.stdev(values)
 
-    return {"accuracy": low(parallel["accuracy_by_seed"]), "tokens_per_step": low(parallel["tokens_per_step_by_seed"]),
-            "cost": statistics.mean(costs) + SPREADS * statistics.stdev(costs)}
+    return {
+        "accuracy": low(parallel["accuracy_by_seed"]),
+        "tokens_per_step": low(parallel["tokens_per_step_by_seed"]),
+        "cost": statistics.mean(costs) + SPREADS * statistics.stdev(costs),
+    }
 
 
 def test_the_bounds_come_from_three_seeds_and_mean_something():
@@ -56,8 +60,19 @@ def test_the_bounds_come_from_three_seeds_and_mean_something():
 @pytest.mark.timeout(1800)
 def test_quick_study_keeps_the_full_runs_trade_off(tmp_path):
     bounds = _bounds()
-    results = main(["--quick", "--setting", "adapted", "--seeds", "1", "--out", str(tmp_path / "runs"),
-                    "--results", str(tmp_path / "results")])
+    results = main(
+        [
+            "--quick",
+            "--setting",
+            "adapted",
+            "--seeds",
+            "1",
+            "--out",
+            str(tmp_path / "runs"),
+            "--results",
+            str(tmp_path / "results"),
+        ]
+    )
     model = results["models"]["sd-d4"]
     one, parallel = _point(model, window=1), _point(model, **plan.QUICK_POINT)
     assert one["examples"] == parallel["examples"] == 250

@@ -27,8 +27,12 @@ TOTAL_STEPS = 100_000
 def fingerprint(chunks, optimizer) -> list[float]:
     """Sums of this rank's weights and Adam moments: equal before the save and after the load."""
     weights = sum(p.detach().double().sum().item() for c in chunks for p in c.parameters())
-    moments = sum(st[k].double().sum().item() for opt in optimizer.chained_optimizers
-                  for st in opt.optimizer.state.values() for k in ("exp_avg", "exp_avg_sq"))
+    moments = sum(
+        st[k].double().sum().item()
+        for opt in optimizer.chained_optimizers
+        for st in opt.optimizer.state.values()
+        for k in ("exp_avg", "exp_avg_sq")
+    )
     return [weights, moments]
 
 
@@ -47,8 +51,15 @@ def main(run_dir: Path, mode: str) -> int:
     from setdiff_megatron.training.metrics import MetricsLogger
 
     world = int(os.environ["WORLD_SIZE"])
-    recipe = load_recipe(TINY, [f"checkpoint.dir={run_dir}", f"launch.nproc_per_node={world}",
-                                "checkpoint.keep_last_n=2", f"train.steps={TOTAL_STEPS}"])
+    recipe = load_recipe(
+        TINY,
+        [
+            f"checkpoint.dir={run_dir}",
+            f"launch.nproc_per_node={world}",
+            "checkpoint.keep_last_n=2",
+            f"train.steps={TOTAL_STEPS}",
+        ],
+    )
     engine = MegatronEngine(recipe)
     tokenizer = train_byte_level_bpe(["set diffusion language models decode several tokens at once"] * 8, 300)
     model_cfg = recipe.model.to_model_config(vocab_size=tokenizer.vocab_size, mask_token_id=tokenizer.mask_id)
@@ -66,8 +77,15 @@ def main(run_dir: Path, mode: str) -> int:
             print(f"MISMATCH {progress.step}", flush=True)
             return 3
     print(f"RESUMED {progress.step}", flush=True)
-    quiet = MetricsLogger(recipe.log, run_dir / "logs", total_steps=TOTAL_STEPS, start_step=progress.step,
-                          enabled=False, run_name="fault-worker", config={})
+    quiet = MetricsLogger(
+        recipe.log,
+        run_dir / "logs",
+        total_steps=TOTAL_STEPS,
+        start_step=progress.step,
+        enabled=False,
+        run_name="fault-worker",
+        config={},
+    )
     saves = Checkpointer(recipe, engine, identity, tokenizer, run_id, quiet)
     while True:
         generator = torch.Generator().manual_seed(progress.step)

@@ -39,8 +39,17 @@ def schedule_lrs(overrides: list[str], chunks) -> dict[str, list[float]]:
 
     out = {}
     for schedule in SCHEDULES:
-        recipe = load_recipe(RECIPE, [*overrides, *AS_MEGATRON, f"train.schedule={schedule}", "train.warmup_steps=10",
-                                      "train.min_lr=1e-4", "train.decay_fraction=0.3"])
+        recipe = load_recipe(
+            RECIPE,
+            [
+                *overrides,
+                *AS_MEGATRON,
+                f"train.schedule={schedule}",
+                "train.warmup_steps=10",
+                "train.min_lr=1e-4",
+                "train.decay_fraction=0.3",
+            ],
+        )
         optimizer, scheduler = build_optimizer(recipe, chunks, SCHEDULE_STEPS)
         lrs = []
         for _ in range(SCHEDULE_STEPS):
@@ -58,8 +67,13 @@ def main(out: Path, overrides: list[str]) -> None:
     engine = MegatronEngine(recipe)
     steps = lr_schedule.total_steps(recipe)
     gbs, mbs = recipe.parallel.global_batch_size, recipe.parallel.micro_batch_size
-    data = prepare_data(recipe, num_train_samples=steps * gbs, num_valid_samples=recipe.eval.batches * mbs * engine.dp_size,
-                        is_first_rank=dist.get_rank() == 0, barrier=dist.barrier)
+    data = prepare_data(
+        recipe,
+        num_train_samples=steps * gbs,
+        num_valid_samples=recipe.eval.batches * mbs * engine.dp_size,
+        is_first_rank=dist.get_rank() == 0,
+        barrier=dist.barrier,
+    )
     cfg = recipe.model.to_model_config(vocab_size=data.tokenizer.vocab_size, mask_token_id=data.tokenizer.mask_id)
     engine.build(cfg, steps)
     torch.manual_seed(recipe.train.seed)  # the DeepSpeed engine's initial weights

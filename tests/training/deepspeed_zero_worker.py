@@ -35,12 +35,14 @@ from tests.megatron.cases import NUM_MICROBATCHES, ROOT, batches, write_worker_r
 STEPS = 5
 # (name, overrides): fp32 at every stage, activation recompute on two of them, optimizer offload,
 # and a bf16 ZeRO-1 run (DeepSpeed's BF16_Optimizer) for its checkpoint only.
-RUNS = [("stage0", ["parallel.zero_stage=0"]),
-        ("stage1", ["parallel.zero_stage=1"]),
-        ("stage2", ["parallel.zero_stage=2", "train.recompute=selective"]),
-        ("stage3", ["parallel.zero_stage=3", "train.recompute=full"]),
-        ("stage2_offload", ["parallel.zero_stage=2", "parallel.offload_optimizer=true"]),
-        ("stage1_bf16", ["parallel.zero_stage=1", "train.precision=bf16"])]
+RUNS = [
+    ("stage0", ["parallel.zero_stage=0"]),
+    ("stage1", ["parallel.zero_stage=1"]),
+    ("stage2", ["parallel.zero_stage=2", "train.recompute=selective"]),
+    ("stage3", ["parallel.zero_stage=3", "train.recompute=full"]),
+    ("stage2_offload", ["parallel.zero_stage=2", "parallel.offload_optimizer=true"]),
+    ("stage1_bf16", ["parallel.zero_stage=1", "train.precision=bf16"]),
+]
 # Runs that also continue from their checkpoint in a new engine, for MORE_STEPS steps.
 RESUMED = ("stage2_offload", "stage3")
 MORE_STEPS = 2
@@ -58,12 +60,21 @@ class StubTokenizer:
 
 def save(recipe, engine: DeepSpeedEngine, step: int) -> Path:
     """Collective: publish a checkpoint the way the trainer does (engine files, then rank 0's)."""
+
     def write(tmp: Path) -> None:
         engine.save(tmp)
         if dist.get_rank() == 0:
-            write_train_state(tmp, TrainState(progress=Progress(step=step), scheduler=engine.scheduler_state(),
-                                              layout=engine.layout_record(), model={}, run_id="worker",
-                                              tokenizer={"vocab_size": 64, "mask_id": 63}))
+            write_train_state(
+                tmp,
+                TrainState(
+                    progress=Progress(step=step),
+                    scheduler=engine.scheduler_state(),
+                    layout=engine.layout_record(),
+                    model={},
+                    run_id="worker",
+                    tokenizer={"vocab_size": 64, "mask_id": 63},
+                ),
+            )
             StubTokenizer().save(tmp / TOKENIZER_DIR)
 
     return publish(Path(recipe.checkpoint.dir) / CHECKPOINTS, step, write, run_id="worker")
@@ -71,12 +82,26 @@ def save(recipe, engine: DeepSpeedEngine, step: int) -> Path:
 
 def recipe_for(run_dir: Path, overrides: list[str]):
     cfg = debug_config()
-    return load_recipe(ROOT / "recipes" / "tiny-cpu-deepspeed.yaml", [
-        f"model.hidden_size={cfg.hidden_size}", f"model.num_layers={cfg.num_layers}",
-        f"model.num_heads={cfg.num_heads}", f"model.num_kv_heads={cfg.num_kv_heads}", "model.intermediate_size=128",
-        "parallel.micro_batch_size=2", "parallel.global_batch_size=8", f"train.steps={STEPS}",
-        "train.warmup_steps=2", "train.lr=3e-3", "train.min_lr=3e-4", "train.weight_decay=0.1",
-        "train.precision=fp32", f"checkpoint.dir={run_dir}", *overrides])
+    return load_recipe(
+        ROOT / "recipes" / "tiny-cpu-deepspeed.yaml",
+        [
+            f"model.hidden_size={cfg.hidden_size}",
+            f"model.num_layers={cfg.num_layers}",
+            f"model.num_heads={cfg.num_heads}",
+            f"model.num_kv_heads={cfg.num_kv_heads}",
+            "model.intermediate_size=128",
+            "parallel.micro_batch_size=2",
+            "parallel.global_batch_size=8",
+            f"train.steps={STEPS}",
+            "train.warmup_steps=2",
+            "train.lr=3e-3",
+            "train.min_lr=3e-4",
+            "train.weight_decay=0.1",
+            "train.precision=fp32",
+            f"checkpoint.dir={run_dir}",
+            *overrides,
+        ],
+    )
 
 
 def reference_losses(recipe, cfg, data) -> list[float]:
@@ -87,7 +112,7 @@ def reference_losses(recipe, cfg, data) -> list[float]:
     scheduler = build_lr_scheduler(recipe, optimizer, STEPS)
     losses = []
     for step in range(STEPS):
-        micro = data[step * NUM_MICROBATCHES:(step + 1) * NUM_MICROBATCHES]
+        micro = data[step * NUM_MICROBATCHES : (step + 1) * NUM_MICROBATCHES]
         tokens = sum(b.loss_mask.sum() for b in micro).item()
         total = 0.0
         for b in micro:
@@ -117,7 +142,7 @@ def train(engine: DeepSpeedEngine, data, steps: range) -> list[float]:
     losses = []
     for step in steps:
         first = step * NUM_MICROBATCHES + dist.get_rank() * half
-        nll, count = engine.forward_backward(data[first:first + half])
+        nll, count = engine.forward_backward(data[first : first + half])
         assert engine.optimizer_step().applied
         losses.append(nll / count)
     return losses

@@ -36,10 +36,15 @@ def start_ranks(run_dir: Path, logs: list[Path], mode: str) -> list[subprocess.P
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
     procs: list[subprocess.Popen] = []
     for rank, log in enumerate(logs):
-        procs.append(subprocess.Popen(
-            [sys.executable, "-u", WORKER, str(run_dir), mode], stdout=log.open("w"), stderr=subprocess.STDOUT,
-            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-            process_group=0 if rank == 0 else procs[0].pid))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-u", WORKER, str(run_dir), mode],
+                stdout=log.open("w"),
+                stderr=subprocess.STDOUT,
+                env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                process_group=0 if rank == 0 else procs[0].pid,
+            )
+        )
     return procs
 
 
@@ -105,6 +110,8 @@ def test_kill_9_while_saving_never_leaves_a_partial_checkpoint_to_resume(tmp_pat
                 p.wait()
         phases[phase(root)] += 1
         last_saved = max([last_saved] + [s for log in logs for k, s in events(log) if k == "SAVED"])
-    print(f"\n{TRIALS} kill -9 trials ({mode} saves), each resumed from the newest complete checkpoint; "
-          f"where the kills landed: {dict(phases)}")
+    print(
+        f"\n{TRIALS} kill -9 trials ({mode} saves), each resumed from the newest complete checkpoint; "
+        f"where the kills landed: {dict(phases)}"
+    )
     assert sum(phases.values()) == TRIALS

@@ -26,8 +26,17 @@ BASE = ("log.tensorboard=false", "parallel.global_batch_size=8", "log.interval=1
 
 
 def command(run_dir: Path, data_cache: Path, *overrides: str) -> list[str]:
-    return [sys.executable, "-m", "setdiff_megatron.cli", "train", TINY, f"checkpoint.dir={run_dir}",
-            f"data.cache_dir={data_cache}", *BASE, *overrides]
+    return [
+        sys.executable,
+        "-m",
+        "setdiff_megatron.cli",
+        "train",
+        TINY,
+        f"checkpoint.dir={run_dir}",
+        f"data.cache_dir={data_cache}",
+        *BASE,
+        *overrides,
+    ]
 
 
 def run_train(run_dir: Path, data_cache: Path, *overrides: str) -> subprocess.CompletedProcess:
@@ -41,8 +50,9 @@ def losses(run_dir: Path) -> list[tuple[int, float]]:
     return [(m["step"], m["train/loss"]) for m in map(json.loads, lines) if "train/loss" in m]
 
 
-def signalled(run_dir: Path, data_cache: Path, *overrides: str, after_step: int, send: list,
-              group: bool = False) -> tuple[subprocess.CompletedProcess, list]:
+def signalled(
+    run_dir: Path, data_cache: Path, *overrides: str, after_step: int, send: list, group: bool = False
+) -> tuple[subprocess.CompletedProcess, list]:
     """Start a run, wait until it logged `after_step`, then send each (signal, delay) of `send`
     to it, or with `group` to its whole process group as a scheduler does. Returns the finished
     process (stdout and stderr together) and the losses this launch logged."""
@@ -50,8 +60,9 @@ def signalled(run_dir: Path, data_cache: Path, *overrides: str, after_step: int,
     logged_before = len(losses(run_dir)) if metrics.is_file() else 0
     out_path = run_dir.parent / f"{run_dir.name}.out"
     with out_path.open("w") as out:
-        proc = subprocess.Popen(command(run_dir, data_cache, *overrides), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            command(run_dir, data_cache, *overrides), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             deadline = time.monotonic() + 600
             while proc.poll() is None and time.monotonic() < deadline:
@@ -71,8 +82,10 @@ def signalled(run_dir: Path, data_cache: Path, *overrides: str, after_step: int,
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
-    return (subprocess.CompletedProcess(proc.args, proc.returncode, out_path.read_text(), ""),
-            losses(run_dir)[logged_before:])
+    return (
+        subprocess.CompletedProcess(proc.args, proc.returncode, out_path.read_text(), ""),
+        losses(run_dir)[logged_before:],
+    )
 
 
 def checkpoint_of(run_dir: Path, step: int) -> Path:
@@ -82,8 +95,7 @@ def checkpoint_of(run_dir: Path, step: int) -> Path:
 def test_sigterm_and_sigusr1_checkpoint_exit_75_and_the_run_resumes(tmp_path, data_cache):
     run, args = tmp_path / "run", ("launch.nproc_per_node=1", "train.steps=40", "checkpoint.interval=100")
     # The second SIGTERM arrives while the first one's checkpoint is being written.
-    first, logged = signalled(run, data_cache, *args, after_step=2,
-                              send=[(signal.SIGTERM, 0.0), (signal.SIGTERM, 0.5)])
+    first, logged = signalled(run, data_cache, *args, after_step=2, send=[(signal.SIGTERM, 0.0), (signal.SIGTERM, 0.5)])
     stopped = logged[-1][0]
     assert first.returncode == EXIT_REQUEUE, first.stdout[-3000:]
     assert f"stopped at step {stopped} by SIGTERM; checkpoint {checkpoint_of(run, stopped)}" in first.stdout
@@ -99,8 +111,10 @@ def test_sigterm_and_sigusr1_checkpoint_exit_75_and_the_run_resumes(tmp_path, da
 
 @pytest.mark.slow  # 38 s; test_checkpoint_safety.py skips each kind of damage
 def test_broken_or_foreign_checkpoints_are_named_and_skipped(tmp_path, data_cache):
-    run, args = tmp_path / "run", ("launch.nproc_per_node=1", "train.steps=4", "checkpoint.interval=1",
-                                   "checkpoint.keep_last_n=4")
+    run, args = (
+        tmp_path / "run",
+        ("launch.nproc_per_node=1", "train.steps=4", "checkpoint.interval=1", "checkpoint.keep_last_n=4"),
+    )
     assert run_train(run, data_cache, *args).returncode == 0
     expected = losses(run)
     other = tmp_path / "other"
@@ -125,7 +139,7 @@ def test_broken_or_foreign_checkpoints_are_named_and_skipped(tmp_path, data_cach
     assert f"{checkpoint_of(run, 4) / '__0_0.distcp'} has " in skipped[1]
     assert f"{checkpoint_of(run, 3) / '__0_1.distcp'} does not match its sha256" in skipped[2]
     assert f"resumed from {checkpoint_of(run, 2)} at step 2" in out.stdout
-    assert losses(run)[len(expected):] == expected[2:]  # steps 3 and 4 again, exactly
+    assert losses(run)[len(expected) :] == expected[2:]  # steps 3 and 4 again, exactly
 
 
 @pytest.mark.slow  # 28 s; exit 75 and the resume run by default in the test above and in tests/slurm
@@ -134,8 +148,16 @@ def test_two_processes_preempted_through_the_launcher_exit_75(tmp_path, data_cac
     """A scheduler signals every process of the job: the `setdiff train` launcher, torchrun, the
     workers and their checkpoint helpers; a second signal follows during the save."""
     run = tmp_path / "run"
-    result, logged = signalled(run, data_cache, "parallel.tp=2", "train.steps=40", "checkpoint.interval=100",
-                               after_step=2, send=[(signal.SIGTERM, 0.0), (signal.SIGUSR1, 1.0)], group=True)
+    result, logged = signalled(
+        run,
+        data_cache,
+        "parallel.tp=2",
+        "train.steps=40",
+        "checkpoint.interval=100",
+        after_step=2,
+        send=[(signal.SIGTERM, 0.0), (signal.SIGUSR1, 1.0)],
+        group=True,
+    )
     stopped = logged[-1][0]
     assert result.returncode == EXIT_REQUEUE, result.stdout[-3000:]
     assert f"stopped at step {stopped} by SIGTERM" in result.stdout
@@ -163,8 +185,9 @@ def test_two_process_resume_is_bitwise_and_reshards_to_one_process(tmp_path, dat
     # One process, TP=1 PP=1 CP=1: weights and optimizer state reshard through dist_checkpointing.
     single = tmp_path / "single"
     shutil.copytree(checkpoint_of(straight, 3), checkpoint_of(single, 3))
-    out = run_train(single, data_cache, *args, "launch.nproc_per_node=1", "parallel.tp=1", "parallel.pp=1",
-                    "parallel.cp=1")
+    out = run_train(
+        single, data_cache, *args, "launch.nproc_per_node=1", "parallel.tp=1", "parallel.pp=1", "parallel.cp=1"
+    )
     assert out.returncode == 0 and "saved at tp " in out.stdout, out.stderr[-3000:]
     got = losses(single)
     assert [s for s, _ in got] == [4, 5, 6] and got[0][1] == pytest.approx(expected[3][1], abs=1e-5)

@@ -52,16 +52,24 @@ def test_off_a_terminal_progress_is_plain_lines(finished):
 
 
 def hashes(run: Path) -> dict[str, str]:
-    return {str(p.relative_to(run)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(run.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(run)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(run.rglob("*"))
+        if p.is_file()
+    }
 
 
 def assert_kept(before: dict[str, str], run: Path) -> list[str]:
     """Every file of `before` unchanged, in place or moved aside with its checkpoint (the told-to
     files excepted; logs may only grow). Returns the names of the directories moved aside."""
     after = hashes(run)
-    aside = sorted({rel.split("/")[1] for rel in after if rel.startswith("checkpoints/") and "-" in rel.split("/")[1]
-                    and "." in rel.split("/")[1]})
+    aside = sorted(
+        {
+            rel.split("/")[1]
+            for rel in after
+            if rel.startswith("checkpoints/") and "-" in rel.split("/")[1] and "." in rel.split("/")[1]
+        }
+    )
     for rel, digest in before.items():
         if rel in TOLD_TO_CHANGE:
             continue
@@ -144,8 +152,9 @@ def test_a_re_save_of_an_existing_step_moves_the_old_one_aside(run, data_cache):
 
 
 @pytest.mark.multiproc
-def test_two_processes_over_all_damaged_checkpoints_are_refused_once_before_they_start(trained_run, data_cache,
-                                                                                        tmp_path):
+def test_two_processes_over_all_damaged_checkpoints_are_refused_once_before_they_start(
+    trained_run, data_cache, tmp_path
+):
     """The 2-process launch refuses before torchrun: its message once on stderr (no rank's
     copy, no third-party warning, no launcher report), exit code 2, not a file touched."""
     run = tmp_path / "run"
@@ -156,7 +165,8 @@ def test_two_processes_over_all_damaged_checkpoints_are_refused_once_before_they
     out = run_train(run, data_cache, "parallel.tp=2", "train.steps=22")
     assert out.returncode == 2 and out.stdout == "", out.stderr[-3000:]
     (line,) = out.stderr.splitlines()
-    assert line.startswith(f"setdiff: error: checkpoint.dir {run} holds checkpoints, and none can be resumed "
-                           "(step_00000020: ")
+    assert line.startswith(
+        f"setdiff: error: checkpoint.dir {run} holds checkpoints, and none can be resumed (step_00000020: "
+    )
     assert "does not match its sha256" in line and "checkpoint.resume=none" in line
     assert hashes(run) == before

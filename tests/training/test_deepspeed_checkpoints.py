@@ -13,18 +13,25 @@ from setdiff_megatron.training.engines.deepspeed import layout_refusal
 HERE = {"engine": "deepspeed", "zero_stage": 2, "dp": 2, "optimizer": "DeepSpeedZeroOptimizer"}
 
 
-@pytest.mark.parametrize("saved,fragment", [
-    ({"tp": 1, "pp": 1, "dp": 2}, "was written by the megatron engine"),
-    ({**HERE, "zero_stage": 3, "optimizer": "DeepSpeedZeroOptimizer_Stage3"},
-     "zero_stage 3 there, 2 here; optimizer DeepSpeedZeroOptimizer_Stage3 there, DeepSpeedZeroOptimizer here"),
-    ({**HERE, "dp": 4}, "dp 4 there, 2 here"),
-])
+@pytest.mark.parametrize(
+    "saved,fragment",
+    [
+        ({"tp": 1, "pp": 1, "dp": 2}, "was written by the megatron engine"),
+        (
+            {**HERE, "zero_stage": 3, "optimizer": "DeepSpeedZeroOptimizer_Stage3"},
+            "zero_stage 3 there, 2 here; optimizer DeepSpeedZeroOptimizer_Stage3 there, DeepSpeedZeroOptimizer here",
+        ),
+        ({**HERE, "dp": 4}, "dp 4 there, 2 here"),
+    ],
+)
 def test_resume_on_another_layout_is_refused(saved, fragment):
     assert fragment in layout_refusal(Path("ckpt"), saved, HERE)
 
 
 def test_resume_on_the_same_layout_is_allowed():
-    assert layout_refusal(Path("ckpt"), {**HERE, "offload_optimizer": True}, {**HERE, "offload_optimizer": False}) is None
+    assert (
+        layout_refusal(Path("ckpt"), {**HERE, "offload_optimizer": True}, {**HERE, "offload_optimizer": False}) is None
+    )
 
 
 def test_consolidation_refuses_what_it_cannot_read(tmp_path):

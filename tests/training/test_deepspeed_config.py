@@ -22,11 +22,22 @@ def recipe(*overrides: str):
 
 
 def test_config_follows_the_recipe():
-    config = deepspeed_config(recipe("parallel.micro_batch_size=2", "parallel.global_batch_size=32",
-                                     "parallel.zero_stage=3", "parallel.offload_optimizer=true",
-                                     "train.clip_grad=0.5", "train.precision=bf16"), dp_size=4)
-    assert (config["train_batch_size"], config["train_micro_batch_size_per_gpu"],
-            config["gradient_accumulation_steps"]) == (32, 2, 4)
+    config = deepspeed_config(
+        recipe(
+            "parallel.micro_batch_size=2",
+            "parallel.global_batch_size=32",
+            "parallel.zero_stage=3",
+            "parallel.offload_optimizer=true",
+            "train.clip_grad=0.5",
+            "train.precision=bf16",
+        ),
+        dp_size=4,
+    )
+    assert (
+        config["train_batch_size"],
+        config["train_micro_batch_size_per_gpu"],
+        config["gradient_accumulation_steps"],
+    ) == (32, 2, 4)
     assert config["zero_optimization"] == {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": False}}
     assert config["gradient_clipping"] == 0.5
     assert config["bf16"] == {"enabled": True} and not config["fp16"]["enabled"]
@@ -59,23 +70,43 @@ def test_offload_estimate_and_rule():
     assert error.startswith("parallel.offload_optimizer: the offloaded optimizer state needs about")
 
 
-@pytest.mark.parametrize("overrides,fragment", [
-    (["parallel.tp=2"], "parallel: tensor and pipeline parallelism (tp, pp > 1) are megatron-engine features"),
-    (["parallel.pp=2"], "are megatron-engine features"),
-    (["parallel.zero_stage=4"], "parallel.zero_stage: Input should be 0, 1, 2 or 3 (got 4)"),
-    (["parallel.offload_optimizer=true", "model.hidden_size=8192", "model.num_layers=80", "model.num_heads=64"],
-     "parallel.offload_optimizer: the offloaded optimizer state needs about"),
-    (["parallel.offload_optimizer=true", "parallel.zero_stage=0"], "offloads only ZeRO-partitioned optimizer state"),
-    (["engine=megatron", "parallel.zero_stage=0", "parallel.offload_optimizer=true"],
-     "optimizer offload is a deepspeed-engine feature"),
-    (["parallel.zero_stage=0", "train.precision=bf16"], "bf16 under engine deepspeed needs parallel.zero_stage >= 1"),
-    (["engine=megatron", "parallel.zero_stage=0", "train.compile=true"],
-     "train.compile: the deepspeed engine compiles its torch model"),
-    pytest.param(["train.precision=fp16"], "DeepSpeed has no fp16 on the CPU",
-                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU-only rule")),
-    (["parallel.zero_stage=0", "parallel.distributed_optimizer=true"],
-     "the optimizer is sharded by parallel.zero_stage"),
-])
+@pytest.mark.parametrize(
+    "overrides,fragment",
+    [
+        (["parallel.tp=2"], "parallel: tensor and pipeline parallelism (tp, pp > 1) are megatron-engine features"),
+        (["parallel.pp=2"], "are megatron-engine features"),
+        (["parallel.zero_stage=4"], "parallel.zero_stage: Input should be 0, 1, 2 or 3 (got 4)"),
+        (
+            ["parallel.offload_optimizer=true", "model.hidden_size=8192", "model.num_layers=80", "model.num_heads=64"],
+            "parallel.offload_optimizer: the offloaded optimizer state needs about",
+        ),
+        (
+            ["parallel.offload_optimizer=true", "parallel.zero_stage=0"],
+            "offloads only ZeRO-partitioned optimizer state",
+        ),
+        (
+            ["engine=megatron", "parallel.zero_stage=0", "parallel.offload_optimizer=true"],
+            "optimizer offload is a deepspeed-engine feature",
+        ),
+        (
+            ["parallel.zero_stage=0", "train.precision=bf16"],
+            "bf16 under engine deepspeed needs parallel.zero_stage >= 1",
+        ),
+        (
+            ["engine=megatron", "parallel.zero_stage=0", "train.compile=true"],
+            "train.compile: the deepspeed engine compiles its torch model",
+        ),
+        pytest.param(
+            ["train.precision=fp16"],
+            "DeepSpeed has no fp16 on the CPU",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU-only rule"),
+        ),
+        (
+            ["parallel.zero_stage=0", "parallel.distributed_optimizer=true"],
+            "the optimizer is sharded by parallel.zero_stage",
+        ),
+    ],
+)
 def test_train_refuses_with_one_line(tmp_path, capsys, overrides, fragment):
     code = main(["train", str(RECIPE), f"checkpoint.dir={tmp_path / 'run'}", *overrides])
     err = capsys.readouterr().err

@@ -32,8 +32,15 @@ pytest.importorskip("deepspeed", reason="the deepspeed extra: pip install -e .[d
 RECIPE = ROOT / "recipes" / "tiny-cpu-deepspeed.yaml"
 STEPS = 5
 # Two micro-batches per rank, a loss at every step, fp32 (the parity tolerances are fp32's).
-BASE = ("log.tensorboard=false", "parallel.micro_batch_size=4", "train.precision=fp32", "log.interval=1",
-        "eval.interval=1000", "checkpoint.interval=1000", f"train.steps={STEPS}")
+BASE = (
+    "log.tensorboard=false",
+    "parallel.micro_batch_size=4",
+    "train.precision=fp32",
+    "log.interval=1",
+    "eval.interval=1000",
+    "checkpoint.interval=1000",
+    f"train.steps={STEPS}",
+)
 ZERO_RUNS = ["stage0", "stage1", "stage2", "stage3", "stage2_offload"]
 
 
@@ -44,8 +51,17 @@ def data_cache(tmp_path_factory) -> Path:
 
 
 def command(run_dir: Path, data_cache: Path, *overrides: str) -> list[str]:
-    return [sys.executable, "-m", "setdiff_megatron.cli", "train", str(RECIPE), f"checkpoint.dir={run_dir}",
-            f"data.cache_dir={data_cache}", *BASE, *overrides]
+    return [
+        sys.executable,
+        "-m",
+        "setdiff_megatron.cli",
+        "train",
+        str(RECIPE),
+        f"checkpoint.dir={run_dir}",
+        f"data.cache_dir={data_cache}",
+        *BASE,
+        *overrides,
+    ]
 
 
 def losses(run_dir: Path, key: str = "train/loss") -> list[tuple[int, float]]:
@@ -64,8 +80,9 @@ def straight(tmp_path_factory, data_cache) -> Path:
 
 @pytest.fixture(scope="module")
 def zero_results(tmp_path_factory) -> dict:
-    return run_worker("tests.training.deepspeed_zero_worker", tmp_path_factory.mktemp("zero") / "zero.json",
-                      nproc=2, timeout=600)
+    return run_worker(
+        "tests.training.deepspeed_zero_worker", tmp_path_factory.mktemp("zero") / "zero.json", nproc=2, timeout=600
+    )
 
 
 @pytest.fixture(scope="module")
@@ -74,10 +91,20 @@ def megatron_results(tmp_path_factory, data_cache, straight) -> dict:
     prepares the corpus)."""
     out = tmp_path_factory.mktemp("megatron") / "megatron.json"
     overrides = [f"checkpoint.dir={out.parent}", f"data.cache_dir={data_cache}", *BASE]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "tests.training.deepspeed_megatron_worker", str(out), *overrides]
-    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONWARNINGS": "ignore"}, capture_output=True,
-                          text=True, timeout=600)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "tests.training.deepspeed_megatron_worker",
+        str(out),
+        *overrides,
+    ]
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env={**os.environ, "PYTHONWARNINGS": "ignore"}, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0 and out.exists(), proc.stderr[-6000:]
     return json.loads(out.read_text())
 
@@ -98,10 +125,16 @@ def test_supervised_records_train_as_in_one_process(zero_results):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("run,optimizer", [("stage0", "AdamW"), ("stage1", "DeepSpeedZeroOptimizer"),
-                                           ("stage3", "DeepSpeedZeroOptimizer_Stage3"),
-                                           ("stage2_offload", "DeepSpeedZeroOptimizer"),
-                                           ("stage1_bf16", "BF16_Optimizer")])
+@pytest.mark.parametrize(
+    "run,optimizer",
+    [
+        ("stage0", "AdamW"),
+        ("stage1", "DeepSpeedZeroOptimizer"),
+        ("stage3", "DeepSpeedZeroOptimizer_Stage3"),
+        ("stage2_offload", "DeepSpeedZeroOptimizer"),
+        ("stage1_bf16", "BF16_Optimizer"),
+    ],
+)
 def test_checkpoint_consolidates_to_the_live_fp32_weights(zero_results, run, optimizer):
     result = zero_results[run]
     assert result["optimizer"] == optimizer
@@ -124,8 +157,13 @@ def test_losses_match_the_megatron_engine(straight, megatron_results):
     assert max(abs(a - b) for a, b in zip(got, megatron_results["losses"])) <= 2e-6, (got, megatron_results)
 
 
-MOE = ("model.num_experts=4", "model.moe_top_k=2", "model.moe_intermediate_size=128", "model.num_shared_experts=1",
-       "model.moe_z_loss_coeff=1e-3")
+MOE = (
+    "model.num_experts=4",
+    "model.moe_top_k=2",
+    "model.moe_intermediate_size=128",
+    "model.num_shared_experts=1",
+    "model.moe_z_loss_coeff=1e-3",
+)
 
 
 @pytest.mark.multiproc
@@ -138,11 +176,24 @@ def test_moe_losses_match_the_megatron_engine_at_ep2(tmp_path, data_cache):
     assert out.returncode == 0, out.stderr[-3000:]
     got = [v for _, v in losses(run_dir)]
     megatron = tmp_path / "megatron.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-           "tests.training.deepspeed_megatron_worker", str(megatron), f"checkpoint.dir={tmp_path / 'm'}",
-           f"data.cache_dir={data_cache}", *BASE, *MOE, "parallel.ep=2"]
-    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONWARNINGS": "ignore"}, capture_output=True,
-                          text=True, timeout=600)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "tests.training.deepspeed_megatron_worker",
+        str(megatron),
+        f"checkpoint.dir={tmp_path / 'm'}",
+        f"data.cache_dir={data_cache}",
+        *BASE,
+        *MOE,
+        "parallel.ep=2",
+    ]
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env={**os.environ, "PYTHONWARNINGS": "ignore"}, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0 and megatron.exists(), proc.stderr[-6000:]
     expected = json.loads(megatron.read_text())["losses"]
     assert len(got) == STEPS and max(abs(a - b) for a, b in zip(got, expected)) <= 1e-5, (got, expected)
@@ -152,8 +203,9 @@ def test_moe_losses_match_the_megatron_engine_at_ep2(tmp_path, data_cache):
 @pytest.mark.filterwarnings("ignore:Transformer Engine and Apex are not installed")
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_lr_schedule_equals_the_megatron_engines(megatron_results, schedule):
-    recipe = load_recipe(RECIPE, [f"train.schedule={schedule}", "train.warmup_steps=10", "train.min_lr=1e-4",
-                                  "train.decay_fraction=0.3"])
+    recipe = load_recipe(
+        RECIPE, [f"train.schedule={schedule}", "train.warmup_steps=10", "train.min_lr=1e-4", "train.decay_fraction=0.3"]
+    )
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     scheduler = build_lr_scheduler(recipe, optimizer, SCHEDULE_STEPS)
     lrs = []
@@ -169,8 +221,13 @@ def test_resume_after_sigterm_is_exact(tmp_path, data_cache, straight):
     """SIGTERM to the whole job after step 2: a checkpoint at the next step boundary, exit 75;
     the relaunch resumes there and logs the uninterrupted run's losses exactly."""
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(command(run_dir, data_cache), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        command(run_dir, data_cache),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         metrics, deadline = run_dir / "logs" / "metrics.jsonl", time.monotonic() + 600
         while proc.poll() is None and time.monotonic() < deadline:
@@ -189,8 +246,9 @@ def test_resume_after_sigterm_is_exact(tmp_path, data_cache, straight):
     assert verify(checkpoint) is None
 
     resumed = subprocess.run(command(run_dir, data_cache), capture_output=True, text=True, timeout=900)
-    assert resumed.returncode == 0 and f"resumed from {checkpoint} at step {stopped}" in resumed.stdout, \
-        resumed.stderr[-3000:]
+    assert resumed.returncode == 0 and f"resumed from {checkpoint} at step {stopped}" in resumed.stdout, resumed.stderr[
+        -3000:
+    ]
     assert losses(run_dir)[stopped:] == losses(straight)[stopped:]
 
 
@@ -200,8 +258,12 @@ def test_init_from_a_checkpoint_starts_from_its_weights(tmp_path, data_cache, st
     """model.init_from, read through hf/sources.py and consolidated_state_dict: the new run's
     validation loss before its first step is the source run's after its last."""
     source = straight / "checkpoints" / f"step_{STEPS:08d}"
-    out = subprocess.run(command(tmp_path / "run", data_cache, f"model.init_from={source}", "train.steps=1"),
-                         capture_output=True, text=True, timeout=900)
+    out = subprocess.run(
+        command(tmp_path / "run", data_cache, f"model.init_from={source}", "train.steps=1"),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert out.returncode == 0 and f"initialised from DeepSpeed checkpoint {source}" in out.stdout, out.stderr[-3000:]
     assert losses(tmp_path / "run", "valid/loss")[0] == (0, losses(straight, "valid/loss")[-1][1])
 
@@ -211,10 +273,24 @@ def test_init_from_a_checkpoint_starts_from_its_weights(tmp_path, data_cache, st
 def test_tiny_recipe_lowers_the_validation_loss(tmp_path, data_cache):
     """`setdiff train recipes/tiny-cpu-deepspeed.yaml`, shortened to 40 steps."""
     run_dir = tmp_path / "run"
-    out = subprocess.run([sys.executable, "-m", "setdiff_megatron.cli", "train", str(RECIPE),
-                          f"checkpoint.dir={run_dir}", f"data.cache_dir={data_cache}", "log.tensorboard=false",
-                          "train.steps=40", "eval.interval=40", "checkpoint.interval=40"],
-                         capture_output=True, text=True, timeout=1800)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "setdiff_megatron.cli",
+            "train",
+            str(RECIPE),
+            f"checkpoint.dir={run_dir}",
+            f"data.cache_dir={data_cache}",
+            "log.tensorboard=false",
+            "train.steps=40",
+            "eval.interval=40",
+            "checkpoint.interval=40",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     valid = [loss for _, loss in losses(run_dir, "valid/loss")]
     assert len(valid) == 2 and valid[1] < valid[0] - 1.0, valid
@@ -226,13 +302,27 @@ def test_tiny_recipe_lowers_the_validation_loss(tmp_path, data_cache):
 def test_nan_loss_follows_the_recipe_policy(tmp_path, data_cache, policy):
     """An absurd learning rate without clipping sends the weights to inf within a step or two;
     ZeRO's optimizer then skips the update of non-finite gradients."""
-    out = subprocess.run(command(tmp_path / "run", data_cache, "launch.nproc_per_node=1",
-                                 "parallel.global_batch_size=8", "train.warmup_steps=0", "train.lr=1e30",
-                                 "train.clip_grad=0", "train.schedule=constant", "train.min_lr=1e30",
-                                 f"train.nan_policy={policy}"), capture_output=True, text=True, timeout=900)
+    out = subprocess.run(
+        command(
+            tmp_path / "run",
+            data_cache,
+            "launch.nproc_per_node=1",
+            "parallel.global_batch_size=8",
+            "train.warmup_steps=0",
+            "train.lr=1e30",
+            "train.clip_grad=0",
+            "train.schedule=constant",
+            "train.min_lr=1e30",
+            f"train.nan_policy={policy}",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if policy == "stop":
-        assert out.returncode == 2 and "train.nan_policy=stop" in out.stderr and "Traceback" not in out.stderr, \
+        assert out.returncode == 2 and "train.nan_policy=stop" in out.stderr and "Traceback" not in out.stderr, (
             out.stderr[-2000:]
+        )
     else:
         assert out.returncode == 0, out.stderr[-2000:]
         assert "step skipped (train.nan_policy=skip)" in out.stdout + out.stderr
@@ -242,8 +332,9 @@ def test_nan_loss_follows_the_recipe_policy(tmp_path, data_cache, policy):
 @pytest.mark.slow
 def test_compiled_model_trains_as_the_eager_one(tmp_path, data_cache, straight):
     """train.compile: torch.compile changes how the step runs, not what it computes."""
-    out = subprocess.run(command(tmp_path / "run", data_cache, "train.compile=true"), capture_output=True, text=True,
-                         timeout=1200)
+    out = subprocess.run(
+        command(tmp_path / "run", data_cache, "train.compile=true"), capture_output=True, text=True, timeout=1200
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     compiled, eager = losses(tmp_path / "run"), losses(straight)
     assert [s for s, _ in compiled] == [s for s, _ in eager]

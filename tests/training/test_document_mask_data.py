@@ -20,8 +20,13 @@ def _samples(count: int) -> list[dict]:
     for _ in range(count):
         tokens = torch.randint(0, 60, (LENGTH,), generator=gen)
         tokens[torch.randint(0, LENGTH, (3,), generator=gen)] = EOD
-        out.append({"tokens": tokens, "prompt_mask": torch.zeros(LENGTH, dtype=torch.bool),
-                    "pad_mask": torch.zeros(LENGTH, dtype=torch.bool)})
+        out.append(
+            {
+                "tokens": tokens,
+                "prompt_mask": torch.zeros(LENGTH, dtype=torch.bool),
+                "pad_mask": torch.zeros(LENGTH, dtype=torch.bool),
+            }
+        )
     return out
 
 

@@ -22,8 +22,15 @@ pytestmark = pytest.mark.multiproc
 
 def snapshot(directory: Path) -> dict[str, tuple[int, int, str]]:
     """Every file's inode, modification time and sha256: what an overwrite would change."""
-    return {str(p.relative_to(directory)): (p.stat().st_ino, p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
-            for p in sorted(directory.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(directory)): (
+            p.stat().st_ino,
+            p.stat().st_mtime_ns,
+            hashlib.sha256(p.read_bytes()).hexdigest(),
+        )
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.mark.slow  # 50 s; the watchdog and the drills have unit tests
@@ -34,8 +41,16 @@ def test_a_killed_rank_and_a_hung_rank_restart_from_the_newest_checkpoint(traine
     first restart resumed from is never rewritten."""
     baseline = dict(losses(trained_launch[0]))[20]
     run = tmp_path / "run"
-    argv = command(run, data_cache, "parallel.tp=2", "train.steps=20", "checkpoint.interval=5",
-                   "checkpoint.keep_last_n=10", "launch.max_restarts=2", "train.hang_timeout_s=5")
+    argv = command(
+        run,
+        data_cache,
+        "parallel.tp=2",
+        "train.steps=20",
+        "checkpoint.interval=5",
+        "checkpoint.keep_last_n=10",
+        "launch.max_restarts=2",
+        "train.hang_timeout_s=5",
+    )
     env = {**os.environ, INJECT_ENV: "kill:rank=1:step=7,hang:rank=1:step=12:seconds=600:attempt=1"}
     step5 = run / "checkpoints" / "step_00000005"
     with (tmp_path / "out.txt").open("w") as out:
@@ -63,11 +78,23 @@ def test_a_straggler_is_named_and_a_spike_skipped(data_cache, tmp_path):
     compute time and the log names rank 1. A loss spike at step 6 skips that update."""
     run = tmp_path / "run"
     env = {**os.environ, INJECT_ENV: "slow:rank=1:seconds=1.0,spike:step=6:factor=50"}
-    out = subprocess.run(command(run, data_cache, "parallel.micro_batch_size=4", "train.steps=8", "log.interval=4",
-                                 "checkpoint.interval=8",
-                                 "train.spike_policy.action=skip", "train.spike_policy.window=8",
-                                 "train.spike_policy.min_history=4"),
-                         capture_output=True, text=True, timeout=600, env=env)
+    out = subprocess.run(
+        command(
+            run,
+            data_cache,
+            "parallel.micro_batch_size=4",
+            "train.steps=8",
+            "log.interval=4",
+            "checkpoint.interval=8",
+            "train.spike_policy.action=skip",
+            "train.spike_policy.window=8",
+            "train.spike_policy.min_history=4",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout + out.stderr
     assert "step 4: rank 1 is a straggler" in text and "train.straggler_factor = 1.5" in text
@@ -84,11 +111,24 @@ def test_a_spike_rolls_back_past_its_batch_and_a_recurring_one_stops_the_run(dat
     8 (a deterministic one) stops the run with one line."""
     run = tmp_path / "run"
     env = {**os.environ, INJECT_ENV: "spike:step=6:factor=50,spike:step=10:factor=50:always"}
-    out = subprocess.run(command(run, data_cache, "launch.nproc_per_node=1", "train.steps=12",
-                                 "checkpoint.interval=4", "checkpoint.keep_last_n=10", "checkpoint.async_save=false",
-                                 "train.spike_policy.action=rollback", "train.spike_policy.window=8",
-                                 "train.spike_policy.min_history=3"),
-                         capture_output=True, text=True, timeout=600, env=env)
+    out = subprocess.run(
+        command(
+            run,
+            data_cache,
+            "launch.nproc_per_node=1",
+            "train.steps=12",
+            "checkpoint.interval=4",
+            "checkpoint.keep_last_n=10",
+            "checkpoint.async_save=false",
+            "train.spike_policy.action=rollback",
+            "train.spike_policy.window=8",
+            "train.spike_policy.min_history=3",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert out.returncode == 2, out.stderr[-3000:]
     assert "rolled back to the checkpoint of step 4, its data order moved past the batches up to step 6" in out.stdout
     assert "rolled back to the checkpoint of step 8" in out.stdout

@@ -24,7 +24,7 @@ RECIPES = Path(__file__).parents[2] / "recipes"
 def test_a_falling_noisy_curve_has_no_spike_and_a_jump_is_one():
     detector, rng = SpikeDetector(window=50, threshold=6.0, min_history=20), random.Random(0)
     for step in range(500):
-        loss = 5.0 * 0.995 ** step + rng.gauss(0, 0.05)
+        loss = 5.0 * 0.995**step + rng.gauss(0, 0.05)
         assert detector.check(loss) is None, step
         detector.accept(loss)
     spike = detector.check(3.0)
@@ -43,8 +43,10 @@ def test_no_judgement_before_min_history():
 
 
 def test_drills_fire_as_specified(monkeypatch):
-    monkeypatch.setenv("SETDIFF_INJECT", "spike:step=3:factor=10,spike:step=5:factor=2:always,slow:rank=1:seconds=0,"
-                                         "kill:step=9:attempt=1")
+    monkeypatch.setenv(
+        "SETDIFF_INJECT",
+        "spike:step=3:factor=10,spike:step=5:factor=2:always,slow:rank=1:seconds=0,kill:step=9:attempt=1",
+    )
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
     monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
     faults = Faults.from_env(rank=0)
@@ -56,9 +58,14 @@ def test_drills_fire_as_specified(monkeypatch):
     assert [f.kind for f in faults.faults if not f.always] == ["spike"]  # the kill waits for attempt 1
 
 
-@pytest.mark.parametrize("spec,fragment", [("explode:step=1", "unknown fault 'explode'"),
-                                           ("kill:rank=1", "needs step=N"),
-                                           ("hang:step=x", "cannot read 'step=x'")])
+@pytest.mark.parametrize(
+    "spec,fragment",
+    [
+        ("explode:step=1", "unknown fault 'explode'"),
+        ("kill:rank=1", "needs step=N"),
+        ("hang:step=x", "cannot read 'step=x'"),
+    ],
+)
 def test_a_bad_drill_is_one_line(monkeypatch, spec, fragment):
     monkeypatch.setenv("SETDIFF_INJECT", spec)
     with pytest.raises(UserError, match=fragment):
@@ -81,10 +88,13 @@ def test_the_watchdog_names_rank_step_and_frame_and_exits_for_a_restart(tmp_path
     assert "Thread" in (tmp_path / "hang-rank3.txt").read_text()
 
 
-@pytest.mark.parametrize("override,fragment", [
-    ("train.spike_policy.min_history=200", "train.spike_policy.min_history: 200 exceeds"),
-    ("train.straggler_factor=0.5", "train.straggler_factor"),
-])
+@pytest.mark.parametrize(
+    "override,fragment",
+    [
+        ("train.spike_policy.min_history=200", "train.spike_policy.min_history: 200 exceeds"),
+        ("train.straggler_factor=0.5", "train.straggler_factor"),
+    ],
+)
 def test_fault_tolerance_keys_are_checked(override, fragment):
     recipe = load_recipe(RECIPES / "tiny-cpu.yaml", [override])
     assert any(fragment in e for e in validate_recipe(recipe, world_size=2, has_gpu=False))
@@ -95,8 +105,9 @@ def test_skipping_a_spike_under_zero_is_refused():
     assert any("use action rollback" in e for e in validate_recipe(recipe, world_size=2, has_gpu=False))
 
 
-@pytest.mark.parametrize("times, named", [([1.0, 1.6], 1), ([1.0, 1.4], None), ([2.0, 0.9, 1.0, 1.1], 0),
-                                          ([1.0, 1.0, 1.0, 1.4], None)])
+@pytest.mark.parametrize(
+    "times, named", [([1.0, 1.6], 1), ([1.0, 1.4], None), ([2.0, 0.9, 1.0, 1.1], 0), ([1.0, 1.0, 1.0, 1.4], None)]
+)
 def test_a_straggler_is_measured_against_the_other_ranks(monkeypatch, times, named):
     """With two ranks the median of all is their mean, which would hide a rank 1.6x slower than
     the other; the rule compares the slowest rank to the median of the rest."""

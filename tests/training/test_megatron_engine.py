@@ -17,8 +17,17 @@ def data_cache(tmp_path_factory) -> Path:
 
 
 def run_train(run_dir: Path, data_cache: Path, *overrides: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "setdiff_megatron.cli", "train", TINY, f"checkpoint.dir={run_dir}",
-           f"data.cache_dir={data_cache}", "log.tensorboard=false", *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "setdiff_megatron.cli",
+        "train",
+        TINY,
+        f"checkpoint.dir={run_dir}",
+        f"data.cache_dir={data_cache}",
+        "log.tensorboard=false",
+        *overrides,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=900)
 
 
@@ -36,15 +45,25 @@ def test_two_process_run_lowers_validation_loss(tmp_path, data_cache):
     assert "checkpoint:" in out.stdout and (tmp_path / "run" / "checkpoints" / "latest").is_file()
 
 
-@pytest.mark.parametrize("async_save", [False, pytest.param(True, marks=pytest.mark.slow)],  # async: 18 s
-                         ids=["sync", "async"])
+@pytest.mark.parametrize(
+    "async_save",
+    [False, pytest.param(True, marks=pytest.mark.slow)],  # async: 18 s
+    ids=["sync", "async"],
+)
 def test_resume_continues_exactly(tmp_path, data_cache, async_save):
     """Resuming from the step-2 checkpoint of a 4-step run reproduces its steps 3 and 4 bit for
     bit, also when that checkpoint was written in the background while step 3 trained."""
     import shutil
 
-    args = ["train.steps=4", "launch.nproc_per_node=1", "parallel.global_batch_size=8", "log.interval=1",
-            "eval.interval=100", "checkpoint.interval=2", f"checkpoint.async_save={str(async_save).lower()}"]
+    args = [
+        "train.steps=4",
+        "launch.nproc_per_node=1",
+        "parallel.global_batch_size=8",
+        "log.interval=1",
+        "eval.interval=100",
+        "checkpoint.interval=2",
+        f"checkpoint.async_save={str(async_save).lower()}",
+    ]
     first = run_train(tmp_path / "run", data_cache, *args)
     assert first.returncode == 0, first.stderr[-3000:]
     losses = {m["step"]: m["train/loss"] for m in metrics(tmp_path / "run") if "train/loss" in m}
@@ -65,20 +84,32 @@ def test_resume_continues_exactly(tmp_path, data_cache, async_save):
 def test_document_mask_trains(tmp_path, data_cache):
     """data.document_mask end to end in one process, on the corpus of short documents (about four
     per window): document ids from its EOD tokens."""
-    out = run_train(tmp_path / "run", data_cache, "data.document_mask=true", "data.datasets=[{path: reasoning}]",
-                    "train.steps=3", "launch.nproc_per_node=1", "parallel.global_batch_size=8", "log.interval=1",
-                    "eval.interval=100", "checkpoint.interval=100")
+    out = run_train(
+        tmp_path / "run",
+        data_cache,
+        "data.document_mask=true",
+        "data.datasets=[{path: reasoning}]",
+        "train.steps=3",
+        "launch.nproc_per_node=1",
+        "parallel.global_batch_size=8",
+        "log.interval=1",
+        "eval.interval=100",
+        "checkpoint.interval=100",
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     losses = [m["train/loss"] for m in metrics(tmp_path / "run") if "train/loss" in m]
     assert len(losses) == 3 and all(0 < loss < 20 for loss in losses), losses
 
 
-@pytest.mark.parametrize("overrides,fragment", [
-    (["data.datasets=[{path: /nonexistent/owt}]"], "data.datasets.0.path: no indexed dataset"),
-    (["launch.nproc_per_node=1", "parallel.tp=2"], "does not divide the 1 processes"),
-    (["model.backend=te"], "needs a GPU"),
-    (["train.fp8=hybrid"], "train.fp8"),
-])
+@pytest.mark.parametrize(
+    "overrides,fragment",
+    [
+        (["data.datasets=[{path: /nonexistent/owt}]"], "data.datasets.0.path: no indexed dataset"),
+        (["launch.nproc_per_node=1", "parallel.tp=2"], "does not divide the 1 processes"),
+        (["model.backend=te"], "needs a GPU"),
+        (["train.fp8=hybrid"], "train.fp8"),
+    ],
+)
 def test_bad_input_fails_fast_with_one_line(tmp_path, data_cache, overrides, fragment):
     out = run_train(tmp_path / "run", data_cache, *overrides)
     assert out.returncode == 2 and fragment in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
@@ -88,11 +119,24 @@ def test_bad_input_fails_fast_with_one_line(tmp_path, data_cache, overrides, fra
 @pytest.mark.parametrize("policy", ["stop", "skip"])
 def test_nan_loss_follows_the_recipe_policy(tmp_path, data_cache, policy):
     """An absurd learning rate without clipping sends the weights to inf within a step or two."""
-    out = run_train(tmp_path / "run", data_cache, "launch.nproc_per_node=1", "parallel.global_batch_size=8",
-                    "train.steps=4", "train.warmup_steps=0", "train.lr=1e30", "train.clip_grad=0",
-                    "train.schedule=constant", "train.min_lr=1e30", f"train.nan_policy={policy}", "eval.interval=100")
+    out = run_train(
+        tmp_path / "run",
+        data_cache,
+        "launch.nproc_per_node=1",
+        "parallel.global_batch_size=8",
+        "train.steps=4",
+        "train.warmup_steps=0",
+        "train.lr=1e30",
+        "train.clip_grad=0",
+        "train.schedule=constant",
+        "train.min_lr=1e30",
+        f"train.nan_policy={policy}",
+        "eval.interval=100",
+    )
     if policy == "stop":
-        assert out.returncode == 2 and "train.nan_policy=stop" in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+        assert out.returncode == 2 and "train.nan_policy=stop" in out.stderr and "Traceback" not in out.stderr, (
+            out.stderr[-2000:]
+        )
     else:
         assert out.returncode == 0, out.stderr[-2000:]
         assert "step skipped (train.nan_policy=skip)" in out.stdout + out.stderr

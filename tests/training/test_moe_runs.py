@@ -20,8 +20,21 @@ ONE_PROCESS = ("launch.nproc_per_node=1", "parallel.ep=1")
 
 
 def train(run_dir: Path, data_cache: Path, *overrides: str) -> subprocess.CompletedProcess:
-    out = subprocess.run([sys.executable, "-m", "setdiff_megatron.cli", "train", RECIPE, f"checkpoint.dir={run_dir}",
-                          f"data.cache_dir={data_cache}", *overrides], capture_output=True, text=True, timeout=900)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "setdiff_megatron.cli",
+            "train",
+            RECIPE,
+            f"checkpoint.dir={run_dir}",
+            f"data.cache_dir={data_cache}",
+            *overrides,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     return out
 

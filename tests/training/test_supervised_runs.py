@@ -13,9 +13,18 @@ ROOT = Path(__file__).parents[2]
 RECIPE = ROOT / "recipes" / "tiny-reasoning.yaml"
 # 3 steps of 8 rows in fp32, a loss at every step: the parity tolerances are fp32's. The showcase
 # scores 20 held-out problems instead of 250.
-SMALL = ("train.steps=3", "parallel.micro_batch_size=4", "parallel.global_batch_size=8", "log.interval=1",
-         "eval.interval=3", "eval.batches=2", "checkpoint.interval=3", "log.tensorboard=false", "train.warmup_steps=1",
-         "eval.showcase_problems=20")
+SMALL = (
+    "train.steps=3",
+    "parallel.micro_batch_size=4",
+    "parallel.global_batch_size=8",
+    "log.interval=1",
+    "eval.interval=3",
+    "eval.batches=2",
+    "checkpoint.interval=3",
+    "log.tensorboard=false",
+    "train.warmup_steps=1",
+    "eval.showcase_problems=20",
+)
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +33,17 @@ def data_cache(tmp_path_factory) -> Path:
 
 
 def train(run_dir: Path, data_cache: Path, *overrides: str, recipe: Path = RECIPE) -> list[dict]:
-    cmd = [sys.executable, "-m", "setdiff_megatron.cli", "train", str(recipe), f"checkpoint.dir={run_dir}",
-           f"data.cache_dir={data_cache}", *SMALL, *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "setdiff_megatron.cli",
+        "train",
+        str(recipe),
+        f"checkpoint.dir={run_dir}",
+        f"data.cache_dir={data_cache}",
+        *SMALL,
+        *overrides,
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)  # init_from: assets/...
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     return [json.loads(line) for line in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
@@ -52,9 +70,15 @@ def start(tmp_path_factory, data_cache) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-@pytest.mark.parametrize("layout", [("parallel.tp=2", "parallel.sequence_parallel=true"), ("parallel.pp=2",),
-                                    ("engine=deepspeed", "launch.nproc_per_node=1", "parallel.zero_stage=0")],
-                         ids=["tp2", "pp2", "deepspeed"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ("parallel.tp=2", "parallel.sequence_parallel=true"),
+        ("parallel.pp=2",),
+        ("engine=deepspeed", "launch.nproc_per_node=1", "parallel.zero_stage=0"),
+    ],
+    ids=["tp2", "pp2", "deepspeed"],
+)
 def test_supervised_rows_train_as_one_megatron_process(tmp_path, data_cache, start, layout):
     """The same weights, rows and orders (one data-parallel replica everywhere): TP = 2 (SP) and
     PP = 2 on 2 processes, and the DeepSpeed engine's torch body, equal one megatron process step
@@ -73,11 +97,24 @@ def test_an_imported_ar_model_adapts_to_set_diffusion(tmp_path, data_cache):
     ar = tmp_path / "ar"
     train(ar, data_cache, "launch.nproc_per_node=1", recipe=ROOT / "recipes" / "study" / "packed" / "ar.yaml")
     hf = tmp_path / "ar-hf"
-    convert = subprocess.run([sys.executable, "-m", "setdiff_megatron.cli", "convert", "to-hf", str(ar), str(hf)],
-                             capture_output=True, text=True, timeout=600)
+    convert = subprocess.run(
+        [sys.executable, "-m", "setdiff_megatron.cli", "convert", "to-hf", str(ar), str(hf)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert convert.returncode == 0, convert.stderr[-3000:]
-    cmd = [sys.executable, "-m", "setdiff_megatron.cli", "train", str(RECIPE), f"checkpoint.dir={tmp_path / 'adapt'}",
-           f"data.cache_dir={data_cache}", f"model.init_from={hf}", *SMALL]
+    cmd = [
+        sys.executable,
+        "-m",
+        "setdiff_megatron.cli",
+        "train",
+        str(RECIPE),
+        f"checkpoint.dir={tmp_path / 'adapt'}",
+        f"data.cache_dir={data_cache}",
+        f"model.init_from={hf}",
+        *SMALL,
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
     assert f"initialised from set diffusion Hugging Face export {hf}" in out.stdout

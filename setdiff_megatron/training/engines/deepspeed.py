@@ -100,13 +100,17 @@ def apply_recompute(model: SetDiffusionTransformer, mode: str) -> None:
 def layout_refusal(path: Path, saved: dict, here: dict) -> str | None:
     """Why a checkpoint saved at layout `saved` cannot be resumed at `here`, or None."""
     if saved.get("engine") != "deepspeed":
-        return (f"{path} was written by the megatron engine; the deepspeed engine resumes only its own "
-                "checkpoints: use engine: megatron or a new checkpoint.dir")
+        return (
+            f"{path} was written by the megatron engine; the deepspeed engine resumes only its own "
+            "checkpoints: use engine: megatron or a new checkpoint.dir"
+        )
     changed = [f"{k} {saved[k]} there, {here[k]} here" for k in LOADABLE_ON if saved[k] != here[k]]
     if changed:
-        return (f"{path} has another DeepSpeed layout ({'; '.join(changed)}); DeepSpeed loads its partitioned "
-                "optimizer state only on the layout it was saved with: restore parallel.zero_stage, the process "
-                "count and train.precision, or start a new run from its consolidated weights (model.init_from)")
+        return (
+            f"{path} has another DeepSpeed layout ({'; '.join(changed)}); DeepSpeed loads its partitioned "
+            "optimizer state only on the layout it was saved with: restore parallel.zero_stage, the process "
+            "count and train.precision, or start a new run from its consolidated weights (model.init_from)"
+        )
     return None
 
 
@@ -160,8 +164,9 @@ class DeepSpeedEngine:
                 # The tied output layer reads embed_tokens.weight outside embed_tokens' forward: ZeRO-3
                 # must gather it for the whole model's forward, not just the embedding's.
                 self.deepspeed.zero.register_external_parameter(model, model.embed_tokens.weight)
-            self._engine, *_ = self.deepspeed.initialize(model=model, optimizer=build_optimizer(r, model),
-                                                         config=deepspeed_config(r, self.dp_size))
+            self._engine, *_ = self.deepspeed.initialize(
+                model=model, optimizer=build_optimizer(r, model), config=deepspeed_config(r, self.dp_size)
+            )
             self.scheduler = lr_schedule.build_lr_scheduler(r, self._engine.optimizer, self.total_steps)
         return self._engine
 
@@ -169,8 +174,9 @@ class DeepSpeedEngine:
 
     def _nll(self, batch: TwoStreamBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | float]:
         """NLL sum, target tokens, and the MoE router losses weighted per routed token (0 if dense)."""
-        logits = self.engine(batch.clean_tokens, batch.query_tokens, batch.position_ids, batch.valid_len,
-                             batch.document_ids)
+        logits = self.engine(
+            batch.clean_tokens, batch.query_tokens, batch.position_ids, batch.valid_len, batch.document_ids
+        )
         out = set_diffusion_loss(logits, batch.targets, batch.loss_mask, mask_token_id=self.mask_token_id)
         if self.expert_load is not None:
             for layer, stats in self.model.router_stats().items():
@@ -202,8 +208,11 @@ class DeepSpeedEngine:
 
     def _stage0_grad_norm(self) -> float:
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))) \
-            if grads else 0.0
+        return (
+            float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
+            if grads
+            else 0.0
+        )
 
     def optimizer_step(self) -> StepOutcome:
         """ZeRO optimizers skip an update whose gradient norm is not finite (and fp16 loss scaling
@@ -258,9 +267,14 @@ class DeepSpeedEngine:
         """The megatron layout's keys (ZeRO >= 1 counts as a distributed optimizer), plus what
         DeepSpeed's format depends on."""
         stage = self.recipe.parallel.zero_stage
-        return {**self.layout.as_record(), "distributed_optimizer": stage >= 1, "engine": "deepspeed",
-                "zero_stage": stage, "offload_optimizer": self.recipe.parallel.offload_optimizer,
-                "optimizer": type(self.engine.optimizer).__name__}
+        return {
+            **self.layout.as_record(),
+            "distributed_optimizer": stage >= 1,
+            "engine": "deepspeed",
+            "zero_stage": stage,
+            "offload_optimizer": self.recipe.parallel.offload_optimizer,
+            "optimizer": type(self.engine.optimizer).__name__,
+        }
 
     def scheduler_state(self) -> dict:
         return self.scheduler.state_dict()
@@ -282,8 +296,9 @@ class DeepSpeedEngine:
         if problem:
             raise UserError(f"checkpoint.resume: cannot load {problem}")
         # The LR schedule is the recipe's (its scheduler takes only the step count from the checkpoint).
-        loaded, _ = self.engine.load_checkpoint(str(path), tag=TAG, load_optimizer_states=True,
-                                                load_lr_scheduler_states=False)
+        loaded, _ = self.engine.load_checkpoint(
+            str(path), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False
+        )
         if loaded is None:
             raise UserError(f"checkpoint.resume: DeepSpeed found no checkpoint in {path / TAG}")
         self.scheduler.load_state_dict(resumed.state.scheduler)

@@ -24,8 +24,13 @@ from setdiff_megatron.recipes.schema import Recipe
 __all__ = ["deepspeed_config", "param_groups", "build_optimizer"]
 
 # megatron-core's fp16 loss scaling (OptimizerConfig): initial 2**32, window 1000, hysteresis 2.
-FP16_LOSS_SCALING = {"loss_scale": 0, "initial_scale_power": 32, "loss_scale_window": 1000, "hysteresis": 2,
-                     "min_loss_scale": 1}
+FP16_LOSS_SCALING = {
+    "loss_scale": 0,
+    "initial_scale_power": 32,
+    "loss_scale_window": 1000,
+    "hysteresis": 2,
+    "min_loss_scale": 1,
+}
 
 
 def deepspeed_config(recipe: Recipe, dp_size: int) -> dict:
@@ -58,8 +63,10 @@ def param_groups(model: nn.Module) -> list[dict]:
     """megatron-core's default groups: 1-D parameters (norms) and biases take no weight decay.
     `wd_mult` is what OptimizerParamScheduler multiplies the weight decay by."""
     no_decay = {n for n, p in model.named_parameters() if p.dim() == 1 or n.endswith(".bias")}
-    return [{"params": [p for n, p in model.named_parameters() if n not in no_decay], "wd_mult": 1.0},
-            {"params": [p for n, p in model.named_parameters() if n in no_decay], "wd_mult": 0.0}]
+    return [
+        {"params": [p for n, p in model.named_parameters() if n not in no_decay], "wd_mult": 1.0},
+        {"params": [p for n, p in model.named_parameters() if n in no_decay], "wd_mult": 0.0},
+    ]
 
 
 def build_optimizer(recipe: Recipe, model: nn.Module) -> torch.optim.Optimizer:
@@ -70,5 +77,6 @@ def build_optimizer(recipe: Recipe, model: nn.Module) -> torch.optim.Optimizer:
     if t.optimizer == "adamw":
         return torch.optim.AdamW(param_groups(model), lr=t.lr, weight_decay=t.weight_decay, betas=t.betas, eps=t.eps)
     # OptimizerConfig.sgd_momentum is a dataclass default: megatron's momentum, read from megatron.
-    return torch.optim.SGD(param_groups(model), lr=t.lr, weight_decay=t.weight_decay,
-                           momentum=OptimizerConfig.sgd_momentum)
+    return torch.optim.SGD(
+        param_groups(model), lr=t.lr, weight_decay=t.weight_decay, momentum=OptimizerConfig.sgd_momentum
+    )

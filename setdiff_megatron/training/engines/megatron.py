@@ -60,8 +60,10 @@ def _same_layout(saved: dict, here: dict) -> bool:
 def _layout_text(lay: dict) -> str:
     optim = {True: "distributed optimizer", False: "optimizer per rank", None: "weights only"}
     more = "".join(f" {k} {lay[k]}" for k in ("cp", "ep") if lay.get(k, 1) > 1)
-    return (f"tp {lay['tp']} pp {lay['pp']} vpp {lay.get('vpp') or 1}{more} dp {lay['dp']}, "
-            f"{optim[lay['distributed_optimizer']]}")
+    return (
+        f"tp {lay['tp']} pp {lay['pp']} vpp {lay.get('vpp') or 1}{more} dp {lay['dp']}, "
+        f"{optim[lay['distributed_optimizer']]}"
+    )
 
 
 class MegatronEngine:
@@ -82,24 +84,41 @@ class MegatronEngine:
     # ---- building --------------------------------------------------------------------------
 
     def build(self, model_cfg: ModelConfig, total_steps: int) -> None:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        from setdiff_megatron.models.megatron_model import (build_model_chunks, forward_step, pipeline_seq_length,
-                                                             transformer_config_from)
+        from setdiff_megatron.models.megatron_model import (
+            build_model_chunks,
+            forward_step,
+            pipeline_seq_length,
+            transformer_config_from,
+        )
 
         r, t = self.recipe, self.recipe.train
         overrides = dict(fp8=t.fp8, fp8_recipe=t.fp8_recipe) if t.fp8 is not None else {}
         config = transformer_config_from(
-            model_cfg, tp=r.parallel.tp, pp=r.parallel.pp, vpp=r.parallel.vpp, ep=r.parallel.ep, cp=r.parallel.cp,
-            sequence_parallel=r.parallel.sequence_parallel, recompute=t.recompute,
-            params_dtype=DTYPES[t.precision], **overrides)
+            model_cfg,
+            tp=r.parallel.tp,
+            pp=r.parallel.pp,
+            vpp=r.parallel.vpp,
+            ep=r.parallel.ep,
+            cp=r.parallel.cp,
+            sequence_parallel=r.parallel.sequence_parallel,
+            recompute=t.recompute,
+            params_dtype=DTYPES[t.precision],
+            **overrides,
+        )
         config.finalize_model_grads_func = self._timed(finalize_model_grads)  # the DP gradient all-reduce
         chunks = build_model_chunks(model_cfg, config, backend=r.model.backend)
         if torch.cuda.is_available():
             chunks = [c.cuda() for c in chunks]
-        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
-                                                   use_distributed_optimizer=r.parallel.distributed_optimizer)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=r.parallel.distributed_optimizer
+        )
         self.model_cfg = model_cfg
         self.chunks = [DistributedDataParallel(config, ddp_config, c) for c in chunks]
         self.optimizer, self.scheduler = build_optimizer(r, self.chunks, total_steps)
@@ -117,16 +136,26 @@ class MegatronEngine:
         p = self.recipe.parallel
         for chunk in self.chunks:
             module = chunk.module
-            mapped = torch_to_megatron(state_dict, model_cfg, tp_rank=parallel_state.get_tensor_model_parallel_rank(),
-                                       tp_size=p.tp, pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
-                                       pp_size=p.pp, vp_size=p.vpp, vp_stage=module.vp_stage,
-                                       ep_rank=parallel_state.get_expert_model_parallel_rank(), ep_size=p.ep,
-                                       backend=self.recipe.model.backend)
+            mapped = torch_to_megatron(
+                state_dict,
+                model_cfg,
+                tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+                tp_size=p.tp,
+                pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+                pp_size=p.pp,
+                vp_size=p.vpp,
+                vp_stage=module.vp_stage,
+                ep_rank=parallel_state.get_expert_model_parallel_rank(),
+                ep_size=p.ep,
+                backend=self.recipe.model.backend,
+            )
             with torch.no_grad():
                 missing, unexpected = module.load_state_dict(mapped, strict=False)
             missing = [k for k in missing if not k.endswith("_extra_state")]
             if missing or unexpected:
-                raise RuntimeError(f"model.init_from: megatron chunk weights missing {missing}, unexpected {unexpected}")
+                raise RuntimeError(
+                    f"model.init_from: megatron chunk weights missing {missing}, unexpected {unexpected}"
+                )
         self.optimizer.reload_model_params()
 
     # ---- steps -----------------------------------------------------------------------------
@@ -137,9 +166,14 @@ class MegatronEngine:
         from megatron.core import parallel_state
 
         reports = self._schedule(
-            forward_step_func=self._forward_step, data_iterator=[iter(batches) for _ in self.chunks],
-            model=self.chunks, num_microbatches=len(batches), seq_length=self._seq_length,
-            micro_batch_size=self.recipe.parallel.micro_batch_size, forward_only=forward_only)
+            forward_step_func=self._forward_step,
+            data_iterator=[iter(batches) for _ in self.chunks],
+            model=self.chunks,
+            num_microbatches=len(batches),
+            seq_length=self._seq_length,
+            micro_batch_size=self.recipe.parallel.micro_batch_size,
+            forward_only=forward_only,
+        )
         total = torch.zeros(2, dtype=torch.float64)
         for report in reports or []:
             total += report["lm loss"].detach().double().cpu()
@@ -153,6 +187,7 @@ class MegatronEngine:
             out = collective(*args, **kwargs)
             self.sync_seconds += time.perf_counter() - start
             return out
+
         return timed
 
     def forward_backward(self, batches) -> tuple[float, float]:
@@ -181,8 +216,12 @@ class MegatronEngine:
             for inner in opt.chained_optimizers:
                 params = inner.get_parameters()
                 if params and inner.config.clip_grad > 0.0:
-                    clip_grad_by_total_norm_fp32(params, max_norm=inner.config.clip_grad, total_norm=grad_norm,
-                                                 use_decoupled_grad=inner.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+                    clip_grad_by_total_norm_fp32(
+                        params,
+                        max_norm=inner.config.clip_grad,
+                        total_norm=grad_norm,
+                        use_decoupled_grad=inner.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
+                    )
             applied = opt.step_with_ready_grads()
         self.scheduler.step(increment=1)
         return StepOutcome(applied=applied, grad_norm=grad_norm)
@@ -255,13 +294,17 @@ class MegatronEngine:
         if not _same_layout(saved, here):
             _say(f"loading {resumed.path}, saved at {_layout_text(saved)}, into {_layout_text(here)}")
         if not with_optimizer:
-            _say("warning: parallel.distributed_optimizer changed since the checkpoint (or it holds weights only): "
-                 "Adam moments start from zero; weights, step, LR schedule and data position are restored")
+            _say(
+                "warning: parallel.distributed_optimizer changed since the checkpoint (or it holds weights only): "
+                "Adam moments start from zero; weights, step, LR schedule and data position are restored"
+            )
         else:
             _fill_optimizer_state(self.optimizer)
         with torch.no_grad():
-            loaded = load_shards(model_sharded_state(self._modules(), self.optimizer if with_optimizer else None,
-                                                     is_loading=True), resumed.path)
+            loaded = load_shards(
+                model_sharded_state(self._modules(), self.optimizer if with_optimizer else None, is_loading=True),
+                resumed.path,
+            )
             for i, c in enumerate(self.chunks):
                 c.module.load_state_dict(loaded[f"model{i}"])
             if with_optimizer:
@@ -292,6 +335,7 @@ def watch_routers(chunks, model_cfg: ModelConfig, device: torch.device) -> Exper
                     flat = logits.detach().view(-1, model_cfg.num_experts)
                     load.add(layer, routing_map.sum(0), *router_losses(flat, model_cfg))
             return probs, routing_map
+
         return routing_and_record
 
     for chunk in chunks:
@@ -307,17 +351,29 @@ def build_optimizer(recipe: Recipe, chunks, total_steps: int):
 
     t = recipe.train
     opt_config = OptimizerConfig(
-        optimizer="adam" if t.optimizer == "adamw" else "sgd", lr=t.lr, min_lr=t.min_lr,
-        weight_decay=t.weight_decay, adam_beta1=t.betas[0], adam_beta2=t.betas[1], adam_eps=t.eps,
-        clip_grad=t.clip_grad, bf16=t.precision == "bf16", fp16=t.precision == "fp16",
-        params_dtype=DTYPES[t.precision], use_distributed_optimizer=recipe.parallel.distributed_optimizer)
+        optimizer="adam" if t.optimizer == "adamw" else "sgd",
+        lr=t.lr,
+        min_lr=t.min_lr,
+        weight_decay=t.weight_decay,
+        adam_beta1=t.betas[0],
+        adam_beta2=t.betas[1],
+        adam_eps=t.eps,
+        clip_grad=t.clip_grad,
+        bf16=t.precision == "bf16",
+        fp16=t.precision == "fp16",
+        params_dtype=DTYPES[t.precision],
+        use_distributed_optimizer=recipe.parallel.distributed_optimizer,
+    )
     optimizer = get_megatron_optimizer(opt_config, chunks)
     return optimizer, lr_schedule.build_lr_scheduler(recipe, optimizer, total_steps)
 
 
 def _adam_optimizers(optimizer) -> list:
-    return [o for o in getattr(optimizer, "chained_optimizers", [optimizer])
-            if isinstance(o.optimizer, torch.optim.Adam | torch.optim.AdamW)]
+    return [
+        o
+        for o in getattr(optimizer, "chained_optimizers", [optimizer])
+        if isinstance(o.optimizer, torch.optim.Adam | torch.optim.AdamW)
+    ]
 
 
 def _fill_optimizer_state(optimizer) -> None:

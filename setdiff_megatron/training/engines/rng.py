@@ -13,9 +13,12 @@ __all__ = ["host_rng_state", "set_host_rng_state"]
 def host_rng_state() -> dict:
     """Python, numpy, torch and CUDA generator states, loadable with weights_only=True."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    return {"python": random.getstate(), "torch": torch.get_rng_state(),
-            "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
-            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+    return {
+        "python": random.getstate(),
+        "torch": torch.get_rng_state(),
+        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+    }
 
 
 def set_host_rng_state(state: dict) -> None:
