@@ -37,11 +37,12 @@ EXTRAS = {
     "te": [],
 }
 # The test suite exercises every CPU engine and format, so `dev` pulls in their extras (`serve`
-# brings the `openai` client the serving tests drive the server with).
+# brings the `openai` client the serving tests drive the server with), and ruff for the lint gate.
 EXTRAS["dev"] = sorted(
     {
         "pytest>=8",
         "pytest-timeout>=2.3",
+        "ruff>=0.17,<0.18",
         *EXTRAS["megatron"],
         *EXTRAS["deepspeed"],
         *EXTRAS["hf"],

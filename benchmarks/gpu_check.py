@@ -51,7 +51,6 @@ from setdiff_megatron.core.sampler import SetSampler
 from setdiff_megatron.core.step_attention import set_causal_step_attention
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.kernels import choose_attention_impl, flash_attn, te_fused
-
 from setdiff_megatron.training.metrics import peak_flops, training_flops_per_token
 
 BF16_TOL, FP8_TOL = {"out": 2e-2, "grad": 2e-2}, {"out": 0.15, "grad": 0.35}
@@ -275,7 +274,7 @@ def kernel_timing(variants: dict, *, repeats: int = 5) -> list[dict]:
                 continue
             impl, context = variant
 
-            def run():
+            def run(context=context, impl=impl, args=args, dout=dout):
                 with context():
                     out = set_causal_attention(*args, impl=impl)
                 torch.autograd.grad(out, args, dout)

@@ -6,7 +6,7 @@ step; gloo and the CPU layer without a GPU, NCCL with one.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from setdiff_megatron.core.streams import TwoStreamBatch
 from setdiff_megatron.models.config import ModelConfig

@@ -13,8 +13,8 @@ peer; that failure is a consequence, and it stays quiet too (`run_reporting`).
 
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 EXIT_USER_ERROR = 2
 ERROR_DIR_ENV = "SETDIFF_ERROR_DIR"

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any, Iterable, Iterator, TextIO
+from collections.abc import Iterable, Iterator
+from typing import Any, TextIO
 
 __all__ = ["interactive", "progress_bar", "LineProgress", "clock"]
 
@@ -57,7 +58,7 @@ class LineProgress:
             self.update(1)
         self.close()
 
-    def __enter__(self) -> "LineProgress":
+    def __enter__(self) -> LineProgress:
         return self
 
     def __exit__(self, *exc) -> None:

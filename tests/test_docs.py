@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import re
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,7 +29,7 @@ OUTSIDE = ("ALGORITHM", "MEGATRON_CPU", "KERNELS", "DESIGN")
 OUTSIDE_PHRASE = " ".join(("DESIGN", "in", "README"))
 """An old way of citing the design notes (spelled in parts so that this file does not cite it)."""
 
-OUTSIDE_RE = re.compile(r"\b(?:%s)\.md\b|\b%s\b" % ("|".join(OUTSIDE), OUTSIDE_PHRASE))
+OUTSIDE_RE = re.compile(rf"\b(?:{'|'.join(OUTSIDE)})\.md\b|\b{OUTSIDE_PHRASE}\b")
 DOCS_RE = re.compile(r"(?<![\w./-])(docs/[\w-]+(?:/[\w-]+)*\.md)(#[\w-]+)?(?:\s*,\s*\"([^\"]{1,80})\")?")
 WRAP_RE = re.compile(r"\s*\n\s*(?:#+\s*)?")
 """A line break inside a quoted section name, with the comment marker of the next line."""
@@ -44,7 +44,7 @@ HTML_ANCHOR_RE = re.compile(r"<a\s+(?:name|id)=\"([^\"]+)\"")
 SCHEME_RE = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")
 
 
-@lru_cache(maxsize=None)
+@cache
 def scanned_files() -> tuple[Path, ...]:
     out = []
     for here, dirs, files in os.walk(ROOT):
@@ -56,7 +56,7 @@ def scanned_files() -> tuple[Path, ...]:
     return tuple(sorted(out))
 
 
-@lru_cache(maxsize=None)
+@cache
 def text_of(path: Path) -> str:
     return path.read_text(encoding="utf-8", errors="replace")
 
@@ -86,7 +86,7 @@ def slug(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", plain_heading(heading).lower()).replace(" ", "-")
 
 
-@lru_cache(maxsize=None)
+@cache
 def headings(path: Path) -> tuple[frozenset[str], frozenset[str]]:
     """(heading texts, anchors) of a markdown file; repeated headings get -1, -2, ... as on GitHub."""
     found = HEADING_RE.findall(without_fences(text_of(path)))

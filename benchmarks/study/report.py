@@ -138,7 +138,7 @@ def markdown(results: dict) -> str:
         "| model | trained steps | train minutes | exact left-to-right NLL | NELBO, own policy (95 % CI) | final valid loss |",
         "|---|---|---|---|---|---|",
     ]
-    for name, m in models.items():
+    for m in models.values():
         nll, nelbo = m.get("nll_left_to_right"), m.get("nelbo_own_policy")
         ci = nelbo and nelbo.get("ci95_half_width")
         out.append(
@@ -157,7 +157,7 @@ def markdown(results: dict) -> str:
         "| model | point | W | tau | accuracy | tokens/step | tokens/s | mean NFE |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for name, m in models.items():
+    for m in models.values():
         for p in m["points"]:
             out.append(
                 f"| {m['label']} | {p['point']} | {p['window']} | {_fmt(p['threshold'], 'g')} | "
@@ -172,7 +172,7 @@ def markdown(results: dict) -> str:
         "| model | point | " + " | ".join(levels) + " |",
         "|---|---|" + "---|" * len(levels),
     ]
-    for name, m in models.items():
+    for m in models.values():
         if m["points"]:
             best = max(m["points"], key=lambda p: p["accuracy"])
             out.append(

@@ -9,9 +9,9 @@ in this process, each resuming and skipping what it already wrote.
 from __future__ import annotations
 
 import json
-from collections import Counter
 import subprocess
 import sys
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 

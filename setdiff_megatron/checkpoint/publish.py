@@ -23,8 +23,8 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from setdiff_megatron.checkpoint.manifest import verify, write_manifest
 from setdiff_megatron.checkpoint.names import LATEST, aside_name, find_checkpoints, step_name, step_of

@@ -22,7 +22,7 @@ attention. One sampling step with a KV cache is core/step_attention.py.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

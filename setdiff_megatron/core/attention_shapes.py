@@ -12,7 +12,7 @@ T tokens in a sampling step, C cached tokens, D head dim.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -22,8 +22,8 @@ S stop sequences, M longest stop sequence.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Sequence
 
 import torch
 
@@ -140,7 +140,7 @@ class RowPolicy:
         self.sampled_rows = [i for i, c in enumerate(self.configs) if c.temperature > 0]
 
     @classmethod
-    def of(cls, configs: Sequence[DecodingConfig], device=None) -> "RowPolicy":
+    def of(cls, configs: Sequence[DecodingConfig], device=None) -> RowPolicy:
         def col(get, dtype):
             return torch.tensor([get(c) for c in configs], dtype=dtype, device=device)
 
@@ -164,14 +164,14 @@ class RowPolicy:
             configs=list(configs),
         )
 
-    def select(self, index: torch.Tensor, host_index: list[int]) -> "RowPolicy":
+    def select(self, index: torch.Tensor, host_index: list[int]) -> RowPolicy:
         """The rows `index` (host copy `host_index`), in that order."""
         return RowPolicy(
             **{f.name: getattr(self, f.name)[index] for f in fields(self) if f.name != "configs"},
             configs=[self.configs[i] for i in host_index],
         )
 
-    def cat(self, other: "RowPolicy") -> "RowPolicy":
+    def cat(self, other: RowPolicy) -> RowPolicy:
         """These rows, then `other`'s (stop tables padded to a common shape)."""
         num, width = max(self.stops.shape[1], other.stops.shape[1]), max(self.stops.shape[2], other.stops.shape[2])
         parts = {}

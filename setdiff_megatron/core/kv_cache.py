@@ -78,7 +78,7 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device=None,
         attention_impl: str = "sdpa",
-    ) -> "KVCache":
+    ) -> KVCache:
         shape = (num_layers, batch_size, num_kv_heads, capacity + 1, head_dim)
         return cls(
             keys=torch.zeros(shape, dtype=dtype, device=device),
@@ -214,7 +214,7 @@ class KVCache:
         """Forget a step that did not run to `advance`."""
         self._layout, self._mask, self._commits = None, None, []
 
-    def select_rows(self, index: torch.Tensor, rows: int | None = None) -> "KVCache":
+    def select_rows(self, index: torch.Tensor, rows: int | None = None) -> KVCache:
         """A cache holding only the rows `index` (a copy), then empty rows up to `rows`: how the
         sampler retires finished rows."""
         pad = (rows or len(index)) - len(index)
@@ -232,7 +232,7 @@ class KVCache:
             attention_impl=self.attention_impl,
         )
 
-    def with_rows(self, count: int) -> "KVCache":
+    def with_rows(self, count: int) -> KVCache:
         """This cache plus `count` empty rows at the end (a copy): how rows join a running batch."""
 
         def grow(t: torch.Tensor) -> torch.Tensor:
@@ -247,7 +247,7 @@ class KVCache:
             attention_impl=self.attention_impl,
         )
 
-    def with_capacity(self, capacity: int) -> "KVCache":
+    def with_capacity(self, capacity: int) -> KVCache:
         """This cache with at least `capacity` slots per row (a copy when it must grow)."""
         extra = capacity - self.capacity
         if extra <= 0:

@@ -27,7 +27,7 @@ class LossOutput:
     nll_sum: torch.Tensor  # [B]
     num_tokens: torch.Tensor  # [B]
 
-    def with_router_loss(self, weighted: torch.Tensor | float) -> "LossOutput":
+    def with_router_loss(self, weighted: torch.Tensor | float) -> LossOutput:
         """`loss` plus a mixture of experts' router losses, given weighted per routed token
         (models/moe.py) and so divided by the target tokens like the NLL; the sums stay NLL."""
         if isinstance(weighted, float | int) and weighted == 0:

@@ -46,8 +46,9 @@ Shapes: B rows, L canvas positions (+1 scratch column), K commit slots, Q query 
 from __future__ import annotations
 
 import time
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, fields, replace
-from typing import Hashable, Protocol, Sequence
+from typing import Protocol
 
 import torch
 
@@ -138,7 +139,7 @@ class _Batch:
     query_valid: torch.Tensor  # [B, Q]
     sink: torch.Tensor  # [B] visible tokens (never evicted)
 
-    def select(self, keep: torch.Tensor) -> "_Batch":
+    def select(self, keep: torch.Tensor) -> _Batch:
         return replace(self, **{f.name: getattr(self, f.name)[keep] for f in fields(self)})
 
     def trim(self, num_commit: int, num_query: int) -> None:
@@ -166,7 +167,7 @@ class _Batch:
             value = getattr(self, name)
             setattr(self, name, torch.where(value == old, width, value))
 
-    def cat(self, other: "_Batch") -> "_Batch":
+    def cat(self, other: _Batch) -> _Batch:
         def pad(a: torch.Tensor, b: torch.Tensor, value) -> tuple[torch.Tensor, torch.Tensor]:
             n = max(a.shape[1], b.shape[1])
             return tuple(torch.cat([t, t.new_full((len(t), n - t.shape[1]), value)], 1) for t in (a, b))

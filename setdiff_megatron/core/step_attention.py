@@ -11,8 +11,8 @@ partial-attention kernel that reads the cache in place with per-row lengths inst
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from functools import partial
-from typing import Callable
 
 import torch
 import torch.nn.functional as F

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from typing import Callable, Hashable
+from collections.abc import Callable, Hashable
 
 import torch
 

@@ -52,7 +52,7 @@ class StepLayout:
     @classmethod
     def padded(
         cls, rows: int, num_commit: int, num_query: int, commit_valid: torch.Tensor | None, span: int | None = None
-    ) -> "StepLayout":
+    ) -> StepLayout:
         """The model sees the padded view itself; `commit_valid` [B, K] marks real commits."""
         counts = None if commit_valid is None else commit_valid.sum(1)
         return cls(rows, num_commit, num_query, counts, span)

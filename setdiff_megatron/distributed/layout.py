@@ -27,7 +27,7 @@ class Layout:
     @classmethod
     def of(
         cls, world_size: int, *, tp: int = 1, pp: int = 1, vpp: int | None = None, cp: int = 1, ep: int = 1
-    ) -> "Layout":
+    ) -> Layout:
         """The layout of `world_size` processes with these model-parallel sizes (dp is what is left)."""
         model = tp * pp * cp
         if world_size % model:

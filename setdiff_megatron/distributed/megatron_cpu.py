@@ -20,7 +20,8 @@ import contextlib
 import importlib
 import importlib.metadata
 import warnings
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode, redispatch_function
@@ -170,7 +171,7 @@ class _Stream:
     def wait_event(self, *args: Any) -> None:
         pass
 
-    def record_event(self, *args: Any) -> "_Stream":
+    def record_event(self, *args: Any) -> _Stream:
         return self
 
     def record(self, *args: Any) -> None:

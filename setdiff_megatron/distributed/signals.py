@@ -33,8 +33,8 @@ import contextlib
 import json
 import os
 import signal
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -64,7 +64,7 @@ class PreemptionHandler:
     def _record(self, signum: int, frame) -> None:
         self.received = self.received or signal.Signals(signum)
 
-    def __enter__(self) -> "PreemptionHandler":
+    def __enter__(self) -> PreemptionHandler:
         self._previous = {s: signal.signal(s, self._record) for s in PREEMPTION_SIGNALS}
         return self
 

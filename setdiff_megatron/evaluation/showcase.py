@@ -18,9 +18,9 @@ from dataclasses import replace
 
 from setdiff_megatron.core.sampler import SetSampler
 from setdiff_megatron.data.builtin import builtin_corpus_dir
+from setdiff_megatron.distributed.runtime import Ranks
 from setdiff_megatron.evaluation.scoring import gsm8k_answer
 from setdiff_megatron.evaluation.tasks import score_completion
-from setdiff_megatron.distributed.runtime import Ranks
 from setdiff_megatron.inference.defaults import decoding_for_recipe
 from setdiff_megatron.inference.loading import load_sampling_model
 from setdiff_megatron.inference.prompts import PromptRecord, encode_prompt

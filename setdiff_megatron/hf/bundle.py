@@ -34,9 +34,9 @@ import importlib.util
 import io
 import sys
 import tokenize
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Sequence
 
 __all__ = ["BundleError", "bundle_modules", "modeling_source", "external_imports", "ALLOWED_IMPORTS"]
 

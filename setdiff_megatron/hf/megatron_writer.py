@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 from pathlib import Path
+
 import torch
 
 from setdiff_megatron.checkpoint.identity import model_identity

@@ -13,8 +13,8 @@ reports how far rounding itself moved the logits.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 

@@ -8,8 +8,8 @@ import contextlib
 import json
 import re
 import shutil
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Iterator, Mapping
 
 import torch
 

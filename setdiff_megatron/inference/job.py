@@ -21,8 +21,8 @@ from setdiff_megatron.checkpoint.manifest import sha256_file
 from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.core.sample_output import RowResult
 from setdiff_megatron.core.sampler import Request, SetSampler
-from setdiff_megatron.errors import UserError
 from setdiff_megatron.distributed.runtime import join
+from setdiff_megatron.errors import UserError
 from setdiff_megatron.inference.loading import SamplingModel, load_sampling_model
 from setdiff_megatron.inference.prompts import PromptRecord, encode_prompt, read_prompts
 from setdiff_megatron.inference.results import ShardedResults

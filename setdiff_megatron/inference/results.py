@@ -14,8 +14,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from setdiff_megatron.errors import UserError
 
@@ -73,7 +74,7 @@ class ShardedResults:
         files = [self.out, *sorted(self.parts.glob("*.jsonl"))] if self.parts.is_dir() else [self.out]
         return {r["index"] for path in files for r in _complete_records(path)}
 
-    def part(self, name: str) -> "_PartWriter":
+    def part(self, name: str) -> _PartWriter:
         return _PartWriter(self.parts / f"{name}.jsonl")
 
     def merge(self, total: int) -> list[int]:

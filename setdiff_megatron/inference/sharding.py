@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from setdiff_megatron.errors import UserError
 from setdiff_megatron.distributed.runtime import Ranks
+from setdiff_megatron.errors import UserError
 
 __all__ = ["Placement", "Shard"]
 
@@ -46,7 +46,7 @@ class Shard:
     count: int
 
     @classmethod
-    def of(cls, ranks: Ranks, placement: Placement) -> "Shard":
+    def of(cls, ranks: Ranks, placement: Placement) -> Shard:
         return cls(
             index=(placement.shard or 0) * ranks.dp_size + ranks.dp_rank,
             count=ranks.dp_size * (placement.num_shards or 1),

@@ -60,7 +60,7 @@ class _Ring:
     rank: int
 
     @classmethod
-    def of(cls, group: dist.ProcessGroup | None) -> "_Ring":
+    def of(cls, group: dist.ProcessGroup | None) -> _Ring:
         if group is None or not dist.is_initialized():
             return cls(None, 1, 0)
         return cls(group, dist.get_world_size(group), dist.get_rank(group))
@@ -103,15 +103,15 @@ def _blocks(row_chunks: tuple[int, int], key_chunks: tuple[int, int], size: int)
                 yield slice(i * size, (i + 1) * size), slice(j * size, (j + 1) * size), "full" if a > b else "diagonal"
 
 
-def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, o: torch.Tensor, l: torch.Tensor) -> None:
-    """Fold a partial result (o, l) into rows `rows` of (out, lse). A row that saw no key in a
-    block has l = -inf and is left as it was (a row that has seen none at all stays 0, -inf)."""
-    o, l = o.to(out.dtype), l.to(lse.dtype)
+def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, o: torch.Tensor, o_lse: torch.Tensor) -> None:
+    """Fold a partial result (o, o_lse) into rows `rows` of (out, lse). A row that saw no key in a
+    block has o_lse = -inf and is left as it was (a row that has seen none at all stays 0, -inf)."""
+    o, o_lse = o.to(out.dtype), o_lse.to(lse.dtype)
     old = lse[:, :, rows]
-    new = torch.logaddexp(old, l)
+    new = torch.logaddexp(old, o_lse)
     seen = ~torch.isneginf(new)
     keep = torch.where(seen, torch.exp(old - new), 0.0)[..., None]
-    take = torch.where(seen, torch.exp(l - new), 0.0)[..., None]
+    take = torch.where(seen, torch.exp(o_lse - new), 0.0)[..., None]
     out[:, :, rows] = out[:, :, rows] * keep + o * take
     lse[:, :, rows] = new
 
@@ -127,8 +127,8 @@ class _KernelBlocks:
     def forward(self, stream: str, kind: str, q, k, v, rows, keys) -> tuple[torch.Tensor, torch.Tensor]:
         if kind == "full" or stream == "x":
             return self.kernel.forward(q, k, v, scale=self.scale, causal=kind == "diagonal")[:2]
-        o, l, _ = self.kernel.forward(_rotated(q, q[:, :, 0]), k, v, scale=self.scale, causal=True)
-        return _unrotated(o), _unrotated(l, float("-inf"))  # a chunk's first query sees none of it
+        o, o_lse, _ = self.kernel.forward(_rotated(q, q[:, :, 0]), k, v, scale=self.scale, causal=True)
+        return _unrotated(o), _unrotated(o_lse, float("-inf"))  # a chunk's first query sees none of it
 
     def backward(self, stream: str, kind: str, dout, q, k, v, out, lse, rows, keys):
         causal = kind == "diagonal"
@@ -206,10 +206,10 @@ class _RingSetCausal(torch.autograd.Function):
             theirs = zigzag_ranks(length, ring.size, source, device=q.device)
             for r, c, kind in _blocks(zigzag_chunks(ring.size, ring.rank), zigzag_chunks(ring.size, source), size):
                 for name, qs in streams.items():
-                    o, l = blocks.forward(
+                    o, o_lse = blocks.forward(
                         name, kind, qs[:, :, r], block[0][:, :, c], block[1][:, :, c], mine[r], theirs[c]
                     )
-                    _merge(out[name], lse[name], r, o, l)
+                    _merge(out[name], lse[name], r, o, o_lse)
             if pending is not None:
                 block, requests = pending
                 for request in requests:

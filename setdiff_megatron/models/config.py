@@ -186,10 +186,10 @@ class ModelConfig:
             else tuple(i % freq == 0 for i in range(self.num_layers))
         )
 
-    def replace(self, **changes) -> "ModelConfig":
+    def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
-    def resolved(self) -> "ModelConfig":
+    def resolved(self) -> ModelConfig:
         """This config, checked to be complete enough to build a model."""
         if self.vocab_size is None or self.mask_token_id is None:
             raise ValueError("vocab_size and mask_token_id must be set (a recipe takes them from its tokenizer)")

@@ -17,8 +17,8 @@ G key/value heads, D head dim, V vocabulary.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from functools import partial
-from typing import Callable
 
 import torch
 import torch.nn.functional as F

@@ -37,7 +37,7 @@ Shapes: V vocabulary, E hidden, H heads, G key/value heads, D head dim, I MLP wi
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 

@@ -19,8 +19,9 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable
+from typing import Any
 
 import torch
 

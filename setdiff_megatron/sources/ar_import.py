@@ -21,8 +21,9 @@ rows (and of the output rows when untied): an "average token" whose scale matche
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 

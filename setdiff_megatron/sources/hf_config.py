@@ -10,7 +10,8 @@ package's config dataclasses, so the bundle stays torch + transformers.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.models.config import ModelConfig

@@ -7,8 +7,8 @@ a directory holding only pickled weights (pytorch_model.bin, *.pt) is refused, n
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 import torch
 

@@ -35,12 +35,12 @@ from setdiff_megatron.models.weight_maps import torch_shapes
 from setdiff_megatron.recipes import Recipe, load_recipe
 from setdiff_megatron.recipes.loading import RESOLVED_NAME
 from setdiff_megatron.sources.ar_import import SUPPORTED, ar_model_config, ar_state_dict, unsupported_architecture
+from setdiff_megatron.sources.base_model import BASE_ENV
 from setdiff_megatron.sources.deepspeed import consolidated_state_dict, is_deepspeed_checkpoint
 from setdiff_megatron.sources.dit_import import DIT_KIND, dit_state_dict, is_dit_config, read_composer_checkpoint
 from setdiff_megatron.sources.hf_export import load_hf_export, read_hf_config
 from setdiff_megatron.sources.hf_files import load_safetensors_dir
 from setdiff_megatron.sources.megatron import torch_weights
-from setdiff_megatron.sources.base_model import BASE_ENV
 from setdiff_megatron.sources.setdlm_release import RELEASE_KIND, is_release_config, read_release
 
 __all__ = ["Source", "read_source", "read_hf_dir", "fit_source", "AR_KINDS"]

@@ -27,9 +27,10 @@ use them.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -37,8 +38,8 @@ from setdiff_megatron.data.tokenizers import SetDiffTokenizer
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.recipes.schema import DataSection, MethodSection, ModelSection, Recipe
-from setdiff_megatron.sources.base_model import BASE_ENV
 from setdiff_megatron.sources.ar_import import ar_model_config, ar_state_dict
+from setdiff_megatron.sources.base_model import BASE_ENV
 from setdiff_megatron.sources.dit_import import dit_state_dict, is_dit_config
 from setdiff_megatron.sources.safe_pickle import load_pickle
 

@@ -9,9 +9,9 @@ batch, and a resumed run draws the orders it would have drawn without the interr
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
 

@@ -10,11 +10,11 @@ rank. Also the arithmetic of throughput: tokens/s and a model-FLOPs-utilisation 
 from __future__ import annotations
 
 import json
-
-import torch
 import time
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from setdiff_megatron.errors import require
 from setdiff_megatron.models.config import ModelConfig

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from setdiff_megatron.core import step_attention
+from setdiff_megatron.distributed import megatron_cpu
 from setdiff_megatron.kernels import flash_attn, te_fused
 from setdiff_megatron.models.megatron_model import (
     build_model_chunks,
@@ -22,7 +23,6 @@ from setdiff_megatron.models.megatron_model import (
 )
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 from setdiff_megatron.models.weight_maps import torch_to_megatron
-from setdiff_megatron.distributed import megatron_cpu
 from tests.core.test_kv_cache_kernels import KERNELS, emulated_step
 from tests.megatron.cases import compare_sampling, parallel_config, reference_weights
 

@@ -284,7 +284,9 @@ def test_logit_processing():
     def processed(**kw):
         return process_logits(logits, canvas, RowPolicy.of([DecodingConfig(**kw)]), 4)
 
-    kept = lambda **kw: torch.isfinite(processed(**kw))[0, 0].tolist()
+    def kept(**kw):
+        return torch.isfinite(processed(**kw))[0, 0].tolist()
+
     assert kept() == [True, True, True, True, False]
     assert kept(top_k=2) == [True, True, False, False, False]
     # softmax over [2, 1, 0, -1] is about [.64, .24, .09, .03]: 0.7 needs the first two tokens.
@@ -414,7 +416,10 @@ def test_requests_joining_a_running_batch_decode_as_alone(debug_model, monkeypat
         )
         for i in range(32)
     ]
-    make = lambda **kw: SetSampler(debug_model, mask_token_id=MASK, context_len=64, prefill_chunk=5, **kw)
+
+    def make(**kw):
+        return SetSampler(debug_model, mask_token_id=MASK, context_len=64, prefill_chunk=5, **kw)
+
     alone = []
     for i, (prompt, cfg) in enumerate(zip(prompts, cfgs)):
         engine = make(max_rows=1)

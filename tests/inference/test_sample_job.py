@@ -112,7 +112,7 @@ def test_outputs_are_the_samplers_in_prompt_order(run_dir, one_process):
     )
     assert [r["index"] for r in one_process] == list(range(5))
     assert [r.get("id") for r in one_process] == ["a", None, "infill", None, None]
-    for record, row, ids in zip(one_process, rows, encoded):
+    for record, row in zip(one_process, rows):
         assert record["completion"] == tok.decode(row.completion, skip_special_tokens=True)
         assert record["nfe"] == row.nfe and record["num_decoded"] == row.num_decoded
     infill = one_process[2]

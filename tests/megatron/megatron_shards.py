@@ -5,7 +5,7 @@ from every rank of a parallel run (production only ever reads TP = PP = EP = 1 c
 from __future__ import annotations
 
 import re
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 

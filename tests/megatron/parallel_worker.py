@@ -21,15 +21,15 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from setdiff_megatron.distributed.megatron_cpu import auto_cpu_mode, dist_backend, model_parallel_seed
 from setdiff_megatron.models.megatron_model import (
     build_model_chunks,
     forward_step,
     pipeline_seq_length,
     transformer_config_from,
 )
-from setdiff_megatron.models.weight_maps import megatron_to_torch, torch_to_megatron
-from setdiff_megatron.distributed.megatron_cpu import auto_cpu_mode, dist_backend, model_parallel_seed
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
+from setdiff_megatron.models.weight_maps import megatron_to_torch, torch_to_megatron
 from tests.megatron.cases import (
     LENGTH,
     MICRO_BATCH,

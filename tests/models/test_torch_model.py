@@ -105,7 +105,7 @@ def test_learns_a_small_corpus():
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     policy = Staggered(d=2)
     losses = []
-    for step in range(300):
+    for _ in range(300):
         batch = corpus[torch.randint(0, len(corpus), (32,), generator=gen)]
         loss = model.loss(batch, policy, generator=gen).loss
         opt.zero_grad()

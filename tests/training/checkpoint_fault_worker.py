@@ -41,13 +41,13 @@ def main(run_dir: Path, mode: str) -> int:
     import torch.distributed as dist
 
     from setdiff_megatron.checkpoint.identity import model_identity
+    from setdiff_megatron.checkpoint.names import step_of
     from setdiff_megatron.checkpoint.resolve import resume_target
     from setdiff_megatron.checkpoint.state import Progress
     from setdiff_megatron.data.tokenizers import train_byte_level_bpe
     from setdiff_megatron.recipes import load_recipe
-    from setdiff_megatron.training.engines.megatron import MegatronEngine
-    from setdiff_megatron.checkpoint.names import step_of
     from setdiff_megatron.training.checkpointer import Checkpointer
+    from setdiff_megatron.training.engines.megatron import MegatronEngine
     from setdiff_megatron.training.metrics import MetricsLogger
 
     world = int(os.environ["WORLD_SIZE"])

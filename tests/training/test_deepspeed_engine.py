@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from setdiff_megatron.recipes import load_recipe
 from setdiff_megatron.checkpoint.manifest import verify
-from setdiff_megatron.training.lr_schedule import build_lr_scheduler
 from setdiff_megatron.distributed.signals import EXIT_REQUEUE
+from setdiff_megatron.recipes import load_recipe
+from setdiff_megatron.training.lr_schedule import build_lr_scheduler
 from tests.megatron.cases import ROOT, run_worker
 from tests.training.deepspeed_megatron_worker import SCHEDULE_STEPS, SCHEDULES
 from tests.training.deepspeed_zero_worker import RESUMED

@@ -28,9 +28,9 @@ import math
 import os
 import time
 import warnings
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -50,8 +50,8 @@ from setdiff_megatron.recipes import Recipe
 from setdiff_megatron.training import lr_schedule
 from setdiff_megatron.training.engines.base import StepOutcome
 from setdiff_megatron.training.engines.deepspeed_config import build_optimizer, deepspeed_config
-from setdiff_megatron.training.expert_load import ExpertLoad
 from setdiff_megatron.training.engines.rng import host_rng_state, set_host_rng_state
+from setdiff_megatron.training.expert_load import ExpertLoad
 
 __all__ = ["DeepSpeedEngine", "import_deepspeed", "apply_recompute", "layout_refusal", "LOADABLE_ON"]
 

@@ -41,8 +41,8 @@ from setdiff_megatron.models.dtypes import DTYPES
 from setdiff_megatron.recipes import Recipe
 from setdiff_megatron.training import lr_schedule
 from setdiff_megatron.training.engines.base import StepOutcome
-from setdiff_megatron.training.expert_load import ExpertLoad
 from setdiff_megatron.training.engines.rng import host_rng_state, set_host_rng_state
+from setdiff_megatron.training.expert_load import ExpertLoad
 
 __all__ = ["MegatronEngine", "build_optimizer"]
 
