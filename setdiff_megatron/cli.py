@@ -46,17 +46,22 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_checked(args: argparse.Namespace):
-    from setdiff_megatron.recipes import check_recipe, load_recipe
+def _load_checked(args: argparse.Namespace, *, launch: bool = False):
+    """The recipe, refused in one line by `check_run`: for a launch, with its checkpoint
+    directory and newest checkpoint too; a portable check assumes a GPU and reads no files."""
+    from setdiff_megatron.recipes import load_recipe
+    from setdiff_megatron.training.preflight import check_run
 
     recipe = load_recipe(args.recipe, args.overrides)
     portable = getattr(args, "portable", False)
-    check_recipe(
+    check_run(
         recipe,
         args.recipe,
         world_size=getattr(args, "world_size", None),
-        check_paths=not portable,
-        **({"has_gpu": True} if portable else {}),
+        has_gpu=True if portable else None,
+        files=not portable,
+        checkpoint_dir=launch,
+        resumable=launch,
     )
     return recipe
 
@@ -85,14 +90,12 @@ def _launch(args: argparse.Namespace) -> int:
         return launch_slurm(args.recipe, args.overrides, dry_run=args.dry_run)
     from setdiff_megatron.launch.local import launch_local
 
-    recipe = _load_checked(args)
-    if getattr(args, "dry_run", False):
+    dry_run = getattr(args, "dry_run", False)
+    recipe = _load_checked(args, launch=not dry_run)
+    if dry_run:
         return launch_local(recipe, args.recipe, args.overrides, dry_run=True)
     from setdiff_megatron.distributed.signals import supervise_launch
-    from setdiff_megatron.training.trainer import check_resumable, preflight
 
-    preflight(recipe)
-    check_resumable(recipe)
     return supervise_launch(recipe.checkpoint.dir, lambda: launch_local(recipe, args.recipe, args.overrides))
 
 

@@ -28,7 +28,7 @@ from setdiff_megatron.launch.sbatch import (
     render_command,
     render_train,
 )
-from setdiff_megatron.recipes import Recipe, check_recipe, load_recipe
+from setdiff_megatron.recipes import Recipe, load_recipe
 from setdiff_megatron.recipes.schema import SlurmSection
 
 __all__ = ["launch_slurm", "submit_sharded"]
@@ -182,14 +182,13 @@ def launch_slurm(recipe_path: str, overrides: list[str], *, dry_run: bool = Fals
     planned = plan_training(recipe, recipe_path, overrides, cluster, cluster_path)  # checks the cluster's limits
     # The recipe is checked for the compute nodes, not for this (login) machine's GPUs; a dry run
     # renders anywhere, without the recipe's data and tokenizer files.
-    check_recipe(recipe, recipe_path, has_gpu=planned.gpus_per_node > 0, check_paths=not dry_run)
+    from setdiff_megatron.training.preflight import check_run
+
+    check_run(recipe, recipe_path, has_gpu=planned.gpus_per_node > 0, files=not dry_run, checkpoint_dir=not dry_run)
     if dry_run:
         print(planned.text, end="")
         return 0
     sbatch_executable()
-    from setdiff_megatron.training.trainer import preflight
-
-    preflight(recipe)
     _write(planned)
     job_id = submit(planned.path)
     log = _log_path(planned.output, recipe.name, job_id)

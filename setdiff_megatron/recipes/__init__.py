@@ -2,7 +2,7 @@
 
 from setdiff_megatron.recipes.loading import RecipeError, dump_recipe, load_recipe, save_resolved_recipe
 from setdiff_megatron.recipes.schema import Recipe
-from setdiff_megatron.recipes.validation import check_engine_installed, check_recipe, validate_recipe
+from setdiff_megatron.recipes.validation import check_engine_installed, validate_recipe
 
 __all__ = [
     "Recipe",
@@ -11,6 +11,5 @@ __all__ = [
     "save_resolved_recipe",
     "dump_recipe",
     "validate_recipe",
-    "check_recipe",
     "check_engine_installed",
 ]

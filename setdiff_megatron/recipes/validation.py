@@ -1,7 +1,8 @@
 """Rules that relate fields of different sections, checked before anything heavy starts.
 
 `validate_recipe` returns every violation, each as "key.path: what is wrong and what to do";
-`check_recipe` raises the first one as a RecipeError naming the recipe file. Hardware-dependent
+training/preflight.py's `check_run`, the one check every command runs, raises the first one as a
+RecipeError naming the recipe file. Hardware-dependent
 rules (FP8, the TE backend and the te/flash_attn attention kernels need a GPU) are checked
 against the machine the run starts on.
 """
@@ -18,7 +19,6 @@ from setdiff_megatron.recipes.schema import BUILTIN_CORPORA, SUPERVISED_CORPORA,
 
 __all__ = [
     "validate_recipe",
-    "check_recipe",
     "check_engine_installed",
     "data_parallel_size",
     "ENGINE_EXTRAS",
@@ -343,13 +343,6 @@ def validate_recipe(
     if check_paths:
         errors += _path_rules(recipe)
     return errors + _data_rules(recipe)
-
-
-def check_recipe(recipe: Recipe, source: str | Path, **kwargs) -> None:
-    errors = validate_recipe(recipe, **kwargs)
-    if errors:
-        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-        raise RecipeError(f"{source}: {errors[0]}{more}")
 
 
 def check_engine_installed(recipe: Recipe) -> None:

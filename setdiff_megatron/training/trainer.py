@@ -1,6 +1,6 @@
 """The training loop: one for both engines, so every recipe field means the same under each.
 
-    recipe -> checks, preflight -> engine (process groups) -> data -> model -> resume or init_from
+    recipe -> checks (preflight.py) -> engine (process groups) -> data -> model -> resume or init_from
            -> [forward/backward, NaN policy, optimizer step, metrics, validation, checkpoint,
                preemption] x steps -> the last checkpoint
 
@@ -22,8 +22,6 @@ What the loop decides, whatever the engine:
 
 from __future__ import annotations
 
-import contextlib
-import io
 import math
 import time
 import uuid
@@ -33,7 +31,6 @@ from pathlib import Path
 import torch
 
 from setdiff_megatron.checkpoint.identity import model_identity
-from setdiff_megatron.checkpoint.publish import check_writable
 from setdiff_megatron.checkpoint.resolve import resume_target
 from setdiff_megatron.checkpoint.state import Progress
 from setdiff_megatron.distributed import runtime
@@ -41,21 +38,18 @@ from setdiff_megatron.distributed.fault_injection import Faults
 from setdiff_megatron.distributed.signals import PreemptionHandler
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.recipes import Recipe, save_resolved_recipe
-from setdiff_megatron.recipes.validation import check_recipe
 from setdiff_megatron.sources.read import fit_source, read_source
 from setdiff_megatron.training import lr_schedule
 from setdiff_megatron.training.checkpointer import Checkpointer
 from setdiff_megatron.training.data_pipeline import DataLoaders, TrainingData, prepare_data
 from setdiff_megatron.training.engines import Engine, start_engine
 from setdiff_megatron.training.metrics import MetricsLogger, peak_flops, step_metrics, training_flops_per_token
+from setdiff_megatron.training.preflight import check_run
 from setdiff_megatron.training.spikes import SpikeDetector
 from setdiff_megatron.training.stragglers import StragglerMonitor
 from setdiff_megatron.training.watchdog import Watchdog
 
-__all__ = ["train", "TrainResult", "preflight", "check_resumable"]
-
-CHECKPOINT_BYTES_PER_PARAM = 16
-"""Saved bytes per parameter, with margin: weights, fp32 main copy, two Adam moments."""
+__all__ = ["train", "TrainResult"]
 
 
 @dataclass
@@ -67,32 +61,8 @@ class TrainResult:
     tokens_per_s: float
 
 
-def preflight(recipe: Recipe) -> None:
-    """The checkpoint directory takes a file and has room for one more checkpoint of this model."""
-    vocab = recipe.data.vocab_size
-    if recipe.data.tokenizer is not None:
-        from setdiff_megatron.data.tokenizers import load_tokenizer
-
-        vocab = load_tokenizer(recipe.data.tokenizer).vocab_size
-    params = recipe.model.to_model_config(vocab_size=vocab, mask_token_id=0).num_params()
-    check_writable(Path(recipe.checkpoint.dir), params * CHECKPOINT_BYTES_PER_PARAM)
-
-
-def check_resumable(recipe: Recipe) -> None:
-    """For a launcher, before its processes start: the refusal `resume_target` would give them
-    all (checkpoints none of which can be resumed, by any model), raised once here. Quiet: the run
-    itself reports the checkpoints it skips. `none` is the run's to do, as it moves checkpoints.
-    The newest checkpoint is hashed here in one process and again by the ranks: a second read of
-    its files, the price of refusing before any process starts."""
-    c = recipe.checkpoint
-    if c.resume != "none":
-        with contextlib.redirect_stdout(io.StringIO()):
-            resume_target(Path(c.dir), c.resume, None)
-
-
 def train(recipe: Recipe, recipe_path: str | Path = "<recipe>") -> TrainResult:
-    check_recipe(recipe, recipe_path, world_size=runtime.world_size())
-    preflight(recipe)
+    check_run(recipe, recipe_path, world_size=runtime.world_size())
     with PreemptionHandler(recipe.checkpoint.dir) as preemption:
         try:
             return _Run(recipe, start_engine(recipe), preemption).loop()

@@ -21,7 +21,7 @@ from setdiff_megatron.checkpoint.state import Progress, TrainState, read_train_s
 from setdiff_megatron.cli import main
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.recipes import load_recipe
-from setdiff_megatron.training.trainer import preflight
+from setdiff_megatron.training.preflight import check_run
 
 TINY = str(Path(__file__).parents[2] / "recipes" / "tiny-cpu.yaml")
 TOKENIZER = SimpleNamespace(vocab_size=2048, mask_id=3)
@@ -170,15 +170,15 @@ def test_retention_removes_only_this_runs_valid_older_checkpoints(tmp_path):
     assert [p.name for p in find_checkpoints(root)] == ["step_00000008", "step_00000006", foreign.name, broken.name]
 
 
-def test_preflight_refuses_an_unwritable_or_full_checkpoint_dir(tmp_path, monkeypatch):
-    preflight(recipe_for(tmp_path / "run"))
+def test_check_run_refuses_an_unwritable_or_full_checkpoint_dir(tmp_path, monkeypatch):
+    check_run(recipe_for(tmp_path / "run"), "r.yaml")
     assert (tmp_path / "run").is_dir() and not list((tmp_path / "run").iterdir())
     (tmp_path / "file").write_text("")
     with pytest.raises(UserError, match=r"checkpoint.dir .*/file/run is not writable: Not a directory"):
-        preflight(recipe_for(tmp_path / "file" / "run"))
+        check_run(recipe_for(tmp_path / "file" / "run"), "r.yaml")
     monkeypatch.setattr(publish_module.shutil, "disk_usage", lambda _: SimpleNamespace(free=2**20))
     with pytest.raises(UserError, match=r"has 0.00 GiB free; a checkpoint of this model needs about 0.0[1-9] GiB"):
-        preflight(recipe_for(tmp_path / "run"))
+        check_run(recipe_for(tmp_path / "run"), "r.yaml")
 
 
 def test_checkpoint_inspect_command(tmp_path, capsys):
