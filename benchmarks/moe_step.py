@@ -49,7 +49,7 @@ from benchmarks.parallel_scaling import (
     global_batch,
     recipe_dict,
 )
-from setdiff_megatron.distributed.runtime import torchrun_argv
+from setdiff_megatron.distributed.workers import Torchrun
 
 ROOT = Path(__file__).parents[1]
 HIDDEN_SIZE = 128
@@ -189,9 +189,9 @@ def run_workers(ep: int, count: int, directory: Path) -> dict[str, dict]:
     """The worker's results at expert parallelism `ep`, in `ep` fresh processes (megatron's CPU
     mode and parallel state are per process)."""
     out = directory / f"ep{ep}.json"
-    argv = torchrun_argv(
+    argv = Torchrun(
         ep, ["--worker", str(out), "--ep", str(ep), "--steps", str(count)], module="benchmarks.moe_step"
-    )
+    ).argv
     subprocess.run(argv, cwd=ROOT, env=os.environ | {"OMP_NUM_THREADS": "1"}, check=True)
     return json.loads(out.read_text())
 

@@ -30,52 +30,25 @@ __all__ = [
     "shutdown",
     "world_size",
     "rank",
-    "torchrun_argv",
+    "check_port",
     "free_port",
     "barrier",
     "gather_objects",
     "broadcast_object",
+    "tensor_parallel_broadcast",
 ]
 
 
-RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-"""For torchrun's workers: with the rendezvous store shared (torch's default), workers restarted by
---max-restarts read the dead attempt's keys and hang in init_process_group (pytorch#135712)."""
-
-
-def torchrun_argv(
-    nproc: int,
-    cli_args: list[str],
-    module: str = "setdiff_megatron.cli",
-    launcher: str = "torch.distributed.run",
-    max_restarts: int = 0,
-) -> list[str]:
-    """`python -m MODULE CLI_ARGS` (default: the `setdiff` command) as `nproc` local processes
-    under torchrun (`launcher`: torchrun's module, or one that runs torchrun's `main`), restarted
-    together up to `max_restarts` times when one of them fails."""
-    restarts = [f"--max-restarts={max_restarts}"] if max_restarts else []
-    return [
-        sys.executable,
-        "-m",
-        launcher,
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        *restarts,
-        "-m",
-        module,
-        *cli_args,
-    ]
-
-
-def check_port(name: str, value: str) -> None:
-    """A UserError unless `value` (of setting `name`) is a TCP port: torch reports a port it
-    cannot use with a traceback from deep inside the rendezvous."""
+def check_port(value: int | str, problem: str) -> None:
+    """A UserError saying `problem` unless `value` is a TCP port (a whole number from 1 to 65535),
+    checked before anything listens on it: torch's rendezvous and uvicorn report a port they
+    cannot use with a traceback, late."""
     try:
         port = int(value)
     except ValueError:
         port = 0
     if not 1 <= port <= 65535:
-        raise UserError(f"{name}={value!r} is not a TCP port (a whole number from 1 to 65535)")
+        raise UserError(problem)
 
 
 def free_port() -> int:
@@ -107,7 +80,8 @@ def init_process_group(*, timeout_minutes: int = 30) -> None:
         ("WORLD_SIZE", "1"),
     ):
         os.environ.setdefault(key, value)  # a plain `python -m ...` is a world of one
-    check_port("MASTER_PORT", os.environ["MASTER_PORT"])
+    port = os.environ["MASTER_PORT"]
+    check_port(port, f"MASTER_PORT={port!r} is not a TCP port (a whole number from 1 to 65535)")
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group(
@@ -219,10 +193,20 @@ def gather_objects(obj) -> list:
     return out
 
 
-def broadcast_object(obj, src: int = 0):
-    """Rank `src`'s `obj` on every rank."""
+def broadcast_object(obj, src: int = 0, group: dist.ProcessGroup | None = None):
+    """Rank `src`'s `obj` (a global rank) on every rank of `group` (default: all of them)."""
     if not dist.is_initialized():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
+
+
+def tensor_parallel_broadcast(obj):
+    """The `obj` of the first rank of this process's tensor-parallel group on every rank of that
+    group: megatron-core's group, built by `init_model_parallel` like every other group."""
+    from megatron.core import parallel_state
+
+    return broadcast_object(
+        obj, parallel_state.get_tensor_model_parallel_src_rank(), parallel_state.get_tensor_model_parallel_group()
+    )

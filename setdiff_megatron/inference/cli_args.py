@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 
 from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.core.step_compiler import COMPILE_MODES
@@ -148,7 +147,7 @@ def relaunch(args: argparse.Namespace) -> int | None:
         raise UserError(f"--nproc must be >= 1 (the local processes to start); got {args.nproc}")
     if args.nproc == 1 or "RANK" in os.environ:
         return None
-    from setdiff_megatron.distributed.runtime import torchrun_argv
+    from setdiff_megatron.distributed.workers import Torchrun
 
     # Each process runs the command without --nproc (torchrun would also take it for its own option).
-    return subprocess.call(torchrun_argv(args.nproc, _without_option(args.argv, "--nproc")))
+    return Torchrun(args.nproc, _without_option(args.argv, "--nproc")).run()

@@ -8,13 +8,11 @@ about that failure (launch/torchrun.py), and the launcher raises the lowest rank
 
 from __future__ import annotations
 
-import os
 import shlex
-import subprocess
 import tempfile
 from pathlib import Path
 
-from setdiff_megatron.distributed.runtime import RESTART_ENV, torchrun_argv
+from setdiff_megatron.distributed.workers import RESTART_ENV, Torchrun
 from setdiff_megatron.errors import ERROR_DIR_ENV, UserError, handed_over
 from setdiff_megatron.recipes import Recipe
 
@@ -23,9 +21,9 @@ QUIET_TORCHRUN = "setdiff_megatron.launch.torchrun"
 
 def torchrun_command(recipe: Recipe, recipe_path: str, overrides: list[str]) -> list[str]:
     """The recipe's processes under plain torchrun: the command to run by hand."""
-    argv = torchrun_argv(
+    argv = Torchrun(
         _local_processes(recipe), ["train", recipe_path, *overrides], max_restarts=recipe.launch.max_restarts
-    )
+    ).argv
     return ["env", *(f"{k}={v}" for k, v in RESTART_ENV.items()), *argv] if recipe.launch.max_restarts else argv
 
 
@@ -39,12 +37,12 @@ def _local_processes(recipe: Recipe) -> int:
 def run_workers(
     nproc: int, cli_args: list[str], env: dict[str, str], module: str = "setdiff_megatron.cli", max_restarts: int = 0
 ) -> int:
-    """`python -m MODULE CLI_ARGS` as `nproc` torchrun processes; their exit code, or the
-    UserError one of them met, raised here once (the lowest rank's). OMP_NUM_THREADS gets
-    torchrun's own default of 1 unless `env` has it: set here, torchrun prints no banner about it."""
+    """`python -m MODULE CLI_ARGS` as `nproc` torchrun processes (`env` over this process's
+    environment); their exit code, or the UserError one of them met, raised here once (the
+    lowest rank's)."""
     with tempfile.TemporaryDirectory(prefix="setdiff-errors-") as error_dir:
-        argv = torchrun_argv(nproc, cli_args, module, launcher=QUIET_TORCHRUN, max_restarts=max_restarts)
-        code = subprocess.call(argv, env={"OMP_NUM_THREADS": "1", **env, **RESTART_ENV, ERROR_DIR_ENV: error_dir})
+        env = {**env, ERROR_DIR_ENV: error_dir}
+        code = Torchrun(nproc, cli_args, module, env=env, launcher=QUIET_TORCHRUN, max_restarts=max_restarts).run()
         message = handed_over(Path(error_dir))
     if message is not None:
         raise UserError(message)
@@ -59,6 +57,6 @@ def launch_local(recipe: Recipe, recipe_path: str, overrides: list[str], *, dry_
     return run_workers(
         _local_processes(recipe),
         ["train", recipe_path, *overrides],
-        {**os.environ, **recipe.launch.env},
+        recipe.launch.env,
         max_restarts=recipe.launch.max_restarts,
     )

@@ -19,8 +19,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from setdiff_megatron.distributed.runtime import RESTART_ENV
 from setdiff_megatron.distributed.signals import EXIT_REQUEUE, PREEMPTED_FILE
+from setdiff_megatron.distributed.workers import RESTART_ENV
 
 __all__ = ["Resources", "recipe_lines", "render_train", "render_array", "render_command", "templates"]
 

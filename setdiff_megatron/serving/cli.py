@@ -8,9 +8,7 @@ to the least loaded replica.
 
 from __future__ import annotations
 
-import os
 import secrets
-import subprocess
 import sys
 import time
 from multiprocessing.connection import Listener
@@ -75,7 +73,7 @@ def _local_replicas(args, defaults):
 def _process_replicas(args):
     """Start the worker processes now (they load the model while the front end starts) and
     connect their group leaders when the event loop runs."""
-    from setdiff_megatron.distributed.runtime import torchrun_argv
+    from setdiff_megatron.distributed.workers import Torchrun
     from setdiff_megatron.serving.replicas import ProcessReplica
 
     if args.nproc % args.tp:
@@ -83,21 +81,17 @@ def _process_replicas(args):
     authkey = secrets.token_hex(16)
     listener = Listener(("127.0.0.1", 0), authkey=authkey.encode())
     host, port = listener.address
-    cmd = torchrun_argv(
-        args.nproc,
-        [
-            args.source,
-            "--address",
-            f"{host}:{port}",
-            "--tp",
-            str(args.tp),
-            "--device",
-            args.device,
-            "--max-rows",
-            str(args.batch_size),
-        ],
-        module="setdiff_megatron.serving.replicas",
-    )
+    worker_args = [
+        args.source,
+        "--address",
+        f"{host}:{port}",
+        "--tp",
+        str(args.tp),
+        "--device",
+        args.device,
+        "--max-rows",
+        str(args.batch_size),
+    ]
     for flag, value in (
         ("--dtype", args.dtype),
         ("--kv-budget", args.kv_budget),
@@ -105,8 +99,10 @@ def _process_replicas(args):
         ("--batching", args.batching),
     ):
         if value is not None:
-            cmd += [flag, str(value)]
-    workers = subprocess.Popen(cmd, env={**os.environ, "SETDIFF_SERVE_AUTHKEY": authkey})
+            worker_args += [flag, str(value)]
+    workers = Torchrun(
+        args.nproc, worker_args, "setdiff_megatron.serving.replicas", env={"SETDIFF_SERVE_AUTHKEY": authkey}
+    ).start()
 
     def make(on_event):
         replicas: dict[int, ProcessReplica] = {}
@@ -138,15 +134,12 @@ def build_server(args):
     return Server(model, make), workers
 
 
-def _check_port(port: int) -> None:
-    """Checked before the model loads: past 65535 uvicorn ends in a traceback (OverflowError) once
-    the model loaded, and 0 would listen on a port the printed address does not name."""
-    if not 1 <= port <= 65535:
-        raise UserError(f"--port must be in 1..65535; got {port}")
-
-
 def _run(args) -> int:
-    _check_port(args.port)
+    from setdiff_megatron.distributed.runtime import check_port
+
+    # Before the model loads: past 65535 uvicorn ends in a traceback (OverflowError) once the model
+    # loaded, and 0 would listen on a port the printed address does not name.
+    check_port(args.port, f"--port must be in 1..65535; got {args.port}")
     uvicorn = require("uvicorn", "serve", "setdiff serve")
     from setdiff_megatron.serving.app import create_app
 

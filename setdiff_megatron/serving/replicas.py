@@ -199,9 +199,7 @@ def replica_main(argv: list[str] | None = None) -> int:
     import os
     from multiprocessing.connection import Client
 
-    import torch.distributed as dist
-
-    from setdiff_megatron.distributed.runtime import join
+    from setdiff_megatron.distributed.runtime import join, tensor_parallel_broadcast
     from setdiff_megatron.inference.loading import load_sampling_model
 
     parser = argparse.ArgumentParser(prog="python -m setdiff_megatron.serving.replicas")
@@ -227,22 +225,9 @@ def replica_main(argv: list[str] | None = None) -> int:
         static=args.batching == "static",
     )
     leader = ranks.rank % args.tp == 0
-    group = None
-    if args.tp > 1:  # every process builds every TP group, as torch.distributed asks
-        for start in range(0, ranks.world_size, args.tp):
-            g = dist.new_group(list(range(start, start + args.tp)))
-            if start <= ranks.rank < start + args.tp:
-                group = g
-    share = None
-    if group is not None:
-        first = ranks.rank - ranks.rank % args.tp
-
-        def share_commands(commands: list) -> list:
-            box = [commands]
-            dist.broadcast_object_list(box, src=first, group=group)
-            return box[0]
-
-        share = share_commands
+    # At --tp > 1 the model was built on megatron-core's groups (init_model_parallel), whose TP
+    # groups are these replica groups: T consecutive ranks.
+    share = tensor_parallel_broadcast if args.tp > 1 else None
 
     if not leader:
         serve_loop(sampler, lambda block: [], None, share)

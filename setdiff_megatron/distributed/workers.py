@@ -1,0 +1,67 @@
+"""Worker processes on this machine: `python -m MODULE ARGS` as N local torchrun processes.
+
+Every command that starts its own workers starts them through `Torchrun`, so they all get the
+same environment: `setdiff train` and `setdiff launch` (launch/local.py, through its quiet
+launcher), `setdiff sample` and the `setdiff eval` jobs at --nproc > 1 (inference/cli_args.py),
+and `setdiff serve --nproc` (serving/cli.py, whose front end keeps running beside its workers).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import KW_ONLY, dataclass, field
+
+__all__ = ["RESTART_ENV", "Torchrun"]
+
+RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+"""For torchrun's workers: with the rendezvous store shared (torch's default), workers restarted by
+--max-restarts read the dead attempt's keys and hang in init_process_group (pytorch#135712)."""
+
+
+@dataclass(frozen=True)
+class Torchrun:
+    """`python -m MODULE CLI_ARGS` (default: the `setdiff` command) as `nproc` local processes
+    under torchrun (`launcher`: torchrun's module, or one that runs torchrun's `main`), restarted
+    together up to `max_restarts` times when one of them fails. They get `env` over this
+    process's environment."""
+
+    nproc: int
+    cli_args: Sequence[str]
+    module: str = "setdiff_megatron.cli"
+    _: KW_ONLY
+    env: Mapping[str, str] = field(default_factory=dict)
+    launcher: str = "torch.distributed.run"
+    max_restarts: int = 0
+
+    @property
+    def argv(self) -> list[str]:
+        restarts = [f"--max-restarts={self.max_restarts}"] if self.max_restarts else []
+        return [
+            sys.executable,
+            "-m",
+            self.launcher,
+            "--standalone",
+            f"--nproc_per_node={self.nproc}",
+            *restarts,
+            "-m",
+            self.module,
+            *self.cli_args,
+        ]
+
+    @property
+    def environment(self) -> dict[str, str]:
+        """This process's environment, `env` and RESTART_ENV. OMP_NUM_THREADS is torchrun's own
+        default for its workers (1) unless set: set here, torchrun prints no banner about it."""
+        return {"OMP_NUM_THREADS": "1", **os.environ, **self.env, **RESTART_ENV}
+
+    def start(self) -> subprocess.Popen:
+        """The processes started, for a caller that keeps running beside them."""
+        return subprocess.Popen(self.argv, env=self.environment)
+
+    def run(self) -> int:
+        """The processes run to the end: torchrun's exit code (torchrun is killed if this process
+        is interrupted while it waits)."""
+        return subprocess.call(self.argv, env=self.environment)
