@@ -74,3 +74,21 @@ def trained_run(trained_launch) -> Path:
     """The run directory of `trained_launch`, for the jobs that load checkpoints (sampling,
     evaluation, export)."""
     return trained_launch[0]
+
+
+@pytest.fixture(scope="session")
+def single_results(tmp_path_factory) -> dict:
+    """The megatron body in one process (tests/models/megatron_single_worker.py), run once per session."""
+    from tests.models.megatron_cases import run_worker
+
+    return run_worker("tests.models.megatron_single_worker", tmp_path_factory.mktemp("megatron") / "single.json")
+
+
+@pytest.fixture(scope="session")
+def parallel_results(tmp_path_factory) -> dict:
+    """The megatron body over 2 ranks at each layout (tests/models/megatron_parallel_worker.py), run once."""
+    from tests.models.megatron_cases import run_worker
+
+    return run_worker(
+        "tests.models.megatron_parallel_worker", tmp_path_factory.mktemp("megatron") / "parallel.json", nproc=2
+    )

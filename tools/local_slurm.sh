@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# local_slurm.sh - a real SLURM cluster on this machine, for the tests/slurm suite and for trying
+# local_slurm.sh - a real SLURM cluster on this machine, for the tests/launch suite and for trying
 # `setdiff launch --slurm` by hand: this host as one node, plus two more nodes, each a slurmd in
 # its own network and hostname namespaces (its own address on a bridge), for multi-node jobs.
 # Debian 12 (slurm 22.05) as root, without systemd.

@@ -5,7 +5,7 @@ See benchmarks/study/__init__.py for what is measured. The supervised and packed
 under 2 hours on 2 CPU cores for one seed; the adapted one about 2.5 minutes a model and seed;
 --quick trains set diffusion d = 4 of the setting as the full run trains it and decodes it at
 W = 1 and at the paper's default policy: under 8 minutes for the adapted setting (the one
-tests/study/test_quick.py holds to its seeds' spread), under 15 for the supervised one.
+tests/benchmarks/study/test_quick.py holds to its seeds' spread), under 15 for the supervised one.
 """
 
 from __future__ import annotations

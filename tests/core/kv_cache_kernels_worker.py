@@ -1,6 +1,6 @@
 """One-rank megatron worker for test_kv_cache_kernels.py: the megatron body (TP=1, fp32) whose
 KV cache runs the emulated 'te' / 'flash_attn' kernel step, against the torch model's masked
-SDPA cache, through tests/megatron/cases.py's `compare_sampling`. A separate process because
+SDPA cache, through tests/models/megatron_cases.py's `compare_sampling`. A separate process because
 megatron's CPU mode patches torch for the life of the process."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from setdiff_megatron.models.megatron_model import (
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 from setdiff_megatron.models.weight_maps import torch_to_megatron
 from tests.core.test_kv_cache_kernels import KERNELS, emulated_step
-from tests.megatron.cases import compare_sampling, parallel_config, reference_weights
+from tests.models.megatron_cases import compare_sampling, parallel_config, reference_weights
 
 warnings.filterwarnings("ignore")
 CALLS: list[str] = []

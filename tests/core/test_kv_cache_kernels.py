@@ -19,7 +19,7 @@ from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 from tests.conftest import debug_config
 from tests.core.test_sampler import MASK, Recorder, random_prompts
 from tests.kernels import emulation
-from tests.megatron.cases import run_worker
+from tests.models.megatron_cases import run_worker
 
 KERNELS = {
     "te": (te_fused.te_step_attention, emulation.te_api),

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from setdiff_megatron.core.attention import set_causal_attention
 from setdiff_megatron.kernels.ring_attention import ring_set_causal_attention, zigzag_ranks
-from tests.megatron.cases import write_worker_results
+from tests.models.megatron_cases import write_worker_results
 
 CASES = {
     # name: (dtype, B, H, G, L, valid lengths or None, query rows only, documents)

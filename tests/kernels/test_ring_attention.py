@@ -7,7 +7,7 @@ import torch
 
 from setdiff_megatron.core.attention import set_causal_attention
 from setdiff_megatron.kernels.ring_attention import ring_set_causal_attention, zigzag_ranks
-from tests.megatron.cases import run_worker
+from tests.models.megatron_cases import run_worker
 
 # fp32 outputs and gradients (the bound); fp64 shows the algebra is exact.
 TOLERANCE = {"fp32": 1e-5, "fp64": 1e-12}

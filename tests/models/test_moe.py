@@ -1,5 +1,5 @@
 """The torch body's mixture of experts (models/moe.py): routing, capacity dropping, router losses
-and their weight in the loss. Parity with megatron-core's layer is in tests/megatron."""
+and their weight in the loss. Parity with megatron-core's layer is in tests/models (test_megatron_*.py)."""
 
 import math
 

@@ -142,7 +142,7 @@ def test_broken_or_foreign_checkpoints_are_named_and_skipped(tmp_path, data_cach
     assert losses(run)[len(expected) :] == expected[2:]  # steps 3 and 4 again, exactly
 
 
-@pytest.mark.slow  # 28 s; exit 75 and the resume run by default in the test above and in tests/slurm
+@pytest.mark.slow  # 28 s; exit 75 and the resume run by default in the test above and in tests/launch
 @pytest.mark.multiproc
 def test_two_processes_preempted_through_the_launcher_exit_75(tmp_path, data_cache):
     """A scheduler signals every process of the job: the `setdiff train` launcher, torchrun, the

@@ -59,7 +59,7 @@ def _continues(got: list[tuple[int, float]], expected: list[tuple[int, float]]) 
     assert [v for _, v in got] == pytest.approx([v for _, v in expected[4:]], abs=1e-3)
 
 
-@pytest.mark.slow  # 90 s on 2 cores; tests/megatron/test_moe_cpu.py keeps EP parity in the default suite
+@pytest.mark.slow  # 90 s on 2 cores; tests/models/test_megatron_moe.py keeps EP parity in the default suite
 def test_ep2_checkpoint_resumes_at_ep1_with_the_same_losses(tmp_path, data_cache):
     straight = tmp_path / "ep2"
     train(straight, data_cache, *SHORT)

@@ -26,7 +26,7 @@ from setdiff_megatron.models.megatron_model import build_model_chunks, loss_func
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 from setdiff_megatron.models.weight_maps import megatron_to_torch, torch_to_megatron
 from tests.conftest import debug_config, randomized
-from tests.megatron.cases import (
+from tests.models.megatron_cases import (
     batches,
     compare_sampling,
     dit_parallel_config,

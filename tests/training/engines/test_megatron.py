@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-TINY = str(Path(__file__).parents[2] / "recipes" / "tiny-cpu.yaml")
+TINY = str(Path(__file__).parents[3] / "recipes" / "tiny-cpu.yaml")
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ from setdiff_megatron.models.megatron_model import (
 )
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 from setdiff_megatron.models.weight_maps import megatron_to_torch, torch_to_megatron
-from tests.megatron.cases import (
+from tests.models.megatron_cases import (
     LENGTH,
     MICRO_BATCH,
     batches,
@@ -40,7 +40,7 @@ from tests.megatron.cases import (
     reference_weights,
     write_worker_results,
 )
-from tests.megatron.megatron_shards import merge_megatron_shards
+from tests.models.megatron_shards import merge_megatron_shards
 
 warnings.filterwarnings("ignore")
 

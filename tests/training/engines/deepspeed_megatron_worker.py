@@ -24,7 +24,7 @@ from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 from setdiff_megatron.recipes import load_recipe
 from setdiff_megatron.training import lr_schedule
 from setdiff_megatron.training.data_pipeline import DataLoaders, prepare_data
-from tests.megatron.cases import ROOT
+from tests.models.megatron_cases import ROOT
 
 RECIPE = ROOT / "recipes" / "tiny-cpu-deepspeed.yaml"
 # The megatron engine's counterpart of the recipe's ZeRO data parallelism.

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from setdiff_megatron.launch.slurm import submit_sharded
-from tests.slurm.jobs import (
+from tests.launch.slurm_jobs import (
     REPO,
     TINY,
     cancel,
@@ -249,7 +249,7 @@ def test_a_node_lost_mid_run_requeues_and_resumes_to_the_same_losses(shared, ref
     assert losses(run_dir) == losses(reference[1])
 
 
-@pytest.mark.slow  # 16 s; tests/slurm/test_array_jobs.py runs the array by default
+@pytest.mark.slow  # 16 s; tests/launch/test_slurm_array_jobs.py runs the array by default
 def test_sample_array_of_two_shards_then_merge_equals_a_local_run(reference, shared, tmp_path):
     """`setdiff sample` on the reference checkpoint: 2 array shards (--shard {shard} --num-shards
     {num_shards}) and the same command without them as the afterok merge job, against one local run."""

@@ -10,10 +10,10 @@ import yaml
 from setdiff_megatron.cli import main
 from setdiff_megatron.recipes import Recipe, RecipeError, load_recipe, save_resolved_recipe, validate_recipe
 
-RECIPES = sorted((Path(__file__).parents[1] / "recipes").glob("*.yaml")) + sorted(
-    p for p in (Path(__file__).parents[1] / "recipes" / "study").rglob("*.yaml") if p.name not in ("data.yaml",)
+RECIPES = sorted((Path(__file__).parents[2] / "recipes").glob("*.yaml")) + sorted(
+    p for p in (Path(__file__).parents[2] / "recipes" / "study").rglob("*.yaml") if p.name not in ("data.yaml",)
 )
-TINY = Path(__file__).parents[1] / "recipes" / "tiny-cpu.yaml"
+TINY = Path(__file__).parents[2] / "recipes" / "tiny-cpu.yaml"
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)

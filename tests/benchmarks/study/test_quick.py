@@ -23,7 +23,7 @@ import pytest
 from benchmarks.study import plan
 from benchmarks.study.__main__ import main
 
-FULL_RUN = Path(__file__).parents[2] / "benchmarks" / "results" / "study" / "adapted" / "results.json"
+FULL_RUN = Path(__file__).parents[3] / "benchmarks" / "results" / "study" / "adapted" / "results.json"
 SPREADS = 5
 
 

@@ -1,5 +1,5 @@
 """Megatron model (TP=1) vs torch model on the same weights (through the weight map), batch and
-order: query logits, loss and gradients. Measured in single_worker.py."""
+order: query logits, loss and gradients. Measured in megatron_single_worker.py."""
 
 import pytest
 

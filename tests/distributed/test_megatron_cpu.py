@@ -1,7 +1,7 @@
 """The CPU compatibility layer: device redirect, backward re-entry, RNG streams, recompute.
 
 Enabling CPU mode patches torch for the rest of a process, so the behaviour is observed in a
-worker (single_worker.py); only the refusal on GPU machines is checked here, with nothing enabled.
+worker (megatron_single_worker.py); only the refusal on GPU machines is checked here, with nothing enabled.
 """
 
 import pytest

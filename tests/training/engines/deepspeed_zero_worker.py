@@ -2,7 +2,7 @@
 single-process training, and its checkpoints against the live weights.
 
 Every rank builds the same weights (the engine's own build) and the same micro-batches
-(tests/megatron/cases.py). Rank 0 first trains a plain torch copy on whole global batches; then
+(tests/models/megatron_cases.py). Rank 0 first trains a plain torch copy on whole global batches; then
 each stage trains through the DeepSpeedEngine on this rank's half, publishes a checkpoint as the
 trainer does and compares checkpoint.deepspeed's consolidated_state_dict with the live fp32
 weights; two of them go on training, and again from their checkpoint in a new engine. The JSON it writes holds
@@ -30,7 +30,7 @@ from setdiff_megatron.training.engines.deepspeed import DeepSpeedEngine
 from setdiff_megatron.training.engines.deepspeed_config import build_optimizer
 from setdiff_megatron.training.lr_schedule import build_lr_scheduler
 from tests.conftest import debug_config
-from tests.megatron.cases import NUM_MICROBATCHES, ROOT, batches, write_worker_results
+from tests.models.megatron_cases import NUM_MICROBATCHES, ROOT, batches, write_worker_results
 
 STEPS = 5
 # (name, overrides): fp32 at every stage, activation recompute on two of them, optimizer offload,

@@ -14,7 +14,7 @@ from setdiff_megatron.models.weight_maps import (
     torch_to_megatron,
 )
 from tests.conftest import debug_config, dit_config, randomized
-from tests.megatron.megatron_shards import merge_megatron_shards
+from tests.models.megatron_shards import merge_megatron_shards
 
 
 def _weights(**changes):

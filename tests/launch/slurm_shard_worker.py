@@ -1,8 +1,8 @@
 """A stand-in for `setdiff sample` with its sharding interface, to test array jobs without a model.
 
-python shard_worker.py --prompts P.jsonl --out O.jsonl --shard I --num-shards N
+python slurm_shard_worker.py --prompts P.jsonl --out O.jsonl --shard I --num-shards N
     writes the results of prompts I, I+N, I+2N, ... to O.jsonl.part-I-of-N
-python shard_worker.py --prompts P.jsonl --out O.jsonl
+python slurm_shard_worker.py --prompts P.jsonl --out O.jsonl
     merges the part files, computes what they lack, and writes O.jsonl in prompt order
 """
 

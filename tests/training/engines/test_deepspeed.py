@@ -23,9 +23,9 @@ from setdiff_megatron.checkpoint.manifest import verify
 from setdiff_megatron.distributed.signals import EXIT_REQUEUE
 from setdiff_megatron.recipes import load_recipe
 from setdiff_megatron.training.lr_schedule import build_lr_scheduler
-from tests.megatron.cases import ROOT, run_worker
-from tests.training.deepspeed_megatron_worker import SCHEDULE_STEPS, SCHEDULES
-from tests.training.deepspeed_zero_worker import RESUMED
+from tests.models.megatron_cases import ROOT, run_worker
+from tests.training.engines.deepspeed_megatron_worker import SCHEDULE_STEPS, SCHEDULES
+from tests.training.engines.deepspeed_zero_worker import RESUMED
 
 pytest.importorskip("deepspeed", reason="the deepspeed extra: pip install -e .[deepspeed]")
 
@@ -81,7 +81,10 @@ def straight(tmp_path_factory, data_cache) -> Path:
 @pytest.fixture(scope="module")
 def zero_results(tmp_path_factory) -> dict:
     return run_worker(
-        "tests.training.deepspeed_zero_worker", tmp_path_factory.mktemp("zero") / "zero.json", nproc=2, timeout=600
+        "tests.training.engines.deepspeed_zero_worker",
+        tmp_path_factory.mktemp("zero") / "zero.json",
+        nproc=2,
+        timeout=600,
     )
 
 
@@ -98,7 +101,7 @@ def megatron_results(tmp_path_factory, data_cache, straight) -> dict:
         "--standalone",
         "--nproc_per_node=2",
         "-m",
-        "tests.training.deepspeed_megatron_worker",
+        "tests.training.engines.deepspeed_megatron_worker",
         str(out),
         *overrides,
     ]
@@ -183,7 +186,7 @@ def test_moe_losses_match_the_megatron_engine_at_ep2(tmp_path, data_cache):
         "--standalone",
         "--nproc_per_node=2",
         "-m",
-        "tests.training.deepspeed_megatron_worker",
+        "tests.training.engines.deepspeed_megatron_worker",
         str(megatron),
         f"checkpoint.dir={tmp_path / 'm'}",
         f"data.cache_dir={data_cache}",

@@ -14,7 +14,7 @@ from setdiff_megatron.recipes.validation import offload_host_bytes
 from setdiff_megatron.training.engines.deepspeed_config import deepspeed_config, param_groups
 from tests.conftest import debug_config
 
-RECIPE = Path(__file__).parents[2] / "recipes" / "tiny-cpu-deepspeed.yaml"
+RECIPE = Path(__file__).parents[3] / "recipes" / "tiny-cpu-deepspeed.yaml"
 
 
 def recipe(*overrides: str):

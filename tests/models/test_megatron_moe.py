@@ -1,16 +1,18 @@
-"""Mixture of experts on megatron-core over gloo (moe_worker.py, 2 ranks): expert parallelism 2
+"""Mixture of experts on megatron-core over gloo (megatron_moe_worker.py, 2 ranks): expert parallelism 2
 equals EP = 1, for the MoE layer alone and for the set diffusion model's training path."""
 
 import pytest
 
-from tests.megatron.cases import run_worker
+from tests.models.megatron_cases import run_worker
 
 pytestmark = pytest.mark.multiproc
 
 
 @pytest.fixture(scope="module")
 def moe_results(tmp_path_factory) -> dict:
-    return run_worker("tests.megatron.moe_worker", tmp_path_factory.mktemp("moe") / "moe.json", nproc=2, timeout=400)
+    return run_worker(
+        "tests.models.megatron_moe_worker", tmp_path_factory.mktemp("moe") / "moe.json", nproc=2, timeout=400
+    )
 
 
 def test_expert_parallel_all_to_all_equals_one_rank_holding_every_expert(moe_results):
@@ -51,7 +53,7 @@ def test_cached_sampler_over_parallel_moe_matches_torch_model(moe_results, layou
 
 @pytest.mark.slow
 def test_tp2_by_ep2_on_four_ranks_trains_as_tp2(tmp_path):
-    r = run_worker("tests.megatron.moe_worker", tmp_path / "moe4.json", nproc=4, timeout=600)["tp2_ep2"]
+    r = run_worker("tests.models.megatron_moe_worker", tmp_path / "moe4.json", nproc=4, timeout=600)["tp2_ep2"]
     assert len(r["losses"]) == 4
     assert r["loss_diff"] <= 1e-5, r
     assert r["grad_diff"] <= 1e-6 * max(1.0, r["grad_scale"]), r

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from setdiff_megatron.launch.slurm import submit_sharded
-from tests.slurm.jobs import cancel, finished, wait_until
+from tests.launch.slurm_jobs import cancel, finished, wait_until
 
 pytestmark = pytest.mark.slurm
 
-WORKER = Path(__file__).with_name("shard_worker.py")
+WORKER = Path(__file__).with_name("slurm_shard_worker.py")
 
 
 def test_array_of_two_shards_then_merge_equals_a_local_run(tmp_path):

@@ -1,5 +1,5 @@
 """Parallel layouts against TP=1/PP=1 on the same weights and micro-batches, and the distributed
-optimizer against the plain one: 2 ranks under torchrun, gloo, CPU (parallel_worker.py).
+optimizer against the plain one: 2 ranks under torchrun, gloo, CPU (megatron_parallel_worker.py).
 
 Every layout runs megatron DDP + get_forward_backward_func() over 4 micro-batches +
 finalize_model_grads; gradients of all ranks are merged by the weight map before comparing.
@@ -7,7 +7,7 @@ finalize_model_grads; gradients of all ranks are merged by the weight map before
 
 import pytest
 
-from tests.megatron.cases import run_worker
+from tests.models.megatron_cases import run_worker
 
 pytestmark = pytest.mark.multiproc
 
@@ -76,7 +76,7 @@ def test_tp2_sampling_matches_torch_model(parallel_results):
 
 @pytest.mark.slow
 def test_context_parallelism_composes_with_tp_and_pp_on_four_ranks(tmp_path):
-    results = run_worker("tests.megatron.parallel_worker", tmp_path / "four.json", nproc=4, timeout=600)
+    results = run_worker("tests.models.megatron_parallel_worker", tmp_path / "four.json", nproc=4, timeout=600)
     for layout in ("cp2_tp2_sp", "cp2_pp2"):
         r = results[layout]
         assert r["num_losses"] == 4 and r["loss_diff"] <= LOSS_TOL and r["grad_diff"] <= GRAD_TOL, (layout, r)
