@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from setdiff_megatron.errors import run_reporting
+from setdiff_megatron.log import say
 from setdiff_megatron.sources.base_model import BASE_ENV, add_base_argument
 from setdiff_megatron.version import __version__
 
@@ -36,13 +37,13 @@ def _train(args: argparse.Namespace) -> int:
     try:
         train(recipe, args.recipe)
     except Preempted as stop:
-        print(f"setdiff: {stop}", file=sys.stderr)
+        say(f"setdiff: {stop}", file=sys.stderr, everywhere=True)
         return stop.exit_code
     if int(os.environ.get("RANK", "0")) == 0:
         from setdiff_megatron.evaluation.showcase import showcase
 
         for line in showcase(recipe):
-            print(line, flush=True)
+            say(line)
     return 0
 
 
@@ -150,7 +151,7 @@ def _convert_to_hf(args: argparse.Namespace) -> int:
         from setdiff_megatron.hf.release_export import export_release
 
         lines = export_release(args.checkpoint, args.out_dir, base_name=args.base_name, overwrite=args.overwrite)
-        print("\n".join(f"setdiff: {line}" for line in lines))
+        say("\n".join(f"setdiff: {line}" for line in lines))
         return 0
     from setdiff_megatron.hf.export import export_to_hf
 
@@ -163,7 +164,7 @@ def _convert_to_hf(args: argparse.Namespace) -> int:
         check=args.check,
         tolerance=args.tolerance,
     )
-    print("\n".join(f"setdiff: {line}" for line in report.lines))
+    say("\n".join(f"setdiff: {line}" for line in report.lines))
     return 0
 
 
@@ -179,7 +180,7 @@ def _convert_from_hf(args: argparse.Namespace) -> int:
         tolerance=args.tolerance,
         base=args.base,
     )
-    print("\n".join(f"setdiff: {line}" for line in report.lines))
+    say("\n".join(f"setdiff: {line}" for line in report.lines))
     return 0
 
 
@@ -371,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run_reporting(lambda: args.func(args))
     except KeyboardInterrupt:
-        print("setdiff: interrupted", file=sys.stderr)
+        say("setdiff: interrupted", file=sys.stderr, everywhere=True)
         return 130
 
 

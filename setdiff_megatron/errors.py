@@ -16,6 +16,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from setdiff_megatron.log import say
+
 EXIT_USER_ERROR = 2
 ERROR_DIR_ENV = "SETDIFF_ERROR_DIR"
 
@@ -72,7 +74,7 @@ def report(exc: UserError) -> int:
         partial.write_text(str(exc))
         partial.replace(mine)  # whole or absent: the launcher may look at any moment
     else:
-        print(f"setdiff: error: {exc}", file=sys.stderr)
+        say(f"setdiff: error: {exc}", file=sys.stderr, everywhere=True)
     return EXIT_USER_ERROR
 
 

@@ -30,8 +30,8 @@ LAYERS = {
 }
 """Lowest first. Siblings on one layer do not import each other; the `setdiff` command (cli.py)
 sits on top of its launchers."""
-SHARED = {"errors", "version", "progress"}
-"""Top-level helpers every layer may use (they import nothing of the package)."""
+SHARED = {"errors", "version", "progress", "log"}
+"""Top-level helpers every layer may use (they import nothing of the package but one another)."""
 FRAMEWORKS = {
     "megatron": {
         "models/megatron_model.py",

@@ -32,6 +32,7 @@ from setdiff_megatron.checkpoint.state import read_train_state
 from setdiff_megatron.distributed.runtime import barrier, rank
 from setdiff_megatron.distributed.signals import blocked
 from setdiff_megatron.errors import UserError
+from setdiff_megatron.log import say
 
 __all__ = [
     "Retention",
@@ -56,10 +57,6 @@ class Retention:
         return self.keep_last_n is None or index < self.keep_last_n or bool(every and step % every == 0)
 
 
-def _say(text: str) -> None:
-    print(f"setdiff: {text}", flush=True)
-
-
 def run_id_of(directory: Path) -> str | None:
     """The run that wrote a checkpoint, or None (unreadable state, or written before run ids)."""
     try:
@@ -69,10 +66,11 @@ def run_id_of(directory: Path) -> str | None:
 
 
 def move_aside(path: Path, why: str) -> Path:
-    """Rename `path` to a free `<name>.<why>-<time>` beside it and say so; returns the new path."""
+    """Rename `path` to a free `<name>.<why>-<time>` beside it and say so (whichever rank moved it);
+    returns the new path."""
     aside = aside_name(path, why)
     path.rename(aside)
-    _say(f"moved {path} aside to {aside.name} (nothing deleted)")
+    say(f"setdiff: moved {path} aside to {aside.name} (nothing deleted)", everywhere=True)
     return aside
 
 

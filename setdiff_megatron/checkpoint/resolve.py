@@ -26,6 +26,7 @@ from setdiff_megatron.checkpoint.publish import move_aside
 from setdiff_megatron.checkpoint.state import TrainState, read_train_state
 from setdiff_megatron.distributed.runtime import barrier, rank
 from setdiff_megatron.errors import UserError
+from setdiff_megatron.log import say
 from setdiff_megatron.recipes.loading import RESOLVED_NAME
 
 __all__ = ["Resumed", "resume_target", "resolve_step_dir", "describe"]
@@ -51,11 +52,6 @@ def usable_problem(directory: Path, identity: dict | None, *, collective: bool =
     return None
 
 
-def _say(text: str) -> None:
-    if rank() == 0:
-        print(f"setdiff: {text}", flush=True)
-
-
 def resume_target(run_dir: Path, choice: str, identity: dict | None) -> Resumed | None:
     """Collective: the checkpoint `choice` (auto | none | a path) selects for a run of model
     `identity` (None when the recipe allows a model change), per the module docstring."""
@@ -77,7 +73,7 @@ def resume_target(run_dir: Path, choice: str, identity: dict | None) -> Resumed 
         problem = usable_problem(path, identity, collective=True)
         if problem is None:
             return Resumed(path, read_train_state(path))
-        _say(f"skipping checkpoint {path}: {problem}")
+        say(f"setdiff: skipping checkpoint {path}: {problem}")
         skipped.append(f"{path.name}: {problem}")
     if skipped:
         model_hint = (

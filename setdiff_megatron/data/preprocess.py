@@ -51,6 +51,7 @@ from setdiff_megatron.data.sources import (
 from setdiff_megatron.data.supervised import RecordFields, check_chat_template, encode_record
 from setdiff_megatron.data.tokenizers import SETDIFF_FILE, SetDiffTokenizer, load_tokenizer
 from setdiff_megatron.errors import UserError
+from setdiff_megatron.log import say
 from setdiff_megatron.progress import progress_bar
 
 TOKENIZER_SUBDIR = "tokenizer"
@@ -318,4 +319,4 @@ def _store_tokenizer(directory: Path, tokenizer: SetDiffTokenizer) -> None:
 
 def _note(options: PreprocessOptions, message: str) -> None:
     if options.progress:
-        print(message, file=sys.stderr)
+        say(message, file=sys.stderr)

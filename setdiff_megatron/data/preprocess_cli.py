@@ -13,6 +13,7 @@ from setdiff_megatron.data.preprocess import PreprocessOptions, preprocess
 from setdiff_megatron.data.supervised import RecordFields
 from setdiff_megatron.data.tokenizers import load_tokenizer
 from setdiff_megatron.errors import UserError
+from setdiff_megatron.log import say
 
 __all__ = ["build_parser", "preprocess_main"]
 
@@ -90,7 +91,7 @@ def preprocess_main(argv: list[str] | None = None) -> int:
             preprocess(args.input, args.output_dir, tokenizer, options)
     except UserError as exc:
         message = str(exc).replace("\n", " ")
-        print(f"setdiff preprocess: error: {message}", file=sys.stderr)
+        say(f"setdiff preprocess: error: {message}", file=sys.stderr, everywhere=True)
         return 2
     return 0
 

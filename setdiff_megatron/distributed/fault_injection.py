@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 
 from setdiff_megatron.errors import UserError
+from setdiff_megatron.log import write
 
 __all__ = ["INJECT_ENV", "Fault", "Faults"]
 
@@ -97,7 +98,7 @@ class Faults:
 
     def at_step_start(self, step: int) -> None:
         if self._due("kill", step):
-            print(f"setdiff: {INJECT_ENV}: killing rank {self.rank} at step {step}", flush=True)
+            write(f"setdiff: {INJECT_ENV}: killing rank {self.rank} at step {step}")
             os.kill(os.getpid(), signal.SIGKILL)
         for fault in self._due("hang", step):
             time.sleep(fault.seconds)

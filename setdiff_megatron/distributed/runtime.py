@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from setdiff_megatron.distributed.layout import Layout
 from setdiff_megatron.errors import UserError
+from setdiff_megatron.log import rank  # re-exported: one answer to "which rank is this process"
 
 __all__ = [
     "Ranks",
@@ -62,10 +63,6 @@ def free_port() -> int:
 def world_size() -> int:
     """The processes of this job, as the launcher announced them (1 without a launcher)."""
     return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
 
 
 def init_process_group(*, timeout_minutes: int = 30) -> None:

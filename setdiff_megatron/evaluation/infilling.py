@@ -35,6 +35,7 @@ from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.evaluation.scoring import ROUGE_KEYS, exact_match, rouge
 from setdiff_megatron.inference.sharding import Placement
+from setdiff_megatron.log import say
 
 __all__ = ["InfillExample", "rocstories_examples", "code_examples", "InfillJob", "run_infill_job", "add_parser"]
 
@@ -310,7 +311,7 @@ def run_infill_job(job: InfillJob) -> dict | None:
         "decoding": {k: v for k, v in asdict(job.decoding).items() if k != "max_new_tokens"},
     }
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
-    print(
+    say(
         f"setdiff: {job.task} infilling over {len(records)} examples ({info['skipped_too_long']} too long, skipped): "
         + ", ".join(f"{k} {metrics[k]:.4f}" for k in (*ROUGE_KEYS, "exact_match"))
         + f", {metrics['tokens_per_step']:.2f} tokens/step; {out / 'metrics.json'}",

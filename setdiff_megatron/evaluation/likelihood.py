@@ -32,6 +32,7 @@ from setdiff_megatron.errors import UserError
 from setdiff_megatron.inference.loading import SamplingModel, load_sampling_model
 from setdiff_megatron.inference.results import ShardedResults
 from setdiff_megatron.inference.sharding import Placement, Shard
+from setdiff_megatron.log import say
 
 __all__ = ["LikelihoodJob", "run_likelihood_job", "read_documents", "summarize", "add_parser"]
 
@@ -267,8 +268,8 @@ def run_likelihood_job(job: LikelihoodJob) -> dict | None:
             )
     ranks.barrier()
     if ranks.rank != 0 or place.shard is not None:
-        if place.shard is not None and ranks.rank == 0:
-            print(
+        if place.shard is not None:
+            say(
                 f"setdiff: likelihood shard {place.shard} of {place.num_shards} done; rerun without --shard to merge",
                 file=sys.stderr,
             )
@@ -280,7 +281,7 @@ def run_likelihood_job(job: LikelihoodJob) -> dict | None:
     summary = {**summarize(records), "order": repr(policy), "seq_len": seq_len, "source": str(job.source)}
     (out_dir / SUMMARY).write_text(json.dumps(summary, indent=1) + "\n")
     ci = summary["ci95_half_width"]
-    print(
+    say(
         f"setdiff: NLL {summary['nll_per_token']:.4f} nats/token"
         + (f" ± {ci:.4f} (95 %, orders)" if ci else "")
         + f", perplexity {summary['perplexity']:.2f}, {summary['bits_per_byte']:.4f} bits/byte over "

@@ -38,6 +38,7 @@ from setdiff_megatron.errors import UserError
 from setdiff_megatron.evaluation.records import WandbConfig, check_wandb, log_to_wandb, write_jsonl
 from setdiff_megatron.evaluation.tasks import GenerateJob, read_tasks, run_generate_job
 from setdiff_megatron.inference.sharding import Placement
+from setdiff_megatron.log import say
 
 __all__ = ["load_spec", "pareto_front", "run_sweep", "add_parser"]
 
@@ -303,8 +304,7 @@ def run_sweep(
     shard, num_shards = placement.shard, placement.num_shards
     for n, ((ckpt, source), point) in enumerate(itertools.product(spec.checkpoints.items(), points), start=1):
         point_dir = out_dir / "points" / ckpt / point.name
-        if main:
-            print(f"setdiff: sweep point {n}/{total}: {ckpt} {point.name}", file=sys.stderr)
+        say(f"setdiff: sweep point {n}/{total}: {ckpt} {point.name}", file=sys.stderr)
         metrics = run_generate_job(
             GenerateJob(
                 source=source,
@@ -321,8 +321,8 @@ def run_sweep(
         if metrics is not None:
             rows.append(_row(ckpt, source, point, metrics, point_dir))
     if shard is not None or not main:
-        if shard is not None and main:
-            print(
+        if shard is not None:
+            say(
                 f"setdiff: sweep shard {shard} of {num_shards} done; rerun without --shard to merge and score",
                 file=sys.stderr,
             )
@@ -330,7 +330,7 @@ def run_sweep(
     write_jsonl(out_dir / ROWS, rows)
     plot_pareto(rows, out_dir / PLOT)
     print(table(rows))
-    print(f"setdiff: {len(rows)} points in {out_dir / ROWS}; plot {out_dir / PLOT}", file=sys.stderr)
+    say(f"setdiff: {len(rows)} points in {out_dir / ROWS}; plot {out_dir / PLOT}", file=sys.stderr)
     log_to_wandb(
         wandb,
         job_type="eval-sweep",

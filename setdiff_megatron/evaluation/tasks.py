@@ -41,6 +41,7 @@ from setdiff_megatron.evaluation.records import (
 )
 from setdiff_megatron.inference.jsonl import jsonl_records
 from setdiff_megatron.inference.sharding import Placement
+from setdiff_megatron.log import say
 
 __all__ = [
     "METRICS",
@@ -257,8 +258,7 @@ def run_generate_job(job: GenerateJob) -> dict[str, Any] | None:
     settings = _settings(job)
     done = finished(job.out, settings)
     if done is not None:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"setdiff: {Path(job.out) / SUMMARY} is up to date ({_describe(done)})", file=sys.stderr)
+        say(f"setdiff: {Path(job.out) / SUMMARY} is up to date ({_describe(done)})", file=sys.stderr)
         return done
     run_sample_job(
         SampleJob(
@@ -276,7 +276,7 @@ def run_generate_job(job: GenerateJob) -> dict[str, Any] | None:
     if job.placement.shard is not None or int(os.environ.get("RANK", "0")) != 0:
         return None
     metrics = score_job(job, settings)
-    print(f"setdiff: {_describe(metrics)}; {Path(job.out) / SUMMARY}", file=sys.stderr)
+    say(f"setdiff: {_describe(metrics)}; {Path(job.out) / SUMMARY}", file=sys.stderr)
     log_to_wandb(
         job.wandb,
         job_type="eval-generate",

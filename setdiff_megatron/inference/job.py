@@ -27,6 +27,7 @@ from setdiff_megatron.inference.loading import SamplingModel, load_sampling_mode
 from setdiff_megatron.inference.prompts import PromptRecord, encode_prompt, read_prompts
 from setdiff_megatron.inference.results import ShardedResults
 from setdiff_megatron.inference.sharding import Placement, Shard
+from setdiff_megatron.log import say
 
 __all__ = ["SampleJob", "run_sample_job"]
 
@@ -180,7 +181,7 @@ def _report(job: SampleJob, results: ShardedResults, total: int, skipped: int, t
     rate = f"{tokens} tokens in {seconds:.1f} s ({tokens / max(seconds, 1e-9):.1f} tokens/s on this rank)"
     skipped_text = f", {skipped} already written" if skipped else ""
     if job.placement.shard is not None:
-        print(
+        say(
             f"setdiff: shard {job.placement.shard} of {job.placement.num_shards} done: {rate}{skipped_text}; rerun without "
             f"--shard to merge into {job.out}",
             file=sys.stderr,
@@ -192,4 +193,4 @@ def _report(job: SampleJob, results: ShardedResults, total: int, skipped: int, t
             f"{len(missing)} prompts are still missing from {results.parts} (e.g. index {missing[0]}); "
             "rerun the job to finish them"
         )
-    print(f"setdiff: wrote {total} results to {job.out}: {rate}{skipped_text}", file=sys.stderr)
+    say(f"setdiff: wrote {total} results to {job.out}: {rate}{skipped_text}", file=sys.stderr)

@@ -23,6 +23,7 @@ from setdiff_megatron.data.supervised import RowFormat
 from setdiff_megatron.data.tokenizers import SetDiffTokenizer
 from setdiff_megatron.distributed.runtime import Ranks
 from setdiff_megatron.errors import UserError
+from setdiff_megatron.log import say
 from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.dtypes import dtype_named
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
@@ -90,9 +91,8 @@ def load_sampling_model(
     source = read_source(path, weights=not sharded)
     if sharded and source.kind != "megatron":  # only megatron shards load rank by rank
         source = read_source(path)
-    if ranks.rank == 0:
-        for note in source.notes:  # what a release's reader ignored (its source files, ...)
-            print(f"setdiff: {note}", file=sys.stderr)
+    for note in source.notes:  # what a release's reader ignored (its source files, ...)
+        say(f"setdiff: {note}", file=sys.stderr)
     if sharded:
         model = _megatron_shard(source, ranks.tp, torch_dtype, where)
     else:

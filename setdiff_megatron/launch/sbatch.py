@@ -21,6 +21,7 @@ from pathlib import Path
 
 from setdiff_megatron.distributed.signals import EXIT_REQUEUE, PREEMPTED_FILE
 from setdiff_megatron.distributed.workers import RESTART_ENV
+from setdiff_megatron.log import say
 
 __all__ = ["Resources", "recipe_lines", "render_train", "render_array", "render_command", "templates"]
 
@@ -323,4 +324,4 @@ if __name__ == "__main__":  # python -m setdiff_megatron.launch.sbatch slurm/
     out = Path(sys.argv[1] if len(sys.argv) > 1 else "slurm")
     for name, text in templates().items():
         (out / name).write_text(text)
-        print(f"wrote {out / name}")
+        say(f"wrote {out / name}")

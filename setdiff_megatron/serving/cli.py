@@ -16,6 +16,7 @@ from pathlib import Path
 
 from setdiff_megatron.core.step_compiler import COMPILE_MODES
 from setdiff_megatron.errors import UserError, require
+from setdiff_megatron.log import say
 from setdiff_megatron.sources.base_model import add_base_argument
 
 __all__ = ["add_parser", "build_server"]
@@ -62,9 +63,9 @@ def _local_replicas(args, defaults):
         )
         if args.compile == "on":
             seconds = sampler.warm_up(
-                defaults, WARM_UP_PROMPT_TOKENS, lambda line: print(f"setdiff: {line}", file=sys.stderr, flush=True)
+                defaults, WARM_UP_PROMPT_TOKENS, lambda line: say(f"setdiff: {line}", file=sys.stderr)
             )
-            print(f"setdiff: decode steps compiled in {seconds:.1f} s", file=sys.stderr, flush=True)
+            say(f"setdiff: decode steps compiled in {seconds:.1f} s", file=sys.stderr)
         return [LocalReplica(sampler, lambda event: on_event(event, 0))]
 
     return make
@@ -145,11 +146,10 @@ def _run(args) -> int:
 
     server, workers = build_server(args)
     config = uvicorn.Config(create_app(server), host=args.host, port=args.port, log_level=args.log_level)
-    print(
+    say(
         f"setdiff: serving {server.model.name} on http://{args.host}:{args.port}/v1 "
         f"({args.nproc // args.tp} replica(s), tp {args.tp}, {args.batch_size} rows each)",
         file=sys.stderr,
-        flush=True,
     )
     try:
         uvicorn.Server(config).run()

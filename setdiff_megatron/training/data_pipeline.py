@@ -19,6 +19,7 @@ from setdiff_megatron.core.streams import TwoStreamBatch, sample_two_stream_batc
 from setdiff_megatron.data.builtin import builtin_corpus_dir, corpus_paths, prepare_builtin_corpus
 from setdiff_megatron.data.samples import ResumableLoader, SupervisedRows, build_datasets, truncation_report
 from setdiff_megatron.data.tokenizers import SetDiffTokenizer, load_tokenizer
+from setdiff_megatron.log import say
 from setdiff_megatron.recipes.schema import BUILTIN_CORPORA, Recipe
 from setdiff_megatron.runs.terms import data_dir, is_supervised, order_policy_from, row_format
 
@@ -82,10 +83,9 @@ def prepare_data(
     if supervised and is_first_rank:
         cut, records = truncation_report(train)
         if cut:
-            print(
+            say(
                 f"setdiff: data: {cut} of {records} training responses are cut to fit data.seq_len = {data.seq_len}"
-                + (" (EOS kept last: data.supervised.force_eos)" if data.supervised.force_eos else ""),
-                flush=True,
+                + (" (EOS kept last: data.supervised.force_eos)" if data.supervised.force_eos else "")
             )
     return TrainingData(tokenizer, train, valid)
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from setdiff_megatron.errors import require
+from setdiff_megatron.log import say
 from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.progress import clock, interactive
 from setdiff_megatron.recipes.schema import LogSection
@@ -117,7 +118,7 @@ class MetricsLogger:
             shown = {k.split("/")[-1]: f"{v:.4g}" for k, v in metrics.items() if k in _BAR_KEYS}
             self._bar.set_postfix(shown, refresh=False)
         elif self._lines:
-            print(self.line(step, metrics), flush=True)
+            say(self.line(step, metrics))
 
     def line(self, step: int, metrics: dict[str, float]) -> str:
         """The plain console line of a step's metrics."""
@@ -147,10 +148,8 @@ class MetricsLogger:
             self._bar.update(steps)
 
     def message(self, text: str) -> None:
-        if self.enabled and self._bar is not None:
-            self._bar.write(text)
-        elif self.enabled:
-            print(text, flush=True)
+        if self.enabled:
+            say(text)
 
     def close(self) -> None:
         if self._bar is not None:

@@ -37,6 +37,7 @@ from setdiff_megatron.distributed import runtime
 from setdiff_megatron.distributed.fault_injection import Faults
 from setdiff_megatron.distributed.signals import PreemptionHandler
 from setdiff_megatron.errors import UserError
+from setdiff_megatron.log import say
 from setdiff_megatron.recipes import Recipe, save_resolved_recipe
 from setdiff_megatron.sources.read import fit_source, read_source
 from setdiff_megatron.training import lr_schedule
@@ -120,11 +121,7 @@ class _Run:
             if r.model.init_from:
                 source = read_source(r.model.init_from)
                 engine.init_from(fit_source(source, self.model_cfg, tok), self.model_cfg)
-                self._say(f"initialised from {source.describe()}")
-
-    def _say(self, text: str) -> None:
-        if self.first:
-            print(f"setdiff: {text}", flush=True)
+                say(f"setdiff: initialised from {source.describe()}")
 
     # ---- the loop --------------------------------------------------------------------------
 
@@ -301,12 +298,11 @@ class _Run:
         result.checkpoint = saves.last
         result.steps = progress.step
         result.tokens_per_s = tokens_seen / train_time if train_time else 0.0
-        if self.first:
-            curve = ", ".join(f"{s}: {v:.3f}" for s, v in result.valid_losses)
-            print(
-                f"done: {result.steps} steps, {result.tokens_per_s:.0f} tokens/s; validation loss by step {{{curve}}}"
-                if tokens_seen
-                else f"done: the run was already at step {result.steps}; nothing to train"
-            )
-            print(f"checkpoint: {result.checkpoint}  logs: {self.run_dir / 'logs'} (metrics.jsonl, tensorboard/)")
+        curve = ", ".join(f"{s}: {v:.3f}" for s, v in result.valid_losses)
+        say(
+            f"done: {result.steps} steps, {result.tokens_per_s:.0f} tokens/s; validation loss by step {{{curve}}}"
+            if tokens_seen
+            else f"done: the run was already at step {result.steps}; nothing to train"
+        )
+        say(f"checkpoint: {result.checkpoint}  logs: {self.run_dir / 'logs'} (metrics.jsonl, tensorboard/)")
         return result

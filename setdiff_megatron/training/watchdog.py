@@ -19,6 +19,8 @@ import threading
 import time
 from pathlib import Path
 
+from setdiff_megatron.log import write
+
 __all__ = ["Watchdog", "EXIT_HANG"]
 
 EXIT_HANG = 76
@@ -65,12 +67,11 @@ class Watchdog:
                     faulthandler.dump_traceback(f, all_threads=True)
             except OSError:
                 dump = None
-            print(
+            write(
                 f"setdiff: rank {self.rank}: no progress for {waited:.0f} s {step} (train.hang_timeout_s = "
                 f"{self.timeout_s:g}), stuck in {self._where()}; "
                 + (f"stacks in {dump}; " if dump else "")
                 + f"exiting with code {EXIT_HANG} so the launcher restarts from the last checkpoint",
-                file=sys.stderr,
-                flush=True,
+                sys.stderr,
             )
             os._exit(EXIT_HANG)

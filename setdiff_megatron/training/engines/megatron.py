@@ -36,6 +36,7 @@ from setdiff_megatron.checkpoint.resolve import Resumed
 from setdiff_megatron.distributed import runtime
 from setdiff_megatron.distributed.layout import Layout
 from setdiff_megatron.distributed.signals import PREEMPTION_SIGNALS, blocked
+from setdiff_megatron.log import say
 from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.dtypes import DTYPES
 from setdiff_megatron.recipes import Recipe
@@ -45,11 +46,6 @@ from setdiff_megatron.training.engines.rng import host_rng_state, set_host_rng_s
 from setdiff_megatron.training.expert_load import ExpertLoad
 
 __all__ = ["MegatronEngine", "build_optimizer"]
-
-
-def _say(text: str) -> None:
-    if dist.get_rank() == 0:
-        print(f"setdiff: {text}", flush=True)
 
 
 def _same_layout(saved: dict, here: dict) -> bool:
@@ -292,10 +288,10 @@ class MegatronEngine:
         saved, here = resumed.state.layout, self.layout_record()
         with_optimizer = saved.get("distributed_optimizer") == here["distributed_optimizer"]
         if not _same_layout(saved, here):
-            _say(f"loading {resumed.path}, saved at {_layout_text(saved)}, into {_layout_text(here)}")
+            say(f"setdiff: loading {resumed.path}, saved at {_layout_text(saved)}, into {_layout_text(here)}")
         if not with_optimizer:
-            _say(
-                "warning: parallel.distributed_optimizer changed since the checkpoint (or it holds weights only): "
+            say(
+                "setdiff: warning: parallel.distributed_optimizer changed since the checkpoint (or it holds weights only): "
                 "Adam moments start from zero; weights, step, LR schedule and data position are restored"
             )
         else:
