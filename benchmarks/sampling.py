@@ -32,7 +32,8 @@ import torch
 
 from benchmarks.machine import best_times, machine_info, save_results
 from setdiff_megatron.core.decoding import DecodingConfig
-from setdiff_megatron.core.sampler import SampleOutput, SetSampler
+from setdiff_megatron.core.sample_output import SampleOutput
+from setdiff_megatron.core.sampler import SetSampler
 from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 

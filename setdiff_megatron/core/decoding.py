@@ -14,7 +14,8 @@ Rows of one batch may decode under different `DecodingConfig`s (a server's reque
 `RowPolicy` holds each field as a [B] tensor, plus host-side flags that let a step skip what no
 row uses. Every function gives a row what it would give that row alone.
 
-Nothing here knows about the model or the cache; `sampler.py` drives these functions.
+Nothing here knows about the model or the cache; `sampler.py` and `commit_rules.py` drive these
+functions.
 
 Shapes: B rows, L canvas positions (plus one scratch column), Q query slots, V vocabulary,
 S stop sequences, M longest stop sequence.

@@ -8,10 +8,10 @@ only, packed into one row [1, N]: every row's commits in row order, then every r
 prefill widens the padded view for attention, but not the other rows' projections and MLPs,
 which are most of a step's work. `gather` and `scatter` move activations between the two views.
 
-Static shapes: the sampler rounds B, K, Q and the cache span up to powers of two (`bucket`) and
-runs such a step on the padded view with a fixed `span`, so a compiled step
-(core/step_compiler.py) serves every step of its bucket; padding rows and slots are dummies,
-which produce no tokens and write nothing to any row's cache.
+Static shapes: the sampler (core/step_runner.py) rounds B, K, Q and the cache span up to powers
+of two (`bucket`) and runs such a step on the padded view with a fixed `span`, so a compiled
+step (core/step_compiler.py) serves every step of its bucket; padding rows and slots are
+dummies, which produce no tokens and write nothing to any row's cache.
 """
 
 from __future__ import annotations

@@ -249,7 +249,7 @@ class SetDiffLM(LM):
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Every request through one continuous-batching engine of batch_size rows, each with the
         policy of its own gen_kwargs; request n samples with seed + n."""
-        from setdiff_megatron.core.sampler import Request
+        from setdiff_megatron.core.sample_request import Request
         from setdiff_megatron.evaluation.tasks import cut_at_stop
         from setdiff_megatron.progress import progress_bar
 

@@ -30,7 +30,8 @@ from transformers import PreTrainedModel
 from transformers.utils import ModelOutput
 
 from setdiff_megatron.core.decoding import DecodingConfig
-from setdiff_megatron.core.sampler import SampleOutput, SetSampler
+from setdiff_megatron.core.sample_output import SampleOutput
+from setdiff_megatron.core.sampler import SetSampler
 from setdiff_megatron.hf.configuration_setdiff import SetDiffConfig
 from setdiff_megatron.models.torch_model import Rotary, SetDiffusionTransformer
 from setdiff_megatron.sources.hf_config import decoding_config_from_generation, model_config_from_hf_config

@@ -20,7 +20,8 @@ from pathlib import Path
 from setdiff_megatron.checkpoint.manifest import sha256_file
 from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.core.sample_output import RowResult
-from setdiff_megatron.core.sampler import Request, SetSampler
+from setdiff_megatron.core.sample_request import Request
+from setdiff_megatron.core.sampler import SetSampler
 from setdiff_megatron.distributed.runtime import join
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.inference.loading import SamplingModel, load_sampling_model

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from setdiff_megatron.core.sampler import StepModel
+from setdiff_megatron.core.step_runner import StepModel
 from setdiff_megatron.data.supervised import RowFormat
 from setdiff_megatron.data.tokenizers import SetDiffTokenizer
 from setdiff_megatron.distributed.runtime import Ranks

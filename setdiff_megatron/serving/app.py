@@ -23,7 +23,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from setdiff_megatron.core.decoding import DecodingConfig
-from setdiff_megatron.core.sampler import SetSampler
+from setdiff_megatron.core.sample_request import RequestLimits
 from setdiff_megatron.data.chat import ChatError
 from setdiff_megatron.data.supervised import RowFormat, chat_prompt
 from setdiff_megatron.data.tokenizers import SetDiffTokenizer
@@ -90,9 +90,9 @@ class Server:
         """`make_replicas(on_event)` builds the replicas once the event loop runs."""
         self.model, self._make_replicas = model, make_replicas
         self.replicas: list[Replica] = []
-        self.checker = SetSampler(
-            None, mask_token_id=model.tokenizer.mask_id, context_len=model.context_len, kv_budget=model.kv_budget
-        )  # no model: it only checks requests
+        self.limits = RequestLimits(
+            mask_token_id=model.tokenizer.mask_id, context_len=model.context_len, kv_budget=model.kv_budget
+        )  # the engines' rules, checked here before a request is queued
         self.choices: dict[str, _Choice] = {}
         self.owner: dict[str, int] = {}
         self.outstanding: list[int] = []
@@ -197,7 +197,7 @@ class Server:
         cfg = decoding_of(body, self.model.defaults, max_tokens=max_tokens, seed=base_seed)
         stops = tuple(s for s in (tuple(tok.encode(text)) for text in body.stops) if s and tok.mask_id not in s)
         cfg = DecodingConfig(**{**cfg.__dict__, "eos_token_ids": (tok.eos_id,), "stop_sequences": stops})
-        problem = self.checker.request_problem(prompt, cfg)
+        problem = self.limits.problem(prompt, cfg)
         if problem:
             raise RequestError(
                 f"The prompt {problem}",

@@ -26,7 +26,9 @@ from typing import Any
 import torch
 
 from setdiff_megatron.core.decoding import DecodingConfig
-from setdiff_megatron.core.sampler import Request, RowResult, SetSampler
+from setdiff_megatron.core.sample_output import RowResult
+from setdiff_megatron.core.sample_request import Request
+from setdiff_megatron.core.sampler import SetSampler
 
 __all__ = ["Job", "Replica", "LocalReplica", "ProcessReplica"]
 

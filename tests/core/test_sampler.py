@@ -7,7 +7,8 @@ import torch
 
 from setdiff_megatron.core.decoding import DecodingConfig, RowPolicy, process_logits
 from setdiff_megatron.core.orders import Staggered
-from setdiff_megatron.core.sampler import Request, SetSampler
+from setdiff_megatron.core.sample_request import Request
+from setdiff_megatron.core.sampler import SetSampler
 from setdiff_megatron.core.step_compiler import StepCompiler
 from setdiff_megatron.core.step_layout import bucket
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer

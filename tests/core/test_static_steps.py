@@ -5,7 +5,8 @@ import torch
 
 from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.core.kv_cache import KVCache
-from setdiff_megatron.core.sampler import Request, SetSampler
+from setdiff_megatron.core.sample_request import Request
+from setdiff_megatron.core.sampler import SetSampler
 from setdiff_megatron.core.step_compiler import JUDGE_AFTER, StepCompiler
 from setdiff_megatron.core.step_layout import StepLayout, bucket, pack
 from tests.core.test_sampler import MASK, eager_static, random_prompts
