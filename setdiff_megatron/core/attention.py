@@ -33,6 +33,7 @@ from setdiff_megatron.core.merged_attention import ATEN_FLASH, merged_set_causal
 
 __all__ = [
     "ATTENTION_IMPLS",
+    "ATTENTION_IMPL_NAMES",
     "register_attention_impl",
     "resolve_attention_impl",
     "set_causal_attention",
@@ -89,8 +90,12 @@ def _fused(q, k, v, scale, valid_len):
 
 # --------------------------------------------------------------------------------------------
 # The registry of training implementations. setdiff_megatron/kernels adds 'auto', 'te' and
-# 'flash_attn' when imported (models/config.py imports it); core itself imports only torch.
+# 'flash_attn' when imported (the model bodies import it); core itself imports only torch.
 
+ATTENTION_IMPL_NAMES: tuple[str, ...] = ("auto", "dense", "flash_attn", "fused", "sdpa", "te")
+"""Every name `model.attention_impl` takes, sorted: the registry's once the kernels are imported.
+A config checks its spelling against this list, whatever has been imported so far
+(tests/kernels/test_dispatch.py checks that the registry holds exactly these names)."""
 ATTENTION_IMPLS: dict[str, AttentionImpl] = {"dense": _dense, "sdpa": _sdpa, "fused": _fused}
 _IMPL_CHECKS: dict[str, Callable[[], None]] = {}
 

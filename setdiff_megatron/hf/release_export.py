@@ -22,7 +22,8 @@ from setdiff_megatron.errors import UserError
 from setdiff_megatron.hf.weights_io import staged_directory
 from setdiff_megatron.models.config import DIT_BODY, ModelConfig
 from setdiff_megatron.models.torch_model import Rotary
-from setdiff_megatron.models.weight_maps import DIT_ROTARY, torch_to_dit, torch_to_hf
+from setdiff_megatron.models.weight_maps.dit import DIT_ROTARY, torch_to_dit
+from setdiff_megatron.models.weight_maps.hf import torch_to_hf
 from setdiff_megatron.sources.read import RUN_KINDS, Source, read_source
 from setdiff_megatron.sources.setdlm_release import (
     DIT_TARGET,

@@ -12,6 +12,6 @@ Importing this package registers 'auto', 'te' and 'flash_attn' with core/attenti
 core/step_attention.py. CPU tests run the adapters on tests/kernels/emulation.py.
 """
 
-from setdiff_megatron.kernels.dispatch import ATTENTION_IMPL_NAMES, Choice, choose_attention_impl
+from setdiff_megatron.kernels.dispatch import Choice, choose_attention_impl
 
-__all__ = ["ATTENTION_IMPL_NAMES", "Choice", "choose_attention_impl"]
+__all__ = ["Choice", "choose_attention_impl"]

@@ -25,7 +25,7 @@ from setdiff_megatron.errors import UserError
 from setdiff_megatron.kernels import flash_attn, te_fused
 from setdiff_megatron.kernels.te_fused import HALF, log_once
 
-__all__ = ["Choice", "choose_attention_impl", "context_parallel_kernel", "ATTENTION_IMPL_NAMES"]
+__all__ = ["Choice", "choose_attention_impl", "context_parallel_kernel"]
 
 
 class Choice(NamedTuple):
@@ -134,5 +134,3 @@ register_attention_impl(
 register_step_impl("auto", auto_step_attention)
 register_step_impl("te", te_fused.te_step_attention)
 register_step_impl("flash_attn", flash_attn.flash_step_attention)
-
-ATTENTION_IMPL_NAMES: tuple[str, ...] = tuple(sorted(ATTENTION_IMPLS))

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from setdiff_megatron.kernels import ATTENTION_IMPL_NAMES  # also registers 'auto', 'te', 'flash_attn'
+from setdiff_megatron.core.attention import ATTENTION_IMPL_NAMES
 
 __all__ = ["ModelConfig", "FLAVORS", "DIT_BODY", "NORMS", "MLPS"]
 

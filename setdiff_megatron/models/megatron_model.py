@@ -70,13 +70,8 @@ from setdiff_megatron.kernels.ring_attention import ring_set_causal_attention, z
 from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.torch_model import LayerNorm as TorchLayerNorm
 from setdiff_megatron.models.torch_model import Rotary, cache_attention_impl
-from setdiff_megatron.models.weight_maps import (
-    check_backend,
-    check_ep_split,
-    check_tp_split,
-    padded_vocab_size,
-    stage_layers,
-)
+from setdiff_megatron.models.weight_maps.megatron import check_backend
+from setdiff_megatron.models.weight_maps.parallel import check_ep_split, check_tp_split, padded_vocab_size, stage_layers
 
 __all__ = [
     "SetCausalCoreAttention",

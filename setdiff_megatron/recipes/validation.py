@@ -13,7 +13,7 @@ import importlib.util
 from pathlib import Path
 
 from setdiff_megatron.errors import require
-from setdiff_megatron.models.weight_maps import check_backend
+from setdiff_megatron.models.weight_maps.megatron import check_backend
 from setdiff_megatron.recipes.loading import RecipeError
 from setdiff_megatron.recipes.schema import BUILTIN_CORPORA, SUPERVISED_CORPORA, Recipe
 

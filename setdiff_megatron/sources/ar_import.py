@@ -30,7 +30,8 @@ import torch
 from setdiff_megatron.data.tokenizers import SetDiffTokenizer
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.models.config import ModelConfig
-from setdiff_megatron.models.weight_maps import add_vocabulary_rows, hf_to_torch
+from setdiff_megatron.models.weight_maps.hf import hf_to_torch
+from setdiff_megatron.models.weight_maps.torch_layout import add_vocabulary_rows
 from setdiff_megatron.sources.hf_config import rope_theta_of
 
 __all__ = ["SUPPORTED", "ar_model_config", "ar_state_dict", "unsupported_architecture"]

@@ -35,7 +35,8 @@ from setdiff_megatron.data.tokenizers import SetDiffTokenizer, load_tokenizer
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.models.config import DIT_BODY, ModelConfig
 from setdiff_megatron.models.torch_model import Rotary
-from setdiff_megatron.models.weight_maps import DIT_ROTARY, add_vocabulary_rows, dit_to_torch
+from setdiff_megatron.models.weight_maps.dit import DIT_ROTARY, dit_to_torch
+from setdiff_megatron.models.weight_maps.torch_layout import add_vocabulary_rows
 from setdiff_megatron.sources.safe_pickle import load_pickle
 
 __all__ = ["DIT_KIND", "ComposerParts", "dit_state_dict", "is_dit_config", "read_composer_checkpoint"]

@@ -11,7 +11,7 @@ import torch
 from setdiff_megatron.data.tokenizers import SetDiffTokenizer, load_tokenizer
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.models.config import ModelConfig
-from setdiff_megatron.models.weight_maps import hf_to_torch
+from setdiff_megatron.models.weight_maps.hf import hf_to_torch
 from setdiff_megatron.sources.hf_config import model_config_from_hf_config
 from setdiff_megatron.sources.hf_files import load_safetensors_dir
 

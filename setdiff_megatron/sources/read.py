@@ -31,7 +31,7 @@ from setdiff_megatron.checkpoint.state import read_train_state
 from setdiff_megatron.data.tokenizers import SetDiffTokenizer, load_tokenizer
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.models.config import ModelConfig
-from setdiff_megatron.models.weight_maps import torch_shapes
+from setdiff_megatron.models.weight_maps.torch_layout import torch_shapes
 from setdiff_megatron.recipes import Recipe, load_recipe
 from setdiff_megatron.recipes.loading import RESOLVED_NAME
 from setdiff_megatron.sources.ar_import import SUPPORTED, ar_model_config, ar_state_dict, unsupported_architecture

@@ -8,10 +8,10 @@ import sys
 import pytest
 import torch
 
-from setdiff_megatron.core.attention import resolve_attention_impl, set_causal_attention
+from setdiff_megatron.core.attention import ATTENTION_IMPL_NAMES, resolve_attention_impl, set_causal_attention
 from setdiff_megatron.core.step_attention import set_causal_step_attention
 from setdiff_megatron.errors import UserError
-from setdiff_megatron.kernels import choose_attention_impl, dispatch, flash_attn, te_fused
+from setdiff_megatron.kernels import choose_attention_impl, flash_attn, te_fused
 from setdiff_megatron.kernels.te_fused import FP8Settings, te_attention
 from setdiff_megatron.models.config import ModelConfig
 from tests.kernels import emulation
@@ -136,7 +136,22 @@ def test_config_takes_the_new_names_and_checks_only_spelling():
         assert ModelConfig(attention_impl=name).attention_impl == name
     with pytest.raises(ValueError, match=r"attention_impl must be one of \['auto', 'dense', 'flash_attn'"):
         ModelConfig(attention_impl="flash9")
-    assert dispatch.ATTENTION_IMPL_NAMES == ("auto", "dense", "flash_attn", "fused", "sdpa", "te")
+    assert ATTENTION_IMPL_NAMES == ("auto", "dense", "flash_attn", "fused", "sdpa", "te")
+
+
+def test_the_kernels_register_exactly_the_names_a_config_takes():
+    """models/config.py checks spelling against core's name list without importing the kernels;
+    importing them registers exactly those names, and kernel steps only under them."""
+    code = (
+        "import sys, setdiff_megatron.models.config; "
+        "print('setdiff_megatron.kernels' in sys.modules); "
+        "import setdiff_megatron.kernels; "
+        "from setdiff_megatron.core.attention import ATTENTION_IMPL_NAMES, ATTENTION_IMPLS; "
+        "from setdiff_megatron.core.step_attention import STEP_IMPLS; "
+        "print(tuple(sorted(ATTENTION_IMPLS)) == ATTENTION_IMPL_NAMES, set(STEP_IMPLS) <= set(ATTENTION_IMPL_NAMES))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert result.stdout.split() == ["False", "True", "True"]
 
 
 def test_importing_the_kernels_imports_no_gpu_package():

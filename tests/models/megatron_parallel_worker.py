@@ -29,7 +29,7 @@ from setdiff_megatron.models.megatron_model import (
     transformer_config_from,
 )
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
-from setdiff_megatron.models.weight_maps import megatron_to_torch, torch_to_megatron
+from setdiff_megatron.models.weight_maps.megatron import megatron_to_torch, torch_to_megatron
 from tests.models.megatron_cases import (
     LENGTH,
     MICRO_BATCH,

@@ -1,6 +1,7 @@
 """Megatron chunk state dicts of a TP/PP(/VP)/EP split merged into one whole model's, the form
-`weight_maps.megatron_to_torch` reads: the tests' way back from `torch_to_megatron`'s shards and
-from every rank of a parallel run (production only ever reads TP = PP = EP = 1 checkpoints)."""
+`weight_maps.megatron.megatron_to_torch` reads: the tests' way back from `torch_to_megatron`'s
+shards and from every rank of a parallel run (production only ever reads TP = PP = EP = 1
+checkpoints)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections.abc import Mapping
 import torch
 
 from setdiff_megatron.models.config import ModelConfig
-from setdiff_megatron.models.weight_maps import check_ep_split, check_tp_split, stage_layers
+from setdiff_megatron.models.weight_maps.parallel import check_ep_split, check_tp_split, stage_layers
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.*)")
 _LOCAL_EXPERT = re.compile(r"(mlp\.experts\.(?:local_experts\.|linear_fc[12]\.weight))(\d+)")

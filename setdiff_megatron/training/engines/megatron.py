@@ -127,7 +127,7 @@ class MegatronEngine:
         optimizer's main (fp32) params copy the loaded weights."""
         from megatron.core import parallel_state
 
-        from setdiff_megatron.models.weight_maps import torch_to_megatron
+        from setdiff_megatron.models.weight_maps.megatron import torch_to_megatron
 
         p = self.recipe.parallel
         for chunk in self.chunks:
