@@ -62,13 +62,15 @@ class ShardedResults:
             )
 
     def start(self) -> None:
-        """Create the parts folder and the job record (one process)."""
+        """Write the job record, then create the parts folder (one process). In that order: the
+        other processes' `check_job` may run meanwhile, and must find nothing yet or this job's
+        record, never a parts folder without one (which it refuses as another job's)."""
         self.out.parent.mkdir(parents=True, exist_ok=True)
-        self.parts.mkdir(exist_ok=True)
         if not self.job_file.is_file():
             tmp = self.job_file.with_suffix(".tmp")
             tmp.write_text(json.dumps(self.job, indent=1))
             tmp.replace(self.job_file)
+        self.parts.mkdir(exist_ok=True)
 
     def done(self) -> set[int]:
         files = [self.out, *sorted(self.parts.glob("*.jsonl"))] if self.parts.is_dir() else [self.out]

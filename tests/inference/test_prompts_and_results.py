@@ -1,6 +1,7 @@
 """Prompt files and the resumable, sharded results store of sampling/evaluation jobs."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -81,3 +82,27 @@ def test_other_settings_are_refused_and_foreign_files_kept(tmp_path):
     with pytest.raises(UserError, match="not written by this kind of job"):
         ShardedResults(foreign, {}).check_job()
     assert foreign.read_text() == "keep me\n" and results.done() == {0}
+
+
+def test_a_peer_checking_while_the_first_process_starts_the_job_is_never_refused(tmp_path, monkeypatch):
+    """Every process of a job calls check_job while the first one may be in `start`: after each
+    file operation of `start`, a peer's check passes. The parts folder used to come before the job
+    record, and a peer that looked in between exited with 'not written by this kind of job' (the
+    flaky TP sampling test: rank 1, exit code 2)."""
+    out, job = tmp_path / "o.jsonl", {"window": 4}
+    first, peer = ShardedResults(out, job), ShardedResults(out, job)
+    checked = []
+
+    def then_check(method):
+        def wrapped(path, *args, **kwargs):
+            result = method(path, *args, **kwargs)
+            peer.check_job()
+            checked.append(method.__name__)
+            return result
+
+        return wrapped
+
+    for name in ("mkdir", "replace", "write_text"):
+        monkeypatch.setattr(Path, name, then_check(getattr(Path, name)))
+    first.start()
+    assert checked.count("mkdir") == 2 and "replace" in checked and first.parts.is_dir()
