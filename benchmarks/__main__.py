@@ -24,6 +24,7 @@ from benchmarks import (
     train_throughput,
 )
 from benchmarks.machine import machine_info, save_results
+from setdiff_megatron.errors import ArgumentParser
 
 # name -> (module, extra arguments of a --quick run). Each module has main(argv) -> result and
 # targets(result) -> [(target, value, "<=" or ">=", goal)].
@@ -53,7 +54,7 @@ def verdicts(rows: list[tuple[str, float | None, str, float]]) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one repeat each, fewer shapes (a smoke run)")
     parser.add_argument("--only", nargs="+", choices=sorted(BENCHMARKS), help="run these benchmarks only")
     args = parser.parse_args(argv)

@@ -27,6 +27,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.machine import machine_info, save_results
+from setdiff_megatron.errors import ArgumentParser
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "tiny-cpu.yaml"
 
@@ -75,7 +76,7 @@ def summary(rows: list[dict], final_step: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--steps", type=int, default=9)

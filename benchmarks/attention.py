@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from benchmarks.machine import best_times, machine_info, save_results
 from setdiff_megatron.core.attention import set_causal_attention
+from setdiff_megatron.errors import ArgumentParser
 
 
 def set_causal_fwd_bwd(impl: str, length: int, args: argparse.Namespace):
@@ -60,7 +61,7 @@ def targets(result: dict) -> list[tuple[str, float | None, str, float]]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048])
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--heads", type=int, default=8)

@@ -18,6 +18,7 @@ import argparse
 
 from benchmarks.machine import machine_info, save_results
 from benchmarks.parallel_scaling import Workload, layout_run
+from setdiff_megatron.errors import ArgumentParser
 
 MODEL = (("num_layers", 2), ("num_heads", 2))
 HIDDEN_SIZE = 64
@@ -26,7 +27,7 @@ TARGET = 1.3
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--length", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args(argv)

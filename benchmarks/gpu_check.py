@@ -49,7 +49,7 @@ from setdiff_megatron.core.attention import set_causal_attention
 from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.core.sampler import SetSampler
 from setdiff_megatron.core.step_attention import set_causal_step_attention
-from setdiff_megatron.errors import UserError
+from setdiff_megatron.errors import ArgumentParser, UserError
 from setdiff_megatron.kernels import choose_attention_impl, flash_attn, te_fused
 from setdiff_megatron.training.metrics import peak_flops, training_flops_per_token
 
@@ -523,7 +523,7 @@ def compiled_checks(device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--sections",
         nargs="+",

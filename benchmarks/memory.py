@@ -46,6 +46,7 @@ from benchmarks.machine import machine_info, save_results
 from benchmarks.train_throughput import MODEL, batches, build_model
 from setdiff_megatron.core.kv_cache import KVCache
 from setdiff_megatron.core.step_attention import step_mask
+from setdiff_megatron.errors import ArgumentParser
 from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 
@@ -391,7 +392,7 @@ def targets(result: dict) -> list[tuple[str, float | None, str, float]]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024])
     parser.add_argument("--contexts", type=int, nargs="+", default=[256, 512, 1024])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")

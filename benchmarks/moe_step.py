@@ -50,6 +50,7 @@ from benchmarks.parallel_scaling import (
     recipe_dict,
 )
 from setdiff_megatron.distributed.workers import Torchrun
+from setdiff_megatron.errors import ArgumentParser
 
 ROOT = Path(__file__).parents[1]
 HIDDEN_SIZE = 128
@@ -234,7 +235,7 @@ def targets(result: dict) -> list[tuple[str, float | None, str, float]]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per workload, after one warm-up")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--ep", type=int, default=1, help=argparse.SUPPRESS)

@@ -31,6 +31,7 @@ import torch.multiprocessing as mp
 
 from benchmarks.machine import best_time, machine_info, save_results
 from setdiff_megatron.distributed.runtime import free_port
+from setdiff_megatron.errors import ArgumentParser
 
 MODEL = {"hidden_size": 256, "num_layers": 4, "num_heads": 4}
 VOCAB_SIZE, MASK_TOKEN_ID = 4097, 4096
@@ -169,7 +170,7 @@ def targets(result: dict) -> list[tuple[str, float | None, str, float]]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--hidden-size", type=int, default=MODEL["hidden_size"])
     args = parser.parse_args(argv)

@@ -16,6 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks import sampling, train_throughput
 from benchmarks.machine import RESULTS_DIR, machine_info
+from setdiff_megatron.errors import ArgumentParser
 
 
 def training_step():
@@ -41,7 +42,7 @@ def profile_one(name: str, fn, rows: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=15)
     args = parser.parse_args(argv)
     print("machine:", machine_info())

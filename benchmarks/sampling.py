@@ -34,6 +34,7 @@ from benchmarks.machine import best_times, machine_info, save_results
 from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.core.sample_output import SampleOutput
 from setdiff_megatron.core.sampler import SetSampler
+from setdiff_megatron.errors import ArgumentParser
 from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 
@@ -98,7 +99,7 @@ def warm_up(samplers: dict[str, SetSampler], prompts: list[list[int]], cfg: Deco
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=64)

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from benchmarks.machine import machine_info, save_results
+from setdiff_megatron.errors import ArgumentParser
 
 DEFAULT_SOURCE = Path("runs/tiny-reasoning")
 
@@ -104,7 +105,7 @@ def run_clients(url: str, model: str, requests: list[dict], clients: int) -> dic
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--source", type=Path, default=DEFAULT_SOURCE)
     parser.add_argument("--requests", type=int, default=96)
     parser.add_argument("--clients", type=int, default=16)

@@ -26,6 +26,7 @@ from setdiff_megatron.data.reasoning import prepare_reasoning_corpus
 from setdiff_megatron.data.samples import SupervisedRows, build_datasets
 from setdiff_megatron.data.supervised import RowFormat
 from setdiff_megatron.data.tokenizers import load_tokenizer
+from setdiff_megatron.errors import ArgumentParser
 from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 
@@ -101,7 +102,7 @@ def targets(result: dict) -> list[tuple[str, float | None, str, float]]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
     print("machine:", machine_info())

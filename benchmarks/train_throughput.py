@@ -21,6 +21,7 @@ import torch
 from benchmarks.machine import best_times, machine_info, save_results
 from setdiff_megatron.core.orders import Staggered
 from setdiff_megatron.core.streams import sample_two_stream_batch
+from setdiff_megatron.errors import ArgumentParser
 from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 
@@ -108,7 +109,7 @@ def targets(result: dict) -> list[tuple[str, float | None, str, float]]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-megatron", action="store_true", help="skip the megatron body")
     parser.add_argument(

@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from setdiff_megatron.errors import run_reporting
+from setdiff_megatron.errors import ArgumentParser, run_reporting
 from setdiff_megatron.log import say
 from setdiff_megatron.sources.base_model import BASE_ENV, add_base_argument
 from setdiff_megatron.version import __version__
@@ -261,13 +261,14 @@ def _add_recipe_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "overrides",
         nargs="*",
+        default=[],
         metavar="KEY=VALUE",
         help="dotted overrides applied after the recipe, e.g. train.lr=3e-4 parallel.tp=2",
     )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="setdiff",
         description="Train, sample and evaluate set diffusion language models.",
     )

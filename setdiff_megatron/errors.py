@@ -2,7 +2,8 @@
 
 Anything a user can fix (a wrong path, a malformed recipe, a missing extra) raises `UserError`;
 the `setdiff` command prints its message on one line and exits with code 2, without a traceback.
-Programming errors keep their tracebacks.
+Programming errors keep their tracebacks. A command line that does not parse gets one line too,
+from `ArgumentParser`, with the same exit code.
 
 Under the local launcher every rank may meet the same error (a collective check refuses on all of
 them), so the workers hand their message to the launcher instead of printing it: each writes it
@@ -11,10 +12,13 @@ rank's message once (`handed_over`). The other ranks may then fail in a collecti
 peer; that failure is a consequence, and it stays quiet too (`run_reporting`).
 """
 
+import argparse
 import os
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 from setdiff_megatron.log import say
 
@@ -47,6 +51,46 @@ def require(module: str, extra: str, purpose: str):
         return importlib.import_module(module)
     except Exception as exc:  # noqa: BLE001 - see docstring
         raise MissingExtraError(module.split(".")[0], extra, purpose) from exc
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, its usage errors in one line: `PROG: error: what is wrong; see PROG
+    --help`, exit code 2 (a UserError's), not the usage block above it. Subcommands' parsers are of
+    this class too (argparse makes them of their parent's class). Every command line of the
+    project (`setdiff`, its subcommands, `python -m benchmarks...`, the tools/ scripts) parses
+    with it."""
+
+    def __init__(self, *args, **kwargs):
+        if not args and "prog" not in kwargs:
+            kwargs["prog"] = _module_prog()
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USER_ERROR, f"{self.prog}: error: {_type_error(message)}; see {self.prog} --help\n")
+
+
+_TYPE_ERROR = re.compile(r"^(argument [^:]+): invalid (\w+) value: (.*)$")
+_EXPECTED = {"int": "an integer", "float": "a number"}
+
+
+def _type_error(message: str) -> str:
+    """argparse's 'argument --x: invalid NAME value: 'v'' names the type converter, a function of
+    ours for custom types: say what was expected instead (custom types raise ArgumentTypeError
+    with their own words, which argparse passes through)."""
+    match = _TYPE_ERROR.match(message)
+    if match is None:
+        return message
+    flag, name, value = match.groups()
+    return f"{flag}: expected {_EXPECTED[name]}, got {value}" if name in _EXPECTED else f"{flag}: invalid value {value}"
+
+
+def _module_prog() -> str | None:
+    """`python -m PACKAGE.MODULE` for a parser of a module run with -m (argparse would say
+    `__main__.py` or the file name); None (argparse's choice) otherwise."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is None or not spec.origin or not sys.argv[0] or Path(sys.argv[0]).resolve() != Path(spec.origin).resolve():
+        return None
+    return f"python -m {spec.name.removesuffix('.__main__')}"
 
 
 def run_reporting(main: Callable[[], int]) -> int:

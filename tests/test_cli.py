@@ -28,7 +28,76 @@ def test_version_and_help():
 
 def test_train_needs_a_recipe(capsys):
     out = run_cli("train")
-    assert out.returncode == 2 and "recipe" in out.stderr
+    assert out.returncode == 2
+    assert (
+        out.stderr == "setdiff train: error: the following arguments are required: recipe; see setdiff train --help\n"
+    )
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["sample", "run", "--prompts", "p", "--out", "o", "--compile", "bogus"],
+            "setdiff sample: error: argument --compile: invalid choice: 'bogus' (choose from 'off', 'auto', 'on')",
+        ),
+        (
+            ["convert", "to-hf", "run", "out", "--layout", "bogus"],
+            "setdiff convert to-hf: error: argument --layout: invalid choice: 'bogus' (choose from 'setdiff', 'setdlm')",
+        ),
+        (
+            ["sample", "run", "--prompts", "p", "--out", "o", "--nproc", "two"],
+            "setdiff sample: error: argument --nproc: expected an integer, got 'two'",
+        ),
+        (["serve", "run", "--port", "http"], "setdiff serve: error: argument --port: expected an integer, got 'http'"),
+        (
+            ["preprocess", "--output-dir", "o", "--workers", "x"],
+            "setdiff preprocess: error: argument --workers: expected an integer, got 'x'",
+        ),
+        (
+            ["eval", "bogus"],
+            "setdiff eval: error: argument JOB: invalid choice: 'bogus' (choose from 'likelihood', 'infill', 'generate', 'sweep', 'lm-eval')",
+        ),
+    ],
+    ids=["sample choice", "convert choice", "sample int", "serve int", "preprocess int", "eval job"],
+)
+def test_a_usage_error_is_one_line_naming_the_flag_and_what_it_takes(argv, message, capsys):
+    """Not argparse's usage block above it (a 15-line one for `sample`)."""
+    from setdiff_megatron.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    prog = message.partition(": error:")[0]
+    assert exit_.value.code == 2 and capsys.readouterr().err == f"{message}; see {prog} --help\n"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["-m", "benchmarks.study", "--seeds", "1,x"],
+            "python -m benchmarks.study: error: argument --seeds: expected distinct non-negative integers "
+            "separated by commas, e.g. 1,2,3; got '1,x'; see python -m benchmarks.study --help",
+        ),
+        (
+            [str(ROOT / "tools" / "sample.py"), "run", "--prompts", "p", "--out", "o", "--window", "wide"],
+            "setdiff sample: error: argument --window: expected an integer, got 'wide'; see setdiff sample --help",
+        ),
+    ],
+    ids=["python -m", "tools/"],
+)
+def test_module_and_tool_entry_points_say_so_in_one_line_too(argv, message):
+    out = subprocess.run([sys.executable, *argv], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 2 and out.stderr == message + "\n"
+
+
+def test_a_rule_checked_after_parsing_is_one_line(capsys):
+    from benchmarks.study.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--steps", "0"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and ": error: --steps must be >= 1; got 0; see " in err
 
 
 def test_a_launch_reports_the_user_error_of_the_lowest_rank_once(tmp_path, monkeypatch, capsys):

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from benchmarks.machine import RESULTS_DIR, machine_info
 from benchmarks.study import plan, report, run
+from setdiff_megatron.errors import ArgumentParser
 from setdiff_megatron.recipes import load_recipe
 
 
@@ -36,9 +37,15 @@ def _model_entry(out: Path, model: plan.Model, steps: int | None) -> dict:
 
 
 def _seeds(text: str) -> list[int]:
-    seeds = [int(s) for s in text.split(",") if s.strip()]
+    """--seeds: argparse reports the ArgumentTypeError's words after the flag's name."""
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        seeds = []
     if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
-        raise argparse.ArgumentTypeError(f"--seeds wants distinct non-negative integers, e.g. 1,2,3; got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected distinct non-negative integers separated by commas, e.g. 1,2,3; got {text!r}"
+        )
     return seeds
 
 
@@ -61,7 +68,7 @@ def _points(rows: list[dict]) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--setting",
         choices=plan.SETTINGS,

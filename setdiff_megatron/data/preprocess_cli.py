@@ -12,14 +12,14 @@ from setdiff_megatron.data.corpus import prepare_default_corpus
 from setdiff_megatron.data.preprocess import PreprocessOptions, preprocess
 from setdiff_megatron.data.supervised import RecordFields
 from setdiff_megatron.data.tokenizers import load_tokenizer
-from setdiff_megatron.errors import UserError
+from setdiff_megatron.errors import ArgumentParser, UserError
 from setdiff_megatron.log import say
 
 __all__ = ["build_parser", "preprocess_main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="setdiff preprocess",
         description="Tokenize corpora into megatron-core indexed datasets (.bin/.idx + manifest).",
     )

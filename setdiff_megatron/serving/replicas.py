@@ -197,14 +197,14 @@ class ProcessReplica(Replica):
 def replica_main(argv: list[str] | None = None) -> int:
     """A worker process of `setdiff serve --nproc/--tp` (started by torchrun): load this rank's
     model, then serve the front end at --address (the group's first rank) or its peers."""
-    import argparse
     import os
     from multiprocessing.connection import Client
 
     from setdiff_megatron.distributed.runtime import join, tensor_parallel_broadcast
+    from setdiff_megatron.errors import ArgumentParser
     from setdiff_megatron.inference.loading import load_sampling_model
 
-    parser = argparse.ArgumentParser(prog="python -m setdiff_megatron.serving.replicas")
+    parser = ArgumentParser(prog="python -m setdiff_megatron.serving.replicas")
     parser.add_argument("source")
     parser.add_argument("--address", required=True, help="host:port of the front end")
     parser.add_argument("--tp", type=int, default=1)

@@ -6,9 +6,10 @@ python slurm_shard_worker.py --prompts P.jsonl --out O.jsonl
     merges the part files, computes what they lack, and writes O.jsonl in prompt order
 """
 
-import argparse
 import json
 from pathlib import Path
+
+from setdiff_megatron.errors import ArgumentParser
 
 
 def result(index: int, prompt: str) -> dict:
@@ -16,7 +17,7 @@ def result(index: int, prompt: str) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = ArgumentParser()
     parser.add_argument("--prompts", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--shard", type=int)
