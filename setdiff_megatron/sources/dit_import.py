@@ -114,7 +114,7 @@ class ComposerParts:
     """What a composer checkpoint of the reference's denoiser holds for an import."""
 
     def __init__(self, path: Path):
-        ckpt = load_pickle(
+        ckpt, self.notes = load_pickle(
             path,
             "where the file is trusted, save its state['model'] tensors with safetensors.torch.save_file and read that",
         )
@@ -148,9 +148,10 @@ class ComposerParts:
 
 def read_composer_checkpoint(
     path: Path, beside_config: dict | None, beside_tokenizer: Callable[[], SetDiffTokenizer]
-) -> tuple[ModelConfig, dict[str, torch.Tensor], SetDiffTokenizer]:
-    """(config, torch weights, tokenizer) of a composer .pt; `beside_config` (a config.json next
-    to it, or None) and `beside_tokenizer()` stand in for what the checkpoint does not record."""
+) -> tuple[ModelConfig, dict[str, torch.Tensor], SetDiffTokenizer, list[str]]:
+    """(config, torch weights, tokenizer, notes: what the safe unpickling dropped) of a composer
+    .pt; `beside_config` (a config.json next to it, or None) and `beside_tokenizer()` stand in for
+    what the checkpoint does not record."""
     parts = ComposerParts(path)
     backbone = parts.backbone or beside_config
     if backbone is None or not is_dit_config(backbone):
@@ -160,4 +161,4 @@ def read_composer_checkpoint(
         )
     tokenizer = parts.tokenizer(path) if parts.tokenizer_files else beside_tokenizer()
     cfg, state = dit_state_dict(parts.weights, backbone, tokenizer, path)
-    return cfg, state, tokenizer
+    return cfg, state, tokenizer, parts.notes

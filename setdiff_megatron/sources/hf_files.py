@@ -14,7 +14,7 @@ import torch
 
 from setdiff_megatron.errors import UserError, require
 
-__all__ = ["INDEX", "safetensors", "load_safetensors_dir", "safetensors_dtype"]
+__all__ = ["SINGLE", "INDEX", "safetensors", "load_safetensors_dir", "safetensors_dtype"]
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"

@@ -64,7 +64,8 @@ class Source:
     step: int | None = None
     layout: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
-    """What the reader ignored, one line each (a release's source files, its attention backend)."""
+    """What the reader ignored, one line each (a release's source files, its attention backend,
+    what a safe unpickling dropped)."""
 
     @property
     def add_bos(self) -> bool:
@@ -179,8 +180,8 @@ def read_source(path: str | Path, *, weights: bool = True, base: str | Path | No
 
 def _read_composer(path: Path, weights: bool) -> Source:
     beside = read_hf_config(path.parent) if (path.parent / "config.json").is_file() else None
-    cfg, state, tokenizer = read_composer_checkpoint(path, beside, lambda: _hf_tokenizer(path.parent))
-    return Source(DIT_KIND, path, cfg, state if weights else None, tokenizer)
+    cfg, state, tokenizer, notes = read_composer_checkpoint(path, beside, lambda: _hf_tokenizer(path.parent))
+    return Source(DIT_KIND, path, cfg, state if weights else None, tokenizer, notes=notes)
 
 
 _FREE = ("vocab_size", "max_seq_len", "attention_impl", "init_std")

@@ -2,7 +2,8 @@
 
 torch.load(weights_only=True) only: each class or function that loader refuses (composer pickles
 numpy RNG state, ...) is replaced by `_Inert`, which takes nothing from the file, so only tensors
-and plain containers come out; a pickle that would call what it built is refused in one line.
+and plain containers come out, and a note names what was dropped; a pickle that would call what
+it built is refused in one line.
 """
 
 from __future__ import annotations
@@ -38,14 +39,24 @@ def _reason(exc: Exception) -> str:
     return lines[marked[0]] if marked else lines[0] if lines else type(exc).__name__
 
 
-def load_pickle(path: Path, hint: str) -> Any:
-    """torch.load(weights_only=True) of `path`, every global it refuses read as `_Inert`; a file it
-    cannot read (truncated, not a torch pickle, unsafe) is a UserError ending with `hint`."""
+def load_pickle(path: Path, hint: str) -> tuple[Any, list[str]]:
+    """(torch.load(weights_only=True) of `path`, every global it refuses read as `_Inert`; the note,
+    one line in a list, naming those globals, or no note); a file it cannot read (truncated, not a
+    torch pickle, unsafe) is a UserError ending with `hint`."""
     try:
         refused = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
         with torch.serialization.safe_globals([(_Inert, name) for name in refused]):
-            return torch.load(path, map_location="cpu", weights_only=True)
+            loaded = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - the unpickler raises many types
         raise UserError(
             f"cannot read {path} safely with torch.load(weights_only=True) ({_reason(exc)}); {hint}"
         ) from None
+    notes = (
+        [
+            f"{path.name}: dropped the objects of globals torch.load(weights_only=True) refuses: "
+            f"{', '.join(refused)} (nothing is read from them)"
+        ]
+        if refused
+        else []
+    )
+    return loaded, notes

@@ -10,6 +10,11 @@ written by its `save_pretrained_or_push_to_hub` (kuleshov-group/setdlms, src/uti
                      `backbone.rotary_emb.inv_freq`; read with torch.load(weights_only=True) only
   tokenizer files    beside them; the python sources beside them are never executed
 
+The same model saved by a plain `save_pretrained` (the reference's denoiser, without that
+function's changes) reads the same way: `_target_`s as written (src.backbone.dit.DIT), weights in
+model.safetensors (or an index and its shards), a tied Qwen3 output layer stored once, buffers
+kept (transformers reads both layouts).
+
 Two backbones. `backbone_automodel.AutoModelFromPreTrained` (GSM8K and CNN/DM) is a Qwen3 built
 from the base model its config names (`pretrained_model_name_or_path`), cut to `num_layers`, with
 the config's own architecture keys over the base's (CNN/DM re-initialises a smaller shape): its
@@ -41,6 +46,7 @@ from setdiff_megatron.recipes.schema import DataSection, MethodSection, ModelSec
 from setdiff_megatron.sources.ar_import import ar_model_config, ar_state_dict
 from setdiff_megatron.sources.base_model import BASE_ENV
 from setdiff_megatron.sources.dit_import import dit_state_dict, is_dit_config
+from setdiff_megatron.sources.hf_files import INDEX, SINGLE, load_safetensors_dir
 from setdiff_megatron.sources.safe_pickle import load_pickle
 
 __all__ = [
@@ -178,22 +184,34 @@ class Release:
         )
 
     def check_ids(self, tokenizer: SetDiffTokenizer) -> None:
+        """The config's four ids are the tokenizer's: the reference writes them from the very
+        tokenizer it saves beside the weights (scripts/utils.py `_make_tokenization_config`), so a
+        release that disagrees carries another model's tokenizer (its loader would silently take
+        the tokenizer's ids: EOS ends completions, PAD is left out of what the model sees)."""
         ids = self.config.get("tokenization_config") or {}
         for key in _IDS:
             want = ids.get(key, self.config.get(key))
             have = getattr(tokenizer, _ROLE[key])
-            if want is not None and int(want) != have and key in ("mask_token_id", "bos_token_id"):
+            if want is not None and int(want) != have:
                 raise UserError(
                     f"{self.where}: {key} is {want}, but the tokenizer beside it has id {have}; put the "
                     "tokenizer the model was trained with beside its weights"
                 )
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """The backbone's tensors under its own names; the mask buffer checked against L."""
+        """The backbone's tensors under its own names; the mask buffer checked against L. From
+        pytorch_model.bin (the release), else from safetensors (a plain save_pretrained)."""
         path = self.directory / WEIGHTS
-        if not path.is_file():
-            raise UserError(f"{self.directory} has no {WEIGHTS} (the SetDLM release's weights)")
-        state = load_pickle(path, "the file is truncated or not a state dict; download it again")
+        if path.is_file():
+            state, notes = load_pickle(path, "the file is truncated or not a state dict; download it again")
+            self.notes += notes
+        elif any((self.directory / name).is_file() for name in (SINGLE, INDEX)):
+            state = load_safetensors_dir(self.directory)
+        else:
+            raise UserError(
+                f"{self.directory} has no {WEIGHTS} (a SetDLM release's weights) nor {SINGLE} or {INDEX} "
+                "(a save_pretrained's)"
+            )
         if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
             raise UserError(f"{path} is not a state dict of tensors")
         mask = state.get(MASK_BUFFERS[0])

@@ -111,6 +111,10 @@ def test_a_composer_checkpoint_is_read_safely_as_the_released_model(tmp_path):
     composer = read_source(alone)
     assert composer.kind == hub.kind == "dit" and composer.path == alone
     _same_model(composer, hub)
+    (note,) = composer.notes  # numpy's RNG state, dropped and said so
+    assert note.startswith("best-rank0.pt: dropped the objects of globals torch.load(weights_only=True) refuses: ")
+    assert {"numpy.ndarray", "numpy.dtype"} <= set(note.partition("refuses: ")[2].partition(" (")[0].split(", "))
+    assert not hub.notes
 
     beside = tmp_path / "beside"
     shutil.copytree(HUB, beside, ignore=shutil.ignore_patterns("model.safetensors"))

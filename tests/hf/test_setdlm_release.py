@@ -47,6 +47,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.hf.release_export import export_release
@@ -161,6 +162,38 @@ def test_ours_to_a_release_and_back_is_bitwise(kind, tmp_path):
         )
 
 
+UNFLATTENED = {
+    "backbone_dit.DIT": "src.backbone.dit.DIT",
+    "backbone_automodel.AutoModelFromPreTrained": "src.backbone.automodel.AutoModelFromPreTrained",
+    "noise_schedule_noise_schedules.StaggeredNoise": "src.noise_schedule.noise_schedules.StaggeredNoise",
+}
+"""The `_target_`s of the reference's configs, which its save function flattens and a plain
+save_pretrained keeps."""
+
+
+@pytest.mark.parametrize("kind", list(RELEASES))
+def test_a_plain_save_pretrained_folder_reads_as_the_release(kind, tmp_path):
+    """The denoiser saved by transformers' own save_pretrained: `_target_`s as the configs write
+    them, model.safetensors with the buffers, the tied Qwen3 output layer stored once (transformers
+    keeps one name of tensors that share storage); no pytorch_model.bin."""
+    folder = tmp_path / RELEASES[kind].name
+    shutil.copytree(RELEASES[kind], folder, ignore=shutil.ignore_patterns("pytorch_model.bin"))
+    config = json.loads((folder / "config.json").read_text())
+    for section in ("backbone_config", "noise_config"):
+        config[section]["_target_"] = UNFLATTENED[config[section]["_target_"]]
+    (folder / "config.json").write_text(json.dumps(config))
+    state = torch.load(RELEASES[kind] / "pytorch_model.bin", weights_only=True)
+    state.pop("backbone.model.lm_head.weight", None)
+    save_file({k: v.clone() for k, v in state.items()}, str(folder / "model.safetensors"))
+    assert "static_attention_mask" in state and (kind == "qwen3" or "backbone.rotary_emb.inv_freq" in state)
+
+    saved, release = _read(kind, folder), _read(kind)
+    assert saved.kind == "setdlm" and saved.config == release.config
+    assert saved.state_dict.keys() == release.state_dict.keys()
+    assert all(torch.equal(saved.state_dict[k], release.state_dict[k]) for k in release.state_dict)
+    assert (saved.recipe.method, saved.recipe.data.seq_len) == (release.recipe.method, release.recipe.data.seq_len)
+
+
 def test_the_static_mask_is_the_reference_buffer():
     saved = torch.load(RELEASES["dit"] / "pytorch_model.bin", weights_only=True)["static_attention_mask"]
     assert torch.equal(static_attention_mask(32), saved)
@@ -224,6 +257,12 @@ def _truncated(folder: Path) -> None:
             "a BD3-LM or MDLM release",
         ),
         ("dit", {"mask_token_id": 5, "tokenization_config": {"mask_token_id": 5}}, "mask_token_id is 5"),
+        ("qwen3", {"eos_token_id": 7, "tokenization_config": {"eos_token_id": 7}}, "eos_token_id is 7, but"),
+        (
+            "dit",
+            {"tokenization_config": {"pad_token_id": 60}},
+            "pad_token_id is 60, but the tokenizer beside it has id 62",
+        ),
     ],
 )
 def test_bad_releases_are_one_line_and_convert_writes_nothing(tmp_path, kind, edit, message):
