@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP front end of `setdiff serve` (FastAPI + uvicorn).
 
     POST /v1/completions        prompt (or segments to infill), non-streaming or SSE streaming
-    POST /v1/chat/completions   messages through the tokenizer's chat template, or a plain
-                                "role: content" transcript where the tokenizer has none
+    POST /v1/chat/completions   messages through the tokenizer's chat template (HTTP 400 where
+                                the tokenizer has none)
     GET  /v1/models   /health   /metrics (Prometheus text: requests, queue depth, tokens/s,
                                 tokens per step, batch occupancy)
 
@@ -167,15 +167,20 @@ class Server:
 
     def chat_prompt(self, body: ChatBody) -> list[int]:
         """The model's chat template with its generation prompt, markup as special tokens (the
-        way supervised chat records were rendered for training); a plain transcript without one."""
+        way supervised chat records were rendered for training). A model without one is refused,
+        as OpenAI-compatible servers refuse it: any rendering made up here is text it never saw."""
+        if not self.model.chat_template:
+            raise RequestError(
+                f"The model '{self.model.name}' has no chat template (its tokenizer_config.json declares "
+                "no 'chat_template'), so chat messages cannot be rendered as it was trained; send a text "
+                "prompt to /v1/completions instead",
+                param="messages",
+            )
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        if self.model.chat_template:
-            try:
-                return chat_prompt(self.model.chat_template, messages, self.model.tokenizer, self.model.prompt_format)
-            except ChatError as exc:
-                raise RequestError(str(exc), param="messages") from None
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
-        return self.model.prompt_format.prompt(self.model.tokenizer.encode(text)).tolist()
+        try:
+            return chat_prompt(self.model.chat_template, messages, self.model.tokenizer, self.model.prompt_format)
+        except ChatError as exc:
+            raise RequestError(str(exc), param="messages") from None
 
     def chat_max_tokens(self, body: ChatBody, prompt: list[int]) -> int:
         """The request's limit, or as much as the context leaves after the prompt and one window."""

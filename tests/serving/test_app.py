@@ -5,18 +5,26 @@ The server is a real subprocess over the session's tiny trained run (tests/conft
 greedy answers are compared with the sampler's own decode of the same prompt.
 """
 
+import json
+import shutil
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 openai = pytest.importorskip("openai", reason="the serving tests use the openai client (part of the dev extra)")
 
+from setdiff_megatron.checkpoint.manifest import write_manifest  # noqa: E402
+from setdiff_megatron.checkpoint.names import TOKENIZER_DIR  # noqa: E402
+from setdiff_megatron.checkpoint.resolve import resolve_step_dir  # noqa: E402
 from setdiff_megatron.core.decoding import DecodingConfig  # noqa: E402
 from setdiff_megatron.core.sampler import SetSampler  # noqa: E402
+from setdiff_megatron.data.supervised import chat_prompt  # noqa: E402
 from setdiff_megatron.distributed.runtime import Ranks  # noqa: E402
 from setdiff_megatron.inference.defaults import default_decoding  # noqa: E402
 from setdiff_megatron.inference.loading import load_sampling_model  # noqa: E402
+from setdiff_megatron.runs.terms import prompt_format  # noqa: E402
 from setdiff_megatron.serving.local import LiveServer  # noqa: E402
 from setdiff_megatron.sources.read import read_source  # noqa: E402
 
@@ -81,14 +89,52 @@ def test_streaming_sends_the_growing_decided_prefix(server):
     assert chunks[-1].usage.completion_tokens > 0 and chunks[-2].choices[0].finish_reason in ("stop", "length")
 
 
-def test_chat_uses_a_transcript_without_a_template_and_streams(server):
+def test_chat_without_a_chat_template_is_a_400_that_says_why(server):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "import os"}]
-    r = server.client.chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0)
-    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
-    streamed = server.client.chat.completions.create(
-        model=NAME, messages=messages, max_tokens=10, temperature=0, stream=True
-    )
-    assert "".join(c.choices[0].delta.content or "" for c in streamed) == r.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as err:
+        server.client.chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0)
+    assert err.value.status_code == 400 and err.value.body["param"] == "messages"
+    assert err.value.body["message"].startswith(f"The model '{NAME}' has no chat template"), err.value.body
+    assert server.client.models.list().data[0].id == NAME
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def chat_checkpoint(trained_run, tmp_path_factory) -> Path:
+    """The run's newest checkpoint, copied, its tokenizer declaring a chat template (the copy's
+    manifest written anew)."""
+    step = resolve_step_dir(trained_run)
+    copy = tmp_path_factory.mktemp("chat") / step.name
+    shutil.copytree(step, copy)
+    config = copy / TOKENIZER_DIR / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "chat_template": CHAT_TEMPLATE}))
+    write_manifest(copy, collective=False)
+    return copy
+
+
+def test_chat_renders_the_models_template_and_streams(chat_checkpoint):
+    """The answer is the completion of the rendered template's token ids, whole or streamed."""
+    source = read_source(chat_checkpoint, weights=False)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "import os"}]
+    ids = chat_prompt(CHAT_TEMPLATE, messages, source.tokenizer, prompt_format(source.recipe, source.tokenizer))
+    live = Live(chat_checkpoint)
+    try:
+        r = live.client.chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0)
+        assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+        assert r.usage.prompt_tokens == len(ids)
+        same = live.client.completions.create(model=NAME, prompt=ids, max_tokens=10, temperature=0)
+        assert r.choices[0].message.content == same.choices[0].text
+        streamed = live.client.chat.completions.create(
+            model=NAME, messages=messages, max_tokens=10, temperature=0, stream=True
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in streamed) == r.choices[0].message.content
+    finally:
+        live.stop()
 
 
 def test_stop_strings_cut_the_text(server):
