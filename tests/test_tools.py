@@ -3,6 +3,7 @@ argument: the same help, and the same outputs on the session's tiny run."""
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -96,3 +97,63 @@ def test_one_run_each_equals_the_subcommand(trained_run, tmp_path):
     for summary in summaries.values():
         summary.pop("source", None)
     assert summaries["tool"] == summaries["cli"] and summaries["cli"]["num_windows"] == 2
+
+
+FAKE_SETDIFF = """#!/usr/bin/env bash
+# A stand-in `setdiff`: records its arguments; `train RECIPE checkpoint.dir=RUN` makes RUN;
+# `convert to-hf RUN OUT ...` writes an export's files and, like the real one, refuses an existing
+# OUT without --overwrite.
+echo "$*" >> "$SETDIFF_CALLS"
+if [ "$1" = train ]; then mkdir -p "${3#checkpoint.dir=}/checkpoints"; fi
+if [ "$1" = convert ]; then
+  out=$4
+  if [ -e "$out" ] && [[ " $* " != *" --overwrite "* ]]; then echo "exists" >&2; exit 2; fi
+  rm -rf "$out" && mkdir -p "$out"
+  printf '# export\\n\\n## Training recipe\\n\\nthe recipe\\n' > "$out/README.md"
+  echo weights > "$out/model.safetensors"
+  touch "$out/modeling_setdiff.py" "$out/configuration_setdiff.py"
+fi
+"""
+
+
+def build_base(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """tools/build_reasoning_ar_base.sh with a stand-in `setdiff` first on PATH: (the process, the
+    setdiff command lines it ran)."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "setdiff").write_text(FAKE_SETDIFF)
+    (bin_dir / "setdiff").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SETDIFF_CALLS": str(calls)}
+    proc = subprocess.run(
+        [str(TOOLS / "build_reasoning_ar_base.sh"), *args], capture_output=True, text=True, env=env, timeout=60
+    )
+    lines = calls.read_text().splitlines() if calls.exists() else []
+    calls.unlink(missing_ok=True)
+    return proc, lines
+
+
+def test_the_base_is_built_from_a_new_run_and_replaces_only_an_earlier_build(tmp_path):
+    """Never a resumed run (it would export old weights), never an OUT this script did not write."""
+    out, run_dir = tmp_path / "base", tmp_path / "run"
+    proc, calls = build_base(tmp_path, str(out), str(run_dir))
+    assert proc.returncode == 0, proc.stderr
+    assert calls == [
+        f"train recipes/study/adapted/ar-base.yaml checkpoint.dir={run_dir}",
+        f"convert to-hf {run_dir} {out} --dtype bf16",
+    ]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "SHA256SUMS", "model.safetensors"]
+    assert out.joinpath("README.md").read_text().startswith("# reasoning-ar-base\n")
+
+    proc, calls = build_base(tmp_path, str(out), str(run_dir))  # the same run directory again
+    assert proc.returncode == 2 and not calls and f"{run_dir} exists" in proc.stderr
+
+    rebuilt = tmp_path / "run2"
+    proc, calls = build_base(tmp_path, str(out), str(rebuilt))  # OUT holds an earlier build: replaced
+    assert proc.returncode == 0 and calls[-1] == f"convert to-hf {rebuilt} {out} --dtype bf16 --overwrite"
+
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "keep.txt").write_text("keep me")
+    proc, calls = build_base(tmp_path, str(foreign), str(tmp_path / "run3"))
+    assert proc.returncode == 2 and not calls and "is not an earlier build of this script" in proc.stderr
+    assert [p.name for p in foreign.iterdir()] == ["keep.txt"] and not (tmp_path / "run3").exists()
