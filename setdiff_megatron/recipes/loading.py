@@ -7,6 +7,7 @@
 
 Command-line overrides (`train.lr=3e-4 parallel.tp=2`) are applied after inheritance; each value
 is read as YAML, so `parallel.sequence_parallel=true` is a bool and `launch.env={A: b}` a mapping.
+Relative input paths are then found from any working directory (inputs.py).
 Every problem becomes one `RecipeError` line naming the file and the key path.
 """
 
@@ -24,6 +25,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from setdiff_megatron.errors import UserError
+from setdiff_megatron.recipes.inputs import locate_inputs
 from setdiff_megatron.recipes.schema import Recipe
 
 __all__ = ["RecipeError", "load_recipe", "save_resolved_recipe", "read_recipe_tree"]
@@ -176,7 +178,7 @@ def load_recipe(path: str | Path, overrides: Iterable[str] = ()) -> Recipe:
     """Read, merge, override, interpolate and type-check a recipe (cross-field rules: `validate`)."""
     source = Path(path)
     data = apply_overrides(read_recipe_tree(source), overrides)
-    data = _interpolate(data, "", source)
+    data = locate_inputs(_interpolate(data, "", source), source)
     try:
         return Recipe.model_validate(data)
     except ValidationError as exc:

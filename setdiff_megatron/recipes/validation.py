@@ -14,6 +14,7 @@ from pathlib import Path
 
 from setdiff_megatron.errors import require
 from setdiff_megatron.models.weight_maps.megatron import check_backend
+from setdiff_megatron.recipes.inputs import dataset_exists, where_looked
 from setdiff_megatron.recipes.loading import RecipeError
 from setdiff_megatron.recipes.schema import BUILTIN_CORPORA, SUPERVISED_CORPORA, Recipe
 
@@ -299,20 +300,24 @@ def _train_rules(r: Recipe, has_gpu: bool) -> list[str]:
     return errors
 
 
-def _path_rules(r: Recipe) -> list[str]:
+def _path_rules(r: Recipe, recipe_file: str | Path | None) -> list[str]:
+    """The files the run reads exist; a relative one found nowhere says where it was looked for."""
     errors = []
     for i, ds in enumerate(r.data.datasets):
-        if ds.path not in BUILTIN_CORPORA and not Path(f"{ds.path}.idx").is_file():
+        if ds.path not in BUILTIN_CORPORA and not dataset_exists(Path(ds.path)):
             errors.append(
-                f"data.datasets.{i}.path: no indexed dataset at {ds.path}(.bin/.idx); "
+                f"data.datasets.{i}.path: no indexed dataset at {ds.path}(.bin/.idx){where_looked(ds.path, recipe_file)}; "
                 "build it with `setdiff preprocess`"
             )
     for key, value in (("data.tokenizer", r.data.tokenizer), ("model.init_from", r.model.init_from)):
         if value is not None and not Path(value).exists():
-            errors.append(f"{key}: {value} does not exist")
+            errors.append(f"{key}: {value} does not exist{where_looked(value, recipe_file)}")
     resume = r.checkpoint.resume
     if resume not in ("auto", "none") and not Path(resume).exists():
-        errors.append(f"checkpoint.resume: {resume} does not exist (use auto, none or a checkpoint path)")
+        errors.append(
+            f"checkpoint.resume: {resume} does not exist{where_looked(resume, recipe_file)} "
+            "(use auto, none or a checkpoint path)"
+        )
     return errors
 
 
@@ -323,9 +328,11 @@ def validate_recipe(
     has_gpu: bool | None = None,
     check_paths: bool = True,
     host_memory: int | None = None,
+    recipe_file: str | Path | None = None,
 ) -> list[str]:
     """`host_memory` (bytes) is what optimizer offload may fill on a node; None measures this
-    machine's available memory when checking against it (`check_paths`), else skips that rule."""
+    machine's available memory when checking against it (`check_paths`), else skips that rule.
+    `recipe_file`: the recipe's file, for where a missing input was looked for (inputs.py)."""
     if has_gpu is None:
         import torch
 
@@ -341,7 +348,7 @@ def validate_recipe(
         + _supervised_rules(recipe)
     )
     if check_paths:
-        errors += _path_rules(recipe)
+        errors += _path_rules(recipe, recipe_file)
     return errors + _data_rules(recipe)
 
 

@@ -40,7 +40,7 @@ def check_run(
     is the recipe's launch size; `files` checks what the run reads; `checkpoint_dir` probes the
     run directory with a write (so `recipe validate` leaves it off); `resumable` is for a
     launcher, which refuses once what every process would refuse."""
-    errors = validate_recipe(recipe, world_size=world_size, has_gpu=has_gpu, check_paths=files)
+    errors = validate_recipe(recipe, world_size=world_size, has_gpu=has_gpu, check_paths=files, recipe_file=source)
     if errors:
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
         raise RecipeError(f"{source}: {errors[0]}{more}")

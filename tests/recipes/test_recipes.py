@@ -205,3 +205,39 @@ def test_launch_dry_run_uses_torchrun(capsys):
     assert main(["launch", str(TINY), "--dry-run", "train.steps=3"]) == 0
     cmd = capsys.readouterr().out
     assert "torch.distributed.run" in cmd and "--nproc_per_node=2" in cmd and "train.steps=3" in cmd
+
+
+def test_relative_inputs_are_found_from_any_working_directory(tmp_path, monkeypatch):
+    """`setdiff train /path/to/checkout/recipes/tiny-reasoning.yaml` from elsewhere: a relative
+    input is looked for in the working directory, then beside the recipe file and above it."""
+    reasoning = TINY.parent / "tiny-reasoning.yaml"
+    monkeypatch.chdir(tmp_path)
+    recipe = load_recipe(reasoning)
+    assert recipe.model.init_from == str(TINY.parents[1] / "assets" / "reasoning-ar-base")
+    assert validate_recipe(recipe, recipe_file=reasoning) == []
+    (tmp_path / "assets" / "reasoning-ar-base").mkdir(parents=True)  # the working directory's comes first
+    assert load_recipe(reasoning).model.init_from == "assets/reasoning-ar-base"
+
+    project = tmp_path / "project"  # a recipe two levels below the files it names
+    (project / "recipes" / "mine").mkdir(parents=True)
+    (project / "tok").mkdir()
+    (project / "data").mkdir()
+    (project / "data" / "corpus.idx").write_text("")
+    mine = project / "recipes" / "mine" / "r.yaml"
+    mine.write_text(
+        yaml.safe_dump(
+            {"base": str(TINY), "data": {"tokenizer": "tok", "datasets": [{"path": "data/corpus"}, {"path": "stdlib"}]}}
+        )
+    )
+    data = load_recipe(mine).data
+    assert data.tokenizer == str(project / "tok")
+    assert [d.path for d in data.datasets] == [str(project / "data" / "corpus"), "stdlib"]
+
+
+def test_a_relative_input_found_nowhere_says_where_it_was_looked_for(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["recipe", "validate", str(TINY), "model.init_from=assets/nope"]) == 2
+    assert capsys.readouterr().err == (
+        f"setdiff: error: {TINY}: model.init_from: assets/nope does not exist (looked in the working "
+        f"directory {tmp_path}, then in {TINY.parent} and each directory above it)\n"
+    )
