@@ -5,6 +5,7 @@ steps; the files and their shape do."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -76,10 +77,11 @@ def test_over_seeds_every_model_trains_per_seed_and_reports_mean_and_spread(tmp_
     model = results["models"]["sd-d4"]
     assert model["seeds"] == [1, 2] and set(model["by_seed"]) == {"1", "2"}
     assert sorted(p.name for p in (tmp_path / "runs" / "runs").iterdir()) == ["sd-d4-seed1", "sd-d4-seed2"]
-    for point in model["points"]:
+    for point in model["points"]:  # each point's figures over the seeds are those of its per-seed runs
         by_seed = point["accuracy_by_seed"]
-        assert len(by_seed) == 2 and point["accuracy"] == sum(by_seed) / 2
-        assert point["accuracy_std"] >= 0 and point["accuracy_se_problems"] >= 0
+        runs = [next(q for q in model["by_seed"][s]["points"] if q["point"] == point["point"]) for s in ("1", "2")]
+        assert by_seed == [q["accuracy"] for q in runs] and point["accuracy"] == sum(by_seed) / 2
+        assert point["accuracy_std"] == pytest.approx(abs(by_seed[0] - by_seed[1]) / math.sqrt(2))
     assert "± " in (tmp_path / "results" / "results.md").read_text()
 
 

@@ -1,16 +1,18 @@
-"""`python -m benchmarks.study --quick --setting adapted --seeds 1`: set diffusion d = 4 adapted
+"""`python -m benchmarks.study --quick --setting adapted --seeds 4`: set diffusion d = 4 adapted
 from the shipped AR base with the full study's recipe (400 steps), decoded on its 250 test
-problems at W = 1 and at the paper's default policy (W = 4, threshold 0.9); 7.6 minutes on 2 cores
-shared with a training run (2026-12-04), its training alone about 2.
+problems at W = 1 and at the paper's default policy (W = 4, threshold 0.9); 8.0 minutes on 2 cores
+shared with other work (2026-12-05), its training 4.1 of them.
 
 The thresholds are read from the full run over training seeds 1, 2 and 3
 (benchmarks/results/study/adapted/results.json), as the seed mean less SPREADS standard
-deviations of the seeds. Three seeds estimate a spread poorly (with two degrees of freedom the
-true deviation may be four times the measured one), and another CPU's float order moves a run
-about as far as another seed does, so the margin is wide; it still sits far above what a model
-that has not learned the task scores (the trivial baseline is 0.036). Measured 2026-12-04: accuracy 0.585 +- 0.018 (bound 0.495), 2.49
-+- 0.02 tokens per step (bound 2.39), and 0.092 +- 0.028 lost to parallel decoding against W = 1
-(bound 0.23)."""
+deviations of the seeds. The run here trains seed 4, none of those, so it checks that a new seed
+keeps the trade-off, not that one of the three is reproduced. Three seeds estimate a spread
+poorly (with two degrees of freedom the true deviation may be four times the measured one), and
+another CPU's float order moves a run about as far as another seed does, so the margin is wide;
+it still sits far above what a model that has not learned the task scores (the trivial baseline
+is 0.036). The seeds 1-3 measured 2026-12-04: accuracy 0.585 +- 0.018 (bound 0.495), 2.49 +- 0.02
+tokens per step (bound 2.39), and 0.092 +- 0.028 lost to parallel decoding against W = 1 (bound
+0.23). Seed 4 measured 2026-12-05: 0.604, 2.48 tokens per step, 0.048 lost (0.652 at W = 1)."""
 
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ from benchmarks.study.__main__ import main
 
 FULL_RUN = Path(__file__).parents[3] / "benchmarks" / "results" / "study" / "adapted" / "results.json"
 SPREADS = 5
+SEED = 4
+"""The quick run's training seed: outside the seeds the bounds come from."""
 
 
 def _point(model: dict, **decoding) -> dict:
@@ -50,7 +54,7 @@ def _bounds() -> dict[str, float]:
 
 def test_the_bounds_come_from_three_seeds_and_mean_something():
     model = json.loads(FULL_RUN.read_text())["models"]["sd-d4"]
-    assert model["seeds"] == [1, 2, 3]
+    assert model["seeds"] == [1, 2, 3] and SEED not in model["seeds"]
     bounds = _bounds()
     assert bounds["accuracy"] > 10 * json.loads(FULL_RUN.read_text())["trivial_baseline"]
     assert bounds["tokens_per_step"] > 2.0 and bounds["cost"] < 0.25
@@ -66,7 +70,7 @@ def test_quick_study_keeps_the_full_runs_trade_off(tmp_path):
             "--setting",
             "adapted",
             "--seeds",
-            "1",
+            str(SEED),
             "--out",
             str(tmp_path / "runs"),
             "--results",
