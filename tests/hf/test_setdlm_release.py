@@ -8,13 +8,13 @@ How tests/fixtures/setdlm/ was made, once (the tests need neither the reference 
   environment  Python 3.11 in a throwaway venv: torch 2.13.0 (CPU), transformers 4.52.4,
                huggingface_hub 0.36.2, hydra-core 1.3.2, einops 0.8.1, tokenizers 0.21.4, rich; a
                stand-in for composer.utils.dist, which the loader's module imports but never calls
-  command      a one-off script, run with the reference's checkout on PYTHONPATH and kept out of
-               this repository (which holds none of the reference's code, nor anything that runs
-               it). For each backbone it built the reference's SetDLM denoiser (BD3LMConfig:
-               L = 32, block size 32, StaggeredNoise d = 4, m = 8, keep_clean_bos, sdpa), added
-               random noise to every backbone weight (norms too), wrote the folder with the
-               reference's own src/utils.py::save_pretrained_or_push_to_hub(local=True), loaded it
-               back with scripts/eval/model_loading.py::load_eval_model, and recorded its numbers
+  command      tests/fixtures/setdlm/make_fixtures.py (its docstring says how to run it), with the
+               reference's checkout on its path; this package holds none of the reference's code.
+               For each backbone it builds the reference's SetDLM denoiser (BD3LMConfig:
+               L = 32, block size 32, StaggeredNoise d = 4, m = 8, keep_clean_bos, sdpa), adds
+               random noise to every backbone weight (norms too), writes the folder with the
+               reference's own src/utils.py::save_pretrained_or_push_to_hub(local=True), loads it
+               back with scripts/eval/model_loading.py::load_eval_model, and records its numbers
   backbones    qwen3: AutoModelFromPreTrained over a tiny random Qwen3 base (`tiny-qwen3-base`:
                3 layers x 32, 4 heads, 2 KV heads, head dim 8, tied embeddings, rope theta 1e6),
                cut to num_layers 2; dit: the DIT as the released OpenWebText/LM1B models build it
@@ -52,8 +52,9 @@ from safetensors.torch import save_file
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.hf.release_export import export_release
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
+from setdiff_megatron.runs.terms import order_policy_from
 from setdiff_megatron.sources.read import read_source
-from setdiff_megatron.sources.setdlm_release import static_attention_mask
+from setdiff_megatron.sources.setdlm_release import QWEN3_ARCHITECTURE, static_attention_mask
 from tests.hf.conftest import ROOT, convert_from_hf, greedy_trace, rank_nll
 
 FIXTURES = ROOT / "tests" / "fixtures" / "setdlm"
@@ -108,6 +109,9 @@ def test_the_evaluation_settings_are_the_reference_loaders(kind):
     )
     assert recipe.data.seq_len == loaded["length"] == 32
     assert source.tokenizer.mask_id == REFERENCE[kind]["settings"]["mask"]
+    # The order law those settings give here is the one the reference's loaded noise schedule drew from.
+    k, b, _ = order_policy_from(recipe.method).schedule(recipe.data.seq_len)
+    assert k == pytest.approx(loaded["k"], rel=1e-12) and b == pytest.approx(loaded["b"], rel=1e-12)
 
 
 def _copy(kind: str, tmp_path: Path, config: dict | None = None) -> Path:
@@ -155,6 +159,19 @@ def test_ours_to_a_release_and_back_is_bitwise(kind, tmp_path):
     )
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["SetDLM"] and config["model_type"] == "bd3lm"
+    # What the reference's save wrote: the same tensor names, the same config keys (less the
+    # transformers version its save_pretrained adds; a Qwen3 backbone here names its architecture
+    # numbers too, so that no base model is needed), the same files the loader reads.
+    theirs = json.loads((RELEASES[kind] / "config.json").read_text())
+    assert written.keys() == torch.load(RELEASES[kind] / "pytorch_model.bin", weights_only=True).keys()
+    assert config.keys() == theirs.keys() - {"transformers_version"}
+    for section in ("noise_config", "tokenization_config"):
+        assert config[section].keys() == theirs[section].keys(), section
+    architecture = set(QWEN3_ARCHITECTURE) if kind == "qwen3" else set()
+    assert config["backbone_config"].keys() == theirs["backbone_config"].keys() | architecture
+    assert {"config.json", "pytorch_model.bin", "tokenizer.json", "tokenizer_config.json"} <= {
+        p.name for p in out.iterdir()
+    }
     if kind == "qwen3":  # tied, as the reference saves it: one storage under both names
         assert (
             written["backbone.model.lm_head.weight"].data_ptr()
