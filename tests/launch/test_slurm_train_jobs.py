@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from setdiff_megatron.launch.slurm import submit_sharded
+from tests.launch.slurm_cluster import require_two_nodes
 from tests.launch.slurm_jobs import (
     REPO,
     TINY,
@@ -142,19 +143,6 @@ def test_a_signal_checkpoints_requeues_and_resumes_to_the_same_losses(shared, re
     assert losses(run_dir) == losses(reference[1])  # every train and validation loss, exactly
 
 
-def multi_node_problem() -> str | None:
-    out = subprocess.run(["sinfo", "-N", "-h", "-p", "multi", "-o", "%T"], capture_output=True, text=True, timeout=30)
-    idle = [s for s in out.stdout.split() if s.rstrip("*~#") in ("idle", "mixed")]
-    return (
-        None
-        if len(idle) >= 2
-        else (
-            f"no partition `multi` with two idle nodes ({out.stdout.split() or out.stderr.strip()}); "
-            "tools/local_slurm.sh start makes one where network namespaces can be made"
-        )
-    )
-
-
 def completed(run_dir: Path, cache: Path, env: dict[str, str], *overrides: str) -> tuple[dict[str, str], str]:
     """Submit a training job, wait for it, and check it completed: its final state and log."""
     job_id, log = submit(run_dir, cache, env, *overrides)
@@ -173,8 +161,7 @@ def test_two_nodes_train_as_one_and_their_checkpoint_resumes_on_one_node(shared,
     c10d rendezvous on the first node: the reference's global batch over the same 2 ranks, so its
     losses, bit for bit. The checkpoint of step 10 written across the nodes then resumes in a
     one-node job (2 processes) to the reference's losses."""
-    if problem := multi_node_problem():
-        pytest.skip(problem)
+    require_two_nodes()
     cache, env = shared
     two = tmp_path / "two"
     state, text = completed(
@@ -205,8 +192,7 @@ def test_a_node_lost_mid_run_requeues_and_resumes_to_the_same_losses(shared, ref
     re-rendezvous; slurmctld marks the node down (SlurmdTimeout, up to about 90 s), fails the job
     over to a requeue (#SBATCH --requeue); the node comes back (its slurmd restarted, as after a
     reboot) and the requeued job resumes from step 10 to the reference's losses."""
-    if problem := multi_node_problem():
-        pytest.skip(problem)
+    require_two_nodes()
     cache, env = shared
     run_dir = tmp_path / "lost"
     job_id, log = submit(
