@@ -7,9 +7,10 @@ How tests/fixtures/dit/ was made, once (the tests need neither the reference nor
                its src/ tree (backbone/dit.py, denoiser/setdlm.py, noise_schedule/noise_schedules.py)
   environment  Python 3.11 in a throwaway venv: torch 2.13.0 (CPU), transformers 4.52.4,
                huggingface_hub 0.36.2, hydra-core 1.3.2, einops 0.8.1, tokenizers 0.21.4, numpy 2.4.6
-  command      a one-off script, run with the reference's checkout on PYTHONPATH and kept out of
-               this repository (which holds none of the reference's code, nor anything that
-               runs it): it built the reference's DIT and SetDLM classes and saved what follows
+  command      tests/fixtures/make_reference_fixtures.py (its docstring says how to run it and
+               what a rerun reproduced), with the reference's checkout on its path; this package
+               holds none of the reference's code. It builds the reference's DIT and SetDLM
+               classes and saves what follows
   settings     the DIT as the released OpenWebText and LM1B models build it (adaln false,
                causal_attention false, attn_backend sdpa, dropout 0.1, inactive in eval,
                tie_word_embeddings true, which the DIT does not apply) at length 32, hidden 24,

@@ -8,8 +8,9 @@ How tests/fixtures/setdlm/ was made, once (the tests need neither the reference 
   environment  Python 3.11 in a throwaway venv: torch 2.13.0 (CPU), transformers 4.52.4,
                huggingface_hub 0.36.2, hydra-core 1.3.2, einops 0.8.1, tokenizers 0.21.4, rich; a
                stand-in for composer.utils.dist, which the loader's module imports but never calls
-  command      tests/fixtures/setdlm/make_fixtures.py (its docstring says how to run it), with the
-               reference's checkout on its path; this package holds none of the reference's code.
+  command      tests/fixtures/make_reference_fixtures.py (its docstring says how to run it and
+               what a rerun reproduced), with the reference's checkout on its path; this package
+               holds none of the reference's code.
                For each backbone it builds the reference's SetDLM denoiser (BD3LMConfig:
                L = 32, block size 32, StaggeredNoise d = 4, m = 8, keep_clean_bos, sdpa), adds
                random noise to every backbone weight (norms too), writes the folder with the
