@@ -14,7 +14,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 
+from setdiff_megatron.core.decoding import DecodingConfig
+from setdiff_megatron.core.orders import Block, OrderError, OrderPolicy, Staggered, make_order_policy
 from setdiff_megatron.models.config import ModelConfig
+from setdiff_megatron.recipes.decoding import DecodingSection, given
 
 __all__ = [
     "BUILTIN_CORPORA",
@@ -68,9 +71,19 @@ class MethodSection(Section):
     b: PositiveFloat | None = None
     """Override of the window width (exclusive with k)."""
     block_size: PositiveInt | None = None
-    """Block size of the 'block' policy (BD3-LM)."""
+    """Block size of the 'block' policy (set diffusion with a block order)."""
     keep_clean_bos: bool = False
     """Pin a BOS at position 0 first in every order and leave it out of the loss."""
+
+    def order_policy(self) -> OrderPolicy:
+        """The order law this section names; core/orders.py checks its rules (OrderError)."""
+        if self.order == "staggered":
+            return Staggered(d=self.d, m=self.m, k=self.k, b=self.b)
+        if self.order == "block":
+            if self.block_size is None:
+                raise OrderError("block_size", "the block order needs a block size")
+            return Block(size=self.block_size)
+        return make_order_policy(self.order)
 
 
 BUILTIN_CORPORA = ("stdlib", "reasoning")
@@ -321,3 +334,11 @@ class Recipe(Section):
     eval: EvalSection = Field(default_factory=EvalSection)
     log: LogSection = Field(default_factory=LogSection)
     launch: LaunchSection = Field(default_factory=LaunchSection)
+    decoding: DecodingSection = Field(default_factory=DecodingSection)
+    """How the trained model decodes where it departs from its order's paper default (a window of
+    d at threshold 0.9 for the staggered schedule, one token per step for AR, its blocks for a
+    block order): every door (sample, eval, serve, lm-eval, the HF export) starts from it."""
+
+    def decoding_policy(self) -> DecodingConfig:
+        """The model's own decoding policy: its order's paper default, with `decoding` over it."""
+        return DecodingConfig(**{**self.method.order_policy().decoding_policy(), **given(self.decoding)})
