@@ -83,7 +83,7 @@ def write_megatron_checkpoint(source: Source, stage: Path, final: Path, *, dtype
 
 def _loaded_chunk(source: Source, dtype: torch.dtype):
     """The whole model as one megatron chunk at `dtype`, holding the source's weights."""
-    from setdiff_megatron.models.megatron_model import build_model_chunks, transformer_config_from
+    from setdiff_megatron.models.megatron_plumbing import build_model_chunks, transformer_config_from
     from setdiff_megatron.models.weight_maps.megatron import torch_to_megatron
 
     (chunk,) = build_model_chunks(source.config, transformer_config_from(source.config, params_dtype=dtype))

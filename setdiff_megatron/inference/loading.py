@@ -70,7 +70,7 @@ def _megatron_shard(source: Source, tp: int, dtype: torch.dtype, device: torch.d
 
     init_model_parallel(Layout.of(world_size(), tp=tp), seed=0)
     from setdiff_megatron.checkpoint.megatron import load_model_shard
-    from setdiff_megatron.models.megatron_model import build_model_chunks, transformer_config_from
+    from setdiff_megatron.models.megatron_plumbing import build_model_chunks, transformer_config_from
     from setdiff_megatron.models.weight_maps.megatron import torch_to_megatron
 
     config = source.config

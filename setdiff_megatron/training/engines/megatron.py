@@ -3,7 +3,8 @@
 What it builds, in order:
   groups      distributed.runtime from the recipe's layout (tp, pp, vpp); gloo on a CPU through
               the compatibility layer, NCCL on GPUs
-  model       models/megatron_model: this rank's chunks, wrapped in megatron DDP
+  model       models/megatron_plumbing: this rank's chunks of the models/megatron_model body,
+              wrapped in megatron DDP
   optimizer   get_megatron_optimizer (distributed optimizer when asked) + megatron-core's LR
               scheduler (lr_schedule.py)
   step        get_forward_backward_func() (1F1B / interleaved) over the micro-batches of one
@@ -87,7 +88,7 @@ class MegatronEngine:
         )
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        from setdiff_megatron.models.megatron_model import (
+        from setdiff_megatron.models.megatron_plumbing import (
             build_model_chunks,
             forward_step,
             pipeline_seq_length,
