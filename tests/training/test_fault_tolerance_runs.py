@@ -49,12 +49,12 @@ def snapshot(directory: Path) -> dict[str, tuple[int, int, str]]:
     }
 
 
-def test_a_slow_save_goes_on_and_a_hung_save_restarts_from_the_newest_complete_checkpoint(data_cache, tmp_path):
-    """One process under torchrun with a restart (what `setdiff launch --dry-run` prints), a step
-    timeout of 2 s: the save of step 2 sleeps 3 s and completes; the save of step 4 hangs, the
-    watchdog names it after the save timeout (4 x 2 s, the default rule) and exits 76, and the
-    restarted process resumes from step 2, the newest complete checkpoint, and finishes, steps 3
-    and 4 again with the losses they had the first time."""
+def test_a_hung_save_is_named_and_restarts_from_the_newest_complete_checkpoint(data_cache, tmp_path):
+    """One process under torchrun with a restart (what `setdiff launch --dry-run` prints): the save
+    of step 4 hangs, the watchdog names it after the save timeout and exits 76, and the restarted
+    process resumes from step 2, the newest complete checkpoint, and finishes, steps 3 and 4 again
+    with the losses they had the first time. (A save slower than a step, within its own timeout,
+    goes on: the slow test below, and the watchdog's unit tests.)"""
     run = tmp_path / "run"
     overrides = [
         f"checkpoint.dir={run}",
@@ -64,29 +64,23 @@ def test_a_slow_save_goes_on_and_a_hung_save_restarts_from_the_newest_complete_c
         "train.steps=6",
         "checkpoint.interval=2",
         "checkpoint.keep_last_n=10",
-        "train.hang_timeout_s=2",
-        "train.startup_timeout_s=120",  # imports, data and model on a loaded machine
+        "train.hang_timeout_s=4",
+        "train.save_timeout_s=12",  # a real save of this model takes up to 10 s on loaded cores
+        "train.startup_timeout_s=120",  # imports, data and model on loaded cores
     ]
-    env = {
-        **os.environ,
-        **RESTART_ENV,
-        INJECT_ENV: "hang:step=2:seconds=3:at=save,hang:step=4:seconds=600:at=save",
-    }
+    env = {**os.environ, **RESTART_ENV, INJECT_ENV: "hang:step=4:seconds=600:at=save"}
     out = run_in_session(Torchrun(1, ["train", TINY, *overrides], max_restarts=1).argv, env, tmp_path / "out.txt")
     assert out.returncode == 0, out.stdout[-3000:]
     [hung] = [line for line in out.stdout.splitlines() if "no progress for" in line]
-    assert "in the checkpoint save of step 4 (train.save_timeout_s = 8)" in hung and "exiting with code 76" in hung
+    assert "in the checkpoint save of step 4 (train.save_timeout_s = 12)" in hung and "exiting with code 76" in hung
     assert "in_save" in (run / "logs" / "hang-rank0.txt").read_text()
     assert f"resumed from {run / 'checkpoints' / 'step_00000002'} at step 2" in out.stdout
-    logged = [json.loads(line) for line in (run / "logs" / "metrics.jsonl").read_text().splitlines()]
-    [slow] = [m for m in logged if m.get("checkpoint/step") == 2]
-    assert slow["checkpoint/blocked_s"] > 3
     assert [verify(run / "checkpoints" / f"step_{s:08d}") for s in (2, 4, 6)] == [None] * 3
     steps, replayed = [s for s, _ in losses(run)], [loss for s, loss in losses(run) if s in (3, 4)]
     assert steps == [1, 2, 3, 4, 3, 4, 5, 6] and replayed[:2] == replayed[2:]
 
 
-@pytest.mark.slow  # 90 s beside a CPU-bound process; the watchdog's phases, the drills and the cleanup have unit tests
+@pytest.mark.slow  # 77 to 110 s beside a CPU-bound process; the watchdog's phases, the drills and the cleanup have unit tests
 def test_a_slow_save_a_rank_killed_in_a_save_and_a_hung_rank_end_like_the_uninterrupted_run(
     trained_launch, data_cache, tmp_path
 ):
@@ -107,6 +101,7 @@ def test_a_slow_save_a_rank_killed_in_a_save_and_a_hung_rank_end_like_the_uninte
         "checkpoint.keep_last_n=10",
         "launch.max_restarts=2",
         "train.hang_timeout_s=5",
+        "train.save_timeout_s=60",  # a real save takes up to 11 s beside the busy process
         "train.startup_timeout_s=120",  # imports, data, model and resume beside the busy process
     )
     env = {
@@ -130,10 +125,14 @@ def test_a_slow_save_a_rank_killed_in_a_save_and_a_hung_rank_end_like_the_uninte
     assert code == 0, text[-3000:]
     assert not left_behind(proc.pid), text[-3000:]
     assert "killing rank 1 in the checkpoint save of step 10" in text and f"resumed from {step5} at step 5" in text
-    [hung] = [line for line in text.splitlines() if "no progress for" in line]  # not in the slow save
-    assert hung.startswith("setdiff: rank 1: no progress for") and "in step 12 (train.hang_timeout_s = 5)" in hung
-    assert "exiting with code 76" in hung and "at_step_start" in (run / "logs" / "hang-rank1.txt").read_text()
+    # Rank 0 waits for rank 1 in the step's collectives: its watchdog may fire too. None fired in the slow save.
+    hung = [line for line in text.splitlines() if "no progress for" in line]
+    assert hung and all("in step 12 (train.hang_timeout_s = 5)" in line for line in hung), hung
+    assert any(line.startswith("setdiff: rank 1: no progress for") for line in hung), hung
+    assert "exiting with code 76" in hung[0] and "at_step_start" in (run / "logs" / "hang-rank1.txt").read_text()
     assert f"resumed from {run / 'checkpoints' / 'step_00000010'} at step 10" in text
+    logged = [json.loads(line) for line in (run / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["checkpoint/blocked_s"] > 7 for m in logged if m.get("checkpoint/step") == 5] == [True]
     assert before and snapshot(step5) == before
     assert [verify(run / "checkpoints" / f"step_{s:08d}") for s in (5, 10, 15, 20)] == [None] * 4
     assert dict(losses(run))[20] == baseline
