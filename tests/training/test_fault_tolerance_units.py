@@ -90,34 +90,36 @@ def test_a_bad_drill_is_one_line(monkeypatch, spec, fragment):
         Faults.from_env(rank=0)
 
 
-TIMEOUTS = dict(hang_timeout_s=1.0, save_timeout_s=4.0, eval_timeout_s=1.5, startup_timeout_s=3.0)
-
-
 def test_each_phase_has_its_timeout_and_its_name(tmp_path):
-    dog = Watchdog(TIMEOUTS, 0, tmp_path)  # not entered: no thread, the clock read by hand
-    now = time.monotonic()
-    assert dog.overdue(now + 2.5) is None
-    assert dog.overdue(now + 3.2).startswith(
-        "no progress for 3 s in the start-up (process groups, data, model build, resume) (train.startup_timeout_s = 3)"
+    dog = Watchdog(dict(hang_timeout_s=10, save_timeout_s=40, eval_timeout_s=15, startup_timeout_s=30), 0, tmp_path)
+
+    def overdue_after(seconds: float) -> str | None:  # not entered: no thread, the clock read by hand
+        return dog.overdue(time.monotonic() + seconds)
+
+    assert overdue_after(25) is None
+    assert re.match(
+        r"no progress for 3\d s in the start-up \(process groups, data, model build, resume\) "
+        r"\(train.startup_timeout_s = 30\)$",
+        overdue_after(35),
     )
     dog.beat(1)  # the first step may take the start-up's time
-    assert dog.overdue(time.monotonic() + 2.5) is None
-    assert "in step 1, the first since the start-up (train.startup_timeout_s = 3)" in dog.overdue(now + 3.5)
+    assert overdue_after(25) is None
+    assert "in step 1, the first since the start-up (train.startup_timeout_s = 30)" in overdue_after(35)
     dog.beat(2)
-    assert "in step 2 (train.hang_timeout_s = 1)" in dog.overdue(time.monotonic() + 1.2)
+    assert overdue_after(5) is None and "in step 2 (train.hang_timeout_s = 10)" in overdue_after(15)
     with dog.phase(SAVE, 2):  # a save past the step's timeout goes on
-        assert dog.overdue(time.monotonic() + 3.5) is None
-        assert "in the checkpoint save of step 2 (train.save_timeout_s = 4)" in dog.overdue(time.monotonic() + 4.5)
-    now = time.monotonic()  # back in step 2, its clock restarted
-    assert dog.overdue(now + 0.5) is None and "in step 2 (" in dog.overdue(now + 1.2)
+        assert overdue_after(35) is None
+        assert "in the checkpoint save of step 2 (train.save_timeout_s = 40)" in overdue_after(45)
+    assert overdue_after(5) is None and "in step 2 (" in overdue_after(15)  # back in step 2, its clock restarted
     with dog.phase(EVALUATION, 2):
-        assert "in the evaluation at step 2 (train.eval_timeout_s = 1.5)" in dog.overdue(time.monotonic() + 2)
+        assert "in the evaluation at step 2 (train.eval_timeout_s = 15)" in overdue_after(20)
     with dog.phase(ROLLBACK, 3):
-        assert "in the rollback reload at step 3 (train.save_timeout_s = 4)" in dog.overdue(time.monotonic() + 5)
-    off = Watchdog({**TIMEOUTS, "hang_timeout_s": 0.0}, 0, tmp_path)
-    off.beat(1)
-    off.beat(2)
-    assert off.overdue(time.monotonic() + 1e6) is None  # 0: unwatched
+        assert "in the rollback reload at step 3 (train.save_timeout_s = 40)" in overdue_after(45)
+    dog.timeouts["hang_timeout_s"] = 0.0
+    assert overdue_after(1e6) is None  # 0: unwatched
+
+
+TIMEOUTS = dict(hang_timeout_s=1.0, save_timeout_s=4.0, eval_timeout_s=1.0, startup_timeout_s=4.0)
 
 
 def test_a_slow_save_goes_on_and_a_hung_one_ends_the_process_for_a_restart(tmp_path):
