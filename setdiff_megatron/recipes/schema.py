@@ -223,8 +223,19 @@ class TrainSection(Section):
     """On a NaN/Inf loss: stop the run, or skip the step and report it."""
     spike_policy: SpikePolicy = Field(default_factory=SpikePolicy)
     hang_timeout_s: NonNegativeFloat = 1800.0
-    """A rank that starts no step for this long logs where it is stuck and exits with code 76, on
-    which torchrun restarts the job (launch.max_restarts); 0 turns the watchdog off."""
+    """A rank whose training step makes no progress for this long logs where it is stuck and exits
+    with code 76, on which torchrun restarts the job (launch.max_restarts). The other phases have
+    their own timeouts below, by default scaled from this one; 0 leaves steps unwatched, and every
+    phase whose own key is unset (training/watchdog.py)."""
+    save_timeout_s: NonNegativeFloat | None = None
+    """The same for a checkpoint save (a synchronous one, or the part of a background one the loop
+    waits for) and a spike rollback's reload; unset: 4 x hang_timeout_s. 0: unwatched."""
+    eval_timeout_s: NonNegativeFloat | None = None
+    """The same for an evaluation; unset: hang_timeout_s x eval.batches / the micro-batches of a
+    training step on one rank (at least 1 x). 0: unwatched."""
+    startup_timeout_s: NonNegativeFloat | None = None
+    """The same for the start-up (process groups, data, model build, resume) and the first step
+    after it (warm-up, compilation, first collectives); unset: 4 x hang_timeout_s. 0: unwatched."""
     straggler_factor: NonNegativeFloat = 1.5
     """At each log step, one line names a rank whose own compute time (forward-backward less its
     waits in the gradient and loss reductions) is this many times the other ranks' median or more; 0
