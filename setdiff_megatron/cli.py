@@ -114,7 +114,7 @@ def _sample(args: argparse.Namespace) -> int:
     code = relaunch(args)
     if code is not None:
         return code
-    return run_sample_job(
+    run_sample_job(
         SampleJob(
             source=args.source,
             prompts=args.prompts,
@@ -126,6 +126,7 @@ def _sample(args: argparse.Namespace) -> int:
             stop_at_eos=not args.ignore_eos,
         )
     )
+    return 0
 
 
 def _add_sample_parser(sub) -> None:

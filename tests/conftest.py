@@ -70,6 +70,14 @@ def trained_launch(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]
 
 
 @pytest.fixture(scope="session")
+def clean_site(tmp_path_factory) -> Path:
+    """A Python path with torch and transformers only, for what a Hugging Face user runs."""
+    from tests.hf.clean_env import make_clean_site
+
+    return make_clean_site(tmp_path_factory.mktemp("clean") / "site")
+
+
+@pytest.fixture(scope="session")
 def trained_run(trained_launch) -> Path:
     """The run directory of `trained_launch`, for the jobs that load checkpoints (sampling,
     evaluation, export)."""

@@ -80,8 +80,8 @@ def test_a_usage_error_is_one_line_naming_the_flag_and_what_it_takes(argv, messa
             "separated by commas, e.g. 1,2,3; got '1,x'; see python -m benchmarks.study --help",
         ),
         (
-            [str(ROOT / "tools" / "sample.py"), "run", "--prompts", "p", "--out", "o", "--window", "wide"],
-            "setdiff sample: error: argument --window: expected an integer, got 'wide'; see setdiff sample --help",
+            [str(ROOT / "tools" / "sample.py"), "run", "--prompts", "p", "--out", "o", "--batch-size", "wide"],
+            "setdiff sample: error: argument --batch-size: expected an integer, got 'wide'; see setdiff sample --help",
         ),
     ],
     ids=["python -m", "tools/"],

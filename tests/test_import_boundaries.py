@@ -35,6 +35,7 @@ SHARED = {"errors", "version", "progress", "log"}
 FRAMEWORKS = {
     "megatron": {
         "models/megatron_model.py",
+        "models/megatron_plumbing.py",
         "distributed/megatron_cpu.py",
         "distributed/runtime.py",
         "checkpoint/megatron.py",
@@ -46,10 +47,10 @@ FRAMEWORKS = {
     },
     "deepspeed": {"training/engines/deepspeed.py", "sources/deepspeed.py"},
 }
-"""Where megatron-core and DeepSpeed may be imported (lazily or not): the megatron body, the
-runtime and its CPU layer, the megatron parts of checkpoint/ and data/, megatron-core's LR
-scheduler and optimizer defaults (both engines update alike), and each engine; DeepSpeed in its
-engine and in the reader of its checkpoints."""
+"""Where megatron-core and DeepSpeed may be imported (lazily or not): the megatron body and its
+plumbing, the runtime and its CPU layer, the megatron parts of checkpoint/ and data/,
+megatron-core's LR scheduler and optimizer defaults (both engines update alike), and each engine;
+DeepSpeed in its engine and in the reader of its checkpoints."""
 CORE_ALLOWED = {"torch", "setdiff_megatron"} | set(sys.stdlib_module_names)
 
 

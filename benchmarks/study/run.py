@@ -131,7 +131,8 @@ def sweep(out: Path, model: Model, tasks: Path, quick: bool) -> list[dict]:
         "checkpoints": {model.key: str(run_dir(out, model))},
         "out": str(out / "eval" / model.key / "sweep"),
         "batch_size": BATCH_SIZE,
-        "decoding": {"max_new_tokens": MAX_NEW_TOKENS, **model.decoding_defaults()},
+        # Every point names its window and, where it uses one, its threshold: the rest is off.
+        "decoding": {"max_new_tokens": MAX_NEW_TOKENS, "threshold": None, **model.decoding_defaults()},
         "points": points,
         "grid": grid,
     }

@@ -23,13 +23,20 @@ S stop sequences, M longest stop sequence.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, fields
+import numbers
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
 
 import torch
 
 __all__ = [
+    "Setting",
+    "SETTINGS",
     "DecodingConfig",
+    "DecodingRequest",
+    "resolve_decoding",
+    "decoding_request_record",
     "RowPolicy",
     "window_queries",
     "process_logits",
@@ -48,57 +55,115 @@ _OFF = 2.0
 """A threshold or top_p that never triggers."""
 
 
+@dataclass(frozen=True)
+class Setting:
+    """One decoding setting, declared once with its DecodingConfig field (which holds its
+    default). Every door is made from these declarations: the command-line flags, the server's
+    request fields, sweep specs, a recipe's `decoding` section, lm-eval's model_args and the keys
+    of an export's generation_config.json; so are the checks."""
+
+    name: str
+    kind: type
+    """int, float or bool."""
+    help: str
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    off: bool = False
+    """None is a value, and means the setting is off."""
+    note: str = ""
+    """What a special value means, said after the range in errors, e.g. '0 = greedy'."""
+    openai: str | None = None
+    """The OpenAI request field that carries it to the server, when OpenAI has one."""
+
+    def allowed(self) -> str:
+        """The range in words: '>= 1', 'in (0, 1], or None for off', '> 0 (1 = off)'."""
+        if self.gt is not None and self.le is not None:
+            text = f"in ({self.gt:g}, {self.le:g}]"
+        elif self.ge is not None:
+            text = f">= {self.ge:g}"
+        elif self.gt is not None:
+            text = f"> {self.gt:g}"
+        else:
+            text = {bool: "true or false", int: "an integer", float: "a number"}[self.kind]
+        text += ", or None for off" if self.off else ""
+        return f"{text} ({self.note})" if self.note else text
+
+    def accepts(self, value: Any) -> bool:
+        if value is None:
+            return self.off
+        if self.kind is bool:
+            return isinstance(value, bool)
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or (self.kind is int and value != int(value)):
+            return False
+        return (
+            (self.ge is None or value >= self.ge)
+            and (self.gt is None or value > self.gt)
+            and (self.le is None or value <= self.le)
+        )
+
+
+def _setting(default: Any, kind: type, help: str, **declared: Any) -> Any:
+    return field(default=default, metadata={"setting": {"kind": kind, "help": help, **declared}})
+
+
 @dataclass(frozen=True, kw_only=True)
 class DecodingConfig:
-    """How the sampler picks tokens. Every field is checked when the config is built."""
+    """How the sampler picks tokens. Every field is checked when the config is built.
 
-    window: int = 16
+    A model carries its own policy (`Source.decoding`: its recipe's order, or what its export
+    says); the defaults here are only what a caller gets who names neither."""
+
+    window: int = _setting(
+        16,
+        int,
+        "W: queries come from the masked positions in [leftmost masked, leftmost masked + W); 1 is "
+        "autoregressive decoding",
+        ge=1,
+    )
     """W >= 1: queries are the masked positions in [leftmost masked, leftmost masked + W) (the
     reference's position span, which out-of-order decoding can shrink to one query)."""
-    fill_window: bool = False
-    """Offer the W leftmost masked positions instead, so every step scores W queries."""
-    block_size: int | None = None
+    fill_window: bool = _setting(False, bool, "offer the W leftmost masked positions, so every step scores W queries")
+    block_size: int | None = _setting(
+        None,
+        int,
+        "block diffusion decoding: queries stay in the block of S positions holding the leftmost masked one",
+        ge=1,
+        off=True,
+    )
     """Block diffusion (BD3-LM) decoding: queries never pass the end of the block (positions
     [j*S, (j+1)*S), counted from the canvas start) that holds the leftmost masked position, so a
     block is finished before the next one is queried, as a block-order model was trained. None: off."""
-    tokens_per_step: int = 1
-    """k >= 1: the k most confident queries are decoded each step (at most the queries offered)."""
-    threshold: float | None = None
+    tokens_per_step: int = _setting(1, int, "k: decode the k most confident queries each step", ge=1)
+    threshold: float | None = _setting(
+        None, float, "tau: also decode every query at least this confident", gt=0, le=1, off=True
+    )
     """tau in (0, 1]: also decode every query whose confidence is >= tau. None: off (the
     reference's 1e6)."""
-    temperature: float = 0.0
-    """0: greedy (argmax). > 0: sample from softmax(logits / temperature)."""
-    top_k: int | None = None
-    """Keep only the top_k >= 1 tokens of each query (None: all)."""
-    top_p: float | None = None
-    """Nucleus in (0, 1]: keep the most probable tokens up to cumulative mass top_p (None: all)."""
-    repetition_penalty: float = 1.0
+    temperature: float = _setting(0.0, float, "0: greedy; > 0 samples", ge=0, note="0 = greedy", openai="temperature")
+    top_k: int | None = _setting(None, int, "keep only the k most probable tokens of each query", ge=1, off=True)
+    top_p: float | None = _setting(
+        None, float, "nucleus: keep the most probable tokens up to this mass", gt=0, le=1, off=True, openai="top_p"
+    )
+    repetition_penalty: float = _setting(
+        1.0, float, "divide positive logits of tokens already in the row by it (HF rule)", gt=0, note="1 = off"
+    )
     """> 0; HF rule: logits of tokens present in the row (prompt, right context and decoded
     tokens) are divided by it where positive and multiplied where negative. 1: off."""
     eos_token_ids: tuple[int, ...] = ()
     stop_sequences: tuple[tuple[int, ...], ...] = ()
     """Token-id sequences that end a completion (matched in the generated tail only)."""
-    max_new_tokens: int = 128
-    """Length of the generated tail after each prompt, >= 0 (0: infill the prompt's masks only)."""
-    seed: int = 0
-    """Seeds the torch.Generator of sampled decoding; greedy decoding draws nothing."""
+    max_new_tokens: int = _setting(
+        128, int, "generated tail per prompt (0: infill the prompt's masks only)", ge=0, openai="max_tokens"
+    )
+    seed: int = _setting(0, int, "seeds sampled decoding (greedy decoding draws nothing)", openai="seed")
 
     def __post_init__(self) -> None:
+        for setting in SETTINGS.values():
+            value = getattr(self, setting.name)
+            if not setting.accepts(value):
+                raise ValueError(f"{setting.name} must be {setting.allowed()}; got {value!r}")
         checks = [
-            ("window", self.window, self.window >= 1, ">= 1"),
-            ("tokens_per_step", self.tokens_per_step, self.tokens_per_step >= 1, ">= 1"),
-            ("block_size", self.block_size, self.block_size is None or self.block_size >= 1, ">= 1, or None for off"),
-            (
-                "threshold",
-                self.threshold,
-                self.threshold is None or 0 < self.threshold <= 1,
-                "in (0, 1], or None for off",
-            ),
-            ("temperature", self.temperature, self.temperature >= 0, ">= 0 (0 = greedy)"),
-            ("top_k", self.top_k, self.top_k is None or self.top_k >= 1, ">= 1, or None for off"),
-            ("top_p", self.top_p, self.top_p is None or 0 < self.top_p <= 1, "in (0, 1], or None for off"),
-            ("repetition_penalty", self.repetition_penalty, self.repetition_penalty > 0, "> 0 (1 = off)"),
-            ("max_new_tokens", self.max_new_tokens, self.max_new_tokens >= 0, ">= 0"),
             ("eos_token_ids", self.eos_token_ids, all(t >= 0 for t in self.eos_token_ids), "token ids >= 0"),
             (
                 "stop_sequences",
@@ -110,6 +175,35 @@ class DecodingConfig:
         for name, value, ok, allowed in checks:
             if not ok:
                 raise ValueError(f"{name} must be {allowed}; got {value!r}")
+
+    def over(self, changes: Mapping[str, Any]) -> DecodingConfig:
+        """This policy with `changes` (settings by name) over it, checked."""
+        unknown = sorted(set(changes) - {f.name for f in fields(self)})
+        if unknown:
+            raise ValueError(f"unknown decoding settings {unknown}; known: {', '.join(SETTINGS)}")
+        return replace(self, **changes)
+
+
+SETTINGS: dict[str, Setting] = {
+    f.name: Setting(name=f.name, **f.metadata["setting"]) for f in fields(DecodingConfig) if "setting" in f.metadata
+}
+"""Every decoding setting a user may give, in declaration order."""
+
+DecodingRequest = DecodingConfig | Mapping[str, Any]
+"""What a job is asked to decode with: a whole config, or settings over the model's own policy."""
+
+
+def resolve_decoding(request: DecodingRequest, policy: DecodingConfig) -> DecodingConfig:
+    """A whole config as it is; settings over the model's policy otherwise."""
+    return request if isinstance(request, DecodingConfig) else policy.over(request)
+
+
+def decoding_request_record(request: DecodingRequest) -> dict[str, Any]:
+    """A request as JSON-ready data, for a job's record of what it was asked: a whole config's
+    fields, or the settings given over the model's policy under `model_policy_with`."""
+    if isinstance(request, DecodingConfig):
+        return asdict(request)
+    return {"model_policy_with": dict(request)}
 
 
 @dataclass

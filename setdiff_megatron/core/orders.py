@@ -15,11 +15,14 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 __all__ = [
+    "OrderError",
+    "default_max_set_size",
+    "PAPER_THRESHOLD",
     "OrderPolicy",
     "Staggered",
     "LeftToRight",
@@ -31,6 +34,26 @@ __all__ = [
 ]
 
 Device = torch.device | str | None
+
+UNIFORM_WINDOW = 16
+"""The window a uniform-order model decodes with: any position may come next, so the window is
+a speed knob, not the order's own set size."""
+PAPER_THRESHOLD = 0.9
+"""The confidence threshold the paper decodes its parallel models with (tau, docs/method.md)."""
+
+
+class OrderError(ValueError):
+    """An order law that cannot be: `field` names the knob at fault (d, m, k, b, size), so a recipe
+    can report it as its own key."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+def default_max_set_size(d: int) -> int:
+    """m when none is given: 2d, the reference config's default."""
+    return 2 * d
 
 
 def _check_length(length: int) -> None:
@@ -71,6 +94,12 @@ class OrderPolicy(ABC):
 
         For the staggered schedule the score is the first-hitting time T_i."""
 
+    @abstractmethod
+    def decoding_policy(self) -> dict[str, Any]:
+        """The paper's default decoding settings (core/decoding.py) for a model trained under
+        this order: one token per step left to right, a window of d at the paper's threshold
+        for the staggered schedule, its own blocks for a block order."""
+
 
 @dataclass(frozen=True)
 class Staggered(OrderPolicy):
@@ -88,17 +117,17 @@ class Staggered(OrderPolicy):
 
     def __post_init__(self) -> None:
         if self.d < 1:
-            raise ValueError(f"d must be >= 1, got d={self.d}")
-        if self.m is None:  # the reference config default; resolved here so repr() shows it
-            object.__setattr__(self, "m", 2 * self.d)
+            raise OrderError("d", f"d must be >= 1, got d={self.d}")
+        if self.m is None:  # resolved here so repr() shows it
+            object.__setattr__(self, "m", default_max_set_size(self.d))
         if self.m < self.d:
-            raise ValueError(f"m must be >= d, got d > m (d={self.d}, m={self.m})")
+            raise OrderError("d", f"d ({self.d}) must be <= m ({self.m})")
         if self.k is not None and self.b is not None:
-            raise ValueError("k and b are mutually exclusive; give at most one of k, b")
+            raise OrderError("k", "k and b are exclusive; set at most one")
         if self.k is not None and not 0 < self.k < math.inf:
-            raise ValueError(f"k must be a finite number > 0, got k={self.k}")
+            raise OrderError("k", f"k must be a finite number > 0, got k={self.k}")
         if self.b is not None and not 0 < self.b <= 1:
-            raise ValueError(f"b must be in (d/(2*length), 1], got b={self.b}")
+            raise OrderError("b", f"b must be in (d/(2*length), 1], got b={self.b}")
 
     def _is_exact_ar(self) -> bool:
         return self.d == 1 and self.k is None and self.b is None
@@ -108,26 +137,25 @@ class Staggered(OrderPolicy):
     ) -> tuple[float, float, torch.Tensor]:
         """Return (k, b, loc_L): the Beta(1, k) shape, the window width and the window starts."""
         _check_length(length)
-        d = self.d
-        m = self.m if self.m is not None else 2 * d
+        d, m = self.d, self.m
         # With d == 1 (and no override) m plays no role: the windows tile [0, 1], so m > L is fine.
         if m > length and not self._is_exact_ar():
-            raise ValueError(
-                f"m must be <= length, got m={m}, length={length}; for a uniform order set d = m = length explicitly"
+            raise OrderError(
+                "m", f"m ({m}) must be <= the sequence length ({length}); for a uniform order set d = m = length"
             )
         desired_area = d / (2 * length)  # area of a BD3-LM block of size d under a linear schedule
         if self.k is not None:
             k = float(self.k)
             b = desired_area * (k + 1) / k
             if not b <= 1:
-                raise ValueError(
-                    f"k={k} gives window b={b} > 1; k must be >= "
-                    f"{desired_area / (1 - desired_area)} for length={length}"
+                raise OrderError(
+                    "k",
+                    f"k={k} gives window b={b} > 1; k must be >= {desired_area / (1 - desired_area)} for length={length}",
                 )
         elif self.b is not None:
             b = float(self.b)
             if not desired_area < b <= 1:
-                raise ValueError(f"b must be in (d/(2*length), 1] = ({desired_area}, 1], got b={b}")
+                raise OrderError("b", f"b must be in (d/(2*length), 1] = ({desired_area}, 1], got b={b}")
             k = desired_area / (b - desired_area)
         elif d not in (1, m):
             b = m / (length + m - 1)  # spacing 1/(L+m-1): exactly m consecutive windows overlap
@@ -157,6 +185,9 @@ class Staggered(OrderPolicy):
         # U = 1 - V**(1/k), written as -expm1(log(V)/k) to keep precision when V is close to 1.
         return loc_L + b * -torch.expm1(torch.log(v_BL) / k)
 
+    def decoding_policy(self) -> dict[str, Any]:
+        return {"window": 1} if self.d == 1 else {"window": self.d, "threshold": PAPER_THRESHOLD}
+
 
 @dataclass(frozen=True)
 class LeftToRight(OrderPolicy):
@@ -171,6 +202,9 @@ class LeftToRight(OrderPolicy):
         dev = _resolve_device(device, generator)
         return -torch.arange(length, device=dev, dtype=_score_dtype(dev)).expand(batch_size, length)
 
+    def decoding_policy(self) -> dict[str, Any]:
+        return {"window": 1}
+
 
 @dataclass(frozen=True)
 class Uniform(OrderPolicy):
@@ -184,6 +218,9 @@ class Uniform(OrderPolicy):
         _check_length(length)
         return _uniform_BL(batch_size, length, generator, device)
 
+    def decoding_policy(self) -> dict[str, Any]:
+        return {"window": UNIFORM_WINDOW, "threshold": PAPER_THRESHOLD}
+
 
 @dataclass(frozen=True)
 class Block(OrderPolicy):
@@ -194,7 +231,7 @@ class Block(OrderPolicy):
 
     def __post_init__(self) -> None:
         if self.size < 1:
-            raise ValueError(f"size (block size) must be >= 1, got size={self.size}")
+            raise OrderError("size", f"size (block size) must be >= 1, got size={self.size}")
 
     def reveal_scores(
         self, batch_size: int, length: int, *, generator: torch.Generator | None, device: Device
@@ -207,6 +244,9 @@ class Block(OrderPolicy):
         # Block offsets are integers and U < 1, so blocks never interleave (a rounding tie at an
         # integer is broken by the stable sort towards the lower position, i.e. the earlier block).
         return (num_blocks - block_L) + u_BL
+
+    def decoding_policy(self) -> dict[str, Any]:
+        return {"window": self.size, "block_size": self.size, "threshold": PAPER_THRESHOLD}
 
 
 _POLICIES: dict[str, type[OrderPolicy]] = {c.name: c for c in (Staggered, LeftToRight, Uniform, Block)}

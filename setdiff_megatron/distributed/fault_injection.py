@@ -5,6 +5,10 @@ break a run the way large jobs break and watch it recover. Comma-separated fault
 
     kill:rank=1:step=25                SIGKILL the rank at the start of step 25 (a dead process)
     hang:rank=1:step=25:seconds=300    sleep there, before the step's collectives (a hung rank)
+    hang:rank=0:step=20:seconds=8:at=save
+                                       sleep inside the checkpoint save of step 20, before it
+                                       is published (a slow or a hung save; none if no save)
+    kill:rank=1:step=20:at=save        SIGKILL the rank there (a rank lost during a save)
     slow:rank=1:seconds=0.2            sleep after every step's forward-backward (a straggler)
     spike:step=25:factor=50            multiply step 25's loss as the spike policy sees it
     spike:step=25:factor=50:always     ... every time step 25 runs, rollbacks included
@@ -30,6 +34,8 @@ __all__ = ["INJECT_ENV", "Fault", "Faults"]
 
 INJECT_ENV = "SETDIFF_INJECT"
 KINDS = ("kill", "hang", "slow", "spike")
+PLACES = ("step", "save")
+"""Where kill and hang fire (`at=`): at the start of the step, or inside the step's save."""
 
 
 @dataclass
@@ -41,11 +47,13 @@ class Fault:
     factor: float = 1.0
     attempt: int = 0
     always: bool = False
+    at: str = "step"
     fired: bool = False
 
-    def due(self, rank: int, step: int | None) -> bool:
+    def due(self, rank: int, step: int | None, at: str = "step") -> bool:
         return (
-            (self.rank is None or self.rank == rank)
+            self.at == at
+            and (self.rank is None or self.rank == rank)
             and (self.step is None or self.step == step)
             and (self.always or not self.fired)
         )
@@ -65,16 +73,20 @@ def _parse(spec: str) -> Fault:
                 setattr(fault, key, int(value))
             elif key in ("seconds", "factor"):
                 setattr(fault, key, float(value))
+            elif key == "at" and value in PLACES:
+                fault.at = value
             else:
                 raise ValueError(key)
         except ValueError:
             raise UserError(
                 f"{INJECT_ENV}: cannot read {item!r} in {spec!r}; "
-                "use rank=N, step=N, attempt=N, seconds=S, factor=F or always"
+                "use rank=N, step=N, attempt=N, seconds=S, factor=F, at=step|save or always"
             ) from None
     fault.always = fault.always or kind == "slow"  # a straggler is slow at every step
     if kind in ("kill", "hang", "spike") and fault.step is None:
         raise UserError(f"{INJECT_ENV}: {spec!r} needs step=N")
+    if fault.at != "step" and kind not in ("kill", "hang"):
+        raise UserError(f"{INJECT_ENV}: {spec!r}: only kill and hang fire inside a save (at=save)")
     return fault
 
 
@@ -90,18 +102,25 @@ class Faults:
         spec = os.environ.get(INJECT_ENV, "").strip()
         return cls([_parse(s) for s in spec.split(",") if s.strip()], rank)
 
-    def _due(self, kind: str, step: int | None) -> list[Fault]:
-        due = [f for f in self.faults if f.kind == kind and f.due(self.rank, step)]
+    def _due(self, kind: str, step: int | None, at: str = "step") -> list[Fault]:
+        due = [f for f in self.faults if f.kind == kind and f.due(self.rank, step, at)]
         for f in due:
             f.fired = True
         return due
 
-    def at_step_start(self, step: int) -> None:
-        if self._due("kill", step):
-            write(f"setdiff: {INJECT_ENV}: killing rank {self.rank} at step {step}")
+    def _kill_or_hang(self, step: int, at: str, where: str) -> None:
+        if self._due("kill", step, at):
+            write(f"setdiff: {INJECT_ENV}: killing rank {self.rank} {where}")
             os.kill(os.getpid(), signal.SIGKILL)
-        for fault in self._due("hang", step):
+        for fault in self._due("hang", step, at):
             time.sleep(fault.seconds)
+
+    def at_step_start(self, step: int) -> None:
+        self._kill_or_hang(step, "step", f"at step {step}")
+
+    def in_save(self, step: int) -> None:
+        """Inside the checkpoint save of `step`, before it is published (training/checkpointer.py)."""
+        self._kill_or_hang(step, "save", f"in the checkpoint save of step {step}")
 
     def in_forward_backward(self) -> None:
         for fault in self._due("slow", None):

@@ -31,9 +31,10 @@ import sys
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from setdiff_megatron.core.decoding import DecodingConfig
+from setdiff_megatron.core.decoding import DecodingConfig, DecodingRequest
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.evaluation.scoring import ROUGE_KEYS, exact_match, rouge
+from setdiff_megatron.inference.job import job_decoding
 from setdiff_megatron.inference.sharding import Placement
 from setdiff_megatron.log import say
 
@@ -162,7 +163,9 @@ class InfillJob:
     source: str
     task: str
     out: str
-    decoding: DecodingConfig
+    decoding: DecodingRequest = field(default_factory=dict)
+    """A whole DecodingConfig, or settings over the model's own policy ({}: the policy itself);
+    the spans are infilled, so nothing is generated after them (max_new_tokens 0)."""
     data: str | None = None
     """The ROCStories cloze CSV (task rocstories)."""
     targets: int = 1
@@ -170,13 +173,18 @@ class InfillJob:
     placement: Placement = field(default_factory=Placement)
     add_bos: bool | None = None
     context: str = "both"
-    """both | left | blocks (module docstring); blocks reads the block size from decoding.block_size."""
+    """both | left | blocks (module docstring); blocks reads the block size from the decoding's
+    block_size (a block-order model's policy has it)."""
 
     def check(self) -> None:
         if self.context not in CONTEXTS:
             raise UserError(f"--context must be one of {', '.join(CONTEXTS)}; got {self.context!r}")
-        if self.context == "blocks" and self.decoding.block_size is None:
-            raise UserError("--context blocks needs --block-size S (the block size the model was trained with)")
+
+    def sample_decoding(self) -> DecodingRequest:
+        """What the sample job is asked: this job's decoding, with no tail after the spans."""
+        if isinstance(self.decoding, DecodingConfig):
+            return replace(self.decoding, max_new_tokens=0)
+        return {**self.decoding, "max_new_tokens": 0}
 
 
 def _examples(job: InfillJob) -> list[InfillExample]:
@@ -232,6 +240,12 @@ def _write_prompts(job: InfillJob, path: Path) -> tuple[int, int]:
     source = read_source(job.source, weights=False)
     tokenizer, max_len = source.tokenizer, source.config.max_seq_len
     bos = source.add_bos if job.add_bos is None else job.add_bos
+    block_size = job_decoding(job.decoding, source.decoding).block_size
+    if job.context == "blocks" and block_size is None:
+        raise UserError(
+            "--context blocks needs a block size: the model's policy has none (it was not trained with "
+            "block orders); give --block-size S"
+        )
     lines, skipped = [], 0
     for ex in examples:
         if job.task == "code":
@@ -240,7 +254,7 @@ def _write_prompts(job: InfillJob, path: Path) -> tuple[int, int]:
         if _num_tokens(ex, tokenizer) > max_len - 2:  # room for a BOS
             skipped += 1
             continue
-        right = _visible_right(ex, tokenizer, job.context, job.decoding.block_size, bos)
+        right = _visible_right(ex, tokenizer, job.context, block_size, bos)
         lines.append(
             json.dumps(
                 {"id": ex.id, **ex.extra, "segments": [ex.left, span, right], "reference": ex.middle},
@@ -283,12 +297,12 @@ def run_infill_job(job: InfillJob) -> dict | None:
         (out / "prompts.info.json").write_text(json.dumps({"examples": written, "skipped_too_long": skipped}))
     ranks.barrier()
     samples = out / "samples.jsonl"
-    run_sample_job(
+    decoding = run_sample_job(
         SampleJob(
             source=job.source,
             prompts=str(prompts),
             out=str(samples),
-            decoding=replace(job.decoding, max_new_tokens=0),
+            decoding=job.sample_decoding(),
             placement=job.placement,
             add_bos=job.add_bos,
             stop_at_eos=False,
@@ -308,7 +322,7 @@ def run_infill_job(job: InfillJob) -> dict | None:
         "skipped_too_long": info["skipped_too_long"],
         "tokens_per_step": decoded / max(sum(r["steps"] for r in records), 1),
         "mean_nfe": sum(r["nfe"] for r in records) / len(records),
-        "decoding": {k: v for k, v in asdict(job.decoding).items() if k != "max_new_tokens"},
+        "decoding": {k: v for k, v in asdict(decoding).items() if k != "max_new_tokens"},
     }
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
     say(

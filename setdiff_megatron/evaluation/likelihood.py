@@ -106,9 +106,7 @@ def _policy(job: LikelihoodJob, sm: SamplingModel, recipe_method):
     if name == "training":
         if recipe_method is None:
             raise UserError("--order training needs a checkpoint that records its recipe; give --order explicitly")
-        from setdiff_megatron.runs.terms import order_policy_from
-
-        return order_policy_from(recipe_method)
+        return recipe_method.order_policy()
     if name not in ORDERS:
         raise UserError(f"--order must be one of {', '.join(ORDERS)}; got {name!r}")
     if name == "staggered":

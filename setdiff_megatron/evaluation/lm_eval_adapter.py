@@ -18,16 +18,18 @@ json, dataset_kwargs.data_files) need no hub.
                          log p(x_r | x_<r) of a batch. MASK is excluded from the softmax, as in
                          training and sampling.
   loglikelihood_rolling  the same over windows of max_seq_len, each token scored once.
-  generate_until         the cached set sampler with the model_args' decoding policy (window,
-                         threshold, tokens_per_step, ...); `until` strings stop decoding (their
-                         tokens, best effort) and cut the text (exact); gen_kwargs may set
-                         max_gen_toks, do_sample, temperature, top_k, top_p.
+  generate_until         the cached set sampler with the model's own decoding policy (its recipe's,
+                         or its export's generation config), any decoding setting given in
+                         model_args over it (window=1 is one token per step, threshold=none turns
+                         the threshold off); `until` strings stop decoding (their tokens, best
+                         effort) and cut the text (exact); gen_kwargs may set max_gen_toks,
+                         do_sample, temperature, top_k, top_p.
 
-Decoding speed (tokens/s, tokens per step, NFE of generate_until) is added to the results'
-"config" section. Model arguments: pretrained (required), window, threshold, tokens_per_step,
-fill_window, block_size, temperature, top_k, top_p, repetition_penalty, max_gen_toks, seed, dtype, add_bos,
-context_len; batch size and device come from lm-eval's --batch_size and --device. One process
-holds the whole model (no TP).
+Decoding speed (tokens/s, tokens per step, NFE of generate_until) and the decoding policy used
+are added to the results' "config" section. Model arguments: pretrained (required), every
+decoding setting of core/decoding.py SETTINGS by name (window, threshold, tokens_per_step, ...),
+max_gen_toks (lm-eval's name for max_new_tokens), dtype, add_bos, context_len; batch size and
+device come from lm-eval's --batch_size and --device. One process holds the whole model (no TP).
 """
 
 from __future__ import annotations
@@ -48,11 +50,12 @@ require("lm_eval", "lm-eval", "the lm-evaluation-harness adapter")
 from lm_eval.api.model import LM  # noqa: E402
 from lm_eval.api.registry import register_model  # noqa: E402
 
-from setdiff_megatron.core.decoding import DecodingConfig  # noqa: E402
+from setdiff_megatron.core.decoding import SETTINGS, DecodingConfig  # noqa: E402
 from setdiff_megatron.core.orders import make_order_policy, sample_order  # noqa: E402
 from setdiff_megatron.core.sampler import SetSampler  # noqa: E402
 from setdiff_megatron.core.streams import build_two_stream_batch  # noqa: E402
 from setdiff_megatron.distributed.runtime import join  # noqa: E402
+from setdiff_megatron.inference.job import job_decoding  # noqa: E402
 from setdiff_megatron.inference.loading import load_sampling_model  # noqa: E402
 
 __all__ = ["SetDiffLM", "main"]
@@ -73,28 +76,19 @@ class SetDiffLM(LM):
     def __init__(
         self,
         pretrained: str,
-        window: int = 16,
-        threshold: float | None = None,
-        tokens_per_step: int = 1,
-        fill_window: bool = False,
-        block_size: int | None = None,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        repetition_penalty: float = 1.0,
         max_gen_toks: int = 256,
-        seed: int = 0,
         dtype: str | None = None,
         add_bos: bool | None = None,
         context_len: int | None = None,
         batch_size: int | str = 16,
         max_batch_size: int | None = None,
         device: str | None = None,
-        **unused: Any,
+        **settings: Any,
     ):
         super().__init__()
+        unused = sorted(set(settings) - set(SETTINGS))
         if unused:
-            log.warning("setdiff: ignoring model arguments %s", sorted(unused))
+            log.warning("setdiff: ignoring model arguments %s", unused)
         ranks = join(1)
         self._rank, self._world_size = ranks.rank, ranks.world_size
         where = "auto" if device in (None, "auto") else "cuda" if str(device).startswith("cuda") else str(device)
@@ -109,19 +103,9 @@ class SetDiffLM(LM):
         self.max_length = context_len or self.sm.config.max_seq_len
         self.batch_size = _batch_size(batch_size)
         self.max_gen_toks = max_gen_toks
-        self.decoding = DecodingConfig(
-            window=window,
-            threshold=threshold,
-            tokens_per_step=tokens_per_step,
-            fill_window=fill_window,
-            block_size=block_size,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            repetition_penalty=repetition_penalty,
-            max_new_tokens=max_gen_toks,
-            seed=seed,
-            eos_token_ids=(self.tokenizer.eos_id,),
+        given = {k: v for k, v in settings.items() if k in SETTINGS}
+        self.decoding = job_decoding(
+            {**given, "max_new_tokens": max_gen_toks, "eos_token_ids": (self.tokenizer.eos_id,)}, self.sm.decoding
         )
         self.pretrained = pretrained
         self.speed = {"num_rows": 0, "num_tokens": 0, "row_steps": 0, "nfe": 0, "seconds": 0.0}
@@ -241,8 +225,10 @@ class SetDiffLM(LM):
         return replace(cfg, stop_sequences=tuple(s for s in stops if s and self.tokenizer.mask_id not in s)), until
 
     def _prompt(self, context: str, cfg: DecodingConfig) -> list[int]:
-        """The context's last tokens that leave room for one window (the sampler evicts beyond that)."""
-        ids = self._prefix() + self.tokenizer.encode(context)
+        """The context formatted as the model's training rows began (its BOS, a prompt EOS, as
+        `setdiff sample` does), then its last tokens that leave room for one window (the sampler
+        evicts beyond that)."""
+        ids = self.sm.prompt_format(self.add_bos).prompt(self.tokenizer.encode(context)).tolist()
         room = self.max_length - 1 - min(cfg.max_new_tokens, cfg.window)
         return ids[-room:] if len(ids) > room else ids
 

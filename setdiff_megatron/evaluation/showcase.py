@@ -6,31 +6,35 @@ accuracy over a few dozen problems, against the same model decoding one token pe
 right (W = 1) and against the trivial baseline (every problem given the most common answer),
 over `eval.showcase_problems` held-out problems (250 by default: +-3 points where 50 gave +-7);
 the stdlib corpus shows the continuation of a held-out function signature. Both decode with the
-paper's default policy for the run's order: a window of d queries and a threshold of 0.9 (one
-token per step for AR; inference/defaults.py), and report tokens per step.
+model's own policy, as every other door does (Source.decoding: the paper's default for the run's
+order, a window of d queries and a threshold of 0.9, one token per step for AR, with the recipe's
+`decoding` over it), and report tokens per step.
 """
 
 from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import replace
+from dataclasses import asdict, replace
+from pathlib import Path
 
+from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.core.sampler import SetSampler
 from setdiff_megatron.data.builtin import builtin_corpus_dir
 from setdiff_megatron.distributed.runtime import Ranks
 from setdiff_megatron.evaluation.scoring import gsm8k_answer
 from setdiff_megatron.evaluation.tasks import score_completion
-from setdiff_megatron.inference.defaults import decoding_for_recipe
 from setdiff_megatron.inference.loading import load_sampling_model
 from setdiff_megatron.inference.prompts import PromptRecord, encode_prompt
 from setdiff_megatron.recipes import Recipe
 from setdiff_megatron.sources.read import read_source
 
-__all__ = ["showcase"]
+__all__ = ["showcase", "RESULT"]
 
 SHOWN = 1
 """The one shown: the first problem of three operations on one-digit numbers."""
+RESULT = "logs/showcase.json"
+"""Where, under the run directory, the showcase records its sample, accuracy and decoding policy."""
 
 
 def _prompts(recipe: Recipe) -> tuple[str, list[dict]] | None:
@@ -52,15 +56,24 @@ def _prompts(recipe: Recipe) -> tuple[str, list[dict]] | None:
     return None
 
 
+def _policy_words(cfg: DecodingConfig) -> str:
+    return (
+        f"window {cfg.window}"
+        + (f", threshold {cfg.threshold}" if cfg.threshold else "")
+        + (f", blocks of {cfg.block_size}" if cfg.block_size else "")
+    )
+
+
 def showcase(recipe: Recipe) -> list[str]:
-    """Lines to print after training (none for a run on preprocessed datasets of its own)."""
+    """Lines to print after training (none for a run on preprocessed datasets of its own); what
+    they say is also written to <run>/logs/showcase.json (RESULT), for scripts and tests."""
     found = _prompts(recipe)
     if found is None:
         return []
     corpus, records = found
     sm = load_sampling_model(recipe.checkpoint.dir, Ranks(), device="cpu")
-    cfg = decoding_for_recipe(
-        recipe, max_new_tokens=52 if corpus == "reasoning" else 48, eos_token_ids=(sm.tokenizer.eos_id,)
+    cfg = sm.decoding.over(
+        {"max_new_tokens": 52 if corpus == "reasoning" else 48, "eos_token_ids": (sm.tokenizer.eos_id,)}
     )
     sampler = SetSampler(sm.model, mask_token_id=sm.tokenizer.mask_id, context_len=sm.config.max_seq_len)
     ids = [
@@ -69,12 +82,19 @@ def showcase(recipe: Recipe) -> list[str]:
     ]
     out = sampler.generate(ids, cfg, batch_size=16)
     texts = [sm.tokenizer.decode(row.completion, skip_special_tokens=True) for row in out.rows]
-    policy = (
-        f"window {cfg.window}"
-        + (f", threshold {cfg.threshold}" if cfg.threshold else "")
-        + (f", blocks of {cfg.block_size}" if cfg.block_size else "")
-    )
+    policy = _policy_words(cfg)
     shown = min(SHOWN, len(records) - 1)
+    row = out.rows[shown]
+    result: dict = {
+        "decoding": asdict(cfg),
+        "sample": {
+            "prompt": records[shown]["prompt"],
+            "completion": texts[shown],
+            "tokens": row.num_decoded,
+            "steps": row.steps,
+            "tokens_per_step": row.tokens_per_step,
+        },
+    }
     lines = [f"{recipe.name}: {recipe.description}"] if recipe.description else []
     if recipe.model.init_from:
         start = read_source(recipe.model.init_from, weights=False)
@@ -84,12 +104,9 @@ def showcase(recipe: Recipe) -> list[str]:
     lines += [
         f"sample of a held-out prompt ({policy}):",
         *(f"  {line}" for line in (records[shown]["prompt"] + texts[shown]).splitlines()),
-    ]
-    row = out.rows[shown]
-    lines.append(
         f"decoding: {row.num_decoded} tokens in {row.steps} steps, {row.tokens_per_step:.2f} tokens "
-        f"per step ({policy}, greedy)"
-    )
+        f"per step ({policy}, greedy)",
+    ]
     if corpus == "reasoning" and recipe.eval.showcase_problems:
 
         def accuracy(completions: list[str]) -> float:
@@ -98,17 +115,26 @@ def showcase(recipe: Recipe) -> list[str]:
             ) / len(records)
 
         answers = Counter(gsm8k_answer(r["reference"]) for r in records)
-        trivial = answers.most_common(1)[0][1] / len(records)
+        result |= {
+            "problems": len(records),
+            "accuracy": accuracy(texts),
+            "tokens_per_step": out.metrics.tokens_per_step,
+            "trivial_accuracy": answers.most_common(1)[0][1] / len(records),
+        }
         lines.append(
-            f"held-out accuracy on {len(records)} test problems (#### answer): {accuracy(texts):.0%} at "
-            f"{out.metrics.tokens_per_step:.2f} tokens per step ({policy})"
+            f"held-out accuracy on {len(records)} test problems (#### answer): {result['accuracy']:.0%} at "
+            f"{result['tokens_per_step']:.2f} tokens per step ({policy})"
         )
         if cfg.window > 1:
             one = sampler.generate(ids, replace(cfg, window=1, threshold=None, block_size=None), batch_size=16)
             one_texts = [sm.tokenizer.decode(row.completion, skip_special_tokens=True) for row in one.rows]
-            lines.append(f"  the same model one token per step (window 1): {accuracy(one_texts):.0%}")
+            result["one_token_per_step_accuracy"] = accuracy(one_texts)
+            lines.append(f"  the same model one token per step (window 1): {result['one_token_per_step_accuracy']:.0%}")
         lines.append(
-            f"  trivial baseline (every problem given the most common answer): {trivial:.0%}; "
+            f"  trivial baseline (every problem given the most common answer): {result['trivial_accuracy']:.0%}; "
             "setdiff eval generate measures more"
         )
+    path = Path(recipe.checkpoint.dir) / RESULT
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
     return lines

@@ -17,7 +17,7 @@ import itertools
 import json
 import os
 import sys
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -26,19 +26,17 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    NonNegativeInt,
-    PositiveFloat,
     PositiveInt,
     StringConstraints,
     ValidationError,
 )
 
-from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.evaluation.records import WandbConfig, check_wandb, log_to_wandb, write_jsonl
 from setdiff_megatron.evaluation.tasks import GenerateJob, read_tasks, run_generate_job
 from setdiff_megatron.inference.sharding import Placement
 from setdiff_megatron.log import say
+from setdiff_megatron.recipes.decoding import given, settings_model
 
 __all__ = ["load_spec", "pareto_front", "run_sweep", "add_parser"]
 
@@ -48,29 +46,13 @@ Name = Annotated[str, StringConstraints(pattern=_NAME)]
 """A point or checkpoint name, also a directory name."""
 
 
-class Settings(BaseModel):
-    """Decoding settings (core/decoding.py DecodingConfig); a key left out takes the default."""
+Settings = settings_model("Settings")
+"""Decoding settings (core/decoding.py SETTINGS); a key left out keeps the checkpoint's own
+policy, and null turns an optional setting off."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    window: PositiveInt | None = None
-    fill_window: bool | None = None
-    block_size: PositiveInt | None = None
-    """Block diffusion decoding (block-order models): queries stay inside the current block."""
-    tokens_per_step: PositiveInt | None = None
-    threshold: float | None = None
-    """null: off (only the k most confident queries are decoded)."""
-    temperature: float | None = None
-    top_k: PositiveInt | None = None
-    top_p: float | None = None
-    repetition_penalty: PositiveFloat | None = None
-    max_new_tokens: NonNegativeInt | None = None
-    seed: int | None = None
-
-
-class Point(Settings):
-    name: Name | None = None
-    """Directory and label of the point (default: from its settings, e.g. w4-t0.9; ar for window 1)."""
+Point = settings_model("Point", (), base=Settings, name=(Name | None, None))
+"""A point's settings, and its directory and label (default: from its settings, e.g. w4-t0.9; ar
+for window 1)."""
 
 
 class SweepSpec(BaseModel):
@@ -90,13 +72,15 @@ class SweepSpec(BaseModel):
     """Defaults of every point."""
     points: list[Point] = []
     grid: dict[str, list[Any]] = {}
-    """setting: values; every combination is a point (after the explicit points)."""
+    """setting: values; every combination is a point (after the explicit points). Every point
+    decodes each checkpoint with its own policy where the point and `decoding` say nothing."""
 
 
 @dataclass(frozen=True)
 class SweepPoint:
     name: str
-    decoding: DecodingConfig
+    decoding: dict[str, Any]
+    """Settings over each checkpoint's own policy."""
 
 
 def _format(exc: ValidationError, path: Path) -> str:
@@ -156,7 +140,7 @@ def _auto_name(given: dict[str, Any]) -> str:
 
 def expand_points(spec: SweepSpec, path: str | Path = "spec") -> list[SweepPoint]:
     """The explicit points, then the grid's product, each over the spec's decoding defaults."""
-    given = [p.model_dump(exclude_unset=True) for p in spec.points]
+    given_points = [p.model_dump(exclude_unset=True) for p in spec.points]
     for key, values in spec.grid.items():
         if key not in Settings.model_fields:
             raise UserError(f"{path}: grid.{key}: unknown setting; allowed: {', '.join(Settings.model_fields)}")
@@ -168,24 +152,20 @@ def expand_points(spec: SweepSpec, path: str | Path = "spec") -> list[SweepPoint
             except ValidationError as exc:
                 raise UserError(_format(exc, Path(str(path)))) from None
     keys = list(spec.grid)
-    given += [dict(zip(keys, combo)) for combo in itertools.product(*spec.grid.values())] if keys else []
-    if not given:
+    given_points += [dict(zip(keys, combo)) for combo in itertools.product(*spec.grid.values())] if keys else []
+    if not given_points:
         raise UserError(
             f"{path}: the sweep has no points: give 'points' (a list of decoding settings) and/or "
             "'grid' (a list of values per setting)"
         )
-    defaults = spec.decoding.model_dump(exclude_unset=True)
+    defaults = given(spec.decoding)
     points, seen = [], set()
-    for settings in given:
+    for settings in given_points:
         name = settings.pop("name", None) or _auto_name(settings)
         if name in seen:
             raise UserError(f"{path}: two points are named {name!r}; give them distinct 'name's")
         seen.add(name)
-        try:
-            decoding = DecodingConfig(**{**defaults, **settings})
-        except ValueError as exc:
-            raise UserError(f"{path}: point {name}: {exc}") from None
-        points.append(SweepPoint(name, decoding))
+        points.append(SweepPoint(name, {**defaults, **settings}))
     return points
 
 
@@ -350,11 +330,9 @@ def _run(args) -> int:
     points = expand_points(spec, args.spec)
     read_tasks(spec.task)
     if args.dry_run:
-        default = asdict(DecodingConfig())
         for ckpt in spec.checkpoints:
             for p in points:
-                changed = {k: v for k, v in asdict(p.decoding).items() if v != default[k]}
-                print(f"{ckpt} {p.name}: {json.dumps(changed)}")
+                print(f"{ckpt} {p.name}: its own policy with {json.dumps(p.decoding)}")
         return 0
     code = relaunch(args)
     if code is not None:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from setdiff_megatron.checkpoint.manifest import sha256_file
-from setdiff_megatron.core.decoding import DecodingConfig
+from setdiff_megatron.core.decoding import DecodingConfig, DecodingRequest, decoding_request_record
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.evaluation import scoring
 from setdiff_megatron.evaluation.records import (
@@ -76,7 +76,8 @@ class GenerateJob:
     out: str
     """A directory: generations.jsonl, scored.jsonl, metrics.json."""
     metric: str
-    decoding: DecodingConfig
+    decoding: DecodingRequest = field(default_factory=dict)
+    """A whole DecodingConfig, or settings over the model's own policy ({}: the policy itself)."""
     stop: tuple[str, ...] = ()
     """Completions are cut before the first of these strings (and decoding stops there, best effort)."""
     placement: Placement = field(default_factory=Placement)
@@ -175,7 +176,7 @@ def _settings(job: GenerateJob) -> dict[str, Any]:
                 "tasks_sha256": sha256_file(Path(job.tasks)),
                 "metric": job.metric,
                 "stop": list(job.stop),
-                "decoding": asdict(job.decoding),
+                "decoding": decoding_request_record(job.decoding),
                 "batch_size": job.placement.batch_size,
                 "add_bos": job.add_bos,
                 "context_len": job.context_len,
@@ -206,8 +207,9 @@ def _check(job: GenerateJob) -> None:
     check_wandb(job.wandb)
 
 
-def score_job(job: GenerateJob, settings: dict[str, Any]) -> dict[str, Any]:
-    """Score merged generations into scored.jsonl and metrics.json (one process)."""
+def score_job(job: GenerateJob, settings: dict[str, Any], decoding: DecodingConfig) -> dict[str, Any]:
+    """Score merged generations into scored.jsonl and metrics.json (one process); `decoding` is
+    what they were decoded with."""
     from setdiff_megatron.progress import progress_bar
 
     out = Path(job.out)
@@ -230,7 +232,7 @@ def score_job(job: GenerateJob, settings: dict[str, Any]) -> dict[str, Any]:
         "source": str(job.source),
         **summarize(scored, job.metric),
         "batch_size": job.placement.batch_size,
-        "decoding": asdict(job.decoding),
+        "decoding": asdict(decoding),
         "stop": list(job.stop),
         "hardware": hardware(job.placement.device),
         "settings": settings,
@@ -260,7 +262,7 @@ def run_generate_job(job: GenerateJob) -> dict[str, Any] | None:
     if done is not None:
         say(f"setdiff: {Path(job.out) / SUMMARY} is up to date ({_describe(done)})", file=sys.stderr)
         return done
-    run_sample_job(
+    decoding = run_sample_job(
         SampleJob(
             source=job.source,
             prompts=job.tasks,
@@ -275,7 +277,7 @@ def run_generate_job(job: GenerateJob) -> dict[str, Any] | None:
     )
     if job.placement.shard is not None or int(os.environ.get("RANK", "0")) != 0:
         return None
-    metrics = score_job(job, settings)
+    metrics = score_job(job, settings, decoding)
     say(f"setdiff: {_describe(metrics)}; {Path(job.out) / SUMMARY}", file=sys.stderr)
     log_to_wandb(
         job.wandb,

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
-from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.errors import UserError, require
 from setdiff_megatron.hf import verify
 from setdiff_megatron.hf.bundle import modeling_source
@@ -94,8 +93,8 @@ def write_export(source: Source, out: Path, dtype: torch.dtype, max_shard_bytes:
         "setdiff_megatron_version": __version__,
     }
     _write_json(out / "config.json", config)
-    generation = generation_config_from_decoding(
-        DecodingConfig(eos_token_ids=(tok.eos_id,)), mask_token_id=tok.mask_id, pad_token_id=tok.pad_id
+    generation = generation_config_from_decoding(  # the model's own policy: its generate() decodes with it
+        replace(source.decoding, eos_token_ids=(tok.eos_id,)), mask_token_id=tok.mask_id, pad_token_id=tok.pad_id
     )
     _write_json(
         out / "generation_config.json",

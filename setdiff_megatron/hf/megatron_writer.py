@@ -29,6 +29,7 @@ from setdiff_megatron.checkpoint.megatron import model_sharded_state, save_shard
 from setdiff_megatron.checkpoint.names import CHECKPOINTS, TOKENIZER_DIR, step_name
 from setdiff_megatron.checkpoint.publish import publish
 from setdiff_megatron.checkpoint.state import Progress, TrainState, write_train_state
+from setdiff_megatron.core.decoding import SETTINGS
 from setdiff_megatron.distributed.layout import Layout
 from setdiff_megatron.distributed.runtime import init_model_parallel, shutdown
 from setdiff_megatron.hf import verify
@@ -41,7 +42,9 @@ __all__ = ["write_megatron_checkpoint"]
 
 def import_recipe(source: Source, run_dir: Path, dtype: torch.dtype) -> Recipe:
     """The recipe recorded with an imported checkpoint: its model, its tokenizer, its precision,
-    and where the source has them (a SetDLM release) its order law and sequence length."""
+    its decoding policy, and where the source has them (a SetDLM release) its order law and
+    sequence length."""
+    from setdiff_megatron.recipes.decoding import DecodingSection
     from setdiff_megatron.recipes.schema import (
         CheckpointSection,
         DataSection,
@@ -60,6 +63,7 @@ def import_recipe(source: Source, run_dir: Path, dtype: torch.dtype) -> Recipe:
         data=DataSection(tokenizer=str(tokenizer), seq_len=seq_len),
         train=TrainSection(precision=name_of(dtype)),
         checkpoint=CheckpointSection(dir=str(run_dir)),
+        decoding=DecodingSection(**{name: getattr(source.decoding, name) for name in SETTINGS}),
     )
 
 
@@ -79,7 +83,7 @@ def write_megatron_checkpoint(source: Source, stage: Path, final: Path, *, dtype
 
 def _loaded_chunk(source: Source, dtype: torch.dtype):
     """The whole model as one megatron chunk at `dtype`, holding the source's weights."""
-    from setdiff_megatron.models.megatron_model import build_model_chunks, transformer_config_from
+    from setdiff_megatron.models.megatron_plumbing import build_model_chunks, transformer_config_from
     from setdiff_megatron.models.weight_maps.megatron import torch_to_megatron
 
     (chunk,) = build_model_chunks(source.config, transformer_config_from(source.config, params_dtype=dtype))

@@ -136,7 +136,7 @@ def _config(source: Source, backbone: dict, length: int) -> dict:
         "eps": 1e-3,
         "block_size": length,
         "desired_block_size": method.d,
-        "max_block_size": method.m or 2 * method.d,
+        "max_block_size": method.order_policy().m,
         "length": length,
         **{k: getattr(method, k) for k in ("k", "b") if getattr(method, k) is not None},
     }
@@ -222,6 +222,6 @@ def export_release(
             )
     return [
         f"exported {source.describe()} to {out} as a SetDLM release ({backbone['_target_']}, L = {length}, "
-        f"d = {source.recipe.method.d}, m = {source.recipe.method.m or 2 * source.recipe.method.d})",
+        f"d = {source.recipe.method.d}, m = {source.recipe.method.order_policy().m})",
         "read back: the same config and the same weights, bit for bit",
     ]

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Any
 
-from setdiff_megatron.core.decoding import DecodingConfig
+from setdiff_megatron.core.decoding import SETTINGS, Setting
 from setdiff_megatron.core.step_compiler import COMPILE_MODES
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.inference.sharding import Placement
@@ -49,38 +50,49 @@ def add_job_arguments(parser: argparse.ArgumentParser, *, source: bool = True, b
     )
 
 
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _value_type(setting: Setting):
+    """Parses a flag's value: its kind, or `off`/`none` where the setting can be off (the range
+    is checked with the others, in `decoding_from_args`)."""
+
+    def parse(text: str):
+        if setting.off and text.lower() in ("off", "none"):
+            return None
+        try:
+            return setting.kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {setting.allowed()}, got {text!r}") from None
+
+    parse.__name__ = setting.kind.__name__
+    return parse
+
+
 def add_decoding_arguments(parser: argparse.ArgumentParser, *, max_new_tokens: int = 64) -> None:
-    dec = parser.add_argument_group("decoding (core/decoding.py DecodingConfig)")
-    dec.add_argument(
-        "--max-new-tokens",
-        type=int,
-        default=max_new_tokens,
-        help=f"generated tail per prompt (0: infill only; default {max_new_tokens})",
+    """One flag per decoding setting (core/decoding.py SETTINGS). A flag left out keeps the
+    model's own policy (its recipe or generation config); `--max-new-tokens` has this command's
+    default."""
+    dec = parser.add_argument_group(
+        "decoding (core/decoding.py): each flag changes one setting over the model's own policy "
+        "(docs/sampling.md, 'Where the decoding policy comes from')"
     )
-    dec.add_argument(
-        "--window",
-        type=int,
-        default=16,
-        help="W: queries per step come from the W positions "
-        "right of the leftmost masked one; 1 is autoregressive decoding",
-    )
-    dec.add_argument("--fill-window", action="store_true", help="always offer W masked positions")
-    dec.add_argument(
-        "--block-size",
-        type=int,
-        default=None,
-        help="block diffusion decoding: queries stay in the "
-        "block of S positions holding the leftmost masked one (for block-order models)",
-    )
-    dec.add_argument("--tokens-per-step", type=int, default=1, help="k: decode the k most confident queries")
-    dec.add_argument(
-        "--threshold", type=float, default=None, help="tau in (0, 1]: also decode every query at least this confident"
-    )
-    dec.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    dec.add_argument("--top-k", type=int, default=None)
-    dec.add_argument("--top-p", type=float, default=None)
-    dec.add_argument("--repetition-penalty", type=float, default=1.0)
-    dec.add_argument("--seed", type=int, default=0)
+    for setting in SETTINGS.values():
+        help_text = setting.help + ("; none turns it off" if setting.off else "")
+        if setting.kind is bool:
+            dec.add_argument(
+                _flag(setting.name), action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text
+            )
+        elif setting.name == "max_new_tokens":
+            dec.add_argument(
+                _flag(setting.name),
+                type=_value_type(setting),
+                default=max_new_tokens,
+                help=f"{help_text}; default {max_new_tokens}",
+            )
+        else:
+            dec.add_argument(_flag(setting.name), type=_value_type(setting), default=argparse.SUPPRESS, help=help_text)
     dec.add_argument("--ignore-eos", action="store_true", help="do not stop a completion at the EOS token")
     dec.add_argument("--context-len", type=int, default=None, help="default: the model's max_seq_len")
     bos = dec.add_mutually_exclusive_group()
@@ -108,23 +120,14 @@ def placement_from_args(args: argparse.Namespace, **changes) -> Placement:
     )
 
 
-def decoding_from_args(args: argparse.Namespace) -> DecodingConfig:
-    try:
-        return DecodingConfig(
-            window=args.window,
-            fill_window=args.fill_window,
-            block_size=args.block_size,
-            tokens_per_step=args.tokens_per_step,
-            threshold=args.threshold,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            repetition_penalty=args.repetition_penalty,
-            max_new_tokens=args.max_new_tokens,
-            seed=args.seed,
-        )
-    except ValueError as exc:
-        raise UserError(f"decoding option: {exc}") from None
+def decoding_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The decoding settings the command line gave, by name, each checked: the job applies them
+    over the model's own policy."""
+    given = {name: getattr(args, name) for name in SETTINGS if hasattr(args, name)}
+    for name, value in given.items():
+        if not SETTINGS[name].accepts(value):
+            raise UserError(f"decoding option: {name} must be {SETTINGS[name].allowed()}; got {value!r}")
+    return given
 
 
 def _without_option(argv: list[str], name: str) -> list[str]:

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from setdiff_megatron.checkpoint.manifest import sha256_file
-from setdiff_megatron.core.decoding import DecodingConfig
+from setdiff_megatron.core.decoding import DecodingConfig, DecodingRequest, resolve_decoding
 from setdiff_megatron.core.sample_output import RowResult
 from setdiff_megatron.core.sample_request import Request
 from setdiff_megatron.core.sampler import SetSampler
@@ -30,7 +30,7 @@ from setdiff_megatron.inference.results import ShardedResults
 from setdiff_megatron.inference.sharding import Placement, Shard
 from setdiff_megatron.log import say
 
-__all__ = ["SampleJob", "run_sample_job"]
+__all__ = ["SampleJob", "run_sample_job", "job_decoding"]
 
 
 @dataclass
@@ -38,7 +38,8 @@ class SampleJob:
     source: str
     prompts: str
     out: str
-    decoding: DecodingConfig
+    decoding: DecodingRequest = field(default_factory=dict)
+    """A whole DecodingConfig, or settings over the model's own policy ({}: the policy itself)."""
     placement: Placement = field(default_factory=Placement)
     add_bos: bool | None = None
     """None: as the model was trained (recipe method.keep_clean_bos)."""
@@ -83,13 +84,22 @@ def _record(record: PromptRecord, row: RowResult, prompt_ids: list[int], sm: Sam
     return out
 
 
-def run_sample_job(job: SampleJob) -> int:
+def job_decoding(request: DecodingRequest, policy: DecodingConfig) -> DecodingConfig:
+    """What a job decodes with (core/decoding.py resolve_decoding), refused in one line."""
+    try:
+        return resolve_decoding(request, policy)
+    except ValueError as exc:
+        raise UserError(f"decoding: {exc}") from None
+
+
+def run_sample_job(job: SampleJob) -> DecodingConfig:
+    """Decode, write and merge; returns the decoding the job used (recorded in its results)."""
     place = job.placement
     place.check()
     ranks = join(place.tp)
     records = read_prompts(job.prompts)
     sm = load_sampling_model(job.source, ranks, device=place.device, dtype=place.dtype)
-    decoding = job.decoding
+    decoding = job_decoding(job.decoding, sm.decoding)
     if job.stop_at_eos and not decoding.eos_token_ids:
         decoding = replace(decoding, eos_token_ids=(sm.tokenizer.eos_id,))
     if job.stop:
@@ -142,7 +152,7 @@ def run_sample_job(job: SampleJob) -> int:
     ranks.barrier()
     if ranks.rank == 0:
         _report(job, results, len(records), len(done), tokens, seconds)
-    return 0
+    return decoding
 
 
 def _sample(

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.core.step_runner import StepModel
 from setdiff_megatron.data.supervised import RowFormat
 from setdiff_megatron.data.tokenizers import SetDiffTokenizer
@@ -41,9 +42,10 @@ class SamplingModel:
     tokenizer: SetDiffTokenizer
     add_bos: bool
     """The training data started each sample with a clean BOS (recipe method.keep_clean_bos)."""
-    source: Path
     recipe: Recipe | None
     """The recipe a checkpoint was trained with (None for a Hugging Face directory)."""
+    decoding: DecodingConfig
+    """The model's own decoding policy (Source.decoding): what a job decodes with unless told otherwise."""
 
     def prompt_format(self, add_bos: bool | None = None) -> RowFormat:
         """How prompts are formatted: as the training recipe's rows began (BOS, a prompt EOS,
@@ -68,7 +70,7 @@ def _megatron_shard(source: Source, tp: int, dtype: torch.dtype, device: torch.d
 
     init_model_parallel(Layout.of(world_size(), tp=tp), seed=0)
     from setdiff_megatron.checkpoint.megatron import load_model_shard
-    from setdiff_megatron.models.megatron_model import build_model_chunks, transformer_config_from
+    from setdiff_megatron.models.megatron_plumbing import build_model_chunks, transformer_config_from
     from setdiff_megatron.models.weight_maps.megatron import torch_to_megatron
 
     config = source.config
@@ -83,14 +85,16 @@ def _megatron_shard(source: Source, tp: int, dtype: torch.dtype, device: torch.d
 
 
 def load_sampling_model(
-    path: str | Path, ranks: Ranks, *, device: str = "auto", dtype: str | None = None
+    path: str | Path | Source, ranks: Ranks, *, device: str = "auto", dtype: str | None = None
 ) -> SamplingModel:
+    """The model of `path`, or of a Source already read (with its weights, or a megatron
+    checkpoint's metadata only, whose shards each TP rank then loads)."""
     where = _device(device)
     torch_dtype = dtype_named(dtype or ("bf16" if where.type == "cuda" else "fp32"))
     sharded = ranks.tp > 1
-    source = read_source(path, weights=not sharded)
-    if sharded and source.kind != "megatron":  # only megatron shards load rank by rank
-        source = read_source(path)
+    source = path if isinstance(path, Source) else read_source(path, weights=not sharded)
+    if source.state_dict is None and not (sharded and source.kind == "megatron"):
+        source = read_source(source.path)  # only megatron shards load rank by rank
     for note in source.notes:  # what a release's reader ignored (its source files, ...)
         say(f"setdiff: {note}", file=sys.stderr)
     if sharded:
@@ -104,6 +108,6 @@ def load_sampling_model(
         config=source.config,
         tokenizer=source.tokenizer,
         add_bos=source.add_bos,
-        source=Path(path),
         recipe=source.recipe,
+        decoding=source.decoding,
     )

@@ -14,7 +14,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 
+from setdiff_megatron.core.decoding import DecodingConfig
+from setdiff_megatron.core.orders import Block, OrderError, OrderPolicy, Staggered, make_order_policy
 from setdiff_megatron.models.config import ModelConfig
+from setdiff_megatron.recipes.decoding import DecodingSection, given
 
 __all__ = [
     "BUILTIN_CORPORA",
@@ -68,9 +71,19 @@ class MethodSection(Section):
     b: PositiveFloat | None = None
     """Override of the window width (exclusive with k)."""
     block_size: PositiveInt | None = None
-    """Block size of the 'block' policy (BD3-LM)."""
+    """Block size of the 'block' policy (set diffusion with a block order)."""
     keep_clean_bos: bool = False
     """Pin a BOS at position 0 first in every order and leave it out of the loss."""
+
+    def order_policy(self) -> OrderPolicy:
+        """The order law this section names; core/orders.py checks its rules (OrderError)."""
+        if self.order == "staggered":
+            return Staggered(d=self.d, m=self.m, k=self.k, b=self.b)
+        if self.order == "block":
+            if self.block_size is None:
+                raise OrderError("block_size", "the block order needs a block size")
+            return Block(size=self.block_size)
+        return make_order_policy(self.order)
 
 
 BUILTIN_CORPORA = ("stdlib", "reasoning")
@@ -210,8 +223,19 @@ class TrainSection(Section):
     """On a NaN/Inf loss: stop the run, or skip the step and report it."""
     spike_policy: SpikePolicy = Field(default_factory=SpikePolicy)
     hang_timeout_s: NonNegativeFloat = 1800.0
-    """A rank that starts no step for this long logs where it is stuck and exits with code 76, on
-    which torchrun restarts the job (launch.max_restarts); 0 turns the watchdog off."""
+    """A rank whose training step makes no progress for this long logs where it is stuck and exits
+    with code 76, on which torchrun restarts the job (launch.max_restarts). The other phases have
+    their own timeouts below, by default scaled from this one; 0 leaves steps unwatched, and every
+    phase whose own key is unset (training/watchdog.py)."""
+    save_timeout_s: NonNegativeFloat | None = None
+    """The same for a checkpoint save (a synchronous one, or the part of a background one the loop
+    waits for) and a spike rollback's reload; unset: 4 x hang_timeout_s. 0: unwatched."""
+    eval_timeout_s: NonNegativeFloat | None = None
+    """The same for an evaluation; unset: hang_timeout_s x eval.batches / the micro-batches of a
+    training step on one rank (at least 1 x). 0: unwatched."""
+    startup_timeout_s: NonNegativeFloat | None = None
+    """The same for the start-up (process groups, data, model build, resume) and the first step
+    after it (warm-up, compilation, first collectives); unset: 4 x hang_timeout_s. 0: unwatched."""
     straggler_factor: NonNegativeFloat = 1.5
     """At each log step, one line names a rank whose own compute time (forward-backward less its
     waits in the gradient and loss reductions) is this many times the other ranks' median or more; 0
@@ -321,3 +345,11 @@ class Recipe(Section):
     eval: EvalSection = Field(default_factory=EvalSection)
     log: LogSection = Field(default_factory=LogSection)
     launch: LaunchSection = Field(default_factory=LaunchSection)
+    decoding: DecodingSection = Field(default_factory=DecodingSection)
+    """How the trained model decodes where it departs from its order's paper default (a window of
+    d at threshold 0.9 for the staggered schedule, one token per step for AR, its blocks for a
+    block order): every door (sample, eval, serve, lm-eval, the HF export) starts from it."""
+
+    def decoding_policy(self) -> DecodingConfig:
+        """The model's own decoding policy: its order's paper default, with `decoding` over it."""
+        return DecodingConfig(**{**self.method.order_policy().decoding_policy(), **given(self.decoding)})

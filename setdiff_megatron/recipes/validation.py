@@ -12,7 +12,9 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+from setdiff_megatron.core.orders import OrderError, Staggered
 from setdiff_megatron.errors import require
+from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.weight_maps.megatron import check_backend
 from setdiff_megatron.recipes.inputs import dataset_exists, where_looked
 from setdiff_megatron.recipes.loading import RecipeError
@@ -24,6 +26,7 @@ __all__ = [
     "data_parallel_size",
     "ENGINE_EXTRAS",
     "offload_host_bytes",
+    "estimated_model_config",
 ]
 
 # Host bytes per parameter of offloaded optimizer state: fp32 master weights, two Adam moments
@@ -128,7 +131,7 @@ def _context_rules(r: Recipe) -> list[str]:
     return errors
 
 
-def _deepspeed_rules(r: Recipe, has_gpu: bool, host_memory: int | None) -> list[str]:
+def _deepspeed_rules(r: Recipe, has_gpu: bool, host_memory: int | None, num_params: int) -> list[str]:
     p = r.parallel
     if r.engine != "deepspeed":
         return (
@@ -167,7 +170,7 @@ def _deepspeed_rules(r: Recipe, has_gpu: bool, host_memory: int | None) -> list[
     if r.train.precision == "fp16" and not has_gpu:
         errors.append("train.precision: DeepSpeed has no fp16 on the CPU; use bf16 or fp32 here")
     if p.offload_optimizer and p.zero_stage and host_memory is not None:
-        need = offload_host_bytes(r)
+        need = offload_host_bytes(r, num_params)
         if need > host_memory:
             errors.append(
                 f"parallel.offload_optimizer: the offloaded optimizer state needs about "
@@ -178,13 +181,16 @@ def _deepspeed_rules(r: Recipe, has_gpu: bool, host_memory: int | None) -> list[
     return errors
 
 
-def offload_host_bytes(r: Recipe) -> int:
+def estimated_model_config(r: Recipe, vocab_size: int | None = None) -> ModelConfig:
+    """The run's model config before its tokenizer loads: the vocabulary is `vocab_size` (the
+    tokenizer's, where the caller has it), else the recipe's or the BPE size it trains."""
+    return r.model.to_model_config(vocab_size=vocab_size or r.model.vocab_size or r.data.vocab_size, mask_token_id=0)
+
+
+def offload_host_bytes(r: Recipe, num_params: int) -> int:
     """Host memory that optimizer offload takes on one node: each of its processes holds a 1/dp
-    share of the fp32 master weights, both Adam moments and the fp32 gradients. The vocabulary
-    is the recipe's (or the BPE size it trains), so this is an estimate before the tokenizer loads."""
-    vocab = r.model.vocab_size or r.data.vocab_size
-    params = r.model.to_model_config(vocab_size=vocab, mask_token_id=0).num_params()
-    return OFFLOAD_BYTES_PER_PARAM * params * r.launch.nproc_per_node // r.launch.world_size
+    share of the fp32 master weights, both Adam moments and the fp32 gradients."""
+    return OFFLOAD_BYTES_PER_PARAM * num_params * r.launch.nproc_per_node // r.launch.world_size
 
 
 def _host_memory() -> int:
@@ -193,23 +199,21 @@ def _host_memory() -> int:
 
 
 def _method_rules(r: Recipe) -> list[str]:
+    """The order law's own rules (core/orders.py), against the recipe's sequence length, and the
+    decoding policy it yields."""
     me, seq_len = r.method, r.data.seq_len
     errors = []
-    if me.order == "staggered":
-        m = me.m if me.m is not None else 2 * me.d
-        if me.d > m:
-            errors.append(f"method.d: d ({me.d}) must be <= m ({m})")
-        elif m > seq_len and me.d > 1:
-            errors.append(
-                f"method.m: m ({m}) must be <= data.seq_len ({seq_len}); for a uniform order set d = m = seq_len"
-            )
-        if me.k is not None and me.b is not None:
-            errors.append("method.k: k and b are exclusive; set at most one")
-    if me.order == "block":
-        if me.block_size is None:
-            errors.append("method.block_size: the block order needs a block size")
-        elif me.block_size > seq_len:
-            errors.append(f"method.block_size: {me.block_size} exceeds data.seq_len ({seq_len})")
+    try:
+        policy = me.order_policy()
+        if isinstance(policy, Staggered):
+            policy.schedule(seq_len)
+        r.decoding_policy()
+    except OrderError as exc:
+        errors.append(f"method.{exc.field}: {exc}")
+    except ValueError as exc:
+        errors.append(f"decoding: {exc}")
+    if me.order == "block" and me.block_size is not None and me.block_size > seq_len:
+        errors.append(f"method.block_size: {me.block_size} exceeds data.seq_len ({seq_len})")
     if seq_len > r.model.max_seq_len:
         errors.append(f"data.seq_len: {seq_len} exceeds model.max_seq_len ({r.model.max_seq_len})")
     return errors
@@ -328,11 +332,14 @@ def validate_recipe(
     has_gpu: bool | None = None,
     check_paths: bool = True,
     host_memory: int | None = None,
+    model_config: ModelConfig | None = None,
     recipe_file: str | Path | None = None,
 ) -> list[str]:
     """`host_memory` (bytes) is what optimizer offload may fill on a node; None measures this
     machine's available memory when checking against it (`check_paths`), else skips that rule.
-    `recipe_file`: the recipe's file, for where a missing input was looked for (inputs.py)."""
+    `model_config`: the caller's estimate of the run's model (estimated_model_config), else
+    estimated here. `recipe_file`: the recipe's file, for where a missing input was looked for
+    (inputs.py)."""
     if has_gpu is None:
         import torch
 
@@ -342,7 +349,7 @@ def validate_recipe(
     world = world_size if world_size is not None else recipe.launch.world_size
     errors = (
         _parallel_rules(recipe, world)
-        + _deepspeed_rules(recipe, has_gpu, host_memory)
+        + _deepspeed_rules(recipe, has_gpu, host_memory, (model_config or estimated_model_config(recipe)).num_params())
         + _method_rules(recipe)
         + _train_rules(recipe, has_gpu)
         + _supervised_rules(recipe)

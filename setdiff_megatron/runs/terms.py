@@ -6,20 +6,11 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from setdiff_megatron.core.orders import OrderPolicy, make_order_policy
 from setdiff_megatron.data.supervised import RowFormat
 from setdiff_megatron.data.tokenizers import SetDiffTokenizer
-from setdiff_megatron.recipes.schema import MethodSection, Recipe
+from setdiff_megatron.recipes.schema import Recipe
 
-__all__ = ["order_policy_from", "data_dir", "is_supervised", "row_format", "prompt_format"]
-
-
-def order_policy_from(method: MethodSection) -> OrderPolicy:
-    if method.order == "staggered":
-        return make_order_policy("staggered", d=method.d, m=method.m, k=method.k, b=method.b)
-    if method.order == "block":
-        return make_order_policy("block", size=method.block_size)
-    return make_order_policy(method.order)
+__all__ = ["data_dir", "is_supervised", "row_format", "prompt_format"]
 
 
 def data_dir(recipe: Recipe) -> Path:

@@ -26,7 +26,6 @@ WARM_UP_PROMPT_TOKENS = 32
 
 
 def _served_model(args, source):
-    from setdiff_megatron.inference.defaults import default_decoding
     from setdiff_megatron.runs.terms import prompt_format
     from setdiff_megatron.serving.app import ServedModel
 
@@ -35,20 +34,20 @@ def _served_model(args, source):
         name=name,
         tokenizer=source.tokenizer,
         context_len=source.config.max_seq_len,
-        defaults=default_decoding(source),
+        defaults=source.decoding,
         chat_template=source.tokenizer.chat_template,
         kv_budget=args.kv_budget,
         prompt_format=prompt_format(source.recipe, source.tokenizer),
     )
 
 
-def _local_replicas(args, defaults):
+def _local_replicas(args, source, defaults):
     from setdiff_megatron.core.sampler import SetSampler
     from setdiff_megatron.distributed.runtime import Ranks
     from setdiff_megatron.inference.loading import load_sampling_model
     from setdiff_megatron.serving.replicas import LocalReplica
 
-    sm = load_sampling_model(args.source, Ranks(), device=args.device, dtype=args.dtype)
+    sm = load_sampling_model(source, Ranks(), device=args.device, dtype=args.dtype)
 
     def make(on_event):
         sampler = SetSampler(
@@ -75,34 +74,29 @@ def _process_replicas(args):
     """Start the worker processes now (they load the model while the front end starts) and
     connect their group leaders when the event loop runs."""
     from setdiff_megatron.distributed.workers import Torchrun
-    from setdiff_megatron.serving.replicas import ProcessReplica
+    from setdiff_megatron.serving.replicas import REPLICA_SETTINGS_ENV, ProcessReplica, ReplicaSettings
 
     if args.nproc % args.tp:
         raise UserError(f"--nproc {args.nproc} must be a multiple of --tp {args.tp}")
     authkey = secrets.token_hex(16)
     listener = Listener(("127.0.0.1", 0), authkey=authkey.encode())
     host, port = listener.address
-    worker_args = [
-        args.source,
-        "--address",
-        f"{host}:{port}",
-        "--tp",
-        str(args.tp),
-        "--device",
-        args.device,
-        "--max-rows",
-        str(args.batch_size),
-    ]
-    for flag, value in (
-        ("--dtype", args.dtype),
-        ("--kv-budget", args.kv_budget),
-        ("--prefill-chunk", args.prefill_chunk),
-        ("--batching", args.batching),
-    ):
-        if value is not None:
-            worker_args += [flag, str(value)]
+    settings = ReplicaSettings(
+        source=args.source,
+        address=f"{host}:{port}",
+        tp=args.tp,
+        device=args.device,
+        dtype=args.dtype,
+        max_rows=args.batch_size,
+        kv_budget=args.kv_budget,
+        prefill_chunk=args.prefill_chunk,
+        batching=args.batching,
+    )
     workers = Torchrun(
-        args.nproc, worker_args, "setdiff_megatron.serving.replicas", env={"SETDIFF_SERVE_AUTHKEY": authkey}
+        args.nproc,
+        [],
+        "setdiff_megatron.serving.replicas",
+        env={"SETDIFF_SERVE_AUTHKEY": authkey, REPLICA_SETTINGS_ENV: settings.to_json()},
     ).start()
 
     def make(on_event):
@@ -127,10 +121,11 @@ def build_server(args):
     for name in ("batch_size", "nproc", "tp"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
-    source = read_source(args.source, weights=False)
+    local = args.nproc == 1 and args.tp == 1
+    source = read_source(args.source, weights=local)  # the worker processes read their own weights
     model = _served_model(args, source)
-    if args.nproc == 1 and args.tp == 1:
-        return Server(model, _local_replicas(args, model.defaults)), None
+    if local:
+        return Server(model, _local_replicas(args, source, model.defaults)), None
     make, workers = _process_replicas(args)
     return Server(model, make), workers
 

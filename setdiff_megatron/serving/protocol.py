@@ -2,9 +2,11 @@
 
 `/v1/completions` and `/v1/chat/completions` take OpenAI's fields (model, prompt or messages,
 max_tokens, temperature, top_p, n, stream, stop, seed, suffix, user, stream_options) plus set
-diffusion's own knobs as extra body fields (the `openai` client's `extra_body`): window,
-threshold, tokens_per_step, fill_window, block_size, top_k, repetition_penalty, and `segments`
-(text and span lengths to infill, instead of `prompt`). OpenAI fields this server cannot honour
+diffusion's own knobs as extra body fields (the `openai` client's `extra_body`): every decoding
+setting OpenAI has no field for (core/decoding.py SETTINGS: window, threshold, tokens_per_step,
+fill_window, block_size, top_k, repetition_penalty), each over the served model's own policy
+(null turns an optional one off), and `segments` (text and span lengths to infill, instead of
+`prompt`). OpenAI fields this server cannot honour
 (logprobs, echo, best_of > 1, logit_bias, presence/frequency penalties) are refused, and any
 other field is an error, as OpenAI's own API answers: HTTP 400 with an error object.
 """
@@ -15,7 +17,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from setdiff_megatron.core.decoding import DecodingConfig
+from setdiff_megatron.core.decoding import SETTINGS, DecodingConfig
+from setdiff_megatron.recipes.decoding import given, settings_model
 
 __all__ = ["CompletionBody", "ChatBody", "ChatMessage", "RequestError", "decoding_of", "validation_message"]
 
@@ -36,7 +39,7 @@ class RequestError(Exception):
         self.param, self.status, self.code, self.kind = param, status, code, kind
 
 
-class _Body(BaseModel):
+class _OpenAIBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str
@@ -54,14 +57,6 @@ class _Body(BaseModel):
     logit_bias: dict | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    # set diffusion's knobs
-    window: int | None = Field(default=None, ge=1)
-    threshold: float | None = Field(default=None, gt=0.0, le=1.0)
-    tokens_per_step: int | None = Field(default=None, ge=1)
-    fill_window: bool | None = None
-    block_size: int | None = Field(default=None, ge=1)
-    top_k: int | None = Field(default=None, ge=1)
-    repetition_penalty: float | None = Field(default=None, gt=0.0)
 
     @field_validator("stop")
     @classmethod
@@ -88,6 +83,14 @@ class _Body(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool((self.stream_options or {}).get("include_usage"))
+
+
+KNOBS = tuple(name for name, setting in SETTINGS.items() if setting.openai is None)
+"""Set diffusion's decoding settings that OpenAI's API has no field for: extra body fields."""
+
+_Body = settings_model("_Body", KNOBS, base=_OpenAIBody)
+"""OpenAI's fields and set diffusion's knobs; a knob left out keeps the model's policy, null
+turns an optional one off."""
 
 
 class CompletionBody(_Body):
@@ -147,25 +150,11 @@ class ChatBody(_Body):
 
 
 def decoding_of(body: _Body, defaults: DecodingConfig, *, max_tokens: int, seed: int) -> DecodingConfig:
-    """The request's DecodingConfig: its fields over the served model's defaults."""
-    knobs = {
-        name: getattr(body, name)
-        for name in (
-            "window",
-            "threshold",
-            "tokens_per_step",
-            "fill_window",
-            "block_size",
-            "top_k",
-            "repetition_penalty",
-        )
-        if getattr(body, name) is not None
-    }
+    """The request's DecodingConfig: its knobs and OpenAI fields over the served model's policy."""
     try:
-        return DecodingConfig(
-            **{
-                **_fields(defaults),
-                **knobs,
+        return defaults.over(
+            {
+                **given(body, KNOBS),
                 "temperature": body.temperature,
                 "top_p": None if body.top_p >= 1 else body.top_p,
                 "max_new_tokens": max_tokens,
@@ -174,12 +163,6 @@ def decoding_of(body: _Body, defaults: DecodingConfig, *, max_tokens: int, seed:
         )
     except ValueError as exc:
         raise RequestError(str(exc)) from None
-
-
-def _fields(cfg: DecodingConfig) -> dict:
-    from dataclasses import asdict
-
-    return asdict(cfg)
 
 
 def validation_message(exc: ValidationError | Any) -> tuple[str, str | None]:

@@ -16,11 +16,13 @@ depend on which replica runs it or on what else shares its batch.
 
 from __future__ import annotations
 
+import json
+import os
 import queue
 import threading
 import time
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -194,27 +196,43 @@ class ProcessReplica(Replica):
             pass
 
 
-def replica_main(argv: list[str] | None = None) -> int:
+REPLICA_SETTINGS_ENV = "SETDIFF_SERVE_REPLICA"
+"""The environment variable that hands `setdiff serve`'s parsed settings to its worker processes."""
+
+
+@dataclass(frozen=True)
+class ReplicaSettings:
+    """What a worker process of `setdiff serve --nproc/--tp` needs: the front end's parsed
+    arguments, passed as they are (JSON in REPLICA_SETTINGS_ENV), not as a command line."""
+
+    source: str
+    address: str
+    """host:port of the front end."""
+    tp: int
+    device: str
+    dtype: str | None
+    max_rows: int
+    kv_budget: int | None
+    prefill_chunk: int | None
+    batching: str
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_env(cls) -> ReplicaSettings:
+        return cls(**json.loads(os.environ[REPLICA_SETTINGS_ENV]))
+
+
+def replica_main() -> int:
     """A worker process of `setdiff serve --nproc/--tp` (started by torchrun): load this rank's
-    model, then serve the front end at --address (the group's first rank) or its peers."""
-    import os
+    model, then serve the front end at the settings' address (the group's first rank) or its peers."""
     from multiprocessing.connection import Client
 
     from setdiff_megatron.distributed.runtime import join, tensor_parallel_broadcast
-    from setdiff_megatron.errors import ArgumentParser
     from setdiff_megatron.inference.loading import load_sampling_model
 
-    parser = ArgumentParser(prog="python -m setdiff_megatron.serving.replicas")
-    parser.add_argument("source")
-    parser.add_argument("--address", required=True, help="host:port of the front end")
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default=None)
-    parser.add_argument("--max-rows", type=int, required=True)
-    parser.add_argument("--kv-budget", type=int, default=None)
-    parser.add_argument("--prefill-chunk", type=int, default=None)
-    parser.add_argument("--batching", default="continuous", choices=["continuous", "static"])
-    args = parser.parse_args(argv)
+    args = ReplicaSettings.from_env()
     ranks = join(args.tp)
     sm = load_sampling_model(args.source, ranks, device=args.device, dtype=args.dtype)
     sampler = SetSampler(

@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from setdiff_megatron.core.decoding import DecodingConfig
+from setdiff_megatron.core.decoding import SETTINGS, DecodingConfig
 from setdiff_megatron.models.config import ModelConfig
 
 __all__ = [
@@ -64,19 +64,11 @@ MOE_CONFIG_KEYS: dict[str, str] = {
 }
 
 GENERATION_KEYS: dict[str, str] = {
-    # generation_config.json key -> DecodingConfig field; do_sample/temperature are mapped apart
-    "max_new_tokens": "max_new_tokens",
-    "top_k": "top_k",
-    "top_p": "top_p",
-    "repetition_penalty": "repetition_penalty",
-    "window": "window",
-    "fill_window": "fill_window",
-    "block_size": "block_size",
-    "tokens_per_step": "tokens_per_step",
-    "threshold": "threshold",
+    **{name: name for name in SETTINGS if name != "temperature"},
     "stop_token_sequences": "stop_sequences",
-    "seed": "seed",
 }
+"""generation_config.json key -> DecodingConfig field, from the settings' one declaration;
+do_sample/temperature and eos_token_id are mapped apart."""
 
 
 def rope_theta_of(config: Mapping[str, Any]) -> float | None:

@@ -28,6 +28,8 @@ from setdiff_megatron.checkpoint.identity import config_from_identity
 from setdiff_megatron.checkpoint.names import TOKENIZER_DIR, is_checkpoint_path
 from setdiff_megatron.checkpoint.resolve import resolve_step_dir
 from setdiff_megatron.checkpoint.state import read_train_state
+from setdiff_megatron.core.decoding import DecodingConfig
+from setdiff_megatron.core.orders import LeftToRight
 from setdiff_megatron.data.tokenizers import SetDiffTokenizer, load_tokenizer
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.models.config import ModelConfig
@@ -38,7 +40,7 @@ from setdiff_megatron.sources.ar_import import SUPPORTED, ar_model_config, ar_st
 from setdiff_megatron.sources.base_model import BASE_ENV
 from setdiff_megatron.sources.deepspeed import consolidated_state_dict, is_deepspeed_checkpoint
 from setdiff_megatron.sources.dit_import import DIT_KIND, dit_state_dict, is_dit_config, read_composer_checkpoint
-from setdiff_megatron.sources.hf_export import load_hf_export, read_hf_config
+from setdiff_megatron.sources.hf_export import export_policy, load_hf_export, read_hf_config
 from setdiff_megatron.sources.hf_files import load_safetensors_dir
 from setdiff_megatron.sources.megatron import torch_weights
 from setdiff_megatron.sources.setdlm_release import RELEASE_KIND, is_release_config, read_release
@@ -66,6 +68,10 @@ class Source:
     notes: list[str] = field(default_factory=list)
     """What the reader ignored, one line each (a release's source files, its attention backend,
     what a safe unpickling dropped)."""
+    decoding: DecodingConfig = field(default_factory=DecodingConfig)
+    """The model's own decoding policy, where every sampling door starts: its recipe's (runs,
+    releases), its generation_config.json (our exports), one token per step (causal LMs); the
+    sampler's defaults where nothing records one (a bare DiT)."""
 
     @property
     def add_bos(self) -> bool:
@@ -110,7 +116,17 @@ def _read_run(path: Path, weights: bool) -> Source:
         ]
         if bad:
             raise UserError(f"checkpoint {step_dir} does not match its recorded model config: {bad[:5]}")
-    return Source(kind, step_dir, config, state_dict, tokenizer, recipe, state.progress.step, state.layout)
+    return Source(
+        kind,
+        step_dir,
+        config,
+        state_dict,
+        tokenizer,
+        recipe,
+        state.progress.step,
+        state.layout,
+        decoding=recipe.decoding_policy(),
+    )
 
 
 def _hf_tokenizer(directory: Path) -> SetDiffTokenizer:
@@ -130,19 +146,23 @@ def read_hf_dir(directory: str | Path, *, weights: bool = True, base: str | Path
     config = read_hf_config(directory)
     if config.get("model_type") == "setdiff":
         cfg, state, tokenizer = load_hf_export(directory)
-        return Source("setdiff", directory, cfg, state if weights else None, tokenizer)
+        return Source(
+            "setdiff", directory, cfg, state if weights else None, tokenizer, decoding=export_policy(directory)
+        )
     if is_release_config(config):
         tokenizer = _hf_tokenizer(directory)
         base = base or os.environ.get(BASE_ENV) or None
         cfg, state, release = read_release(directory, config, tokenizer, base=Path(base) if base else None)
+        recipe = release.recipe(cfg)
         return Source(
             RELEASE_KIND,
             directory,
             cfg,
             state if weights else None,
             tokenizer,
-            release.recipe(cfg),
+            recipe,
             notes=release.notes,
+            decoding=recipe.decoding_policy(),
         )
     if is_dit_config(config):
         tokenizer = _hf_tokenizer(directory)
@@ -156,7 +176,14 @@ def read_hf_dir(directory: str | Path, *, weights: bool = True, base: str | Path
         config, directory, vocab_size=max(rows, tokenizer.vocab_size), mask_token_id=tokenizer.mask_id
     )
     cfg, state = ar_state_dict(load_safetensors_dir(directory), cfg, tokenizer, directory)
-    return Source(config["model_type"], directory, cfg, state if weights else None, tokenizer)
+    return Source(
+        config["model_type"],
+        directory,
+        cfg,
+        state if weights else None,
+        tokenizer,
+        decoding=DecodingConfig(**LeftToRight().decoding_policy()),
+    )
 
 
 def read_source(path: str | Path, *, weights: bool = True, base: str | Path | None = None) -> Source:

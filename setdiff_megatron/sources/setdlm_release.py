@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from setdiff_megatron.core.orders import default_max_set_size
 from setdiff_megatron.data.tokenizers import SetDiffTokenizer
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.models.config import ModelConfig
@@ -162,7 +163,7 @@ class Release:
             )
         d = int(noise.get("desired_block_size") or block)
         m = noise.get("max_block_size")
-        m = int(m) if m is not None and int(m) < block else min(2 * d, block)
+        m = int(m) if m is not None and int(m) < block else min(default_max_set_size(d), block)
         if not self.config.get("keep_clean_bos", True):
             self.notes.append(
                 "keep_clean_bos: false in config.json, but the reference's loader evaluates SetDLM "

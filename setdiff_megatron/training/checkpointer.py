@@ -12,10 +12,15 @@ still writing waits for it, and the log says how long.
 
 Each save logs `checkpoint/blocked_s` (how long the step loop stood still for it, the wait for
 an earlier save included) and `checkpoint/write_s` (from its start to its publication).
+
+Whatever the loop waits for here (a synchronous save; a background save's start, the wait for it
+and its publication) is the hang watchdog's save phase, with its own timeout; the `at=save`
+drills of SETDIFF_INJECT fire inside it, before the save is published.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,10 +29,12 @@ from setdiff_megatron.checkpoint.names import CHECKPOINTS, TOKENIZER_DIR
 from setdiff_megatron.checkpoint.publish import Retention, begin_publication, finish_publication, publish
 from setdiff_megatron.checkpoint.state import Progress, TrainState, write_train_state
 from setdiff_megatron.distributed import runtime
+from setdiff_megatron.distributed.fault_injection import Faults
 from setdiff_megatron.distributed.signals import blocked
 from setdiff_megatron.recipes import Recipe, save_resolved_recipe
 from setdiff_megatron.training.engines import Engine
 from setdiff_megatron.training.metrics import MetricsLogger
+from setdiff_megatron.training.watchdog import SAVE, Watchdog
 
 __all__ = ["Checkpointer"]
 
@@ -72,6 +79,8 @@ class Checkpointer:
         run_id: str,
         logger: MetricsLogger,
         last: Path | None = None,
+        watchdog: Watchdog | None = None,
+        faults: Faults | None = None,
     ):
         self.recipe, self.engine, self.identity, self.tokenizer, self.run_id = (
             recipe,
@@ -80,11 +89,19 @@ class Checkpointer:
             tokenizer,
             run_id,
         )
-        self.logger, self.last = logger, last
+        self.logger, self.last, self.watchdog, self.faults = logger, last, watchdog, faults
         self.root = Path(recipe.checkpoint.dir) / CHECKPOINTS
         self.retention = Retention(recipe.checkpoint.keep_last_n, recipe.checkpoint.keep_every_n_steps)
         self._in_flight: _InFlight | None = None
         self._published: Path | None = None
+
+    def _saving(self, step: int) -> contextlib.AbstractContextManager:
+        """The watchdog's save phase of `step`, if there is a watchdog."""
+        return self.watchdog.phase(SAVE, step) if self.watchdog is not None else contextlib.nullcontext()
+
+    def _drill(self, step: int) -> None:
+        if self.faults is not None:
+            self.faults.in_save(step)
 
     def save(self, progress: Progress, *, background: bool) -> None:
         """Collective: save the state at `progress`, in the background if asked (after waiting for
@@ -92,31 +109,33 @@ class Checkpointer:
         start = time.perf_counter()
         if self._in_flight is not None:
             self.wait(because=f"the save of step {progress.step} came due")
-        if not background:
-            self.last = publish(
-                self.root,
-                progress.step,
-                lambda tmp: self._write(tmp, progress),
-                run_id=self.run_id,
-                retention=self.retention,
-            )
-            seconds = time.perf_counter() - start
-            self.logger.log(
-                progress.step,
-                {"checkpoint/step": progress.step, "checkpoint/blocked_s": seconds, "checkpoint/write_s": seconds},
-            )
-            return
         step = progress.step
-        with blocked():
-            tmp = begin_publication(self.root, step)
-        self.engine.start_save(tmp, lambda: self._publish(step, tmp))
-        _write_run_files(tmp, self.recipe, self.engine, progress, self.identity, self.tokenizer, self.run_id)
-        self._in_flight = _InFlight(step, start, time.perf_counter() - start)
+        with self._saving(step):
+            if not background:
+                self.last = publish(
+                    self.root,
+                    step,
+                    lambda tmp: self._write(tmp, progress),
+                    run_id=self.run_id,
+                    retention=self.retention,
+                )
+                seconds = time.perf_counter() - start
+                self.logger.log(
+                    step, {"checkpoint/step": step, "checkpoint/blocked_s": seconds, "checkpoint/write_s": seconds}
+                )
+                return
+            with blocked():
+                tmp = begin_publication(self.root, step)
+            self.engine.start_save(tmp, lambda: self._publish(step, tmp))
+            _write_run_files(tmp, self.recipe, self.engine, progress, self.identity, self.tokenizer, self.run_id)
+            self._drill(step)
+            self._in_flight = _InFlight(step, start, time.perf_counter() - start)
 
     def _write(self, tmp: Path, progress: Progress) -> None:
         """A synchronous save's files: the engine's, then the run's."""
         self.engine.save(tmp)
         _write_run_files(tmp, self.recipe, self.engine, progress, self.identity, self.tokenizer, self.run_id)
+        self._drill(progress.step)
 
     def poll(self, step: int) -> None:
         """Collective, at a step boundary: publish the save in flight if every rank wrote it."""
@@ -138,8 +157,9 @@ class Checkpointer:
         if self._in_flight is None:
             return
         waited = time.perf_counter()
-        if not self.engine.finish_saves(blocking=blocking):
-            return
+        with self._saving(self._in_flight.step):
+            if not self.engine.finish_saves(blocking=blocking):  # publishes once every rank's files are written
+                return
         saving, self._in_flight = self._in_flight, None
         now = time.perf_counter()
         self.last = self._published

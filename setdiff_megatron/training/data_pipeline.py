@@ -21,7 +21,7 @@ from setdiff_megatron.data.samples import ResumableLoader, SupervisedRows, build
 from setdiff_megatron.data.tokenizers import SetDiffTokenizer, load_tokenizer
 from setdiff_megatron.log import say
 from setdiff_megatron.recipes.schema import BUILTIN_CORPORA, Recipe
-from setdiff_megatron.runs.terms import data_dir, is_supervised, order_policy_from, row_format
+from setdiff_megatron.runs.terms import data_dir, is_supervised, row_format
 
 __all__ = ["TrainingData", "prepare_data", "DataLoaders"]
 
@@ -104,7 +104,7 @@ class DataLoaders:
         device: torch.device | str = "cpu",
     ):
         self.recipe, self.data, self.device = recipe, data, torch.device(device)
-        self.policy = order_policy_from(recipe.method)
+        self.policy = recipe.method.order_policy()
         self.dp_rank, self.dp_size = dp_rank, dp_size
         mbs = recipe.parallel.micro_batch_size
         self.num_microbatches = recipe.parallel.global_batch_size // (mbs * dp_size)

@@ -18,7 +18,9 @@ from pathlib import Path
 
 from setdiff_megatron.checkpoint.publish import check_writable
 from setdiff_megatron.checkpoint.resolve import resume_target
+from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.recipes import Recipe, RecipeError, validate_recipe
+from setdiff_megatron.recipes.validation import estimated_model_config
 
 __all__ = ["check_run", "CHECKPOINT_BYTES_PER_PARAM"]
 
@@ -40,24 +42,34 @@ def check_run(
     is the recipe's launch size; `files` checks what the run reads; `checkpoint_dir` probes the
     run directory with a write (so `recipe validate` leaves it off); `resumable` is for a
     launcher, which refuses once what every process would refuse."""
-    errors = validate_recipe(recipe, world_size=world_size, has_gpu=has_gpu, check_paths=files, recipe_file=source)
+    model_config = _estimated_model_config(recipe, files)
+    errors = validate_recipe(
+        recipe,
+        world_size=world_size,
+        has_gpu=has_gpu,
+        check_paths=files,
+        model_config=model_config,
+        recipe_file=source,
+    )
     if errors:
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
         raise RecipeError(f"{source}: {errors[0]}{more}")
     if checkpoint_dir:
-        _check_checkpoint_room(recipe)
+        check_writable(Path(recipe.checkpoint.dir), model_config.num_params() * CHECKPOINT_BYTES_PER_PARAM)
     if resumable:
         _check_resumable(recipe)
 
 
-def _check_checkpoint_room(recipe: Recipe) -> None:
-    vocab = recipe.data.vocab_size
-    if recipe.data.tokenizer is not None:
+def _estimated_model_config(recipe: Recipe, files: bool) -> ModelConfig:
+    """The run's model as far as it is known before any process starts, built once for every
+    check that sizes it: with the tokenizer's vocabulary where the recipe names one (and files
+    may be read)."""
+    vocab = None
+    if files and recipe.data.tokenizer is not None and Path(recipe.data.tokenizer).exists():
         from setdiff_megatron.data.tokenizers import load_tokenizer
 
         vocab = load_tokenizer(recipe.data.tokenizer).vocab_size
-    params = recipe.model.to_model_config(vocab_size=vocab, mask_token_id=0).num_params()
-    check_writable(Path(recipe.checkpoint.dir), params * CHECKPOINT_BYTES_PER_PARAM)
+    return estimated_model_config(recipe, vocab)
 
 
 def _check_resumable(recipe: Recipe) -> None:

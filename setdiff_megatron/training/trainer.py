@@ -9,9 +9,11 @@ What the loop decides, whatever the engine:
                 `stop` raises (the last checkpoint is intact), `skip` drops the step and counts it
   spike policy  a loss far above its recent window (spikes.py): `warn`, `skip` the update, or
                 `rollback` to the newest checkpoint with the data moved past the bad batch
-  faults        a heartbeat per step for the hang watchdog (watchdog.py), per-rank
-                forward-backward times and a straggler warning (stragglers.py), and the drills
-                SETDIFF_INJECT asks for (distributed/fault_injection.py)
+  faults        the hang watchdog told what the rank is doing: start-up, each step, evaluations,
+                saves, rollbacks (watchdog.py); per-rank forward-backward times and a straggler
+                warning (stragglers.py); the drills SETDIFF_INJECT asks for
+                (distributed/fault_injection.py); and the processes a rank starts ended with it,
+                however it ends (distributed/offspring.py)
   logging       metrics.jsonl, TensorBoard, wandb and the console (metrics.py) on rank 0
   validation    the same held-out micro-batches and orders at every `eval.interval`
   checkpoints   every `checkpoint.interval`, at the end, and at a preemption signal's step
@@ -35,6 +37,7 @@ from setdiff_megatron.checkpoint.resolve import resume_target
 from setdiff_megatron.checkpoint.state import Progress
 from setdiff_megatron.distributed import runtime
 from setdiff_megatron.distributed.fault_injection import Faults
+from setdiff_megatron.distributed.offspring import Offspring
 from setdiff_megatron.distributed.signals import PreemptionHandler
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.log import say
@@ -48,7 +51,7 @@ from setdiff_megatron.training.metrics import MetricsLogger, peak_flops, step_me
 from setdiff_megatron.training.preflight import check_run
 from setdiff_megatron.training.spikes import SpikeDetector
 from setdiff_megatron.training.stragglers import StragglerMonitor
-from setdiff_megatron.training.watchdog import Watchdog
+from setdiff_megatron.training.watchdog import EVALUATION, ROLLBACK, STEP, Watchdog
 
 __all__ = ["train", "TrainResult"]
 
@@ -64,16 +67,18 @@ class TrainResult:
 
 def train(recipe: Recipe, recipe_path: str | Path = "<recipe>") -> TrainResult:
     check_run(recipe, recipe_path, world_size=runtime.world_size())
-    with PreemptionHandler(recipe.checkpoint.dir) as preemption:
+    offspring = Offspring()
+    with PreemptionHandler(recipe.checkpoint.dir) as preemption, Watchdog.for_run(recipe, offspring) as watchdog:
         try:
-            return _Run(recipe, start_engine(recipe), preemption).loop()
+            return _Run(recipe, start_engine(recipe), preemption, watchdog).loop()
         finally:
+            offspring.end()
             runtime.shutdown()
 
 
 class _Run:
-    def __init__(self, recipe: Recipe, engine: Engine, preemption: PreemptionHandler):
-        self.recipe, self.engine, self.preemption = recipe, engine, preemption
+    def __init__(self, recipe: Recipe, engine: Engine, preemption: PreemptionHandler, watchdog: Watchdog):
+        self.recipe, self.engine, self.preemption, self.watchdog = recipe, engine, preemption, watchdog
         self.run_dir = Path(recipe.checkpoint.dir)
         self.first = runtime.rank() == 0
         self.total_steps = lr_schedule.total_steps(recipe)
@@ -128,7 +133,8 @@ class _Run:
     def _evaluate(self, batches) -> float | None:
         if not batches:
             return None
-        nll, count = self.engine.evaluate(batches)
+        with self.watchdog.phase(EVALUATION, self.progress.step):
+            nll, count = self.engine.evaluate(batches)
         return nll / max(count, 1)
 
     def _step(self, logger: MetricsLogger, saves: Checkpointer) -> tuple[float, float | None] | None:
@@ -194,8 +200,9 @@ class _Run:
             )
         saves.wait(step=self.progress.step)
         self.engine.discard()
-        target = resume_target(self.run_dir, str(saves.last), None)
-        self.engine.load(target)
+        with self.watchdog.phase(ROLLBACK, step):
+            target = resume_target(self.run_dir, str(saves.last), None)
+            self.engine.load(target)
         self.rollbacks.append(step)
         self.progress.step = target.state.progress.step
         self.progress.consumed_samples = self.loaders.consumed_samples  # past the bad batch
@@ -245,10 +252,18 @@ class _Run:
         tokens_seen, train_time = 0, 0.0
         saved_step = progress.step if self.resumed is not None else None
         saves = Checkpointer(
-            r, engine, self.identity, self.data.tokenizer, self.run_id, logger, last=self.resumed and self.resumed.path
+            r,
+            engine,
+            self.identity,
+            self.data.tokenizer,
+            self.run_id,
+            logger,
+            last=self.resumed and self.resumed.path,
+            watchdog=self.watchdog,
+            faults=self.faults,
         )
         try:
-            with Watchdog(r.train.hang_timeout_s, runtime.rank(), self.run_dir / "logs") as watchdog:
+            with self.watchdog.phase(STEP, progress.step + 1) as watchdog:
                 while progress.step < self.total_steps:
                     watchdog.beat(progress.step + 1)
                     start = time.perf_counter()

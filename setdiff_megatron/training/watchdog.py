@@ -1,44 +1,126 @@
-"""A heartbeat per step, and a thread that ends the process when the beats stop.
+"""What each rank is doing, with a timeout per phase, and a thread that ends the process when a
+phase outlasts its timeout.
 
 A hung rank (a peer lost mid-collective, a deadlocked data worker, a stuck filesystem) holds every
 other rank in its next collective until the process-group timeout, 30 minutes by default, and then
-fails without saying who or where. The training loop beats at each step start; when no beat comes
-for `train.hang_timeout_s`, this thread prints one line naming the rank, the step and the frame the
-main thread is stuck in, writes every thread's stack to `logs/hang-rank<N>.txt`, and exits the
-process with EXIT_HANG, on which torchrun (`launch.max_restarts`) restarts the job from its newest
-checkpoint. It cannot save a checkpoint: that takes collectives the hung rank will not join; the
-last published checkpoint is intact, and metrics.jsonl is flushed line by line.
+fails without saying who or where. So the training loop says what the rank is doing, and each
+phase gets the time that kind of work needs (a synchronous save of a large model takes minutes, a
+step seconds):
+
+    phase                                                      key (train.*)      unset
+    the start-up (process groups, data, model build, resume)   startup_timeout_s  4 x hang_timeout_s
+      and the first step after it (warm-up, first collectives)
+    a training step                                            hang_timeout_s     1800 s
+    an evaluation                                              eval_timeout_s     hang_timeout_s x eval.batches
+                                                                                  / a step's micro-batches on
+                                                                                  one rank (at least 1 x)
+    a checkpoint save (a synchronous one; of a background      save_timeout_s     4 x hang_timeout_s
+      one, what the loop waits for) and a rollback's reload
+
+An evaluation runs forward passes only, so its micro-batches take less than a step's. The factor 4
+is a margin, not a measurement: a save writes the weights and the optimizer state, several times
+the weights' bytes, and a model whose save takes longer than four step timeouts sets its own key.
+
+When a phase outlasts its timeout, this thread prints one line naming the rank, the phase with its
+step, the key and the frame the main thread is stuck in, writes every thread's stack to
+`logs/hang-rank<N>.txt`, kills the processes the rank started (a save's writers and managers,
+distributed/offspring.py) and exits with EXIT_HANG, on which torchrun (`launch.max_restarts`)
+restarts the job from its newest checkpoint. It cannot save a checkpoint: that takes collectives
+the hung rank will not join; the last published checkpoint is intact, and metrics.jsonl is flushed
+line by line. A timeout of 0 leaves its phase unwatched; `hang_timeout_s: 0` turns off every
+phase whose own key is unset.
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
+from setdiff_megatron.distributed import runtime
+from setdiff_megatron.distributed.offspring import Offspring
 from setdiff_megatron.log import write
+from setdiff_megatron.recipes import Recipe
+from setdiff_megatron.recipes.validation import data_parallel_size
 
-__all__ = ["Watchdog", "EXIT_HANG"]
+__all__ = ["Watchdog", "Phase", "phase_timeouts", "EXIT_HANG", "STARTUP", "STEP", "EVALUATION", "SAVE", "ROLLBACK"]
 
 EXIT_HANG = 76
 """The exit code of a process the watchdog ended (75, EXIT_REQUEUE, is a preemption's)."""
 
+LONG_PHASE_FACTOR = 4
+"""An unset save or start-up timeout is this many step timeouts."""
+
+
+@dataclass(frozen=True)
+class Phase:
+    what: str
+    """What the rank is doing, as the watchdog's line says it ({step} filled in)."""
+    key: str
+    """The train.* key of its timeout."""
+
+
+STARTUP = Phase("the start-up (process groups, data, model build, resume)", "startup_timeout_s")
+FIRST_STEP = Phase("step {step}, the first since the start-up", "startup_timeout_s")
+STEP = Phase("step {step}", "hang_timeout_s")
+EVALUATION = Phase("the evaluation at step {step}", "eval_timeout_s")
+SAVE = Phase("the checkpoint save of step {step}", "save_timeout_s")
+ROLLBACK = Phase("the rollback reload at step {step}", "save_timeout_s")
+
+
+def phase_timeouts(recipe: Recipe, world_size: int) -> dict[str, float]:
+    """Seconds for each timeout key: the recipe's, or for an unset one its rule (module docstring)."""
+    t, p = recipe.train, recipe.parallel
+    step_micro_batches = max(1, p.global_batch_size // (p.micro_batch_size * data_parallel_size(recipe, world_size)))
+    rules = {
+        "hang_timeout_s": t.hang_timeout_s,
+        "startup_timeout_s": LONG_PHASE_FACTOR * t.hang_timeout_s,
+        "eval_timeout_s": t.hang_timeout_s * max(1.0, recipe.eval.batches / step_micro_batches),
+        "save_timeout_s": LONG_PHASE_FACTOR * t.hang_timeout_s,
+    }
+    return {key: rule if getattr(t, key) is None else getattr(t, key) for key, rule in rules.items()}
+
 
 class Watchdog:
-    def __init__(self, timeout_s: float, rank: int, log_dir: Path, *, poll_s: float | None = None):
-        self.timeout_s, self.rank, self.log_dir = timeout_s, rank, log_dir
-        self.poll_s = poll_s or min(5.0, timeout_s / 4)
-        self.step: int | None = None
-        self.last_beat = time.monotonic()
+    """Watches the main thread's phases once entered (a context manager); it starts in STARTUP."""
+
+    def __init__(
+        self,
+        timeouts: dict[str, float],
+        rank: int,
+        log_dir: Path,
+        offspring: Offspring | None = None,
+        *,
+        poll_s: float | None = None,
+    ):
+        self.timeouts, self.rank, self.log_dir, self.offspring = timeouts, rank, log_dir, offspring
+        watched = [s for s in timeouts.values() if s > 0]
+        self.poll_s = poll_s or min([5.0] + [s / 4 for s in watched])
+        self._doing: tuple[Phase, int | None, float] = (STARTUP, None, time.monotonic())
+        """The phase, its step and when it began, replaced whole (the thread reads it unlocked)."""
+        self._stepped = False
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="setdiff-watchdog", daemon=True)
         self._main = threading.main_thread().ident
+        self._on = bool(watched)
+
+    @classmethod
+    def for_run(cls, recipe: Recipe, offspring: Offspring) -> Watchdog:
+        return cls(
+            phase_timeouts(recipe, runtime.world_size()),
+            runtime.rank(),
+            Path(recipe.checkpoint.dir) / "logs",
+            offspring,
+        )
 
     def __enter__(self) -> Watchdog:
-        if self.timeout_s > 0:
+        if self._on:
             self._thread.start()
         return self
 
@@ -46,7 +128,21 @@ class Watchdog:
         self._stopped.set()
 
     def beat(self, step: int) -> None:
-        self.step, self.last_beat = step, time.monotonic()
+        """Training step `step` starts. The first of this process still counts as start-up: it
+        warms up (allocations, compilation, the first collectives of every group)."""
+        self._doing = (STEP if self._stepped else FIRST_STEP, step, time.monotonic())
+        self._stepped = True
+
+    @contextlib.contextmanager
+    def phase(self, phase: Phase, step: int | None = None) -> Iterator[Watchdog]:
+        """`phase` for the time of the block, then back to the phase before, its clock restarted:
+        the block finishing was progress."""
+        outer, outer_step, _ = self._doing
+        self._doing = (phase, step, time.monotonic())
+        try:
+            yield self
+        finally:
+            self._doing = (outer, outer_step, time.monotonic())
 
     def _where(self) -> str:
         frame = sys._current_frames().get(self._main)
@@ -54,24 +150,36 @@ class Watchdog:
             return "an unknown frame"
         return f"{frame.f_code.co_name} ({Path(frame.f_code.co_filename).name}:{frame.f_lineno})"
 
+    def overdue(self, now: float) -> str | None:
+        """What the rank has been doing for longer than its timeout at `now`, as the watchdog's
+        line says it, or None."""
+        phase, step, since = self._doing
+        timeout = self.timeouts[phase.key]
+        if not 0 < timeout <= now - since:
+            return None
+        return (
+            f"no progress for {now - since:.0f} s in {phase.what.format(step=step)} (train.{phase.key} = {timeout:g})"
+        )
+
     def _watch(self) -> None:
         while not self._stopped.wait(self.poll_s):
-            waited = time.monotonic() - self.last_beat
-            if waited < self.timeout_s:
-                continue
-            step = "before the first step" if self.step is None else f"at step {self.step}"
-            dump = self.log_dir / f"hang-rank{self.rank}.txt"
-            try:
-                self.log_dir.mkdir(parents=True, exist_ok=True)
-                with open(dump, "w") as f:
-                    faulthandler.dump_traceback(f, all_threads=True)
-            except OSError:
-                dump = None
-            write(
-                f"setdiff: rank {self.rank}: no progress for {waited:.0f} s {step} (train.hang_timeout_s = "
-                f"{self.timeout_s:g}), stuck in {self._where()}; "
-                + (f"stacks in {dump}; " if dump else "")
-                + f"exiting with code {EXIT_HANG} so the launcher restarts from the last checkpoint",
-                sys.stderr,
-            )
-            os._exit(EXIT_HANG)
+            if (stalled := self.overdue(time.monotonic())) is not None:
+                self._end(stalled)
+
+    def _end(self, stalled: str) -> None:
+        dump = self.log_dir / f"hang-rank{self.rank}.txt"
+        try:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            with open(dump, "w") as f:
+                faulthandler.dump_traceback(f, all_threads=True)
+        except OSError:
+            dump = None
+        write(
+            f"setdiff: rank {self.rank}: {stalled}, stuck in {self._where()}; "
+            + (f"stacks in {dump}; " if dump else "")
+            + f"exiting with code {EXIT_HANG} so the launcher restarts from the last checkpoint",
+            sys.stderr,
+        )
+        if self.offspring is not None:
+            self.offspring.kill()
+        os._exit(EXIT_HANG)

@@ -17,7 +17,7 @@ from megatron.core import parallel_state
 from setdiff_megatron.core import step_attention
 from setdiff_megatron.distributed import megatron_cpu
 from setdiff_megatron.kernels import flash_attn, te_fused
-from setdiff_megatron.models.megatron_model import (
+from setdiff_megatron.models.megatron_plumbing import (
     build_model_chunks,
     transformer_config_from,
 )

@@ -206,7 +206,7 @@ _BOTH[1, 2] = True
 
 BAD_INPUTS = [
     ("d<1", lambda: Staggered(0), "d"),
-    ("d>m", lambda: Staggered(4, 2), "d > m"),
+    ("d>m", lambda: Staggered(4, 2), "d (4) must be <= m (2)"),
     ("m>L", lambda: Staggered(4, 8).schedule(4), "d = m = length"),
     ("m>L scores", lambda: Staggered(2).reveal_scores(1, 3, generator=None, device="cpu"), "m"),
     ("k=0", lambda: Staggered(4, k=0.0), "k"),
@@ -215,7 +215,7 @@ BAD_INPUTS = [
     ("b<=area", lambda: Staggered(4, b=0.001).schedule(1024), "b"),
     ("b>1", lambda: Staggered(4, b=1.5), "b"),
     ("b<=0", lambda: Staggered(4, b=0.0), "b"),
-    ("k and b", lambda: Staggered(4, k=0.5, b=0.1), "k, b"),
+    ("k and b", lambda: Staggered(4, k=0.5, b=0.1), "k and b are exclusive"),
     ("block size", lambda: Block(0), "size"),
     ("length<1", lambda: sample_order(Uniform(), 2, 0), "length"),
     ("length<1 schedule", lambda: Staggered(1).schedule(0), "length"),

@@ -90,7 +90,7 @@ def job(trained_run, tasks, out, metric="rouge", **changes) -> GenerateJob:
         tasks=str(tasks),
         out=str(out),
         metric=metric,
-        decoding=DecodingConfig(**DECODING),
+        decoding=dict(DECODING),  # over the model's policy, as the command line gives them
         stop=(STOP,),
         placement=Placement(batch_size=2, progress=False, **changes),
     )

@@ -240,5 +240,7 @@ def test_jsonl_infill_job_with_block_context(trained_run, tmp_path):
     assert right == tokenizer.decode(whole_right[: -span_end % 4])  # up to the end of the span's block
     proc = infill(trained_run, tmp_path / "x", "--task", "jsonl", "--data", str(path), "--context", "blocks")
     assert (
-        proc.returncode == 2 and "--context blocks needs --block-size" in proc.stderr and proc.stderr.count("\n") == 1
+        proc.returncode == 2
+        and "--context blocks needs a block size: the model's policy has none" in proc.stderr
+        and proc.stderr.count("\n") == 1
     )

@@ -58,7 +58,8 @@ def sweep(trained_run, tmp_path_factory):
         "checkpoints": {"tiny": str(trained_run)},
         "out": str(tmp / "out"),
         "batch_size": 3,
-        "decoding": {"max_new_tokens": 6, "temperature": 1.0, "seed": 1},
+        # over the checkpoint's own policy (its order's threshold 0.9), which null turns off
+        "decoding": {"max_new_tokens": 6, "temperature": 1.0, "seed": 1, "threshold": None},
         "points": [{"name": "ar", "window": 1}, {"window": 4}, {"window": 4, "threshold": 0.5}],
     }
     (tmp / "spec.yaml").write_text(yaml.safe_dump(spec))
@@ -123,8 +124,11 @@ BASE = {"task": "t.jsonl", "metric": "exact", "checkpoints": {"a": "run"}, "out"
         ({"points": [], "grid": {"window": []}}, "spec.yaml: grid.window: expected a non-empty list of values"),
         ({"grid": {"widow": [1]}}, "spec.yaml: grid.widow: unknown setting; allowed: window,"),
         ({"metric": "bleu"}, "spec.yaml: metric: Input should be 'exact', 'rouge' or 'gsm8k' (got 'bleu')"),
-        ({"points": [{"window": 0}]}, "spec.yaml: points.0.window: Input should be greater than 0 (got 0)"),
-        ({"points": [{"window": 4, "threshold": 1.5}]}, "spec.yaml: point w4-t1.5: threshold must be in (0, 1]"),
+        ({"points": [{"window": 0}]}, "spec.yaml: points.0.window: must be >= 1 (got 0)"),
+        (
+            {"points": [{"window": 4, "threshold": 1.5}]},
+            "spec.yaml: points.0.threshold: must be in (0, 1], or None for off (got 1.5)",
+        ),
         ({"points": [{"window": 4}, {"window": 4}]}, "two points are named 'w4'"),
         ({"checkpoints": {}}, "spec.yaml: checkpoints: Dictionary should have at least 1 item"),
         ({"checkpoints": {"a/b": "run"}}, "spec.yaml: checkpoints.a/b.[key]: String should match pattern"),

@@ -19,7 +19,6 @@ from setdiff_megatron.models.config import DIT_BODY, ModelConfig
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 from setdiff_megatron.sources.read import Source
 from tests.conftest import randomized
-from tests.hf.clean_env import make_clean_site
 from tests.hf.tiny_models import make_ar_model, make_tokenizer
 
 ROOT = Path(__file__).parents[2]
@@ -133,11 +132,6 @@ def dit_export_dir(tmp_path_factory) -> tuple[Path, Source]:
     source = random_setdiff_source(base, tie=False, seed=2, **body)
     source.state_dict = randomized(source.state_dict)
     return _export(base, source)
-
-
-@pytest.fixture(scope="session")
-def clean_site(tmp_path_factory) -> Path:
-    return make_clean_site(tmp_path_factory.mktemp("clean") / "site")
 
 
 @pytest.fixture(scope="session")

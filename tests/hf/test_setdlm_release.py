@@ -53,7 +53,6 @@ from safetensors.torch import save_file
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.hf.release_export import export_release
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
-from setdiff_megatron.runs.terms import order_policy_from
 from setdiff_megatron.sources.read import read_source
 from setdiff_megatron.sources.setdlm_release import QWEN3_ARCHITECTURE, static_attention_mask
 from tests.hf.conftest import ROOT, convert_from_hf, greedy_trace, rank_nll
@@ -111,7 +110,7 @@ def test_the_evaluation_settings_are_the_reference_loaders(kind):
     assert recipe.data.seq_len == loaded["length"] == 32
     assert source.tokenizer.mask_id == REFERENCE[kind]["settings"]["mask"]
     # The order law those settings give here is the one the reference's loaded noise schedule drew from.
-    k, b, _ = order_policy_from(recipe.method).schedule(recipe.data.seq_len)
+    k, b, _ = recipe.method.order_policy().schedule(recipe.data.seq_len)
     assert k == pytest.approx(loaded["k"], rel=1e-12) and b == pytest.approx(loaded["b"], rel=1e-12)
 
 

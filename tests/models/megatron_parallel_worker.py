@@ -22,7 +22,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from setdiff_megatron.distributed.megatron_cpu import auto_cpu_mode, dist_backend, model_parallel_seed
-from setdiff_megatron.models.megatron_model import (
+from setdiff_megatron.models.megatron_plumbing import (
     build_model_chunks,
     forward_step,
     pipeline_seq_length,

@@ -22,7 +22,7 @@ from setdiff_megatron.core.loss import set_diffusion_loss
 from setdiff_megatron.core.streams import TwoStreamBatch
 from setdiff_megatron.distributed import megatron_cpu
 from setdiff_megatron.models.config import DIT_BODY
-from setdiff_megatron.models.megatron_model import build_model_chunks, loss_func, transformer_config_from
+from setdiff_megatron.models.megatron_plumbing import build_model_chunks, loss_func, transformer_config_from
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 from setdiff_megatron.models.weight_maps.megatron import megatron_to_torch, torch_to_megatron
 from tests.conftest import debug_config, randomized

@@ -82,7 +82,7 @@ MALFORMED = [
     (None, ["parallel.sequence_parallel=true"], "parallel.sequence_parallel: needs parallel.tp > 1"),
     (None, ["parallel.vpp=2"], "parallel.vpp: virtual pipeline stages need parallel.pp > 1"),
     (None, ["method.d=8", "method.m=4"], "method.d: d (8) must be <= m (4)"),
-    (None, ["method.d=100"], "method.m: m (200) must be <= data.seq_len (128)"),
+    (None, ["method.d=100"], "method.m: m (200) must be <= the sequence length (128)"),
     (None, ["method.order=block"], "method.block_size: the block order needs a block size"),
     (None, ["data.seq_len=512"], "data.seq_len: 512 exceeds model.max_seq_len"),
     (None, ["train.tokens=1000"], "set exactly one of train.steps and train.tokens"),

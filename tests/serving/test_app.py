@@ -22,7 +22,6 @@ from setdiff_megatron.core.decoding import DecodingConfig  # noqa: E402
 from setdiff_megatron.core.sampler import SetSampler  # noqa: E402
 from setdiff_megatron.data.supervised import chat_prompt  # noqa: E402
 from setdiff_megatron.distributed.runtime import Ranks  # noqa: E402
-from setdiff_megatron.inference.defaults import default_decoding  # noqa: E402
 from setdiff_megatron.inference.loading import load_sampling_model  # noqa: E402
 from setdiff_megatron.runs.terms import prompt_format  # noqa: E402
 from setdiff_megatron.serving.local import LiveServer  # noqa: E402
@@ -46,7 +45,7 @@ def server(trained_run):
 def reference(trained_run):
     """The sampler decoding prompts in this process, as the server's engine should."""
     sm = load_sampling_model(trained_run, Ranks(), device="cpu")
-    defaults = default_decoding(read_source(trained_run, weights=False))
+    defaults = read_source(trained_run, weights=False).decoding
     sampler = SetSampler(sm.model, mask_token_id=sm.tokenizer.mask_id, context_len=sm.config.max_seq_len)
 
     def decode(prompt: str, max_tokens: int, **knobs) -> str:

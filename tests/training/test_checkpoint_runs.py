@@ -19,6 +19,7 @@ import pytest
 from setdiff_megatron.checkpoint.manifest import verify
 from setdiff_megatron.distributed.signals import EXIT_REQUEUE
 from tests.checkpoint.test_run_directory import flip_a_byte, truncate
+from tests.training.leftovers import left_behind
 
 TINY = str(Path(__file__).parents[2] / "recipes" / "tiny-cpu.yaml")
 # Small global batches, a loss logged at every step, no validation.
@@ -55,7 +56,8 @@ def signalled(
 ) -> tuple[subprocess.CompletedProcess, list]:
     """Start a run, wait until it logged `after_step`, then send each (signal, delay) of `send`
     to it, or with `group` to its whole process group as a scheduler does. Returns the finished
-    process (stdout and stderr together) and the losses this launch logged."""
+    process (stdout and stderr together) and the losses this launch logged, once checked to have
+    left no process of its session running (checkpoint writers and their managers included)."""
     metrics = run_dir / "logs" / "metrics.jsonl"
     logged_before = len(losses(run_dir)) if metrics.is_file() else 0
     out_path = run_dir.parent / f"{run_dir.name}.out"
@@ -79,9 +81,11 @@ def signalled(
                 else:
                     proc.send_signal(sig)
             proc.wait(timeout=600)
+            leftover = left_behind(proc.pid)
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
+    assert not leftover, leftover
     return (
         subprocess.CompletedProcess(proc.args, proc.returncode, out_path.read_text(), ""),
         losses(run_dir)[logged_before:],

@@ -1,11 +1,13 @@
 """The parts of fault tolerance that need no training run: the spike rule, the drill
-specifications of SETDIFF_INJECT, the hang watchdog in a process of its own, the straggler
-rule, and the recipe keys."""
+specifications of SETDIFF_INJECT, the hang watchdog's phases in a process of their own, the
+processes a rank leaves behind however it ends, the straggler rule, and the recipe keys."""
 
 import random
+import re
+import signal
 import subprocess
 import sys
-import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,8 @@ from setdiff_megatron.recipes import load_recipe
 from setdiff_megatron.recipes.validation import validate_recipe
 from setdiff_megatron.training import stragglers
 from setdiff_megatron.training.spikes import SpikeDetector
-from setdiff_megatron.training.watchdog import EXIT_HANG
+from setdiff_megatron.training.watchdog import EVALUATION, EXIT_HANG, ROLLBACK, SAVE, Watchdog, phase_timeouts
+from tests.training.leftovers import left_behind
 
 RECIPES = Path(__file__).parents[2] / "recipes"
 
@@ -58,12 +61,27 @@ def test_drills_fire_as_specified(monkeypatch):
     assert [f.kind for f in faults.faults if not f.always] == ["spike"]  # the kill waits for attempt 1
 
 
+def test_save_drills_fire_inside_the_save_only(monkeypatch):
+    monkeypatch.setenv("SETDIFF_INJECT", "hang:step=5:seconds=0:at=save,hang:step=5:seconds=0")
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    faults = Faults.from_env(rank=0)
+    in_save, at_start = faults.faults
+    faults.in_save(4)
+    faults.at_step_start(5)
+    assert (in_save.fired, at_start.fired) == (False, True)
+    faults.in_save(5)
+    assert in_save.fired
+
+
 @pytest.mark.parametrize(
     "spec,fragment",
     [
         ("explode:step=1", "unknown fault 'explode'"),
         ("kill:rank=1", "needs step=N"),
         ("hang:step=x", "cannot read 'step=x'"),
+        ("hang:step=3:at=eval", "cannot read 'at=eval'"),
+        ("spike:step=3:factor=2:at=save", "only kill and hang fire inside a save"),
     ],
 )
 def test_a_bad_drill_is_one_line(monkeypatch, spec, fragment):
@@ -72,20 +90,96 @@ def test_a_bad_drill_is_one_line(monkeypatch, spec, fragment):
         Faults.from_env(rank=0)
 
 
-def test_the_watchdog_names_rank_step_and_frame_and_exits_for_a_restart(tmp_path):
-    script = textwrap.dedent(f"""
-        import time
-        from pathlib import Path
-        from setdiff_megatron.training.watchdog import Watchdog
-        with Watchdog(1.0, 3, Path({str(tmp_path)!r}), poll_s=0.1) as dog:
-            dog.beat(7)
-            time.sleep(60)
-    """)
+def test_each_phase_has_its_timeout_and_its_name(tmp_path):
+    dog = Watchdog(dict(hang_timeout_s=10, save_timeout_s=40, eval_timeout_s=15, startup_timeout_s=30), 0, tmp_path)
+
+    def overdue_after(seconds: float) -> str | None:  # not entered: no thread, the clock read by hand
+        return dog.overdue(time.monotonic() + seconds)
+
+    assert overdue_after(25) is None
+    assert re.match(
+        r"no progress for 3\d s in the start-up \(process groups, data, model build, resume\) "
+        r"\(train.startup_timeout_s = 30\)$",
+        overdue_after(35),
+    )
+    dog.beat(1)  # the first step may take the start-up's time
+    assert overdue_after(25) is None
+    assert "in step 1, the first since the start-up (train.startup_timeout_s = 30)" in overdue_after(35)
+    dog.beat(2)
+    assert overdue_after(5) is None and "in step 2 (train.hang_timeout_s = 10)" in overdue_after(15)
+    with dog.phase(SAVE, 2):  # a save past the step's timeout goes on
+        assert overdue_after(35) is None
+        assert "in the checkpoint save of step 2 (train.save_timeout_s = 40)" in overdue_after(45)
+    assert overdue_after(5) is None and "in step 2 (" in overdue_after(15)  # back in step 2, its clock restarted
+    with dog.phase(EVALUATION, 2):
+        assert "in the evaluation at step 2 (train.eval_timeout_s = 15)" in overdue_after(20)
+    with dog.phase(ROLLBACK, 3):
+        assert "in the rollback reload at step 3 (train.save_timeout_s = 40)" in overdue_after(45)
+    dog.timeouts["hang_timeout_s"] = 0.0
+    assert overdue_after(1e6) is None  # 0: unwatched
+
+
+TIMEOUTS = dict(hang_timeout_s=1.0, save_timeout_s=4.0, eval_timeout_s=1.0, startup_timeout_s=4.0)
+
+
+def test_a_slow_save_goes_on_and_a_hung_one_ends_the_process_for_a_restart(tmp_path):
+    script = f"""
+import time
+from pathlib import Path
+from setdiff_megatron.training.watchdog import SAVE, Watchdog
+with Watchdog({TIMEOUTS!r}, 3, Path({str(tmp_path)!r}), poll_s=0.05) as dog:
+    dog.beat(4)
+    dog.beat(5)
+    with dog.phase(SAVE, 5):
+        time.sleep(2)
+    print("saved 5", flush=True)
+    dog.beat(6)
+    with dog.phase(SAVE, 6):
+        time.sleep(60)
+"""
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
-    assert out.returncode == EXIT_HANG, out.stderr
+    assert out.returncode == EXIT_HANG and out.stdout == "saved 5\n", out.stderr
     line = out.stderr.strip().splitlines()[-1]
-    assert line.startswith("setdiff: rank 3: no progress for ") and "at step 7" in line and "<module>" in line, line
+    assert re.match(
+        r"setdiff: rank 3: no progress for \d+ s in the checkpoint save of step 6 \(train.save_timeout_s = 4\), "
+        r"stuck in <module> .*exiting with code 76",
+        line,
+    ), line
     assert "Thread" in (tmp_path / "hang-rank3.txt").read_text()
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        ([], dict(hang_timeout_s=1800, save_timeout_s=7200, eval_timeout_s=7200, startup_timeout_s=7200)),
+        # 4 micro-batches per step and rank (64 / (8 x 2)); 8 evaluation micro-batches take two steps' time.
+        (
+            ["parallel.global_batch_size=64", "eval.batches=8", "train.hang_timeout_s=10"],
+            dict(hang_timeout_s=10, save_timeout_s=40, eval_timeout_s=20, startup_timeout_s=40),
+        ),
+        (
+            ["train.hang_timeout_s=0", "train.save_timeout_s=600"],
+            dict(hang_timeout_s=0, save_timeout_s=600, eval_timeout_s=0, startup_timeout_s=0),
+        ),
+    ],
+)
+def test_phase_timeouts_follow_the_step_timeout_unless_set(overrides, expected):
+    recipe = load_recipe(RECIPES / "tiny-cpu.yaml", overrides)
+    assert phase_timeouts(recipe, world_size=2) == expected
+
+
+@pytest.mark.parametrize("way, code", [("end", 0), ("error", 1), ("watchdog", EXIT_HANG), ("killed", -signal.SIGKILL)])
+def test_a_rank_leaves_no_process_behind_however_it_ends(tmp_path, way, code):
+    """A save's manager, writer and the writer's worker are gone once their rank is, whether it
+    returned, raised, was ended by the watchdog or was SIGKILLed."""
+    rank, out, err = Path(__file__).with_name("helper_processes_rank.py"), tmp_path / "out.txt", tmp_path / "err.txt"
+    with out.open("w") as stdout, err.open("w") as stderr:  # files: a process left behind holds no pipe open
+        proc = subprocess.Popen(
+            [sys.executable, str(rank), way, str(tmp_path)], stdout=stdout, stderr=stderr, start_new_session=True
+        )
+        assert proc.wait(timeout=120) == code, err.read_text()
+    assert out.read_text() == "started 3\n", err.read_text()
+    assert not left_behind(proc.pid)
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,8 @@
 What it builds, in order:
   groups      distributed.runtime from the recipe's layout (tp, pp, vpp); gloo on a CPU through
               the compatibility layer, NCCL on GPUs
-  model       models/megatron_model: this rank's chunks, wrapped in megatron DDP
+  model       models/megatron_plumbing: this rank's chunks of the models/megatron_model body,
+              wrapped in megatron DDP
   optimizer   get_megatron_optimizer (distributed optimizer when asked) + megatron-core's LR
               scheduler (lr_schedule.py)
   step        get_forward_backward_func() (1F1B / interleaved) over the micro-batches of one
@@ -20,11 +21,8 @@ warning) plus each rank's RNG states, restored on an unchanged layout only.
 from __future__ import annotations
 
 import math
-import multiprocessing
-import signal
 import time
 from collections.abc import Callable
-from multiprocessing.managers import SyncManager
 from pathlib import Path
 
 import torch
@@ -35,6 +33,7 @@ from setdiff_megatron.checkpoint.names import RNG_FILE
 from setdiff_megatron.checkpoint.resolve import Resumed
 from setdiff_megatron.distributed import runtime
 from setdiff_megatron.distributed.layout import Layout
+from setdiff_megatron.distributed.offspring import start_manager
 from setdiff_megatron.distributed.signals import PREEMPTION_SIGNALS, blocked
 from setdiff_megatron.log import say
 from setdiff_megatron.models.config import ModelConfig
@@ -87,7 +86,7 @@ class MegatronEngine:
         )
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        from setdiff_megatron.models.megatron_model import (
+        from setdiff_megatron.models.megatron_plumbing import (
             build_model_chunks,
             forward_step,
             pipeline_seq_length,
@@ -249,6 +248,7 @@ class MegatronEngine:
         return [c.module for c in self.chunks]
 
     def save(self, directory: Path) -> None:
+        _start_results_queue()
         save_shards(model_sharded_state(self._modules(), self.optimizer), directory)
         self._save_rng(directory)
 
@@ -424,18 +424,13 @@ def _load_optimizer(optimizer, loaded: dict) -> None:
     _restore_adam_steps(optimizer)
 
 
-def _ignore_preemption() -> None:
-    for s in PREEMPTION_SIGNALS:
-        signal.signal(s, signal.SIG_IGN)
-
-
 def _start_results_queue() -> None:
-    """Start dist_checkpointing's write-results queue ourselves, once: megatron-core starts its
-    manager as a fresh (spawned) interpreter, which unblocks SIGTERM, so its default action would
-    kill it under a preemption and lose the save in flight. Ours ignores the preemption signals."""
+    """Start dist_checkpointing's write-results queue ourselves, once, for synchronous and
+    background saves alike: megatron-core starts its manager as a fresh (spawned) interpreter,
+    which unblocks SIGTERM, so its default action would kill it under a preemption and lose the
+    save in flight; and nothing ends it when the rank dies without running its exit handlers. Ours
+    ignores the preemption signals and exits with the rank (distributed/offspring.py)."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if filesystem_async._results_queue is None:
-        manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-        manager.start(initializer=_ignore_preemption)
-        filesystem_async._results_queue = manager.Queue()
+        filesystem_async._results_queue = start_manager(ignore=PREEMPTION_SIGNALS).Queue()

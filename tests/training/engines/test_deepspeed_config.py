@@ -10,7 +10,7 @@ import torch
 from setdiff_megatron.cli import main
 from setdiff_megatron.errors import MissingExtraError
 from setdiff_megatron.recipes import load_recipe, validate_recipe
-from setdiff_megatron.recipes.validation import offload_host_bytes
+from setdiff_megatron.recipes.validation import estimated_model_config, offload_host_bytes
 from setdiff_megatron.training.engines.deepspeed_config import deepspeed_config, param_groups
 from tests.conftest import debug_config
 
@@ -62,7 +62,7 @@ def test_norms_take_no_weight_decay_as_in_megatron():
 
 def test_offload_estimate_and_rule():
     r = recipe("parallel.zero_stage=2", "parallel.offload_optimizer=true")
-    need = offload_host_bytes(r)
+    need = offload_host_bytes(r, estimated_model_config(r).num_params())
     # 16 bytes per parameter, 2 processes on the node each holding half.
     assert need == 16 * r.model.to_model_config(vocab_size=r.data.vocab_size, mask_token_id=0).num_params()
     assert validate_recipe(r, has_gpu=False, host_memory=need) == []

@@ -1,0 +1,155 @@
+"""The processes a rank starts, ended with it: checkpoint writers, their workers, helper managers.
+
+megatron-core's checkpoint save starts processes of its own: a manager (a spawned interpreter)
+that holds the write-results queue, a forked writer per background save and forked workers per
+file. A rank that ends without running Python's exit handlers leaves them behind: the hang
+watchdog's `os._exit` (code 76) runs none, a SIGKILL (the OOM killer, torchrun stopping a job, a
+`kill` drill) runs nothing. Re-parented to PID 1 they live on, and each torchrun restart adds
+more. Three things end them:
+
+  - every process forked from a rank once `Offspring` exists, and every manager `start_manager`
+    spawns, exits by itself when its parent is gone (a thread watches `os.getppid()`, as torch's
+    DataLoader workers do), so even a SIGKILLed rank leaves nothing running;
+  - `Offspring.end`, on every way out of training that runs Python (the end, an error, a
+    preemption), stops the writers (a save's block SIGTERM, so one still in flight gets a
+    bounded wait to finish), shuts the managers down and kills whatever is left;
+  - `Offspring.kill`, the watchdog's last act before `os._exit`, kills them at once.
+
+Only processes started after `Offspring()` count: a caller's own earlier children are not the
+run's to end. multiprocessing's resource tracker is left alone: it exits by itself once the last
+process holding its pipe is gone.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterable
+from multiprocessing.managers import SyncManager
+
+import psutil
+
+__all__ = ["Offspring", "start_manager", "exit_with_parent"]
+
+PARENT_POLL_S = 0.5
+"""How often an orphan-to-be looks for its parent."""
+
+_managers: list[tuple[SyncManager, int]] = []
+"""The managers `start_manager` started in this process, with their pids."""
+_forks_watched = False
+_pid_before_fork = 0
+
+
+def exit_with_parent(parent: int) -> None:
+    """End this process (exit code 1) once `parent` is no longer its parent: a daemon thread polls
+    `os.getppid()`, which changes the moment the parent dies and the process is re-parented."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="setdiff-exit-with-parent", daemon=True).start()
+
+
+def _remember_pid() -> None:
+    global _pid_before_fork
+    _pid_before_fork = os.getpid()
+
+
+def _watch_forks() -> None:
+    """From now on every process forked here (and from those, since the hook is inherited) exits
+    with its parent; the pid is taken before the fork, so a parent dead by the time the child runs
+    still counts."""
+    global _forks_watched
+    if not _forks_watched:
+        os.register_at_fork(before=_remember_pid, after_in_child=lambda: exit_with_parent(_pid_before_fork))
+        _forks_watched = True
+
+
+def _start_helper(parent: int, ignored: tuple[int, ...], pid_to) -> None:
+    """A manager's start in its own process: ignore `ignored` signals, exit with `parent`, report
+    its pid through the pipe end `pid_to`."""
+    for s in ignored:
+        signal.signal(s, signal.SIG_IGN)
+    exit_with_parent(parent)
+    pid_to.send(os.getpid())
+    pid_to.close()
+
+
+def start_manager(ignore: Iterable[int] = ()) -> SyncManager:
+    """A SyncManager in a spawned process that ignores the signals `ignore`, exits with this
+    process, and is shut down by `Offspring.end`."""
+    ctx = multiprocessing.get_context("spawn")
+    receive, send = ctx.Pipe(duplex=False)
+    manager = SyncManager(ctx=ctx)
+    manager.start(initializer=_start_helper, initargs=(os.getpid(), tuple(ignore), send))
+    send.close()
+    _managers.append((manager, receive.recv()))
+    receive.close()
+    return manager
+
+
+def _gone(p: psutil.Process) -> bool:
+    """Ended (a zombie waits only for its parent to read its exit status)."""
+    try:
+        return p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _wait(procs: list[psutil.Process], seconds: float) -> list[psutil.Process]:
+    """Those of `procs` still running after up to `seconds`."""
+    deadline = time.monotonic() + seconds
+    while (alive := [p for p in procs if not _gone(p)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return alive
+
+
+def _signal(procs: list[psutil.Process], sig: int) -> None:
+    for p in procs:
+        try:
+            p.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
+
+
+class Offspring:
+    """The processes this one starts from now on, children and theirs."""
+
+    def __init__(self) -> None:
+        self._me = psutil.Process()
+        self._before = set(self._me.children(recursive=True))
+        _watch_forks()
+
+    def alive(self) -> list[psutil.Process]:
+        """Every process started since, still running, but the resource tracker."""
+        found = []
+        for p in self._me.children(recursive=True):
+            try:
+                if p in self._before or _gone(p) or "multiprocessing.resource_tracker" in " ".join(p.cmdline()):
+                    continue
+            except psutil.NoSuchProcess:
+                continue
+            found.append(p)
+        return found
+
+    def end(self, wait_s: float = 5.0) -> None:
+        """Terminate the writers and anything else (SIGTERM; a writer that blocks it, as a save's
+        do, gets `wait_s` to finish its files), then kill what is left; then shut the managers
+        down, last, so no writer finds its results queue gone."""
+        managers = {pid for _, pid in _managers}
+        others = [p for p in self.alive() if p.pid not in managers]
+        _signal(others, signal.SIGTERM)
+        _signal(_wait(others, wait_s), signal.SIGKILL)
+        while _managers:
+            manager, _ = _managers.pop()
+            manager.shutdown()  # multiprocessing's: a bounded wait, then terminate, then kill
+        self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL every process started since, at once (the watchdog's way out: nothing waits)."""
+        _signal(self.alive(), signal.SIGKILL)

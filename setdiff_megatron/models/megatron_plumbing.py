@@ -1,0 +1,235 @@
+"""What megatron-core's training machinery needs around the set diffusion body of
+models/megatron_model.py: the TransformerConfig of a ModelConfig under a parallel layout, this
+rank's model chunks, and the schedule's hooks (forward_step with its loss_func, the sequence
+length the pipeline stages exchange, the context-parallel slice of a batch).
+
+Kept apart from the body so that the layers and specs read on their own; the megatron engine,
+checkpoint conversion and sampling build their models through here.
+
+Shapes: b micro-batch, L ranks per stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import fields, replace
+from functools import partial
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from setdiff_megatron.core.streams import TwoStreamBatch
+from setdiff_megatron.errors import UserError
+from setdiff_megatron.kernels.ring_attention import zigzag_ranks
+from setdiff_megatron.models.config import ModelConfig
+from setdiff_megatron.models.megatron_model import SetDiffusionGPT
+from setdiff_megatron.models.weight_maps.parallel import check_ep_split, check_tp_split, stage_layers
+
+__all__ = [
+    "build_model_chunks",
+    "forward_step",
+    "loss_func",
+    "pipeline_seq_length",
+    "transformer_config_from",
+]
+
+Recompute = Literal["none", "selective", "full"]
+
+
+def transformer_config_from(
+    model_cfg: ModelConfig,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    vpp: int | None = None,
+    ep: int = 1,
+    cp: int = 1,
+    sequence_parallel: bool = False,
+    recompute: Recompute = "none",
+    params_dtype: torch.dtype = torch.float32,
+    calculate_per_token_loss: bool = True,
+    **overrides,
+) -> TransformerConfig:
+    """megatron's TransformerConfig for `model_cfg` under a (tp, pp, vpp, ep, cp) layout.
+
+    `calculate_per_token_loss` (default) makes the schedule back-propagate NLL sums and divide
+    the gradients by the global number of target tokens: core/loss.py's per-token mean over the
+    whole global batch. `overrides` replace or add TransformerConfig fields (dropout, fp8, ...).
+    Sequence parallelism is switched off at tp == 1, as megatron's own arguments do.
+    """
+    try:
+        check_tp_split(model_cfg, tp)
+        check_ep_split(model_cfg, ep)
+        stage_layers(model_cfg.num_layers, pp, 0, vpp, 0 if vpp else None)
+    except ValueError as exc:
+        raise UserError(f"parallel layout tp={tp} pp={pp} vpp={vpp} ep={ep}: {exc}") from None
+    if recompute not in ("none", "selective", "full"):
+        raise UserError(f"recompute must be 'none', 'selective' or 'full'; got {recompute!r}")
+    full = recompute == "full"
+    fields = dict(
+        num_layers=model_cfg.num_layers,
+        hidden_size=model_cfg.hidden_size,
+        num_attention_heads=model_cfg.num_heads,
+        num_query_groups=model_cfg.num_kv_heads,
+        kv_channels=model_cfg.head_dim,
+        ffn_hidden_size=model_cfg.intermediate_size,
+        normalization="LayerNorm" if model_cfg.norm == "layernorm" else "RMSNorm",
+        layernorm_epsilon=model_cfg.norm_eps,
+        qk_layernorm=model_cfg.qk_norm,
+        gated_linear_unit=model_cfg.mlp == "swiglu",
+        activation_func=F.silu if model_cfg.mlp == "swiglu" else gelu_tanh,
+        add_bias_linear=False,  # MLP biases come with the spec's linears (layer_spec)
+        add_qkv_bias=model_cfg.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=model_cfg.init_std,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
+        virtual_pipeline_model_parallel_size=vpp,
+        sequence_parallel=sequence_parallel and tp > 1,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        recompute_granularity=None if recompute == "none" else recompute,
+        recompute_method="uniform" if full else None,
+        recompute_num_layers=1 if full else None,
+        calculate_per_token_loss=calculate_per_token_loss,
+        # Interleaved PP over two ranks sends both directions to the same peer; batched p2p then
+        # silently mixes up tensors (docs/megatron-on-cpu.md, "Around the layer"), so interleaving
+        # uses unbatched p2p.
+        batch_p2p_comm=vpp is None,
+    )
+    return TransformerConfig(**(fields | _moe_fields(model_cfg, ep) | overrides))
+
+
+def _moe_fields(cfg: ModelConfig, ep: int) -> dict:
+    """megatron's MoE settings for models/moe.py's mixture of experts: all-to-all dispatch over the
+    expert-parallel group, experts split over TP like dense MLPs, routers as documented there."""
+    if not cfg.num_experts:
+        return {}
+    return dict(
+        num_moe_experts=cfg.num_experts,
+        moe_router_topk=cfg.moe_top_k,
+        moe_ffn_hidden_size=cfg.moe_intermediate_size,
+        moe_shared_expert_intermediate_size=cfg.num_shared_experts * cfg.moe_intermediate_size or None,
+        moe_layer_freq=[int(m) for m in cfg.moe_layers],
+        moe_router_pre_softmax=cfg.moe_router_pre_softmax,
+        moe_router_load_balancing_type="aux_loss" if cfg.moe_aux_loss_coeff else "none",
+        moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
+        moe_z_loss_coeff=cfg.moe_z_loss_coeff or None,
+        moe_expert_capacity_factor=cfg.moe_capacity_factor,
+        moe_token_drop_policy="probs",
+        moe_token_dispatcher_type="alltoall",
+        expert_model_parallel_size=ep,
+    )
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """The tanh-approximated GELU of the DiT's MLP (models/moe.py's MLP computes the same)."""
+    return F.gelu(x, approximate="tanh")
+
+
+def build_model_chunks(
+    model_cfg: ModelConfig,
+    config: TransformerConfig,
+    *,
+    backend: str = "local",
+    pg_collection: ProcessGroupCollection | None = None,
+) -> list[SetDiffusionGPT]:
+    """This rank's model chunks (one per virtual pipeline stage), with megatron's first/last
+    stage roles. parallel_state must be initialised, and on a machine without a GPU
+    distributed.megatron_cpu.auto_cpu_mode() must have run (distributed.runtime does it first)."""
+    pp_size, pp_rank = (
+        parallel_state.get_pipeline_model_parallel_world_size(),
+        parallel_state.get_pipeline_model_parallel_rank(),
+    )
+    vpp = config.virtual_pipeline_model_parallel_size
+    chunks = []
+    for vp_stage in range(vpp) if vpp else [None]:
+        first_chunk, last_chunk = vp_stage in (None, 0), vp_stage in (None, vpp - 1 if vpp else None)
+        chunks.append(
+            SetDiffusionGPT(
+                config,
+                model_cfg,
+                backend=backend,
+                vp_stage=vp_stage,
+                pg_collection=pg_collection,
+                pre_process=pp_rank == 0 and first_chunk,
+                post_process=pp_rank == pp_size - 1 and last_chunk,
+            )
+        )
+    for chunk in chunks:
+        _keep_experts_apart(chunk)
+    return chunks
+
+
+def _keep_experts_apart(chunk: torch.nn.Module) -> None:
+    """Routed experts' weights go to megatron's expert-parallel gradient buffers and optimizer at
+    every EP size, EP = 1 included (megatron does so only at EP > 1): the optimizer's checkpoint
+    then has one structure, dense and expert parts, and reshards between EP sizes. At EP = 1 the
+    expert data-parallel group is the data-parallel group, so the arithmetic is unchanged."""
+    for name, param in chunk.named_parameters():
+        if ".mlp.experts." in name:
+            param.allreduce = False
+
+
+def pipeline_seq_length(length: int) -> int:
+    """The sequence length megatron's schedules communicate between stages: two streams of L
+    (the schedules divide it by the context-parallel size themselves)."""
+    return 2 * length
+
+
+def context_parallel_slice(batch: TwoStreamBatch) -> TwoStreamBatch:
+    """This context-parallel rank's zigzag chunks of every [b, L] field (megatron's
+    get_batch_on_this_cp_rank for two streams); valid_len and document_ids stay whole, since ring
+    attention masks every rank's chunks with them."""
+    cp = parallel_state.get_context_parallel_world_size()
+    if cp == 1:
+        return batch
+    rows = zigzag_ranks(
+        batch.position_ids.shape[1], cp, parallel_state.get_context_parallel_rank(), device=batch.position_ids.device
+    )
+    per_rank = {
+        f.name: t[:, rows]
+        for f in fields(batch)
+        if (t := getattr(batch, f.name)) is not None and t.dim() == 2 and f.name != "document_ids"
+    }
+    return replace(batch, **per_rank)
+
+
+def loss_func(loss_mask: torch.Tensor, nll: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Megatron's loss-function contract, 3-tuple form: (NLL summed over target tokens, number of
+    target tokens, report). With calculate_per_token_loss the schedule and finalize_model_grads
+    turn it into core/loss.py's per-token mean over the global batch."""
+    # where, not a product: a non-target whose token is MASK itself has an infinite NLL.
+    nll_sum = torch.where(loss_mask, nll, 0.0).sum()
+    num_tokens = loss_mask.sum().to(torch.int)
+    return nll_sum, num_tokens, {"lm loss": torch.stack([nll_sum.detach(), num_tokens.float()])}
+
+
+def forward_step(
+    data_iterator: Iterator[TwoStreamBatch], model: torch.nn.Module
+) -> tuple[torch.Tensor, Callable[[torch.Tensor], tuple]]:
+    """Megatron's forward_step(data_iterator, model) -> (output, loss function of the output).
+
+    Every pipeline stage draws the whole batch: each one needs the positions (rotary), valid_len
+    and document ids (attention), the first the tokens and the last the targets and loss mask. Under
+    context parallelism each rank keeps its zigzag chunks; the schedule and finalize_model_grads
+    sum the NLL, the target count and the gradients over the CP ranks too.
+    """
+    batch = context_parallel_slice(next(data_iterator))
+    nll = model(
+        batch.clean_tokens,
+        batch.query_tokens,
+        batch.position_ids,
+        valid_len=batch.valid_len,
+        targets=batch.targets,
+        document_ids=batch.document_ids,
+    )
+    return nll, partial(loss_func, batch.loss_mask)
