@@ -37,6 +37,7 @@ the decode trace is equal step for step.
 
 from __future__ import annotations
 
+import ast
 import json
 import shutil
 import subprocess
@@ -112,7 +113,20 @@ def test_a_composer_checkpoint_is_read_safely_as_the_released_model(tmp_path):
     composer = read_source(alone)
     assert composer.kind == hub.kind == "dit" and composer.path == alone
     _same_model(composer, hub)
-    (note,) = composer.notes  # numpy's RNG state, dropped and said so
+    # numpy's RNG state, dropped and said so; in a fresh interpreter too, since megatron-core,
+    # once imported by another test, allows numpy's globals for the whole process
+    fresh = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"from setdiff_megatron.sources.read import read_source; print(read_source({str(alone)!r}).notes)",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert fresh.returncode == 0, fresh.stderr[-2000:]
+    (note,) = ast.literal_eval(fresh.stdout.strip().splitlines()[-1])
     assert note.startswith("best-rank0.pt: dropped the objects of globals torch.load(weights_only=True) refuses: ")
     assert {"numpy.ndarray", "numpy.dtype"} <= set(note.partition("refuses: ")[2].partition(" (")[0].split(", "))
     assert not hub.notes
