@@ -38,6 +38,8 @@ __all__ = [
     "resolve_attention_impl",
     "set_causal_attention",
     "set_causal_mask",
+    "grouped_attention",
+    "grouped_mask",
 ]
 
 
@@ -48,6 +50,60 @@ def set_causal_mask(length: int, device: torch.device | str | None = None) -> to
     clean_rows = torch.cat([causal, torch.zeros_like(causal)], dim=1)
     query_rows = torch.cat([r[:, None] > r[None, :], r[:, None] == r[None, :]], dim=1)
     return torch.cat([clean_rows, query_rows], dim=0)
+
+
+def grouped_mask(groups_BL: torch.Tensor, streams: int = 2, documents_BL: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, streams * L, streams * L] boolean mask of set-causal attention over GROUPS of ranks
+    (True = may attend): ranks that share a group are decided together, as one set. Clean rank i
+    sees the clean ranks of its own and earlier groups; query rank i sees the clean ranks of
+    earlier groups and the queries of its own group. With one rank per group this is
+    `set_causal_mask`; with the blocks of BD3-LM it is the block-diffusion mask over x0 (+) xt;
+    with one stream (queries only) and one group it is MDLM's bidirectional attention. With
+    `documents_BL` no rank sees another document's (packed records)."""
+    g_i, g_j = groups_BL[:, :, None], groups_BL[:, None, :]
+    same = g_i == g_j
+    if streams == 1:
+        mask = same
+    else:
+        clean_rows = torch.cat([g_i >= g_j, torch.zeros_like(same)], dim=2)
+        query_rows = torch.cat([g_i > g_j, same], dim=2)
+        mask = torch.cat([clean_rows, query_rows], dim=1)
+    if documents_BL is not None:
+        docs = documents_BL.repeat(1, streams)
+        mask = mask & (docs[:, :, None] == docs[:, None, :])
+    return mask
+
+
+def grouped_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    groups: torch.Tensor,
+    valid_len: torch.Tensor | None = None,
+    scale: float | None = None,
+    document_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`grouped_mask` attention through SDPA (its memory-efficient kernel on GPUs): k/v hold one
+    stream or two ([clean ; query], 2L tokens), q all of their rows or the query rows only; ranks
+    at or beyond `valid_len` are padding (zero outputs, hidden as keys). groups (and
+    document_ids, which keep packed records apart) [B, L]."""
+    b, _, rows, _ = q.shape
+    length = groups.shape[1]
+    streams = k.shape[2] // length
+    if streams not in (1, 2) or k.shape[2] != streams * length or rows not in (length, streams * length):
+        raise ValueError(
+            f"groups [B, L={length}] must describe one or two streams of keys ({k.shape[2]} tokens) and "
+            f"the rows of q ({rows})"
+        )
+    allowed = grouped_mask(groups, streams, document_ids)[:, -rows:]
+    if valid_len is not None:
+        real = (torch.arange(length, device=q.device)[None, :] < valid_len[:, None]).repeat(1, streams)
+        allowed = torch.where(real[:, -rows:, None], allowed & real[:, None, :], True)  # padding rows: any key
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=allowed[:, None], scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+    )
+    return out if valid_len is None else out * real[:, None, -rows:, None].to(out.dtype)
 
 
 # --------------------------------------------------------------------------------------------

@@ -41,7 +41,19 @@ from setdiff_megatron.core.step_attention import (
 )
 from setdiff_megatron.core.step_layout import StepLayout
 
-__all__ = ["KVCache"]
+__all__ = ["CacheSpec", "KVCache"]
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """The shape of a model body's KV cache on this rank (its local key/value heads under TP),
+    which every cache of its samplers is allocated from (`StepModel.cache_spec`)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
 
 
 @dataclass
@@ -84,6 +96,20 @@ class KVCache:
             keys=torch.zeros(shape, dtype=dtype, device=device),
             values=torch.zeros(shape, dtype=dtype, device=device),
             lengths=torch.zeros(batch_size, dtype=torch.long, device=device),
+            attention_impl=attention_impl,
+        )
+
+    @classmethod
+    def of(cls, spec: CacheSpec, batch_size: int, capacity: int, attention_impl: str = "sdpa") -> KVCache:
+        """A cache of `spec`'s shape for batch_size rows of `capacity` entries."""
+        return cls.allocate(
+            num_layers=spec.num_layers,
+            batch_size=batch_size,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            capacity=capacity,
+            dtype=spec.dtype,
+            device=spec.device,
             attention_impl=attention_impl,
         )
 

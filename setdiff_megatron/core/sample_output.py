@@ -8,9 +8,10 @@ step.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
-__all__ = ["StepTrace", "RowResult", "BatchMetrics", "SampleOutput"]
+__all__ = ["StepTrace", "RowResult", "BatchMetrics", "SampleOutput", "Progress"]
 
 
 @dataclass(frozen=True)
@@ -91,3 +92,12 @@ class SampleOutput:
     rows: list[RowResult]
     """In the order of the prompts."""
     metrics: BatchMetrics
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A live row after a step: how much of its completion is decided as a contiguous prefix."""
+
+    key: Hashable
+    prefix: list[int]
+    """Completion tokens decided from its start up to the first undecided position."""

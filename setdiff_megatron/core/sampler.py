@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
@@ -41,21 +41,12 @@ from setdiff_megatron.core.commit_rules import commit_decided, commit_prefill
 from setdiff_megatron.core.decoding import DecodingConfig, RowPolicy, window_queries
 from setdiff_megatron.core.kv_cache import KVCache
 from setdiff_megatron.core.row_state import RowState, record_traces
-from setdiff_megatron.core.sample_output import BatchMetrics, RowResult, SampleOutput
+from setdiff_megatron.core.sample_output import BatchMetrics, Progress, RowResult, SampleOutput
 from setdiff_megatron.core.sample_request import Request, RequestLimits, check_bounds
 from setdiff_megatron.core.step_compiler import StepCompiler
 from setdiff_megatron.core.step_runner import StepModel, StepRunner, device_of
 
 __all__ = ["SetSampler", "Progress"]
-
-
-@dataclass(frozen=True)
-class Progress:
-    """A live row after a step: how much of its completion is decided as a contiguous prefix."""
-
-    key: Hashable
-    prefix: list[int]
-    """Completion tokens decided from its start up to the first undecided position."""
 
 
 class SetSampler:

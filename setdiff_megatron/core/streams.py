@@ -32,16 +32,20 @@ __all__ = ["TwoStreamBatch", "build_two_stream_batch", "document_ids", "sample_t
 class TwoStreamBatch:
     """One training batch in rank order; every field is [B, L] except `valid_len` [B].
 
-    `document_ids`: each rank's document, None when attention may cross documents.
+    `document_ids`: each rank's document, None when attention may cross documents. `groups`:
+    ranks decided together (core/attention.py `grouped_mask`), None for one rank per group (set
+    diffusion); the masked-diffusion baselines fill it (core/masked_diffusion.py): BD3-LM's
+    blocks over x0 (+) xt, MDLM's one group over a query stream alone (`clean_tokens` None).
     """
 
-    clean_tokens: torch.Tensor
+    clean_tokens: torch.Tensor | None
     query_tokens: torch.Tensor
     position_ids: torch.Tensor
     targets: torch.Tensor
     loss_mask: torch.Tensor
     valid_len: torch.Tensor
     document_ids: torch.Tensor | None = None
+    groups: torch.Tensor | None = None
 
     @property
     def num_targets(self) -> torch.Tensor:

@@ -102,6 +102,11 @@ def _windows(docs: list[str], sm: SamplingModel, seq_len: int) -> list[Window]:
 
 
 def _policy(job: LikelihoodJob, sm: SamplingModel, recipe_method):
+    if sm.family != "set_diffusion":
+        raise UserError(
+            f"setdiff eval likelihood scores set diffusion's orders; {job.source} is a {sm.family} model, whose "
+            "NELBO it does not estimate (its validation loss in metrics.jsonl is its training objective)"
+        )
     name = job.order
     if name == "training":
         if recipe_method is None:

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from setdiff_megatron.errors import require
+from setdiff_megatron.errors import UserError, require
 
 require("lm_eval", "lm-eval", "the lm-evaluation-harness adapter")
 
@@ -52,7 +52,6 @@ from lm_eval.api.registry import register_model  # noqa: E402
 
 from setdiff_megatron.core.decoding import SETTINGS, DecodingConfig  # noqa: E402
 from setdiff_megatron.core.orders import make_order_policy, sample_order  # noqa: E402
-from setdiff_megatron.core.sampler import SetSampler  # noqa: E402
 from setdiff_megatron.core.streams import build_two_stream_batch  # noqa: E402
 from setdiff_megatron.distributed.runtime import join  # noqa: E402
 from setdiff_megatron.inference.job import job_decoding  # noqa: E402
@@ -169,6 +168,12 @@ class SetDiffLM(LM):
     ) -> list[tuple[float, bool]]:
         from setdiff_megatron.progress import progress_bar
 
+        if self.sm.family != "set_diffusion":
+            raise UserError(
+                f"{desc}: a {self.sm.family} model has no left-to-right likelihood to score with; "
+                "evaluate it on generate_until tasks"
+            )
+
         # Longest first: batches of similar lengths pad little, and a too-large batch fails first.
         order = sorted(range(len(pairs)), key=lambda i: -len(pairs[i][0]) - len(pairs[i][1]))
         out: list[tuple[float, bool] | None] = [None] * len(pairs)
@@ -239,9 +244,7 @@ class SetDiffLM(LM):
         from setdiff_megatron.evaluation.tasks import cut_at_stop
         from setdiff_megatron.progress import progress_bar
 
-        engine = SetSampler(
-            self.model, mask_token_id=self.tokenizer.mask_id, context_len=self.max_length, max_rows=self.batch_size
-        )
+        engine = self.sm.sampler(context_len=self.max_length, max_rows=self.batch_size)
         untils = {}
         for n, req in enumerate(requests):
             cfg, untils[n] = self._decoding(req.args[1])

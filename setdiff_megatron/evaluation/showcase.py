@@ -19,7 +19,6 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from setdiff_megatron.core.decoding import DecodingConfig
-from setdiff_megatron.core.sampler import SetSampler
 from setdiff_megatron.data.builtin import builtin_corpus_dir
 from setdiff_megatron.distributed.runtime import Ranks
 from setdiff_megatron.evaluation.scoring import gsm8k_answer
@@ -75,7 +74,7 @@ def showcase(recipe: Recipe) -> list[str]:
     cfg = sm.decoding.over(
         {"max_new_tokens": 52 if corpus == "reasoning" else 48, "eos_token_ids": (sm.tokenizer.eos_id,)}
     )
-    sampler = SetSampler(sm.model, mask_token_id=sm.tokenizer.mask_id, context_len=sm.config.max_seq_len)
+    sampler = sm.sampler()
     ids = [
         encode_prompt(PromptRecord(i, i + 1, (r["prompt"],), {}), sm.tokenizer, sm.prompt_format())
         for i, r in enumerate(records)
@@ -125,11 +124,17 @@ def showcase(recipe: Recipe) -> list[str]:
             f"held-out accuracy on {len(records)} test problems (#### answer): {result['accuracy']:.0%} at "
             f"{result['tokens_per_step']:.2f} tokens per step ({policy})"
         )
-        if cfg.window > 1:
-            one = sampler.generate(ids, replace(cfg, window=1, threshold=None, block_size=None), batch_size=16)
+        # Set diffusion one token per step is left to right (window 1); a baseline keeps its blocks.
+        slow, how = (
+            (replace(cfg, window=1, threshold=None, block_size=None), "window 1")
+            if sm.family == "set_diffusion"
+            else (replace(cfg, threshold=None, tokens_per_step=1), "no threshold")
+        )
+        if slow != cfg:
+            one = sampler.generate(ids, slow, batch_size=16)
             one_texts = [sm.tokenizer.decode(row.completion, skip_special_tokens=True) for row in one.rows]
             result["one_token_per_step_accuracy"] = accuracy(one_texts)
-            lines.append(f"  the same model one token per step (window 1): {result['one_token_per_step_accuracy']:.0%}")
+            lines.append(f"  the same model one token per step ({how}): {result['one_token_per_step_accuracy']:.0%}")
         lines.append(
             f"  trivial baseline (every problem given the most common answer): {result['trivial_accuracy']:.0%}; "
             "setdiff eval generate measures more"

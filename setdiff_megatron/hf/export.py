@@ -84,6 +84,7 @@ def write_export(source: Source, out: Path, dtype: torch.dtype, max_shard_bytes:
         "auto_map": _AUTO_MAP,
         **hf_config_from_model_config(cfg),
         "hidden_act": "silu" if cfg.mlp == "swiglu" else "gelu_pytorch_tanh",
+        **_family_keys(source),
         "bos_token_id": tok.bos_id,
         "eos_token_id": tok.eos_id,
         "pad_token_id": tok.pad_id,
@@ -104,6 +105,16 @@ def write_export(source: Source, out: Path, dtype: torch.dtype, max_shard_bytes:
     (out / "modeling_setdiff.py").write_text(modeling_source(__version__))
     tok.save(out)
     (out / "README.md").write_text(_model_card(source, cfg, dtype, len(shards)))
+
+
+def _family_keys(source: Source) -> dict:
+    """config.json's record of the model family (its forward and sampler): nothing for set
+    diffusion; for the paper's baselines `family`, BD3-LM's `block_size` and the trained
+    `length`, the window their decoders run over."""
+    if source.family == "set_diffusion":
+        return {}
+    block = {"block_size": source.block_size} if source.family == "bd3lm" else {}
+    return {"family": source.family, **block, "length": source.trained_length}
 
 
 def _write_json(path: Path, data: dict) -> None:

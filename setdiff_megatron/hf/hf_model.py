@@ -1,5 +1,5 @@
 """The Hugging Face face of the set diffusion transformer: a `PreTrainedModel` around
-models/torch_model.py whose `generate` runs core/sampler.py.
+models/torch_model.py whose `generate` runs its family's sampler (core/samplers.py).
 
 hf/bundle.py puts this module last in an export's modeling_setdiff.py, after every package
 module it needs, so it may import only the standard library, torch, transformers and the package
@@ -12,6 +12,9 @@ Calling conventions (they are not a causal LM's):
       position_ids the original positions (default 0..L-1, i.e. left to right); logits [B, L, V]
       are the query stream's: logits[:, r] predicts the token at position_ids[:, r] from the clean
       tokens of ranks < r. Padding comes last: valid_len [B], or a right-padded attention_mask.
+  For the paper's baselines (config.json `family`): an MDLM's input_ids is the noisy sequence,
+      attended bidirectionally (query_ids unused); a BD3-LM's input_ids is x0 and query_ids xt,
+      attended block by block (config.json `block_size`), position_ids 0..L-1.
   model.generate(input_ids, attention_mask=None, **decoding)
       prompts are the unpadded rows (MASK tokens inside a prompt are infilled); decoding policies
       come from generation_config.json (window, tokens_per_step, threshold, do_sample/temperature,
@@ -31,7 +34,7 @@ from transformers.utils import ModelOutput
 
 from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.core.sample_output import SampleOutput
-from setdiff_megatron.core.sampler import SetSampler
+from setdiff_megatron.core.samplers import sampler_for
 from setdiff_megatron.hf.configuration_setdiff import SetDiffConfig
 from setdiff_megatron.models.torch_model import Rotary, SetDiffusionTransformer
 from setdiff_megatron.sources.hf_config import decoding_config_from_generation, model_config_from_hf_config
@@ -111,9 +114,15 @@ class SetDiffModel(SetDiffPreTrainedModel):
                 raise ValueError("attention_mask must mark padding at the end of each row (right padding)")
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-        if query_ids is None:
-            query_ids = torch.full_like(input_ids, self.model_config.mask_token_id)
-        logits = self.model(input_ids, query_ids, position_ids, valid_len)
+        family = getattr(self.config, "family", "set_diffusion")
+        if family == "mdlm":
+            groups = torch.zeros_like(input_ids)
+            logits = self.model(None, input_ids, position_ids, valid_len, groups=groups)
+        else:
+            if query_ids is None:
+                query_ids = torch.full_like(input_ids, self.model_config.mask_token_id)
+            groups = position_ids // self.config.block_size if family == "bd3lm" else None
+            logits = self.model(input_ids, query_ids, position_ids, valid_len, groups=groups)
         if return_dict is False:
             return (logits,)
         return SetDiffOutput(logits=logits)
@@ -143,8 +152,11 @@ class SetDiffModel(SetDiffPreTrainedModel):
             prompts = [row[m].tolist() for row, m in zip(input_ids, keep)]
         else:
             prompts = [list(map(int, row)) for row in input_ids]
-        sampler = SetSampler(
-            self.model, mask_token_id=self.model_config.mask_token_id, context_len=self.model_config.max_seq_len
+        sampler = sampler_for(
+            getattr(self.config, "family", "set_diffusion"),
+            self.model,
+            mask_token_id=self.model_config.mask_token_id,
+            context_len=getattr(self.config, "length", None) or self.model_config.max_seq_len,
         )
         out = sampler.generate(prompts, decoding, batch_size=batch_size)
         if return_dict_in_generate:

@@ -59,7 +59,7 @@ def import_recipe(source: Source, run_dir: Path, dtype: torch.dtype) -> Recipe:
         name=f"import-{source.path.name}",
         description=f"{source.describe()}, imported by setdiff convert from-hf",
         model=ModelSection(**asdict(source.config)),
-        method=source.recipe.method if source.recipe is not None else MethodSection(),
+        method=source.recipe.method if source.recipe is not None else source.method or MethodSection(),
         data=DataSection(tokenizer=str(tokenizer), seq_len=seq_len),
         train=TrainSection(precision=name_of(dtype)),
         checkpoint=CheckpointSection(dir=str(run_dir)),

@@ -110,12 +110,8 @@ def run_sample_job(job: SampleJob) -> DecodingConfig:
     context_len = job.context_len or sm.config.max_seq_len
     if context_len > sm.config.max_seq_len:
         raise UserError(f"--context-len {context_len} exceeds the model's max_seq_len {sm.config.max_seq_len}")
-    sampler = SetSampler(
-        sm.model,
-        mask_token_id=sm.tokenizer.mask_id,
-        context_len=context_len,
-        max_rows=place.batch_size,
-        compile=place.compile if place.tp == 1 else "off",
+    sampler = sm.sampler(
+        context_len=context_len, max_rows=place.batch_size, compile=place.compile if place.tp == 1 else "off"
     )
     add_bos = sm.add_bos if job.add_bos is None else job.add_bos
     fmt = sm.prompt_format(add_bos)

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from setdiff_megatron.core.decoding import DecodingConfig
+from setdiff_megatron.core.samplers import sampler_for
 from setdiff_megatron.core.step_runner import StepModel
 from setdiff_megatron.data.supervised import RowFormat
 from setdiff_megatron.data.tokenizers import SetDiffTokenizer
@@ -46,6 +47,24 @@ class SamplingModel:
     """The recipe a checkpoint was trained with (None for a Hugging Face directory)."""
     decoding: DecodingConfig
     """The model's own decoding policy (Source.decoding): what a job decodes with unless told otherwise."""
+    family: str = "set_diffusion"
+    """Which decoder it takes (Source.family)."""
+    trained_length: int = 0
+    """The rows it was trained on (Source.trained_length)."""
+
+    def sampler(self, *, context_len: int | None = None, max_rows: int | None = None, **options):
+        """The engine that decodes this model (core/samplers.py), over its whole context (a
+        baseline: the rows it was trained on, its decoder's window) unless `context_len` says
+        less; `options` as sampler_for takes them."""
+        whole = self.config.max_seq_len if self.family == "set_diffusion" else self.trained_length
+        return sampler_for(
+            self.family,
+            self.model,
+            mask_token_id=self.tokenizer.mask_id,
+            context_len=min(context_len or whole, whole),
+            max_rows=max_rows,
+            **options,
+        )
 
     def prompt_format(self, add_bos: bool | None = None) -> RowFormat:
         """How prompts are formatted: as the training recipe's rows began (BOS, a prompt EOS,
@@ -110,4 +129,6 @@ def load_sampling_model(
         add_bos=source.add_bos,
         recipe=source.recipe,
         decoding=source.decoding,
+        family=source.family,
+        trained_length=source.trained_length,
     )

@@ -61,8 +61,8 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from setdiff_megatron.core.attention import resolve_attention_impl, set_causal_attention
-from setdiff_megatron.core.kv_cache import KVCache
+from setdiff_megatron.core.attention import grouped_attention, resolve_attention_impl, set_causal_attention
+from setdiff_megatron.core.kv_cache import CacheSpec, KVCache
 from setdiff_megatron.errors import UserError, require
 from setdiff_megatron.kernels.dispatch import context_parallel_kernel
 from setdiff_megatron.kernels.ring_attention import ring_set_causal_attention
@@ -120,24 +120,34 @@ class StepContext:
     commit_valid: torch.Tensor | None
 
 
-def attention_mask_slot(valid_len: torch.Tensor | None, document_ids: torch.Tensor | None) -> torch.Tensor | None:
+def attention_mask_slot(
+    valid_len: torch.Tensor | None, document_ids: torch.Tensor | None, groups: torch.Tensor | None = None
+) -> torch.Tensor | None:
     """What a training forward carries in megatron's attention-mask slot: `valid_len` [b], or
-    with document ids [b, L] (non-negative) those ids with -1 at padding ranks, from which
-    `_attention_inputs` recovers both (padding comes last). One tensor, not a pair: full
-    recompute saves the slot with save_for_backward, which takes tensors only."""
-    if document_ids is None:
+    with document ids [b, L] (non-negative) those ids with -1 at padding ranks, or with groups
+    [b, L] (non-negative) the [b, 2, L] groups and document ids (0 without) with -1 at padding
+    ranks, from which `_attention_inputs` recovers them (padding comes last). One tensor, not a
+    tuple: full recompute saves the slot with save_for_backward, which takes tensors only."""
+    ids = document_ids
+    if groups is not None:
+        ids = torch.stack([groups, torch.zeros_like(groups) if document_ids is None else document_ids], 1)
+    if ids is None:
         return valid_len
     if valid_len is None:
-        return document_ids
-    ranks = torch.arange(document_ids.shape[1], device=document_ids.device)
-    return document_ids.masked_fill(ranks >= valid_len[:, None], -1)
+        return ids
+    ranks = torch.arange(ids.shape[-1], device=ids.device)
+    return ids.masked_fill(ranks >= valid_len.view(-1, *[1] * (ids.dim() - 1)), -1)
 
 
-def _attention_inputs(slot: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(valid_len, document_ids) of an `attention_mask_slot`."""
+def _attention_inputs(
+    slot: torch.Tensor | None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(valid_len, document_ids, groups) of an `attention_mask_slot`."""
     if slot is None or slot.dim() == 1:
-        return slot, None
-    return (slot >= 0).sum(dim=1), slot
+        return slot, None, None
+    if slot.dim() == 3:
+        return (slot[:, 0] >= 0).sum(dim=1), slot[:, 1].clamp(min=0), slot[:, 0].clamp(min=0)
+    return (slot >= 0).sum(dim=1), slot, None
 
 
 class SetCausalCoreAttention(MegatronModule):
@@ -190,9 +200,16 @@ class SetCausalCoreAttention(MegatronModule):
                 self.layer_index, q, k, v, num_commit=step.num_commit, commit_valid=step.commit_valid
             )
             return out.permute(2, 0, 1, 3).flatten(2)
+        valid_len, document_ids, groups = _attention_inputs(attention_mask)
+        if groups is not None:  # the masked-diffusion baselines: one stream or two, as k holds
+            if self.query_rows_only and k.shape[2] == 2 * groups.shape[1]:
+                q = q[:, :, q.shape[2] // 2 :]
+            out = grouped_attention(
+                q, k, v, groups=groups, valid_len=valid_len, scale=self.softmax_scale, document_ids=document_ids
+            )
+            return out.permute(2, 0, 1, 3).flatten(2)
         if self.query_rows_only:
             q = q[:, :, q.shape[2] // 2 :]
-        valid_len, document_ids = _attention_inputs(attention_mask)
         cp = self.config.context_parallel_size
         if cp > 1:  # this rank's zigzag chunks of both streams; the others' clean K/V come by ring
             out = ring_set_causal_attention(
@@ -382,9 +399,12 @@ class SetDiffusionGPT(LanguageModule):
         valid_len: torch.Tensor | None = None,
         targets: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
+        groups: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Two streams of [b, L] tokens in rank order (needed on the first stage only); with
-        `document_ids` [b, L] (rank order) attention stays within each document. Under context
+        `document_ids` [b, L] (rank order) attention stays within each document; with `groups`
+        [b, L] ranks of a group are decided together (core/attention.py `grouped_mask`) and
+        `clean_tokens` may be None on every stage: the query stream alone (MDLM). Under context
         parallelism the streams are this rank's zigzag chunks, and valid_len and document_ids
         still describe the whole sequence.
 
@@ -393,20 +413,22 @@ class SetDiffusionGPT(LanguageModule):
         stages the hidden states [S(/tp under SP), b, E] for the next stage.
         """
         length = position_ids.shape[1]
+        streams = 1 if groups is not None and clean_tokens is None else 2
         if length > self.model_cfg.max_seq_len:
             raise ValueError(f"sequence length {length} exceeds the model's max_seq_len={self.model_cfg.max_seq_len}")
-        if self.config.sequence_parallel and 2 * length % self.tp_group.size():
+        if self.config.sequence_parallel and streams * length % self.tp_group.size():
             raise ValueError(
-                f"sequence parallelism splits the {2 * length} tokens of both streams over "
-                f"{self.tp_group.size()} ranks: 2L must be divisible by the TP size"
+                f"sequence parallelism splits the {streams * length} tokens of the streams over "
+                f"{self.tp_group.size()} ranks: they must be divisible by the TP size"
             )
         hidden = None
         if self.pre_process:
-            hidden = self.embedding(input_ids=torch.cat([clean_tokens, query_tokens], dim=1), position_ids=None)
+            tokens = query_tokens if streams == 1 else torch.cat([clean_tokens, query_tokens], dim=1)
+            hidden = self.embedding(input_ids=tokens, position_ids=None)
         hidden = self.decoder(
             hidden_states=hidden,
-            attention_mask=attention_mask_slot(valid_len, document_ids),
-            rotary_pos_emb=self.rotary_freqs(position_ids.repeat(1, 2)),
+            attention_mask=attention_mask_slot(valid_len, document_ids, groups),
+            rotary_pos_emb=self.rotary_freqs(position_ids.repeat(1, streams)),
         )
         if not self.post_process:
             return hidden
@@ -426,20 +448,16 @@ class SetDiffusionGPT(LanguageModule):
         if self.config.sequence_parallel:
             raise UserError("sampling needs sequence_parallel off: a step's few tokens do not split over TP ranks")
 
-    def new_cache(self, batch_size: int, capacity: int) -> KVCache:
-        """A KV cache for this TP rank's key/value heads (the sampler's `StepModel` protocol)."""
+    def cache_spec(self) -> CacheSpec:
+        """The KV cache of this TP rank's key/value heads (the sampler's `StepModel` protocol)."""
         self._check_sampling()
         weight = self.embedding.word_embeddings.weight
-        return KVCache.allocate(
-            num_layers=len(self.decoder.layers),
-            batch_size=batch_size,
-            num_kv_heads=self.model_cfg.num_kv_heads // self.tp_group.size(),
-            head_dim=self.model_cfg.head_dim,
-            capacity=capacity,
-            dtype=weight.dtype,
-            device=weight.device,
-            attention_impl=cache_attention_impl(self.model_cfg, weight),
-        )
+        heads = self.model_cfg.num_kv_heads // self.tp_group.size()
+        return CacheSpec(len(self.decoder.layers), heads, self.model_cfg.head_dim, weight.dtype, weight.device)
+
+    def new_cache(self, batch_size: int, capacity: int) -> KVCache:
+        weight = self.embedding.word_embeddings.weight
+        return KVCache.of(self.cache_spec(), batch_size, capacity, cache_attention_impl(self.model_cfg, weight))
 
     def step(
         self,

@@ -179,10 +179,10 @@ def _keep_experts_apart(chunk: torch.nn.Module) -> None:
             param.allreduce = False
 
 
-def pipeline_seq_length(length: int) -> int:
-    """The sequence length megatron's schedules communicate between stages: two streams of L
-    (the schedules divide it by the context-parallel size themselves)."""
-    return 2 * length
+def pipeline_seq_length(length: int, streams: int = 2) -> int:
+    """The sequence length megatron's schedules communicate between stages: two streams of L, or
+    MDLM's one (the schedules divide it by the context-parallel size themselves)."""
+    return streams * length
 
 
 def context_parallel_slice(batch: TwoStreamBatch) -> TwoStreamBatch:
@@ -231,5 +231,6 @@ def forward_step(
         valid_len=batch.valid_len,
         targets=batch.targets,
         document_ids=batch.document_ids,
+        groups=batch.groups,
     )
     return nll, partial(loss_func, batch.loss_mask)

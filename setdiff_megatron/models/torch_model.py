@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from setdiff_megatron.core.attention import resolve_attention_impl
+from setdiff_megatron.core.attention import grouped_attention, resolve_attention_impl
 from setdiff_megatron.core.document_attention import document_attention
-from setdiff_megatron.core.kv_cache import KVCache
+from setdiff_megatron.core.kv_cache import CacheSpec, KVCache
 from setdiff_megatron.core.loss import LossOutput, set_diffusion_loss
 from setdiff_megatron.core.orders import OrderPolicy
 from setdiff_megatron.core.streams import sample_two_stream_batch
@@ -176,26 +176,32 @@ class SetDiffusionTransformer(nn.Module):
 
     def forward(
         self,
-        clean_tokens: torch.Tensor,
+        clean_tokens: torch.Tensor | None,
         query_tokens: torch.Tensor,
         position_ids: torch.Tensor,
         valid_len: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
+        groups: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Query-stream logits [B, L, V] for two streams of [B, L] tokens in rank order; with
-        `document_ids` [B, L] (rank order) attention stays within each document."""
+        `document_ids` [B, L] (rank order) attention stays within each document; with `groups`
+        [B, L] ranks of a group are decided together (core/attention.py `grouped_mask`), and
+        `clean_tokens` may then be None: the query stream alone (MDLM)."""
         return self.output_logits(
-            self.hidden_states(clean_tokens, query_tokens, position_ids, valid_len, document_ids=document_ids)
+            self.hidden_states(
+                clean_tokens, query_tokens, position_ids, valid_len, document_ids=document_ids, groups=groups
+            )
         )
 
     def hidden_states(
         self,
-        clean_tokens: torch.Tensor,
+        clean_tokens: torch.Tensor | None,
         query_tokens: torch.Tensor,
         position_ids: torch.Tensor,
         valid_len: torch.Tensor | None = None,
         *,
         document_ids: torch.Tensor | None = None,
+        groups: torch.Tensor | None = None,
         clean_rows: bool = False,
     ) -> torch.Tensor:
         """The last layer's output (before the final norm): the query stream's [B, L, E].
@@ -204,26 +210,33 @@ class SetDiffusionTransformer(nn.Module):
         only. `clean_rows` makes it compute both streams, [B, 2L, E], for callers that do read the
         clean stream: the check that it is an imported AR model's computation (hf/verify.py).
         """
-        if (
-            clean_tokens.dim() != 2
-            or query_tokens.shape != clean_tokens.shape
-            or position_ids.shape != clean_tokens.shape
-        ):
+        streams = [query_tokens] if clean_tokens is None else [clean_tokens, query_tokens]
+        if query_tokens.dim() != 2 or any(x.shape != query_tokens.shape for x in (*streams, position_ids)):
             raise ValueError(
                 "clean_tokens, query_tokens and position_ids must all be [batch, length]; got "
-                f"{tuple(clean_tokens.shape)}, {tuple(query_tokens.shape)}, {tuple(position_ids.shape)}"
+                f"{[tuple(x.shape) for x in (*streams, position_ids)]}"
             )
-        length = clean_tokens.shape[1]
+        if clean_tokens is None and groups is None:
+            raise ValueError("a query stream alone needs `groups` (which queries see each other)")
+        if groups is not None and groups.shape != query_tokens.shape:
+            raise ValueError("groups must be [batch, length] like the streams")
+        length = query_tokens.shape[1]
         if length > self.config.max_seq_len:
             raise ValueError(f"sequence length {length} exceeds the model's max_seq_len={self.config.max_seq_len}")
-        x = self.embed_tokens(torch.cat([clean_tokens, query_tokens], dim=1))
-        cos, sin = self.rotary(position_ids.repeat(1, 2))
-        attend = partial(
-            document_attention, self._attention, scale=self._scale, valid_len=valid_len, document_ids=document_ids
-        )
+        x = self.embed_tokens(torch.cat(streams, dim=1))
+        cos, sin = self.rotary(position_ids.repeat(1, len(streams)))
+        if groups is None:
+            attend = partial(
+                document_attention, self._attention, scale=self._scale, valid_len=valid_len, document_ids=document_ids
+            )
+        else:
+            attend = partial(
+                grouped_attention, groups=groups, valid_len=valid_len, scale=self._scale, document_ids=document_ids
+            )
         for layer in self.layers[:-1]:
             x = layer(x, cos, sin, attend)
-        return self.layers[-1](x, cos, sin, attend, first_row=0 if clean_rows else length)
+        first_row = 0 if clean_rows or clean_tokens is None else length
+        return self.layers[-1](x, cos, sin, attend, first_row=first_row)
 
     def loss(
         self,
@@ -258,17 +271,13 @@ class SetDiffusionTransformer(nn.Module):
         out = set_diffusion_loss(logits, batch.targets, batch.loss_mask, mask_token_id=self.config.mask_token_id)
         return out.with_router_loss(self.router_loss())
 
-    def new_cache(self, batch_size: int, capacity: int) -> KVCache:
+    def cache_spec(self) -> CacheSpec:
         p = self.embed_tokens.weight
-        return KVCache.allocate(
-            num_layers=self.config.num_layers,
-            batch_size=batch_size,
-            num_kv_heads=self.config.num_kv_heads,
-            head_dim=self.config.head_dim,
-            capacity=capacity,
-            dtype=p.dtype,
-            device=p.device,
-            attention_impl=cache_attention_impl(self.config, p),
+        return CacheSpec(self.config.num_layers, self.config.num_kv_heads, self.config.head_dim, p.dtype, p.device)
+
+    def new_cache(self, batch_size: int, capacity: int) -> KVCache:
+        return KVCache.of(
+            self.cache_spec(), batch_size, capacity, cache_attention_impl(self.config, self.embed_tokens.weight)
         )
 
     def step(

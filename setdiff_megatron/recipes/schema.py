@@ -15,6 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 
 from setdiff_megatron.core.decoding import DecodingConfig
+from setdiff_megatron.core.masked_diffusion import masked_decoding_policy
 from setdiff_megatron.core.orders import Block, OrderError, OrderPolicy, Staggered, make_order_policy
 from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.recipes.decoding import DecodingSection, given
@@ -59,8 +60,14 @@ class ModelSection(ModelConfig):
 
 
 class MethodSection(Section):
-    """The order policy and the loss (docs/method.md, "Order policies" and "Loss")."""
+    """The model family, its order policy or noise, and the loss (docs/method.md, "Order policies",
+    "Loss" and "The baselines")."""
 
+    family: Literal["set_diffusion", "mdlm", "bd3lm"] = "set_diffusion"
+    """'set_diffusion' (this project's method, under `order`); the paper's baselines as the
+    reference trains them: 'mdlm' (masked diffusion, one noise level per row, bidirectional) or
+    'bd3lm' (block diffusion over blocks of `block_size`, x0 (+) xt). `order`, d, m, k and b are
+    set diffusion's: the baselines ignore them."""
     order: Literal["staggered", "left_to_right", "uniform", "block"] = "staggered"
     d: PositiveInt = 4
     """Desired set size of the staggered schedule; d = 1 is autoregression."""
@@ -71,12 +78,24 @@ class MethodSection(Section):
     b: PositiveFloat | None = None
     """Override of the window width (exclusive with k)."""
     block_size: PositiveInt | None = None
-    """Block size of the 'block' policy (set diffusion with a block order)."""
+    """Block size of set diffusion's 'block' order, or of BD3-LM's blocks (family bd3lm)."""
+    noise: Literal["linear"] = "linear"
+    """The masked-diffusion noise schedule (mdlm, bd3lm): alpha_t = 1 - t, the one every recipe
+    of the reference trains with."""
+    antithetic: bool = False
+    """Masked diffusion: the noise levels of the global batch's rows drawn from one stratified
+    draw (the reference's LM1B BD3-LM); off elsewhere, as the reference."""
     keep_clean_bos: bool = False
     """Pin a BOS at position 0 first in every order and leave it out of the loss."""
 
+    @property
+    def masked_diffusion(self) -> bool:
+        return self.family != "set_diffusion"
+
     def order_policy(self) -> OrderPolicy:
         """The order law this section names; core/orders.py checks its rules (OrderError)."""
+        if self.masked_diffusion:
+            raise OrderError("family", f"the {self.family} family has no generation order; it trains on noise levels")
         if self.order == "staggered":
             return Staggered(d=self.d, m=self.m, k=self.k, b=self.b)
         if self.order == "block":
@@ -84,6 +103,13 @@ class MethodSection(Section):
                 raise OrderError("block_size", "the block order needs a block size")
             return Block(size=self.block_size)
         return make_order_policy(self.order)
+
+    def decoding_policy(self) -> dict:
+        """The paper's default decoding settings for a model of this section (core/orders.py and
+        core/masked_diffusion.py `decoding_policy`)."""
+        if self.masked_diffusion:
+            return masked_decoding_policy(self.block_size if self.family == "bd3lm" else None)
+        return self.order_policy().decoding_policy()
 
 
 BUILTIN_CORPORA = ("stdlib", "reasoning")
@@ -352,4 +378,4 @@ class Recipe(Section):
 
     def decoding_policy(self) -> DecodingConfig:
         """The model's own decoding policy: its order's paper default, with `decoding` over it."""
-        return DecodingConfig(**{**self.method.order_policy().decoding_policy(), **given(self.decoding)})
+        return DecodingConfig(**{**self.method.decoding_policy(), **given(self.decoding)})

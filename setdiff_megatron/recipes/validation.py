@@ -202,20 +202,48 @@ def _method_rules(r: Recipe) -> list[str]:
     """The order law's own rules (core/orders.py), against the recipe's sequence length, and the
     decoding policy it yields."""
     me, seq_len = r.method, r.data.seq_len
-    errors = []
-    try:
-        policy = me.order_policy()
-        if isinstance(policy, Staggered):
-            policy.schedule(seq_len)
-        r.decoding_policy()
-    except OrderError as exc:
-        errors.append(f"method.{exc.field}: {exc}")
-    except ValueError as exc:
-        errors.append(f"decoding: {exc}")
+    if me.masked_diffusion:
+        errors = _masked_diffusion_rules(r)
+    else:
+        errors = []
+        try:
+            policy = me.order_policy()
+            if isinstance(policy, Staggered):
+                policy.schedule(seq_len)
+        except OrderError as exc:
+            errors.append(f"method.{exc.field}: {exc}")
+    if not errors:
+        try:
+            r.decoding_policy()
+        except ValueError as exc:
+            errors.append(f"decoding: {exc}")
     if me.order == "block" and me.block_size is not None and me.block_size > seq_len:
         errors.append(f"method.block_size: {me.block_size} exceeds data.seq_len ({seq_len})")
     if seq_len > r.model.max_seq_len:
         errors.append(f"data.seq_len: {seq_len} exceeds model.max_seq_len ({r.model.max_seq_len})")
+    return errors
+
+
+def _masked_diffusion_rules(r: Recipe) -> list[str]:
+    """What the masked-diffusion baselines (method.family mdlm, bd3lm) need: BD3-LM blocks that
+    tile the sequence, none for MDLM, no context parallelism and no document mask."""
+    me, seq_len, family = r.method, r.data.seq_len, r.method.family
+    errors = []
+    if family == "bd3lm" and me.block_size is None:
+        errors.append("method.block_size: family bd3lm needs its block size (the reference trains 4, 8 or 16)")
+    elif family == "bd3lm" and seq_len % me.block_size:
+        errors.append(
+            f"method.block_size: {me.block_size} does not divide data.seq_len ({seq_len}); BD3-LM's blocks tile "
+            "the sequence"
+        )
+    if family == "mdlm" and me.block_size is not None:
+        errors.append("method.block_size: MDLM is one block of data.seq_len; remove it (family bd3lm has blocks)")
+    if r.parallel.cp > 1:
+        errors.append(f"parallel.cp: family {family} runs without context parallelism; set cp = 1")
+    if r.data.document_mask:
+        errors.append(
+            f"data.document_mask: family {family} attends across a packed window, as the reference; remove it"
+        )
     return errors
 
 

@@ -42,7 +42,6 @@ def _served_model(args, source):
 
 
 def _local_replicas(args, source, defaults):
-    from setdiff_megatron.core.sampler import SetSampler
     from setdiff_megatron.distributed.runtime import Ranks
     from setdiff_megatron.inference.loading import load_sampling_model
     from setdiff_megatron.serving.replicas import LocalReplica
@@ -50,10 +49,7 @@ def _local_replicas(args, source, defaults):
     sm = load_sampling_model(source, Ranks(), device=args.device, dtype=args.dtype)
 
     def make(on_event):
-        sampler = SetSampler(
-            sm.model,
-            mask_token_id=sm.tokenizer.mask_id,
-            context_len=sm.config.max_seq_len,
+        sampler = sm.sampler(
             max_rows=args.batch_size,
             kv_budget=args.kv_budget,
             prefill_chunk=args.prefill_chunk,

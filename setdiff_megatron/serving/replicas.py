@@ -235,10 +235,7 @@ def replica_main() -> int:
     args = ReplicaSettings.from_env()
     ranks = join(args.tp)
     sm = load_sampling_model(args.source, ranks, device=args.device, dtype=args.dtype)
-    sampler = SetSampler(
-        sm.model,
-        mask_token_id=sm.tokenizer.mask_id,
-        context_len=sm.config.max_seq_len,
+    sampler = sm.sampler(
         max_rows=args.max_rows,
         kv_budget=args.kv_budget,
         prefill_chunk=args.prefill_chunk,

@@ -36,6 +36,7 @@ from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.weight_maps.torch_layout import torch_shapes
 from setdiff_megatron.recipes import Recipe, load_recipe
 from setdiff_megatron.recipes.loading import RESOLVED_NAME
+from setdiff_megatron.recipes.schema import MethodSection
 from setdiff_megatron.sources.ar_import import SUPPORTED, ar_model_config, ar_state_dict, unsupported_architecture
 from setdiff_megatron.sources.base_model import BASE_ENV
 from setdiff_megatron.sources.deepspeed import consolidated_state_dict, is_deepspeed_checkpoint
@@ -68,10 +69,35 @@ class Source:
     notes: list[str] = field(default_factory=list)
     """What the reader ignored, one line each (a release's source files, its attention backend,
     what a safe unpickling dropped)."""
+    method: MethodSection | None = None
+    """What it was trained as where no recipe says (an export of a baseline records its family,
+    block size and sequence length in config.json); see `family`."""
+    length: int | None = None
+    """The sequence length it was trained on where no recipe says (see `trained_length`)."""
     decoding: DecodingConfig = field(default_factory=DecodingConfig)
     """The model's own decoding policy, where every sampling door starts: its recipe's (runs,
     releases), its generation_config.json (our exports), one token per step (causal LMs); the
     sampler's defaults where nothing records one (a bare DiT)."""
+
+    @property
+    def family(self) -> str:
+        """The model family, which decides its forward and sampler (core/samplers.py):
+        'set_diffusion', or the baselines 'mdlm' and 'bd3lm'."""
+        method = self.method or (self.recipe.method if self.recipe is not None else None)
+        return method.family if method is not None else "set_diffusion"
+
+    @property
+    def block_size(self) -> int | None:
+        """BD3-LM's block size (None for the other families)."""
+        method = self.method or (self.recipe.method if self.recipe is not None else None)
+        return method.block_size if method is not None and method.family == "bd3lm" else None
+
+    @property
+    def trained_length(self) -> int:
+        """The rows it was trained on (recipe data.seq_len): the window a baseline decodes over."""
+        if self.recipe is not None:
+            return self.recipe.data.seq_len
+        return self.length or self.config.max_seq_len
 
     @property
     def add_bos(self) -> bool:
@@ -147,7 +173,14 @@ def read_hf_dir(directory: str | Path, *, weights: bool = True, base: str | Path
     if config.get("model_type") == "setdiff":
         cfg, state, tokenizer = load_hf_export(directory)
         return Source(
-            "setdiff", directory, cfg, state if weights else None, tokenizer, decoding=export_policy(directory)
+            "setdiff",
+            directory,
+            cfg,
+            state if weights else None,
+            tokenizer,
+            method=_export_method(config),
+            length=config.get("length"),
+            decoding=export_policy(directory),
         )
     if is_release_config(config):
         tokenizer = _hf_tokenizer(directory)
@@ -184,6 +217,16 @@ def read_hf_dir(directory: str | Path, *, weights: bool = True, base: str | Path
         tokenizer,
         decoding=DecodingConfig(**LeftToRight().decoding_policy()),
     )
+
+
+def _export_method(config: dict) -> MethodSection | None:
+    """A baseline's family and block size, as our exporter records them in config.json."""
+    if config.get("family", "set_diffusion") == "set_diffusion":
+        return None
+    try:
+        return MethodSection(family=config["family"], block_size=config.get("block_size"))
+    except ValueError as exc:
+        raise UserError(f"config.json: family {config['family']!r} is not a model family: {exc}") from None
 
 
 def read_source(path: str | Path, *, weights: bool = True, base: str | Path | None = None) -> Source:

@@ -102,8 +102,13 @@ _IDS = ("mask_token_id", "bos_token_id", "eos_token_id", "pad_token_id")
 _ROLE = {"mask_token_id": "mask_id", "bos_token_id": "bos_id", "eos_token_id": "eos_id", "pad_token_id": "pad_id"}
 
 
+BASELINES = {"MDLM": "mdlm", "BD3LM": "bd3lm"}
+"""The reference's baseline architectures and their families (method.family)."""
+LINEAR_TARGET = "noise_schedule_noise_schedules.LinearNoise"
+
+
 def is_release_config(config: Mapping[str, Any]) -> bool:
-    return "SetDLM" in (config.get("architectures") or ())
+    return bool({"SetDLM", *BASELINES} & set(config.get("architectures") or ()))
 
 
 def _unflattened(target: str) -> str:
@@ -140,11 +145,13 @@ class Release:
                 f"{self.where}: backbone_config._target_ {backbone.get('_target_')!r} is not a released "
                 f"backbone ({QWEN3_TARGET} on Qwen3, or {DIT_TARGET})"
             )
+        self.family = next((f for a, f in BASELINES.items() if a in config.get("architectures", ())), "set_diffusion")
         noise_target = _unflattened(str(noise.get("_target_")))
-        if noise_target != STAGGERED_TARGET:
+        expected = STAGGERED_TARGET if self.family == "set_diffusion" else LINEAR_TARGET
+        if noise_target != expected:
             raise UserError(
-                f"{self.where}: noise_config._target_ {noise.get('_target_')!r} is not set diffusion's "
-                f"{STAGGERED_TARGET} (a BD3-LM or MDLM release?)"
+                f"{self.where}: noise_config._target_ {noise.get('_target_')!r} is not the {expected} "
+                f"{'set diffusion' if self.family == 'set_diffusion' else self.family} trains with"
             )
         try:
             self.length = int(config.get("length") or noise["length"])
@@ -153,7 +160,16 @@ class Release:
         self.notes: list[str] = []
 
     def method(self) -> MethodSection:
-        """The order law and BOS handling the reference's loader evaluates the release with."""
+        """The order law (or baseline family) and BOS handling the reference's loader evaluates
+        the release with."""
+        if self.family != "set_diffusion":
+            block = self.config.get("block_size") if self.family == "bd3lm" else None
+            try:
+                return MethodSection(
+                    family=self.family, block_size=block, keep_clean_bos=bool(self.config.get("keep_clean_bos"))
+                )
+            except ValueError as exc:
+                raise UserError(f"{self.where}: not a valid {self.family} release: {exc}") from None
         noise = self.noise
         block = int(noise.get("block_size") or self.length)
         if block != self.length:

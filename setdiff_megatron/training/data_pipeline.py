@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from setdiff_megatron.core.masked_diffusion import masked_two_stream_batch, sample_masked_batch
 from setdiff_megatron.core.streams import TwoStreamBatch, sample_two_stream_batch
 from setdiff_megatron.data.builtin import builtin_corpus_dir, corpus_paths, prepare_builtin_corpus
 from setdiff_megatron.data.samples import ResumableLoader, SupervisedRows, build_datasets, truncation_report
@@ -104,7 +105,7 @@ class DataLoaders:
         device: torch.device | str = "cpu",
     ):
         self.recipe, self.data, self.device = recipe, data, torch.device(device)
-        self.policy = recipe.method.order_policy()
+        self.policy = None if recipe.method.masked_diffusion else recipe.method.order_policy()
         self.dp_rank, self.dp_size = dp_rank, dp_size
         mbs = recipe.parallel.micro_batch_size
         self.num_microbatches = recipe.parallel.global_batch_size // (mbs * dp_size)
@@ -122,11 +123,34 @@ class DataLoaders:
     def consumed_samples(self) -> int:
         return self.train.consumed_samples
 
-    def _two_stream(self, sample: dict, generator: torch.Generator) -> TwoStreamBatch:
+    def _two_stream(self, sample: dict, generator: torch.Generator, slot: int = 0) -> TwoStreamBatch:
+        """The model's batch of `sample`; `slot` is its place among this step's micro-batches of
+        every rank (the masked-diffusion baselines' antithetic noise levels stratify over them)."""
         tokens = sample["tokens"].to(self.device)
+        method = self.recipe.method
         records = None
         if "document_ids" in sample:  # rows that pack supervised records
             records = (sample["document_ids"].to(self.device), sample["position_ids"].to(self.device))
+        if method.masked_diffusion:
+            block_size = method.block_size if method.family == "bd3lm" else None
+            prompt = sample["prompt_mask"].to(self.device)
+            if method.keep_clean_bos:  # the reference draws at the BOS like anywhere, then restores it
+                prompt = prompt.clone()
+                prompt[:, 0] = False
+            batch = sample_masked_batch(
+                tokens,
+                mask_token_id=self.data.tokenizer.mask_id,
+                block_size=block_size,
+                prompt_mask=prompt,
+                keep_clean_bos=method.keep_clean_bos,
+                pad_mask=sample["pad_mask"].to(self.device),
+                antithetic=method.antithetic,
+                rank=slot,
+                world_rows=self.recipe.parallel.global_batch_size,
+                records=records,
+                generator=generator,
+            )
+            return masked_two_stream_batch(batch, block_size)
         return sample_two_stream_batch(
             tokens,
             self.policy,
@@ -147,13 +171,13 @@ class DataLoaders:
         if self._train_iter is None:
             self._train_iter = iter(self.train)
         batches = []
-        for _ in range(self.num_microbatches):
+        for m in range(self.num_microbatches):
             generator = self._generator(0, self.train.consumed_samples)
             try:
                 sample = next(self._train_iter)
             except StopIteration:
                 raise RuntimeError("the training dataset ran out of samples; it was built for fewer steps") from None
-            batches.append(self._two_stream(sample, generator))
+            batches.append(self._two_stream(sample, generator, self.dp_rank * self.num_microbatches + m))
         return batches
 
     def valid_batches(self, num_batches: int) -> list[TwoStreamBatch]:

@@ -271,7 +271,7 @@ def _truncated(folder: Path) -> None:
         (
             "dit",
             {"noise_config": {"_target_": "noise_schedule_noise_schedules.LinearNoise"}},
-            "a BD3-LM or MDLM release",
+            "StaggeredNoise set diffusion trains with",
         ),
         ("dit", {"mask_token_id": 5, "tokenization_config": {"mask_token_id": 5}}, "mask_token_id is 5"),
         ("qwen3", {"eos_token_id": 7, "tokenization_config": {"eos_token_id": 7}}, "eos_token_id is 7, but"),

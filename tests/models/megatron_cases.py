@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from setdiff_megatron.core.masked_diffusion import masked_two_stream_batch, sample_masked_batch
 from setdiff_megatron.core.orders import Staggered
 from setdiff_megatron.core.streams import TwoStreamBatch, sample_two_stream_batch
 from setdiff_megatron.models.config import ModelConfig
@@ -81,14 +82,37 @@ def _record_rows() -> dict[str, torch.Tensor]:
 
 
 def batches(
-    cfg: ModelConfig, count: int = NUM_MICROBATCHES, seed: int = 0, *, documents: bool = False, records: bool = False
+    cfg: ModelConfig,
+    count: int = NUM_MICROBATCHES,
+    seed: int = 0,
+    *,
+    documents: bool = False,
+    records: bool = False,
+    family: str = "set_diffusion",
 ) -> list[TwoStreamBatch]:
     """Micro-batches in sampled orders; the second row of each is padded at its last 4 ranks.
     With `documents` each window packs three documents (EOD at positions 4 and 9) and the
     batches carry their ids; with `records` the rows are supervised records (prompts pinned,
-    padding last), two packed in the first row, each ordered and positioned as if alone."""
+    padding last), two packed in the first row, each ordered and positioned as if alone. A
+    `family` 'mdlm' or 'bd3lm' (blocks of 4) gives that baseline's batches instead: noised rows
+    with a prompt of 3 and the same padding, or with `records` those supervised records."""
     gen = torch.Generator().manual_seed(seed)
     out = []
+    if family != "set_diffusion":
+        block = 4 if family == "bd3lm" else None
+        for _ in range(count):
+            tokens = torch.randint(0, cfg.mask_token_id, (MICRO_BATCH, LENGTH), generator=gen)
+            if records:
+                rows = _record_rows()
+            else:
+                prompt, pad = torch.zeros_like(tokens, dtype=torch.bool), torch.zeros_like(tokens, dtype=torch.bool)
+                prompt[:, :3], pad[1, -4:] = True, True
+                rows = {"prompt_mask": prompt, "pad_mask": pad}
+            batch = sample_masked_batch(
+                tokens, mask_token_id=cfg.mask_token_id, block_size=block, generator=gen, **rows
+            )
+            out.append(masked_two_stream_batch(batch, block))
+        return out
     if records:
         for _ in range(count):
             tokens = torch.randint(0, cfg.mask_token_id, (MICRO_BATCH, LENGTH), generator=gen)

@@ -106,7 +106,7 @@ def _train_step(chunks, data) -> tuple[list[float], str]:
         data_iterator=[iter(data) for _ in chunks],
         model=chunks,
         num_microbatches=len(data),
-        seq_length=pipeline_seq_length(LENGTH),
+        seq_length=pipeline_seq_length(LENGTH, streams=1 if data[0].clean_tokens is None else 2),
         micro_batch_size=MICRO_BATCH,
     )
     if not reports:
@@ -203,6 +203,15 @@ RECORD_LAYOUTS = {
 }
 """Layouts checked on supervised records against one rank (test_parallel_parity)."""
 DIT_LAYOUTS = {"dit_tp2": dict(tp=2), "dit_tp2_sp": dict(tp=2, sequence_parallel=True), "dit_pp2": dict(pp=2)}
+FAMILY_LAYOUTS = {
+    "bd3lm_tp2_sp": ("bd3lm", dict(tp=2, sequence_parallel=True)),
+    "bd3lm_pp2": ("bd3lm", dict(pp=2)),
+    "mdlm_tp2": ("mdlm", dict(tp=2)),
+    "mdlm_pp2_vpp2": ("mdlm", dict(pp=2, vpp=2)),
+    "bd3lm_records_tp2": ("bd3lm_records", dict(tp=2)),
+    "mdlm_records_pp2": ("mdlm_records", dict(pp=2)),
+}
+"""The masked-diffusion baselines' batches (grouped attention; MDLM's one stream) against one rank."""
 """The reference DiT's layout (LayerNorm, GELU MLP with biases, output bias) against one rank."""
 FOUR_RANK_LAYOUTS = {"cp2_tp2_sp": dict(cp=2, tp=2, sequence_parallel=True), "cp2_pp2": dict(cp=2, pp=2)}
 """Context parallelism composed with TP (and SP) or PP: four ranks (test_parallel_parity, slow)."""
@@ -248,6 +257,17 @@ def main(out: Path) -> None:
             "loss_diff": max(abs(a - b) for a, b in zip(losses, record_losses)),
             "num_losses": len(losses),
             "grad_diff": _max_diff(grads, record_grads),
+        }
+    family_data = {family: batches(cfg, family=family) for family in ("bd3lm", "mdlm")}
+    family_data |= {f"{family}_records": batches(cfg, family=family, records=True) for family in ("bd3lm", "mdlm")}
+    family_single = {family: run_layout(cfg, weights, data) for family, data in family_data.items()}
+    for name, (family, layout) in FAMILY_LAYOUTS.items():
+        losses, grads, _ = run_layout(cfg, weights, family_data[family], **layout)
+        one_losses, one_grads, _ = family_single[family]
+        results[name] = {
+            "loss_diff": max(abs(a - b) for a, b in zip(losses, one_losses)),
+            "num_losses": len(losses),
+            "grad_diff": _max_diff(grads, one_grads),
         }
     dit = dit_parallel_config()
     dit_weights, dit_data = reference_weights(dit), batches(dit)

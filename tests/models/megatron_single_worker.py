@@ -161,8 +161,16 @@ def torch_parity() -> dict:
         "documents_gqa1_sdpa_recompute": dict(num_kv_heads=1, attention_impl="sdpa"),
         "dit_fused": DIT_BODY | dict(num_kv_heads=None),
         "dit_sdpa_recompute": DIT_BODY | dict(attention_impl="sdpa"),
+        "bd3lm_tied": {},
+        "mdlm_gqa1_recompute": dict(num_kv_heads=1),
+        "bd3lm_records_recompute": {},
     }
-    recompute = {"documents_gqa1_sdpa_recompute": dict(recompute="full"), "dit_sdpa_recompute": dict(recompute="full")}
+    recompute = {
+        "documents_gqa1_sdpa_recompute": dict(recompute="full"),
+        "dit_sdpa_recompute": dict(recompute="full"),
+        "mdlm_gqa1_recompute": dict(recompute="full"),
+        "bd3lm_records_recompute": dict(recompute="full"),
+    }
     out = {}
     for dtype in (torch.float32, torch.float64):
         for name, changes in variants.items():
@@ -173,15 +181,16 @@ def torch_parity() -> dict:
             ref = ref.to(dtype)
             model = _megatron_model(cfg, dtype, **recompute.get(name, {}))
             model.load_state_dict(torch_to_megatron(ref.state_dict(), cfg))
-            batch = batches(cfg, count=1)[0]
+            family = name.split("_")[0] if name.startswith(("bd3lm", "mdlm")) else "set_diffusion"
+            batch = batches(cfg, count=1, family=family, records="records" in name)[0]
             if name.startswith("documents"):
                 batch = _with_documents(batch)
             args = (batch.clean_tokens, batch.query_tokens, batch.position_ids)
-            ref_logits = ref(*args, batch.valid_len, batch.document_ids)
+            ref_logits = ref(*args, batch.valid_len, batch.document_ids, batch.groups)
             ref_out = set_diffusion_loss(ref_logits, batch.targets, batch.loss_mask, mask_token_id=cfg.mask_token_id)
             ref_loss = ref_out.nll_sum.sum() / ref_out.num_tokens.sum()
             ref_out.with_router_loss(ref.router_loss()).loss.backward()
-            kwargs = dict(valid_len=batch.valid_len, document_ids=batch.document_ids)
+            kwargs = dict(valid_len=batch.valid_len, document_ids=batch.document_ids, groups=batch.groups)
             logits = model(*args, **kwargs)
             nll_sum, num_tokens, _ = loss_func(batch.loss_mask, model(*args, targets=batch.targets, **kwargs))
             loss = nll_sum / num_tokens

@@ -50,6 +50,17 @@ def test_supervised_records_match_single_rank(parallel_results, layout):
     assert r["num_losses"] == 4 and r["loss_diff"] <= LOSS_TOL and r["grad_diff"] <= GRAD_TOL, r
 
 
+@pytest.mark.parametrize(
+    "layout", ["bd3lm_tp2_sp", "bd3lm_pp2", "mdlm_tp2", "mdlm_pp2_vpp2", "bd3lm_records_tp2", "mdlm_records_pp2"]
+)
+def test_masked_diffusion_baselines_match_single_rank(parallel_results, layout):
+    """BD3-LM's x0 (+) xt in blocks (TP = 2 with SP, PP = 2) and MDLM's query stream alone (TP = 2,
+    PP = 2 interleaved) equal one rank, padded rows or packed supervised records (the groups and
+    document ids through megatron's attention-mask slot)."""
+    r = parallel_results[layout]
+    assert r["num_losses"] == 4 and r["loss_diff"] <= LOSS_TOL and r["grad_diff"] <= GRAD_TOL, r
+
+
 @pytest.mark.parametrize("layout", ["dit_tp2", "dit_tp2_sp", "dit_pp2"])
 def test_dit_layouts_match_single_rank(parallel_results, layout):
     """The reference DiT's layout (LayerNorm, GELU MLP with biases, output bias) at TP = 2 (also

@@ -18,6 +18,12 @@ VARIANTS = [
     # with GQA, SDPA and full recompute
     "dit_fused",
     "dit_sdpa_recompute",
+    # the masked-diffusion baselines' grouped attention: BD3-LM's x0 (+) xt in blocks of 4, MDLM's
+    # query stream alone (GQA, through full recompute, which saves the groups in the mask slot)
+    "bd3lm_tied",
+    "mdlm_gqa1_recompute",
+    # packed supervised records: BD3-LM's per-record blocks and document ids, through full recompute
+    "bd3lm_records_recompute",
 ]
 # float32 runs the same kernels in the same order (logits agree bit for bit); the loss goes through
 # megatron's vocab-parallel cross-entropy, which computes in float32 even for float64 logits.

@@ -175,7 +175,12 @@ class DeepSpeedEngine:
     def _nll(self, batch: TwoStreamBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | float]:
         """NLL sum, target tokens, and the MoE router losses weighted per routed token (0 if dense)."""
         logits = self.engine(
-            batch.clean_tokens, batch.query_tokens, batch.position_ids, batch.valid_len, batch.document_ids
+            batch.clean_tokens,
+            batch.query_tokens,
+            batch.position_ids,
+            batch.valid_len,
+            batch.document_ids,
+            groups=batch.groups,
         )
         out = set_diffusion_loss(logits, batch.targets, batch.loss_mask, mask_token_id=self.mask_token_id)
         if self.expert_load is not None:

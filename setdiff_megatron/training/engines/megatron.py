@@ -118,7 +118,7 @@ class MegatronEngine:
         self.chunks = [DistributedDataParallel(config, ddp_config, c) for c in chunks]
         self.optimizer, self.scheduler = build_optimizer(r, self.chunks, total_steps)
         self._schedule, self._forward_step = get_forward_backward_func(), forward_step
-        self._seq_length = pipeline_seq_length(r.data.seq_len)
+        self._seq_length = pipeline_seq_length(r.data.seq_len, streams=1 if r.method.family == "mdlm" else 2)
         self.expert_load = watch_routers(chunks, model_cfg, self.device) if model_cfg.num_experts else None
 
     def init_from(self, state_dict: dict[str, torch.Tensor], model_cfg: ModelConfig) -> None:

@@ -1,0 +1,407 @@
+"""The paper's baselines decoding as the reference decodes them (docs/method.md, "The baselines"),
+batched behind the set sampler's engine API (submit, step, cancel, progress, generate), so every
+door (sample, eval, lm-eval, serve, the Hugging Face export) serves them as it serves set diffusion.
+
+A row is its prompt (MASK tokens in it are spans to infill) and max_new_tokens MASKs, decoded in
+blocks of S = cfg.block_size positions, left to right, the first block starting at the prompt's
+end rounded down to a multiple of S (the reference aligns blocks to the canvas), ceil(N / S)
+blocks for N new tokens (so, as in the reference, the last N mod... positions past the aligned
+blocks stay undecided and are dropped when the prompt length is not a multiple of S); a block
+without a MASK is skipped. Each step scores every position of the block and commits, among its
+MASK positions, the k = cfg.tokens_per_step most confident plus every one whose confidence (the
+chosen token's probability, MASK excluded) reaches cfg.threshold; decided positions keep their
+tokens. A block ends when it holds no MASK; then the row stops if an EOS or stop sequence lies in
+its completion so far (the completion is cut after it), or goes on to the next block.
+
+  bd3lm  a KV cache of clean tokens, updated once per block: the aligned prompt prefix is
+         prefilled as clean blocks (x0's block-causal attention), each step runs the block's S
+         tokens as queries that see the cache and one another, and a decided block joins the
+         cache as the first part of the next block's first step (the reference's fused cache)
+  mdlm   no cache: each step runs the whole canvas (padded with MASKs to the context length, as
+         the reference pads it) as one bidirectional group, and reads the block's positions
+
+Rows pad their commits and queries to the step's counts (core/block_cache.py). Steps are the
+forwards that decide tokens; the prefill forward counts in NFE only. A row decodes token for
+token as it would alone.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from setdiff_megatron.core.block_cache import BlockKVCache
+from setdiff_megatron.core.decoding import DecodingConfig, RowPolicy, choose_tokens, process_logits, select_queries
+from setdiff_megatron.core.sample_output import BatchMetrics, Progress, RowResult, SampleOutput, StepTrace
+from setdiff_megatron.core.sample_request import Request, check_bounds
+
+__all__ = ["FAMILIES", "MaskedDiffusionSampler"]
+
+FAMILIES = ("mdlm", "bd3lm")
+
+
+@dataclass
+class _Row:
+    request: Request
+    canvas: list[int]
+    prompt_len: int
+    blocks: list[int]
+    """The start of each block left to decode."""
+    block_size: int
+    generator: torch.Generator | None
+    admitted_s: float
+    pending: list[tuple[int, int, int]] = field(default_factory=list)
+    """(token, position, group) of clean tokens to commit in the next step: the prompt prefix,
+    or the block just decided."""
+    prefilled: bool = False
+    steps: int = 0
+    nfe: int = 0
+    decoded: int = 0
+    busy_s: float = 0.0
+    prefill_s: float = 0.0
+    trace: list[StepTrace] | None = None
+    reported: int = 0
+    stop_end: int | None = None
+
+    @property
+    def block(self) -> tuple[int, int]:
+        start = self.blocks[0]
+        return start, min(start + self.block_size, len(self.canvas))
+
+
+class MaskedDiffusionSampler:
+    """The MDLM or BD3-LM decoder over a model body's `step` (core/step_runner.py StepModel)."""
+
+    def __init__(
+        self,
+        model,
+        *,
+        family: str,
+        mask_token_id: int,
+        context_len: int,
+        max_rows: int | None = None,
+        trace: bool = False,
+    ):
+        if family not in FAMILIES:
+            raise ValueError(f"family must be one of {', '.join(FAMILIES)}; got {family!r}")
+        check_bounds(context_len, max_rows=max_rows)
+        self.model, self.family, self.mask_token_id, self.context_len = model, family, mask_token_id, context_len
+        self.max_rows, self.trace = max_rows, trace
+        self.rows: list[_Row] = []
+        self.waiting: list[Request] = []
+        self.metrics = BatchMetrics()
+        self._cancelled: set[Hashable] = set()
+        self._cache: BlockKVCache | None = None
+
+    # ----------------------------------------------------------------------------------------
+    # requests
+
+    def request_problem(self, prompt: Sequence[int], cfg: DecodingConfig) -> str | None:
+        """Why `prompt` cannot be decoded under `cfg` (to follow the prompt's name), or None."""
+        mask = self.mask_token_id
+        if any(int(t) < 0 for t in prompt):
+            return "must hold token ids >= 0"
+        for seq in (*((t,) for t in cfg.eos_token_ids), *cfg.stop_sequences):
+            if mask in seq:
+                return f"has stop sequences or eos_token_ids containing the MASK token {mask}: {seq}"
+        if cfg.block_size is None:
+            return f"needs a block size: {self.family} decodes block by block (block_size)"
+        if not any(int(t) == mask for t in prompt) and cfg.max_new_tokens == 0:
+            return "has nothing to decode: no MASK token and max_new_tokens=0"
+        if len(prompt) + cfg.max_new_tokens > self.context_len:
+            return (
+                f"is longer than the context: its {len(prompt)} tokens plus max_new_tokens "
+                f"({cfg.max_new_tokens}) must be <= context_len = {self.context_len}"
+            )
+        return None
+
+    @property
+    def load(self) -> dict[str, int]:
+        return {"running": len(self.rows), "waiting": len(self.waiting)}
+
+    def submit(self, request: Request) -> None:
+        problem = self.request_problem(request.prompt, request.cfg)
+        if problem:
+            raise ValueError(f"request {request.key!r} {problem}")
+        self.waiting.append(request)
+
+    def cancel(self, key: Hashable) -> None:
+        before = len(self.waiting)
+        self.waiting = [r for r in self.waiting if r.key != key]
+        if len(self.waiting) == before:
+            self._cancelled.add(key)
+
+    @property
+    def idle(self) -> bool:
+        return not self.rows and not self.waiting
+
+    def warm_up(self, cfg: DecodingConfig, prompt_len: int, progress=None) -> float:
+        """Nothing to compile: these decoders run eagerly."""
+        return 0.0
+
+    # ----------------------------------------------------------------------------------------
+    # the batch API
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        cfg: DecodingConfig,
+        *,
+        batch_size: int | None = None,
+        trace: bool = False,
+    ) -> SampleOutput:
+        """Every prompt decoded, at most batch_size rows at a time; prompt i samples with seed cfg.seed + i."""
+        if len(prompts) == 0:
+            raise ValueError("prompts must hold at least one prompt (a list of token ids); got none")
+        for i, prompt in enumerate(prompts):
+            problem = self.request_problem(prompt, cfg)
+            if problem:
+                raise ValueError(f"prompts[{i}] {problem}")
+        engine = MaskedDiffusionSampler(
+            self.model,
+            family=self.family,
+            mask_token_id=self.mask_token_id,
+            context_len=self.context_len,
+            max_rows=batch_size or len(prompts),
+            trace=trace,
+        )
+        for i, prompt in enumerate(prompts):
+            engine.submit(Request(key=i, prompt=tuple(int(t) for t in prompt), cfg=cfg, seed=cfg.seed + i))
+        results: list[RowResult | None] = [None] * len(prompts)
+        start = time.perf_counter()
+        while not engine.idle:
+            for key, row in engine.step():
+                results[key] = row
+        metrics = engine.metrics
+        metrics.total_s = time.perf_counter() - start
+        metrics.num_rows = len(results)
+        metrics.num_tokens = sum(r.num_decoded for r in results)
+        metrics.row_steps = sum(r.steps for r in results)
+        return SampleOutput(results, metrics)
+
+    # ----------------------------------------------------------------------------------------
+    # admission
+
+    def _new_row(self, request: Request) -> _Row:
+        cfg, mask, size = request.cfg, self.mask_token_id, request.cfg.block_size
+        canvas = list(request.prompt) + [mask] * cfg.max_new_tokens
+        masked = [i for i, t in enumerate(canvas) if t == mask]
+        if masked[0] >= len(request.prompt):  # plain generation: ceil(N / S) blocks from the aligned prompt end
+            starts = [masked[0] // size * size + j * size for j in range(-(-cfg.max_new_tokens // size))]
+        else:  # infilling: every block that holds a MASK
+            starts = sorted({i // size * size for i in masked})
+        row = _Row(
+            request=request,
+            canvas=canvas,
+            prompt_len=len(request.prompt),
+            blocks=[s for s in starts if s < len(canvas)],
+            block_size=size,
+            generator=torch.Generator().manual_seed(request.seed) if cfg.temperature > 0 else None,
+            admitted_s=time.perf_counter(),
+            trace=[] if self.trace else None,
+        )
+        if self.family == "bd3lm":  # the clean prefix before the first block: x0's blocks
+            row.pending = [(canvas[p], p, p // size) for p in range(row.blocks[0])]
+        return row
+
+    def _admit(self) -> None:
+        joining = []
+        while self.waiting and (self.max_rows is None or len(self.rows) + len(joining) < self.max_rows):
+            joining.append(self._new_row(self.waiting.pop(0)))
+        if not joining:
+            return
+        self.rows += joining
+        if self.family == "bd3lm":  # the cache's rows are the live rows, in order
+            new = BlockKVCache(self.model.cache_spec(), len(joining), self.context_len)
+            self._cache = new if self._cache is None else self._cache.cat(new)
+
+    # ----------------------------------------------------------------------------------------
+    # a step
+
+    def _step_inputs(self, device) -> tuple[torch.Tensor, ...]:
+        """(tokens, positions, commit_valid, commit_groups, query_valid) [R, T] of the live rows:
+        each row's pending commits then its queries, padded; BD3-LM's cache rows in row order."""
+        mask = self.mask_token_id
+        commits = [r.pending for r in self.rows]
+        if self.family == "mdlm":  # the whole canvas, padded with MASKs to the context length
+            queries = [r.canvas + [mask] * (self.context_len - len(r.canvas)) for r in self.rows]
+            query_pos = [list(range(len(q))) for q in queries]
+        else:
+            queries = [[] if r.pending and not r.prefilled else r.canvas[slice(*r.block)] for r in self.rows]
+            query_pos = [list(range(*r.block)) if q else [] for r, q in zip(self.rows, queries)]
+        num_commit = max((len(c) for c in commits), default=0)
+        num_query = max(len(q) for q in queries)
+        tokens, positions, commit_valid, commit_groups, query_valid = [], [], [], [], []
+        for c, q, qp in zip(commits, queries, query_pos):
+            pad_c, pad_q = num_commit - len(c), num_query - len(q)
+            tokens.append([t for t, _, _ in c] + [mask] * pad_c + q + [mask] * pad_q)
+            positions.append([p for _, p, _ in c] + [0] * pad_c + qp + [0] * pad_q)
+            commit_valid.append([True] * len(c) + [False] * pad_c)
+            commit_groups.append([g for _, _, g in c] + [0] * pad_c)
+            query_valid.append([True] * len(q) + [False] * pad_q)
+
+        def tensor(values, dtype=torch.long):
+            return torch.tensor(values, dtype=dtype, device=device).view(len(self.rows), -1)
+
+        return (
+            tensor(tokens),
+            tensor(positions),
+            tensor(commit_valid, torch.bool),
+            tensor(commit_groups),
+            tensor(query_valid, torch.bool),
+        )
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[Hashable, RowResult]]:
+        """One engine step: admit, one forward, decide, retire; the rows that finished."""
+        finished = self._retire([i for i, r in enumerate(self.rows) if r.request.key in self._cancelled], "cancelled")
+        self._admit()
+        if not self.rows:
+            return finished
+        t0 = time.perf_counter()
+        device = next(iter(self.model.parameters())).device
+        tokens, positions, commit_valid, commit_groups, query_valid = self._step_inputs(device)
+        num_commit = commit_valid.shape[1]
+        cache = self._cache if self.family == "bd3lm" else BlockKVCache(self.model.cache_spec(), len(self.rows), 0)
+        cache.begin_step(commit_valid, commit_groups, query_valid)
+        t_model = time.perf_counter()
+        logits = self.model.step(tokens, positions, cache, num_commit, commit_valid)  # advances the cache
+        self.metrics.forward_s += time.perf_counter() - t_model
+        self.metrics.forwards += 1
+        prefilling = [not bool(v.any()) for v in query_valid]
+        self._decide(logits, tokens[:, num_commit:], query_valid)
+        elapsed = time.perf_counter() - t0
+        if any(prefilling):
+            self.metrics.prefill_s += elapsed
+        for r, prefill in zip(self.rows, prefilling):
+            r.busy_s += elapsed / len(self.rows)
+            r.prefill_s += elapsed if prefill else 0.0
+        done = [i for i, r in enumerate(self.rows) if not r.blocks or r.stop_end is not None]
+        return finished + self._retire(done, "auto")
+
+    def _decide(self, logits: torch.Tensor, query_tokens: torch.Tensor, query_valid: torch.Tensor) -> None:
+        """Commit each deciding row's tokens in its block; rows that only prefilled go on next step."""
+        deciding = [i for i, r in enumerate(self.rows) if query_valid[i].any()]
+        for r in self.rows:
+            r.nfe += 1
+            if r.pending and self.family == "bd3lm":
+                r.prefilled, r.pending = True, []
+        if not deciding:
+            return
+        index = torch.tensor(deciding, device=logits.device)
+        rows = [self.rows[i] for i in deciding]
+        starts = [(r.block[0] if self.family == "bd3lm" else 0) for r in rows]
+        width = max(r.block[1] - r.block[0] for r in rows)
+        # Each row's block positions, as query slots (BD3-LM: its queries are the block; MDLM: the canvas).
+        slot = torch.tensor(
+            [
+                [r.block[0] - s + j if j < r.block[1] - r.block[0] else 0 for j in range(width)]
+                for r, s in zip(rows, starts)
+            ],
+            device=logits.device,
+        )
+        in_block = torch.tensor(
+            [[j < r.block[1] - r.block[0] for j in range(width)] for r in rows], device=logits.device
+        )
+        block_logits = logits[index].gather(1, slot[..., None].expand(-1, -1, logits.shape[-1]))
+        block_tokens = query_tokens[index].gather(1, slot)
+        todo = (block_tokens == self.mask_token_id) & in_block
+        policy = RowPolicy.of([r.request.cfg for r in rows], device=logits.device)
+        processed = process_logits(
+            block_logits, _padded_canvas(rows, self.mask_token_id, logits.device), policy, self.mask_token_id
+        )
+        token, confidence = choose_tokens(processed, policy, [r.generator for r in rows], [width] * len(rows))
+        chosen = select_queries(confidence, todo, policy)
+        for r, picks, tok, open_ in zip(rows, chosen.tolist(), token.tolist(), todo.tolist()):
+            start, end = r.block
+            new = [(start + j, tok[j]) for j in range(end - start) if picks[j]]
+            for p, t in new:
+                r.canvas[p] = t
+            r.decoded += len(new)
+            r.steps += 1
+            if r.trace is not None:
+                r.trace.append(StepTrace(queried=[start + j for j in range(end - start) if open_[j]], decoded=new))
+            if self.mask_token_id not in r.canvas[start:end]:
+                self._block_done(r)
+
+    def _block_done(self, r: _Row) -> None:
+        start, end = r.block
+        r.blocks.pop(0)
+        r.stop_end = _stop_end(r.canvas, r.prompt_len, end, r.request.cfg)
+        while r.blocks and self.mask_token_id not in r.canvas[slice(*r.block)]:  # nothing to decode there
+            r.blocks.pop(0)
+        if self.family == "bd3lm" and r.blocks and r.stop_end is None:
+            nxt = r.blocks[0]
+            r.pending = [(r.canvas[p], p, p // r.block_size) for p in range(start, nxt)]
+
+    # ----------------------------------------------------------------------------------------
+    # retirement
+
+    def progress(self, keys: set[Hashable] | None = None) -> list[Progress]:
+        """The live rows (of `keys`, or all) whose decided completion prefix grew since the last call."""
+        out = []
+        for r in self.rows:
+            if keys is not None and r.request.key not in keys:
+                continue
+            tail = r.canvas[r.prompt_len :]
+            upto = next((i for i, t in enumerate(tail) if t == self.mask_token_id), len(tail))
+            if upto > r.reported:
+                out.append(Progress(r.request.key, tail[r.reported : upto]))
+                r.reported = upto
+        return out
+
+    def _retire(self, index: list[int], reason: str) -> list[tuple[Hashable, RowResult]]:
+        if not index:
+            return []
+        now, out = time.perf_counter(), []
+        for i in index:
+            r = self.rows[i]
+            self._cancelled.discard(r.request.key)
+            end = r.stop_end if r.stop_end is not None else len(r.canvas)
+            kept = [t for t in r.canvas[:end] if t != self.mask_token_id]  # undecided positions dropped
+            finish = reason if reason == "cancelled" else ("stop" if r.stop_end is not None else "length")
+            out.append(
+                (
+                    r.request.key,
+                    RowResult(
+                        tokens=kept,
+                        prompt_len=sum(1 for t in r.canvas[: r.prompt_len] if t != self.mask_token_id),
+                        num_decoded=r.decoded,
+                        finish_reason=finish,
+                        steps=r.steps,
+                        nfe=r.nfe,
+                        seconds=now - r.admitted_s,
+                        prefill_s=r.prefill_s,
+                        busy_s=r.busy_s,
+                        trace=r.trace,
+                    ),
+                )
+            )
+        keep = [i for i in range(len(self.rows)) if i not in set(index)]
+        self.rows = [self.rows[i] for i in keep]
+        if self._cache is not None:
+            self._cache = self._cache.select(keep) if keep else None
+        return out
+
+
+def _padded_canvas(rows: list[_Row], mask: int, device) -> torch.Tensor:
+    """The rows' canvases [R, longest] padded with MASK (the repetition penalty reads the tokens present)."""
+    width = max(len(r.canvas) for r in rows)
+    return torch.tensor([r.canvas + [mask] * (width - len(r.canvas)) for r in rows], device=device)
+
+
+def _stop_end(canvas: list[int], prompt_len: int, upto: int, cfg: DecodingConfig) -> int | None:
+    """The end of the first EOS or stop sequence in the completion's decided part canvas[prompt_len:upto]."""
+    stops = [(t,) for t in cfg.eos_token_ids] + [tuple(s) for s in cfg.stop_sequences]
+    best = None
+    for seq in stops:
+        n = len(seq)
+        for end in range(prompt_len + n, upto + 1):
+            if tuple(canvas[end - n : end]) == seq:
+                best = end if best is None else min(best, end)
+                break
+    return best

@@ -1,0 +1,134 @@
+"""The paper's baselines, MDLM and BD3-LM (recipe method.family), through every door: a short
+`setdiff train` whose validation loss falls, then `setdiff sample`, `setdiff serve` and the Hugging
+Face export's own generate() decoding with the family's decoder and policy (blocks, threshold
+0.9), each giving what the decoder gives on the loaded model, and a round trip back through
+`convert from-hf` that keeps the family."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from setdiff_megatron.distributed.runtime import Ranks
+from setdiff_megatron.inference.loading import load_sampling_model
+from setdiff_megatron.sources.read import read_source
+from tests.hf.clean_env import run_clean
+
+REPO = Path(__file__).resolve().parents[1]
+FAMILIES = {"mdlm": [], "bd3lm": ["method.block_size=4"]}
+PROMPT = "def main("
+NEW = 12
+
+
+def _setdiff(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [sys.executable, "-m", "setdiff_megatron.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=900
+    )
+    if check:
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+@pytest.fixture(scope="session")
+def family_runs(tmp_path_factory) -> dict[str, Path]:
+    """16 steps of the tiny recipe as each baseline, one process."""
+    base = tmp_path_factory.mktemp("families")
+    data = tmp_path_factory.getbasetemp() / "checkpoint-tests-data"
+    runs = {}
+    for family, extra in FAMILIES.items():
+        runs[family] = base / family
+        _setdiff(
+            "train",
+            "recipes/tiny-cpu.yaml",
+            f"method.family={family}",
+            *extra,
+            f"checkpoint.dir={runs[family]}",
+            f"data.cache_dir={data}",
+            "launch.nproc_per_node=1",
+            "parallel.global_batch_size=8",
+            "train.steps=16",
+            "eval.interval=8",
+            "checkpoint.interval=16",
+            "log.tensorboard=false",
+        )
+    return runs
+
+
+def _direct(run: Path, prompt: str) -> tuple[str, dict]:
+    """The family's decoder on the loaded model, at its policy: the reference every door must give."""
+    sm = load_sampling_model(run, Ranks(), device="cpu")
+    cfg = sm.decoding.over({"max_new_tokens": NEW, "eos_token_ids": (sm.tokenizer.eos_id,)})
+    row = sm.sampler().generate([sm.prompt_format().prompt(sm.tokenizer.encode(prompt)).tolist()], cfg).rows[0]
+    return sm.tokenizer.decode(row.completion, skip_special_tokens=True), {"steps": row.steps, "nfe": row.nfe}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_training_lowers_the_validation_loss(family_runs, family):
+    rows = [json.loads(line) for line in (family_runs[family] / "logs" / "metrics.jsonl").read_text().splitlines()]
+    valid = [r["valid/loss"] for r in rows if "valid/loss" in r]
+    assert len(valid) == 3 and valid[-1] < valid[0] - 0.3, valid
+    source = read_source(family_runs[family], weights=False)
+    assert source.family == family and source.decoding.threshold == 0.9
+    assert source.decoding.block_size == (4 if family == "bd3lm" else 32)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sample_decodes_with_the_familys_decoder_and_policy(family_runs, family, tmp_path):
+    run = family_runs[family]
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": PROMPT}) + "\n")
+    _setdiff("sample", str(run), "--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "o.jsonl"),
+             "--max-new-tokens", str(NEW), "--no-progress")  # fmt: skip
+    (row,) = [json.loads(line) for line in (tmp_path / "o.jsonl").read_text().splitlines()]
+    text, counts = _direct(run, PROMPT)
+    assert row["completion"] == text and (row["steps"], row["nfe"]) == (counts["steps"], counts["nfe"])
+    job = json.loads((tmp_path / "o.jsonl.job.json").read_text())
+    assert job["decoding"]["block_size"] == (4 if family == "bd3lm" else 32)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_serve_decodes_with_the_familys_decoder(family_runs, family):
+    pytest.importorskip("openai", reason="the serving tests use the openai client (part of the dev extra)")
+    from setdiff_megatron.serving.local import LiveServer
+
+    live = LiveServer(family_runs[family], model_name="m")
+    try:
+        r = live.client.completions.create(model="m", prompt=PROMPT, max_tokens=NEW, temperature=0)
+    finally:
+        live.stop()
+    assert r.choices[0].text == _direct(family_runs[family], PROMPT)[0]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_hf_export_generates_as_the_family_and_imports_back(family_runs, family, clean_site, tmp_path):
+    run = family_runs[family]
+    _setdiff("convert", "to-hf", str(run), str(tmp_path / "hf"))
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["family"] == family and config.get("block_size") == (4 if family == "bd3lm" else None)
+    sm = load_sampling_model(run, Ranks(), device="cpu")
+    ids = sm.prompt_format().prompt(sm.tokenizer.encode(PROMPT)).tolist()
+    script = f"""
+import json
+from transformers import AutoModelForCausalLM
+
+model = AutoModelForCausalLM.from_pretrained({str(tmp_path / "hf")!r}, trust_remote_code=True)
+row = model.generate([{ids!r}], max_new_tokens={NEW}, return_dict_in_generate=True).rows[0]
+print(json.dumps({{"tokens": row.tokens, "steps": row.steps}}))
+"""
+    result = run_clean(script, clean_site, tmp_path / "clean")
+    cfg = sm.decoding.over({"max_new_tokens": NEW, "eos_token_ids": (sm.tokenizer.eos_id,)})
+    row = sm.sampler().generate([ids], cfg).rows[0]
+    assert (result["tokens"], result["steps"]) == (row.tokens, row.steps)
+    _setdiff("convert", "from-hf", str(tmp_path / "hf"), str(tmp_path / "back"))
+    back = read_source(tmp_path / "back", weights=False)
+    assert back.family == family and back.decoding == read_source(run, weights=False).decoding
+
+
+def test_likelihood_of_a_baseline_is_refused_in_one_line(family_runs, tmp_path):
+    (tmp_path / "d.jsonl").write_text(json.dumps({"text": "x = 1"}) + "\n")
+    proc = _setdiff("eval", "likelihood", str(family_runs["bd3lm"]), "--data", str(tmp_path / "d.jsonl"),
+                    "--out", str(tmp_path / "out"), check=False)  # fmt: skip
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "is a bd3lm model" in proc.stderr, proc.stderr
