@@ -1,9 +1,11 @@
 """The method's trade-offs on models this framework trains: `python -m benchmarks.study`.
 
 Seven models of one size train on the same data, tokens and steps through the project's own
-recipes (recipes/study/) and megatron engine: AR, set diffusion with d in {2, 4, 8}, MDLM and
-block diffusion with blocks of 4 and 8, once or once per training seed (`--seeds 1,2,3`: every
-figure then a mean with its spread and standard errors). Three settings (`--setting`):
+recipes (recipes/study/) and megatron engine: AR, set diffusion with d in {2, 4, 8}, and set
+diffusion with a uniform order and with a block order (blocks of 4 and 8) -- the orders MDLM's and
+BD3-LM's masking imply, not those baselines themselves -- once or once per training seed
+(`--seeds 1,2,3`: every figure then a mean with its spread and standard errors). Three settings
+(`--setting`):
 - supervised (the default, the paper's format for its GSM8K models): one problem per row, its
   expression line pinned as clean context and only the solution in the loss;
 - packed (recipes/study/packed/): pretraining windows across problems, every token a target, the
@@ -21,8 +23,9 @@ The project's own eval jobs then measure:
       stdlib function bodies by four models trained on the built-in code corpus), each model
       given the context its order can use.
 Results go to benchmarks/results/study/<setting>/ (results.json, results.md, plots). Reruns skip
-the models and points already done. `--quick` trains set diffusion d = 4 of the supervised setting
-as the full run does and decodes it at W = 1 and at the paper's default policy.
+the models and points already done; `--report-only` draws results.md and the plots again from an
+existing results.json. `--quick` trains set diffusion d = 4 of the supervised setting as the full
+run does and decodes it at W = 1 and at the paper's default policy.
 
 Modules: `plan` (the models and decoding settings), `run` (training and evaluation through the
 project's commands and jobs), `report` (tables and plots).

@@ -1,5 +1,6 @@
 """`python -m benchmarks.study [--setting supervised|packed|adapted] [--seeds 1,2,3] [--quick]`:
-train the study's models, evaluate them, report.
+train the study's models, evaluate them, report. `--report-only` draws results.md and the plots
+again from the setting's existing results.json, training and evaluating nothing.
 
 See benchmarks/study/__init__.py for what is measured. The supervised and packed settings take
 under 2 hours on 2 CPU cores for one seed; the adapted one about 2.5 minutes a model and seed;
@@ -11,6 +12,7 @@ tests/benchmarks/study/test_quick.py holds to its seeds' spread), under 15 for t
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 import time
@@ -67,6 +69,20 @@ def _points(rows: list[dict]) -> list[dict]:
     ]
 
 
+def _report_only(parser: argparse.ArgumentParser, args: argparse.Namespace, results_dir: Path) -> dict:
+    """--report-only: the report of an existing results.json, drawn again by the code that first drew
+    it (report.render), e.g. after a change to the report or to the models' names and labels."""
+    if ignored := [f"--{f.replace('_', '-')}" for f in ("out", "steps", "seeds", "models") if getattr(args, f)]:
+        parser.error(f"--report-only trains and evaluates nothing; drop {', '.join(ignored)}")
+    path = results_dir / "results.json"
+    if not path.is_file():
+        parser.error(f"--report-only: no {path}; run the study without --report-only first, or name --results")
+    results = json.loads(path.read_text(encoding="utf-8"))
+    report.render(results, results_dir)
+    print(f"study: results.md and plots drawn again from {path}", flush=True)
+    return results
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
@@ -113,6 +129,12 @@ def main(argv: list[str] | None = None) -> dict:
         default=None,
         help=f"comma-separated subset of the reasoning models ({', '.join(m.name for m in plan.REASONING_MODELS)})",
     )
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="train and evaluate nothing: draw results.md and the plots again from the results.json "
+        "already in --results (default that of --setting, or of --quick)",
+    )
     args = parser.parse_args(argv)
     for flag in ("per_level", "code_examples", "steps"):
         value = getattr(args, flag)
@@ -123,6 +145,8 @@ def main(argv: list[str] | None = None) -> dict:
     where = f"study-quick/{args.setting}" if args.quick else f"study/{args.setting}"
     out = (args.out or Path("runs") / where).resolve()
     results_dir = args.results or RESULTS_DIR / where
+    if args.report_only:
+        return _report_only(parser, args, results_dir)
     steps = args.steps
     start, started = time.perf_counter(), time.strftime("%Y-%m-%d %H:%M %Z")
     reasoning, code = plan.models(args.quick, args.setting)

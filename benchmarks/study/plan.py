@@ -31,7 +31,9 @@ over seeds, and the paper's question there is the gap to AR at 2.5 tokens per st
 class Model:
     name: str
     family: str
-    """ar | sd | mdlm | bd3: the order policy it was trained with."""
+    """The order policy it was trained with: ar (left to right), sd (the staggered schedule),
+    sd-uniform or sd-block (set diffusion with core/orders.py's Uniform or Block order; not the
+    paper's MDLM and BD3-LM baselines, which are other models)."""
     label: str
     block_size: int | None = None
     setting: str = "supervised"
@@ -51,8 +53,8 @@ class Model:
         return self.name if self.seed is None else f"{self.name}-seed{self.seed}"
 
     def decoding_defaults(self) -> dict:
-        """Sweep settings every point of this model shares: BD3 decodes block by block."""
-        return {"block_size": self.block_size} if self.family == "bd3" else {}
+        """Sweep settings every point of this model shares: a block order decodes block by block."""
+        return {"block_size": self.block_size} if self.family == "sd-block" else {}
 
     def grid(self, quick: bool) -> tuple[list[dict], dict[str, list]]:
         """(explicit points, grid) of this model's sweep. AR has the one point W = 1; the others
@@ -69,10 +71,10 @@ class Model:
 
     def infill(self) -> dict:
         """The infill job's context and decoding: one token per step, the context the order can use
-        (AR: the left side; BD3: up to the end of the span's block; the others: both sides)."""
+        (AR: the left side; a block order: up to the end of the span's block; the others: both sides)."""
         if self.family == "ar":
             return {"context": "left", "window": 1}
-        if self.family == "bd3":
+        if self.family == "sd-block":
             return {"context": "blocks", "window": self.block_size, "block_size": self.block_size}
         return {"context": "both", "window": 16}
 
@@ -82,15 +84,15 @@ REASONING_MODELS = (
     Model("sd-d2", "sd", "set diffusion d=2"),
     Model("sd-d4", "sd", "set diffusion d=4"),
     Model("sd-d8", "sd", "set diffusion d=8"),
-    Model("mdlm", "mdlm", "MDLM (uniform order)"),
-    Model("bd3-b4", "bd3", "BD3 block 4", block_size=4),
-    Model("bd3-b8", "bd3", "BD3 block 8", block_size=8),
+    Model("sd-uniform", "sd-uniform", "set diffusion, uniform order"),
+    Model("sd-block4", "sd-block", "set diffusion, block order (4)", block_size=4),
+    Model("sd-block8", "sd-block", "set diffusion, block order (8)", block_size=8),
 )
 CODE_MODELS = (
     Model("code-ar", "ar", "AR (d=1)"),
     Model("code-sd-d4", "sd", "set diffusion d=4"),
-    Model("code-mdlm", "mdlm", "MDLM (uniform order)"),
-    Model("code-bd3-b4", "bd3", "BD3 block 4", block_size=4),
+    Model("code-sd-uniform", "sd-uniform", "set diffusion, uniform order"),
+    Model("code-sd-block4", "sd-block", "set diffusion, block order (4)", block_size=4),
 )
 """Trained on the built-in stdlib corpus for the code infill task (recipes/study/code-*.yaml)."""
 QUICK_MODELS = ("sd-d4",)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import textwrap
 from collections import defaultdict
 from pathlib import Path
 
@@ -281,7 +282,9 @@ def plot_infill(results: dict, path: Path) -> None:
         x = range(len(rows))
         ax.bar([i - 0.2 for i in x], [m[f"infill_{task}"]["exact_match"] for m in rows], 0.4, label="exact match")
         ax.bar([i + 0.2 for i in x], [m[f"infill_{task}"]["rougeL"] for m in rows], 0.4, label="ROUGE-L")
-        ax.set_xticks(list(x), [f"{m['label']}\n({m[f'infill_{task}']['context']})" for m in rows], fontsize=7)
+        # Labels wrapped to the width of a bar pair, so that neighbours do not overlap.
+        ticks = [f"{textwrap.fill(m['label'], 15)}\n({m[f'infill_{task}']['context']})" for m in rows]
+        ax.set_xticks(list(x), ticks, fontsize=7)
         ax.set_title(f"infilling: {title}")
         ax.set_ylim(0, 1)
         ax.legend(fontsize=8)
@@ -305,8 +308,15 @@ def plot_curves(results: dict, path: Path) -> None:
 
 
 def write(results: dict, directory: Path) -> None:
+    """results.json, then the report drawn from it."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "results.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+    render(results, directory)
+
+
+def render(results: dict, directory: Path) -> None:
+    """results.md and the plots from `results` alone, so that an existing results.json can be
+    drawn again (`--report-only`) without training or evaluating anything."""
     (directory / "results.md").write_text(markdown(results), encoding="utf-8")
     plot_pareto(results, directory / "pareto.png")
     plot_infill(results, directory / "infill.png")

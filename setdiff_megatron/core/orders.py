@@ -4,7 +4,8 @@ A set diffusion model is trained on one sampled permutation per sequence: the or
 positions are revealed. Every policy here gives each position a "reveal score" (for the staggered
 schedule: its first-hitting time T_i) and positions are revealed in DECREASING score order. Keeping
 the policy a pure score function lets one vectorised routine, `sample_order`, handle prompts and
-padding identically for every policy, and makes AR, MDLM and block diffusion simple special cases.
+padding identically for every policy, and makes AR and the uniform and block orders (those MDLM's and
+BD3-LM's masking imply; the models trained with them are still set diffusion) simple special cases.
 
 Shape-suffix legend for tensor names: B = batch size, L = sequence length.
 Example: `scores_BL` is a [B, L] tensor, `loc_L` a [L] tensor.
@@ -208,7 +209,8 @@ class LeftToRight(OrderPolicy):
 
 @dataclass(frozen=True)
 class Uniform(OrderPolicy):
-    """MDLM / any-order AR: a uniformly random permutation."""
+    """A uniformly random permutation: set diffusion with a uniform order (any-order AR), the order
+    MDLM's masking implies; the model stays set diffusion, not MDLM."""
 
     name: ClassVar[str] = "uniform"
 
@@ -224,7 +226,8 @@ class Uniform(OrderPolicy):
 
 @dataclass(frozen=True)
 class Block(OrderPolicy):
-    """Block diffusion: blocks of `size` positions left-to-right, uniform order inside a block."""
+    """Blocks of `size` positions left-to-right, uniform order inside a block: set diffusion with a
+    block order, the order BD3-LM's block-wise masking implies; the model stays set diffusion."""
 
     size: int
     name: ClassVar[str] = "block"

@@ -15,8 +15,8 @@ the paper (docs/method.md, "Infilling"; its decoding there: --window 32 --repeti
 greedy).
 `--context` gives a model only the context its training order lets it use: `left` drops the
 right context (an autoregressive model), `blocks` keeps the right context up to the end of the
-span's last block of --block-size positions (a block diffusion model, which sees later blocks
-only once it has decoded them).
+span's last block of --block-size positions (a model trained with a block order, which sees later
+blocks only once it has decoded them).
 The job writes the prompts once (`prompts.jsonl`, a reference per line), decodes them through
 the sampling job (sharded, resumable: `samples.jsonl`) and scores the merged samples
 (`metrics.json`). Examples longer than the model's context are skipped and counted.
