@@ -25,7 +25,7 @@ from setdiff_megatron.recipes import load_recipe
 from setdiff_megatron.training.lr_schedule import build_lr_scheduler
 from tests.models.megatron_cases import ROOT, run_worker
 from tests.training.engines.deepspeed_megatron_worker import SCHEDULE_STEPS, SCHEDULES
-from tests.training.engines.deepspeed_zero_worker import RESUMED
+from tests.training.engines.deepspeed_zero_worker import RESUMED, SEMANTICS_RUNS
 
 pytest.importorskip("deepspeed", reason="the deepspeed extra: pip install -e .[deepspeed]")
 
@@ -147,8 +147,24 @@ def test_checkpoint_consolidates_to_the_live_fp32_weights(zero_results, run, opt
 @pytest.mark.multiproc
 @pytest.mark.parametrize("run", RESUMED)
 def test_resume_into_a_new_engine_is_exact(zero_results, run):
-    """Two more steps from the step-5 checkpoint in a new engine equal two more steps in the old one."""
+    """Two more steps from the step-5 checkpoint in a new engine equal two more steps in the old
+    one, and so does the average of the weights where the run keeps one."""
     assert zero_results[run]["resumed"] == zero_results[run]["continued"]
+    keeps_one = run in dict(SEMANTICS_RUNS)
+    assert zero_results[run].get("ema_resumed_bitwise") is (True if keeps_one else None)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("run", [name for name, _ in SEMANTICS_RUNS])
+def test_reference_semantics_train_as_the_reference_does(zero_results, run):
+    """Per-row loss, composer's DecoupledAdamW and an EMA of the weights (0.9) on 2 ranks equal the
+    reference's rules written out in one process on whole global batches; the checkpoint holds the
+    average whole (ema.pt), which the reader returns."""
+    got, expected = zero_results[run]["losses"], zero_results["semantics_reference"]
+    assert len(got) == STEPS and max(abs(a - b) for a, b in zip(got, expected)) <= 1e-6, (got, expected)
+    result = zero_results[run]
+    assert result["ema_recorded"] == {"decay": 0.9} and result["ema_keys_match"]
+    assert result["ema_diff"] <= 1e-6 < 1e-4 <= result["ema_not_weights"], result
 
 
 @pytest.mark.multiproc
@@ -200,6 +216,14 @@ def test_moe_losses_match_the_megatron_engine_at_ep2(tmp_path, data_cache):
     assert proc.returncode == 0 and megatron.exists(), proc.stderr[-6000:]
     expected = json.loads(megatron.read_text())["losses"]
     assert len(got) == STEPS and max(abs(a - b) for a, b in zip(got, expected)) <= 1e-5, (got, expected)
+
+
+@pytest.mark.multiproc
+def test_megatron_decoupled_adamw_steps_are_composers(megatron_results):
+    """train.optimizer=decoupled_adamw under megatron's distributed optimizer at DP=2: every
+    parameter decayed by (lr_t / lr) x weight_decay, then Adam (the single-process check of the same
+    rule: tests/training/test_training_semantics.py)."""
+    assert megatron_results["decoupled_worst"] <= 1e-7
 
 
 @pytest.mark.multiproc
