@@ -4,7 +4,7 @@ engine's initial weights, for the engine-parity test.
 It builds the megatron engine (process groups, DDP chunks with the distributed optimizer, its
 optimizer and LR scheduler, the data pipeline at DP=2), loads the weights that the DeepSpeed
 engine starts from (the torch model of train.seed, through init_from and the weight map) and
-logs the loss of each step. It also records the LR of every step of megatron's scheduler for
+logs the loss of each step, and the validation loss after the last one. It also records the LR of every step of megatron's scheduler for
 each schedule, for the LR-equality test, and how far a few steps of decoupled_adamw through
 megatron's distributed optimizer are from composer's update. Arguments: OUT.json, then recipe overrides. megatron-core
 is imported in `main`, so that the tests can import this module's constants cheaply.
@@ -111,8 +111,10 @@ def main(out: Path, overrides: list[str]) -> None:
         nll, count = engine.forward_backward(loaders.next_step())
         engine.optimizer_step()
         losses.append(nll / count)
+    valid, rows = engine.evaluate(loaders.valid_batches(recipe.eval.batches))
     results = {
         "losses": losses,
+        "valid": valid / rows,
         "schedules": schedule_lrs(overrides, engine.chunks),
         "decoupled_worst": decoupled_worst(overrides, engine.chunks),
     }
