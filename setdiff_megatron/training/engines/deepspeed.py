@@ -10,10 +10,12 @@ What it builds, in order:
   step        the micro-batches of one global batch with the loss of the whole global batch,
               normalised per target token or per row (as megatron), one optimizer step,
               megatron-core's LR scheduler
+With train.ema_decay each rank averages its share of the optimizer's fp32 weights after every
+step (training/ema.py); ZeRO-3 is refused there (recipes/validation.py).
 Checkpoints: DeepSpeed's own format under `deepspeed/` (sources/deepspeed.py reads it whole)
-plus each rank's RNG states. DeepSpeed loads partitioned optimizer state only on the ZeRO stage
-and data-parallel size it was saved with, so a resume on another layout is refused; its
-consolidated weights start a new run (`model.init_from`).
+plus each rank's RNG states and the average, whole, in `ema.pt`. DeepSpeed loads partitioned
+optimizer state only on the ZeRO stage and data-parallel size it was saved with, so a resume on
+another layout is refused; its consolidated weights start a new run (`model.init_from`).
 
 Not here: tensor and pipeline parallelism (the megatron engine's), and building a model too big
 for one device under deepspeed.zero.Init: every rank builds the full model, which ZeRO-3 then

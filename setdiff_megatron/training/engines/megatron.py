@@ -8,14 +8,16 @@ What it builds, in order:
   optimizer   get_megatron_optimizer (distributed optimizer when asked) + megatron-core's LR
               scheduler (lr_schedule.py)
   step        get_forward_backward_func() (1F1B / interleaved) over the micro-batches of one
-              global batch; the update through megatron's own pieces (prepare_grads,
-              get_grad_norm, clipping, step_with_ready_grads) with a finiteness check of the
-              gradient norm before anything is applied, so the NaN policy means what it means
-              under the DeepSpeed engine
+              global batch, the loss normalised by training/objective.py; the update through
+              megatron's own pieces (prepare_grads, get_grad_norm, clipping,
+              step_with_ready_grads) with a finiteness check of the gradient norm before anything
+              is applied, so the NaN policy means what it means under the DeepSpeed engine; then
+              the average of the weights (train.ema_decay) of each rank's main-parameter shards
 Checkpoints: dist_checkpointing shards of model and optimizer (checkpoint/megatron.py; the
 distributed optimizer in megatron's `fully_reshardable` format, so both reshard over TP, PP and
 DP; only switching `parallel.distributed_optimizer` itself restarts the Adam moments, with a
-warning) plus each rank's RNG states, restored on an unchanged layout only.
+warning), the average's shards beside the model's, plus each rank's RNG states, restored on an
+unchanged layout only.
 """
 
 from __future__ import annotations
