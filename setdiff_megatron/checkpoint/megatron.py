@@ -5,10 +5,15 @@ whole in one process, without megatron).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-__all__ = ["model_sharded_state", "save_shards", "load_shards", "load_model_shard"]
+import torch
+
+from setdiff_megatron.checkpoint.names import EMA_PREFIX
+
+__all__ = ["model_sharded_state", "ema_sharded_state", "save_shards", "load_shards", "load_model_shard"]
 
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 """The canonical per-parameter format of the distributed optimizer: reshardable over TP/PP/DP."""
@@ -25,6 +30,29 @@ def model_sharded_state(modules, optimizer=None, *, is_loading: bool = False) ->
         **model,
         "optimizer": optimizer.sharded_state_dict(model, is_loading=is_loading, metadata=OPTIMIZER_METADATA),
     }
+
+
+def ema_sharded_state(model_state: dict, wholes: dict[int, torch.Tensor]) -> dict:
+    """The average of the weights (train.ema_decay) as shards beside the model's: for every
+    sharded tensor of `model_state` (model_sharded_state) whose data is a parameter with a whole
+    average in `wholes` (by the parameter's id), the same shard with that average (fp32) as data,
+    under EMA_PREFIX + its key. Same sharding and replicas as the weights, so the average is saved,
+    resharded and read (sources/megatron.py) as they are; "ema<i>" holds chunk i's, keyed as
+    "model<i>" is."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    out = {}
+    for chunk, sharded in model_state.items():
+        if not chunk.startswith("model"):
+            continue
+        part = {}
+        for key, sh in sharded.items():
+            if isinstance(sh, ShardedTensorFactory) and id(sh.data) in wholes:
+                part[key] = replace(sh, key=EMA_PREFIX + sh.key, data=wholes[id(sh.data)])
+            elif isinstance(sh, ShardedTensor) and id(sh.data) in wholes:
+                part[key] = replace(sh, key=EMA_PREFIX + sh.key, data=wholes[id(sh.data)], dtype=torch.float32)
+        out[f"ema{chunk.removeprefix('model')}"] = part
+    return out
 
 
 def save_shards(state: dict, directory: Path, *, background: bool = False) -> Any:
@@ -44,7 +72,15 @@ def load_shards(state: dict, directory: Path) -> dict:
     return dist_checkpointing.load(state, str(directory))
 
 
-def load_model_shard(module, step_dir: Path) -> None:
-    """Load this rank's shard of a megatron model chunk from `step_dir` (sampling at TP > 1)."""
-    loaded = load_shards(model_sharded_state([module], is_loading=True), step_dir)
-    module.load_state_dict(loaded["model0"])
+def load_model_shard(module, step_dir: Path, *, ema: bool = False) -> None:
+    """Load this rank's shard of a megatron model chunk from `step_dir` (sampling at TP > 1): its
+    weights, or with `ema` the checkpoint's average of them (cast to the module's dtype)."""
+    state = model_sharded_state([module], is_loading=True)
+    if ema:
+        params = {id(p): torch.empty(p.shape, dtype=torch.float32) for p in module.parameters()}
+        state |= ema_sharded_state(state, params)
+    loaded = load_shards(state, step_dir)
+    weights = loaded["model0"]
+    if ema:
+        weights |= {k: v.to(weights[k].dtype) for k, v in loaded["ema0"].items()}
+    module.load_state_dict(weights)

@@ -125,7 +125,8 @@ def _layout_text(lay: dict) -> str:
 
 def describe(run_dir: str | Path) -> list[str]:
     """One line per checkpoint of a run directory (or of its checkpoints/ folder), newest first:
-    step, validity (why not), recipe, layout, tokenizer, and which one `latest` names."""
+    step, validity (why not), recipe, layout, tokenizer, the average of the weights it holds, and
+    which one `latest` names."""
     root = checkpoints_root(run_dir)
     published = find_checkpoints(root)
     partial = sorted(root.glob("step_*.tmp")) if root.is_dir() else []
@@ -145,6 +146,8 @@ def describe(run_dir: str | Path) -> list[str]:
                 f"  | step {state.progress.step}, recipe {name}, {_layout_text(state.layout)}, "
                 f"tokenizer vocab {tok['vocab_size']} mask id {tok['mask_id']}"
             )
+            if state.ema is not None:
+                line += f", EMA of the weights (decay {state.ema['decay']}; read by sampling, evaluation and export)"
         except (UserError, OSError, KeyError, TypeError, yaml.YAMLError) as exc:
             line += f"  | {exc if isinstance(exc, UserError) else 'recipe.yaml unreadable'}"
         lines.append(line + ("  <- latest" if path.name == latest else ""))

@@ -8,6 +8,8 @@ tokenizer     vocabulary size and MASK id
 run_id        the training run that wrote it: a resume continues that run, a fresh start is
               a new one; only a run's own checkpoints are ever replaced or removed by it
 weights_only  true for checkpoints with no optimizer state (imports, conversions)
+ema           {"decay": d} when the checkpoint also holds an average of the weights
+              (train.ema_decay), which evaluation, sampling and export then read
 source        where converted weights came from (conversions only)
 """
 
@@ -43,6 +45,7 @@ class TrainState:
     run_id: str | None = None
     weights_only: bool = False
     source: dict[str, Any] | None = field(default=None)
+    ema: dict[str, float] | None = None
 
     def to_json(self) -> dict[str, Any]:
         out = {**asdict(self.progress), **{f.name: getattr(self, f.name) for f in fields(self) if f.name != "progress"}}
@@ -75,6 +78,7 @@ def read_train_state(step_dir: str | Path) -> TrainState:
         run_id=raw.get("run_id"),
         weights_only=raw.get("weights_only", False),
         source=raw.get("source"),
+        ema=raw.get("ema"),
     )
 
 

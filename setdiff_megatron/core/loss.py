@@ -5,17 +5,24 @@ mean over targets is a one-sample Monte Carlo estimate of the NELBO under the or
 (docs/method.md, "Objective"). There is no time weighting. The MASK token is never a valid
 prediction, so its logit is removed before the softmax, as in the reference.
 
+Training reduces the token NLLs per token (megatron's) or per row (the reference's: each row's
+mean, then the mean over rows) through `loss_weights`, which any family's loss can reuse with its
+own count per row (MDLM and BD3-LM count masked tokens).
+
 Shapes: B batch, L ranks, V vocabulary.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["LossOutput", "set_diffusion_loss", "token_nll"]
+__all__ = ["LossOutput", "LossWeights", "Normalization", "loss_weights", "set_diffusion_loss", "token_nll"]
+
+Normalization = Literal["per_token", "per_row"]
 
 
 @dataclass(frozen=True)
@@ -61,3 +68,59 @@ def set_diffusion_loss(
     num_tokens_B = loss_mask_BL.sum(dim=1)
     loss = nll_sum_B.sum() / num_tokens_B.sum().clamp(min=1)
     return LossOutput(loss=loss, nll_sum=nll_sum_B, num_tokens=num_tokens_B)
+
+
+@dataclass(frozen=True)
+class LossWeights:
+    """How a batch's token NLLs make its share of a loss that is a ratio of global sums:
+    loss = sum over micro-batches and ranks of sum(weight x NLL) / sum of `denominator`. The
+    weights depend on masks only, so both are known before the forward pass and the gradient of
+    the ratio is exactly the normalised objective however the global batch is split."""
+
+    weight_BL: torch.Tensor
+    """[B, L] float: 0 off the loss, 1 per target token, or 1 / the row's count per row."""
+    denominator: torch.Tensor
+    """Scalar integer: the counted tokens (per token) or the rows (per row)."""
+
+    def apply(self, nll_BL: torch.Tensor) -> torch.Tensor:
+        """[B, L] weighted NLL; `where`, not a product, since an unweighted token's NLL may be inf
+        (a non-target whose token is MASK itself)."""
+        return torch.where(self.weight_BL != 0, nll_BL * self.weight_BL, 0.0)
+
+
+def loss_weights(
+    loss_mask_BL: torch.Tensor,
+    normalization: Normalization,
+    *,
+    counted_BL: torch.Tensor | None = None,
+    rows_BL: torch.Tensor | None = None,
+) -> LossWeights:
+    """The weights of `normalization` for the tokens of `loss_mask_BL` (those whose NLL enters
+    the numerator).
+
+    `counted_BL` (default: the loss mask) is what a row's denominator counts: the target tokens
+    of set diffusion, the masked tokens of MDLM/BD3-LM. `per_token`: each counted token weighs 1
+    and the denominator is their number. `per_row`: each token of a row weighs 1 / the row's
+    count, and the denominator is the number of rows; a row with nothing counted adds 0 to the
+    numerator and still counts as a row (the reference: where(count > 0, row / count, 0).mean()).
+    `rows_BL` splits the batch's rows into several (packed records): each token's row index
+    within its batch row, -1 for tokens of no row (padding); rows present are counted.
+    """
+    counted = loss_mask_BL if counted_BL is None else counted_BL
+    if normalization == "per_token":
+        return LossWeights(loss_mask_BL.to(torch.float32), counted.sum())
+    if normalization != "per_row":
+        raise ValueError(f"loss normalization must be 'per_token' or 'per_row', got {normalization!r}")
+    if rows_BL is None:
+        count_B = counted.sum(dim=1, keepdim=True)
+        weight = torch.where(loss_mask_BL & (count_B > 0), 1.0 / count_B.clamp(min=1), 0.0)
+        return LossWeights(weight, torch.tensor(loss_mask_BL.shape[0], device=loss_mask_BL.device))
+    present_BL = rows_BL >= 0
+    index_BL = rows_BL.clamp(min=0).long()  # a row index is below L
+    count_BR = torch.zeros(rows_BL.shape, dtype=torch.long, device=rows_BL.device)
+    count_BR.scatter_add_(1, index_BL, (counted & present_BL).long())
+    rows_BR = torch.zeros(rows_BL.shape, dtype=torch.long, device=rows_BL.device)
+    rows_BR.scatter_add_(1, index_BL, present_BL.long())
+    count_BL = count_BR.gather(1, index_BL)
+    weight = torch.where(loss_mask_BL & present_BL & (count_BL > 0), 1.0 / count_BL.clamp(min=1), 0.0)
+    return LossWeights(weight, (rows_BR > 0).sum())

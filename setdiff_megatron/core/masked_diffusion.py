@@ -271,7 +271,7 @@ def masked_two_stream_batch(batch: MaskedDiffusionBatch, block_size: int | None)
     if batch.document_ids is None:
         groups, documents = block_groups(b, length, block_size or length, batch.x0.device), None
     elif block_size is None:
-        groups, documents = batch.document_ids, None
+        groups, documents = batch.document_ids, batch.document_ids
     else:
         groups, documents = batch.position_ids // block_size, batch.document_ids
     return TwoStreamBatch(

@@ -95,7 +95,7 @@ def _megatron_shard(source: Source, tp: int, dtype: torch.dtype, device: torch.d
     config = source.config
     (chunk,) = build_model_chunks(config, transformer_config_from(config, tp=tp, params_dtype=dtype))
     if source.state_dict is None:
-        load_model_shard(chunk, source.path)
+        load_model_shard(chunk, source.path, ema=source.averaged)
     else:
         chunk.load_state_dict(
             torch_to_megatron(source.state_dict, config, tp_size=tp, tp_rank=model_parallel_ranks()[0])

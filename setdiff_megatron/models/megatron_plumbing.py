@@ -22,6 +22,7 @@ from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from setdiff_megatron.core.loss import LossWeights
 from setdiff_megatron.core.streams import TwoStreamBatch
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.kernels.ring_attention import zigzag_ranks
@@ -185,16 +186,21 @@ def pipeline_seq_length(length: int, streams: int = 2) -> int:
     return streams * length
 
 
+def _cp_ranks(length: int, device: torch.device) -> torch.Tensor | None:
+    """This context-parallel rank's zigzag ranks of a stream of `length`, None without CP."""
+    cp = parallel_state.get_context_parallel_world_size()
+    if cp == 1:
+        return None
+    return zigzag_ranks(length, cp, parallel_state.get_context_parallel_rank(), device=device)
+
+
 def context_parallel_slice(batch: TwoStreamBatch) -> TwoStreamBatch:
     """This context-parallel rank's zigzag chunks of every [b, L] field (megatron's
     get_batch_on_this_cp_rank for two streams); valid_len and document_ids stay whole, since ring
     attention masks every rank's chunks with them."""
-    cp = parallel_state.get_context_parallel_world_size()
-    if cp == 1:
+    rows = _cp_ranks(batch.position_ids.shape[1], batch.position_ids.device)
+    if rows is None:
         return batch
-    rows = zigzag_ranks(
-        batch.position_ids.shape[1], cp, parallel_state.get_context_parallel_rank(), device=batch.position_ids.device
-    )
     per_rank = {
         f.name: t[:, rows]
         for f in fields(batch)
@@ -203,27 +209,44 @@ def context_parallel_slice(batch: TwoStreamBatch) -> TwoStreamBatch:
     return replace(batch, **per_rank)
 
 
-def loss_func(loss_mask: torch.Tensor, nll: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """Megatron's loss-function contract, 3-tuple form: (NLL summed over target tokens, number of
-    target tokens, report). With calculate_per_token_loss the schedule and finalize_model_grads
-    turn it into core/loss.py's per-token mean over the global batch."""
-    # where, not a product: a non-target whose token is MASK itself has an infinite NLL.
-    nll_sum = torch.where(loss_mask, nll, 0.0).sum()
-    num_tokens = loss_mask.sum().to(torch.int)
-    return nll_sum, num_tokens, {"lm loss": torch.stack([nll_sum.detach(), num_tokens.float()])}
+def context_parallel_weights(weights: LossWeights, length: int) -> LossWeights:
+    """This context-parallel rank's share of a whole batch's loss weights: the weights of its
+    zigzag ranks, and the whole denominator on the first CP rank only, so that the sums over CP
+    ranks are the batch's (a row's count spans every CP rank's chunks)."""
+    rows = _cp_ranks(length, weights.weight_BL.device)
+    if rows is None:
+        return weights
+    first = parallel_state.get_context_parallel_rank() == 0
+    return LossWeights(weights.weight_BL[:, rows], weights.denominator if first else weights.denominator * 0)
+
+
+def loss_func(weights: LossWeights, nll: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Megatron's loss-function contract, 3-tuple form: (weighted NLL sum, denominator, report).
+    With calculate_per_token_loss the schedule and finalize_model_grads sum both over micro-batches
+    and ranks and divide the gradients by the denominator: core/loss.py's normalised loss over the
+    whole global batch (per target token, or per row)."""
+    nll_sum = weights.apply(nll).sum()
+    denominator = weights.denominator.to(torch.int)
+    return nll_sum, denominator, {"lm loss": torch.stack([nll_sum.detach(), denominator.float()])}
 
 
 def forward_step(
-    data_iterator: Iterator[TwoStreamBatch], model: torch.nn.Module
+    data_iterator: Iterator[TwoStreamBatch],
+    model: torch.nn.Module,
+    *,
+    weigh: Callable[[TwoStreamBatch], LossWeights],
 ) -> tuple[torch.Tensor, Callable[[torch.Tensor], tuple]]:
-    """Megatron's forward_step(data_iterator, model) -> (output, loss function of the output).
+    """Megatron's forward_step(data_iterator, model) -> (output, loss function of the output),
+    once `weigh` (a batch's loss weights, e.g. training/objective.py's) is bound with partial.
 
     Every pipeline stage draws the whole batch: each one needs the positions (rotary), valid_len
-    and document ids (attention), the first the tokens and the last the targets and loss mask. Under
-    context parallelism each rank keeps its zigzag chunks; the schedule and finalize_model_grads
-    sum the NLL, the target count and the gradients over the CP ranks too.
+    and document ids (attention), the first the tokens and the last the targets and loss weights.
+    Under context parallelism each rank keeps its zigzag chunks, the weights weighed on the whole
+    batch first; the schedule and finalize_model_grads sum the NLL, the denominator and the
+    gradients over the CP ranks too.
     """
-    batch = context_parallel_slice(next(data_iterator))
+    whole = next(data_iterator)
+    batch = context_parallel_slice(whole)
     nll = model(
         batch.clean_tokens,
         batch.query_tokens,
@@ -233,4 +256,4 @@ def forward_step(
         document_ids=batch.document_ids,
         groups=batch.groups,
     )
-    return nll, partial(loss_func, batch.loss_mask)
+    return nll, partial(loss_func, context_parallel_weights(weigh(whole), whole.position_ids.shape[1]))

@@ -12,7 +12,16 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    field_validator,
+)
 
 from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.core.masked_diffusion import masked_decoding_policy
@@ -218,12 +227,23 @@ class TrainSection(Section):
     """Optimizer steps; exactly one of steps and tokens is set."""
     tokens: PositiveInt | None = None
     """Training tokens, converted to steps with the global batch and sequence length."""
-    optimizer: Literal["adamw", "sgd"] = "adamw"
+    optimizer: Literal["adamw", "decoupled_adamw", "sgd"] = "adamw"
+    """'adamw': megatron-core's Adam, whose weights shrink by lr_t x weight_decay a step, norms and
+    biases undecayed; 'decoupled_adamw': composer's DecoupledAdamW (the reference's), whose weights
+    shrink by (lr_t / lr) x weight_decay a step, every parameter decayed (docs/training.md)."""
     lr: PositiveFloat = 3e-4
     min_lr: NonNegativeFloat = 0.0
     betas: tuple[float, float] = (0.9, 0.98)
     eps: PositiveFloat = 1e-8
     weight_decay: NonNegativeFloat = 0.0
+    loss_normalization: Literal["per_token", "per_row"] = "per_token"
+    """'per_token': the global batch's summed NLL over its target tokens (megatron's); 'per_row':
+    each row's NLL over its own target tokens, then the mean over the global batch's rows (the
+    reference's; a packed supervised row counts each record as a row). Validation follows it."""
+    ema_decay: float | None = None
+    """An exponential moving average of the weights, updated after every optimizer step with this
+    decay (the reference's 0.9999), kept in checkpoints and used for validation, sampling and
+    export; None or 0: no average."""
     schedule: Literal["cosine", "constant", "linear", "wsd"] = "cosine"
     warmup_steps: NonNegativeInt = 100
     decay_fraction: float = Field(default=0.2, gt=0.0, le=1.0)
@@ -266,6 +286,17 @@ class TrainSection(Section):
     """At each log step, one line names a rank whose own compute time (forward-backward less its
     waits in the gradient and loss reductions) is this many times the other ranks' median or more; 0
     turns the warning off (the per-rank times are logged regardless)."""
+
+    @field_validator("ema_decay")
+    @classmethod
+    def _ema_decay_in_range(cls, value: float | None) -> float | None:
+        if value is not None and value != 0 and not 0 < value < 1:
+            raise ValueError("the EMA decay must be in (0, 1), e.g. 0.9999; 0 or null turns the EMA off")
+        return value or None
+
+    @property
+    def ema(self) -> bool:
+        return self.ema_decay is not None
 
 
 class CheckpointSection(Section):

@@ -150,6 +150,11 @@ def _deepspeed_rules(r: Recipe, has_gpu: bool, host_memory: int | None, num_para
             "checkpoint could be hashed and published once its files are on disk; set "
             "checkpoint.async_save=false or engine: megatron"
         )
+    if r.train.ema and p.zero_stage == 3:
+        errors.append(
+            "train.ema_decay: the average of the weights is not kept under ZeRO-3 (partitioned parameters); "
+            "use parallel.zero_stage <= 2 or engine: megatron"
+        )
     if p.distributed_optimizer and p.zero_stage == 0:
         errors.append(
             "parallel.distributed_optimizer: with engine deepspeed the optimizer is sharded by "
@@ -310,6 +315,11 @@ def _train_rules(r: Recipe, has_gpu: bool) -> list[str]:
         errors.append(
             f"train.straggler_factor: {t.straggler_factor} would call every run's slowest rank a straggler; "
             "use a factor above 1 (1.5 is the default), or 0 to turn the warning off"
+        )
+    if t.loss_normalization == "per_row" and r.model.num_experts:
+        errors.append(
+            "train.loss_normalization: per_row with a mixture of experts is not supported (the router "
+            "losses are weighted per token); use per_token or a dense model"
         )
     if t.fp8 is not None and r.model.backend != "te":
         errors.append("train.fp8: FP8 needs model.backend: te (Transformer Engine, GPU only)")

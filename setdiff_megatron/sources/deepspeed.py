@@ -3,6 +3,7 @@
 
     step_00000300/deepspeed/   engine.save_checkpoint(tag="deepspeed"): model states and, under
                                ZeRO, each rank's optimizer partition (at stage 3 its weights too)
+    step_00000300/ema.pt       with train.ema_decay: the average of the weights, whole, fp32
 
 `consolidated_state_dict` gives the full fp32 weights of any ZeRO stage under the torch model's
 parameter names: the fp32 master weights under ZeRO 1-3, the model's own weights at stage 0.
@@ -22,6 +23,7 @@ import torch
 
 from setdiff_megatron.checkpoint.manifest import verify
 from setdiff_megatron.checkpoint.names import DEEPSPEED_TAG as TAG
+from setdiff_megatron.checkpoint.names import EMA_FILE
 from setdiff_megatron.checkpoint.state import read_train_state
 from setdiff_megatron.errors import UserError, require
 
@@ -57,15 +59,18 @@ def _bf16_optimizer_weights(ds_dir: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
-def consolidated_state_dict(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
+def consolidated_state_dict(checkpoint_dir: str | Path, *, ema: bool = False) -> dict[str, torch.Tensor]:
     """The full fp32 weights of a DeepSpeed-engine checkpoint (module docstring), in this process,
-    without torch.distributed. Refuses an incomplete checkpoint (sizes against its manifest)."""
+    without torch.distributed; with `ema` the average of the weights it holds (train.ema_decay),
+    which the engine writes whole. Refuses an incomplete checkpoint (sizes against its manifest)."""
     directory = Path(checkpoint_dir)
     problem = verify(directory, checksums=False)
     if problem:
         raise UserError(f"cannot read {directory}: {problem}")
     if not is_deepspeed_checkpoint(directory):
         raise UserError(f"{directory} is not a checkpoint of the deepspeed engine (no {TAG}/ folder in it)")
+    if ema:
+        return torch.load(directory / EMA_FILE, weights_only=True)
     saved = read_train_state(directory).layout
     if saved["zero_stage"] == 0:
         module = torch.load(directory / TAG / "mp_rank_00_model_states.pt", weights_only=True)["module"]

@@ -5,7 +5,8 @@ dist_checkpointing's `torch_dist` format is PyTorch distributed checkpointing (D
 and every model tensor is stored at its global shape: layers stacked on a leading axis, QKV and
 MLP rows in TP=1 order, experts in global order, the vocabulary padded. So `torch_weights`
 reads any layout: a DCP load of the global tensors, renamed into one TP = PP = EP = 1 chunk,
-then `weight_maps.megatron.megatron_to_torch`. Tensor data is read with
+then `weight_maps.megatron.megatron_to_torch`. A checkpoint of a run with train.ema_decay also
+holds the average of the weights, sharded as they are under keys with EMA_PREFIX. Tensor data is read with
 `torch.load(weights_only=True)` by DCP; its `.metadata` file is a pickle, which is why a
 checkpoint's files are checked against its sha256 manifest before anything is read.
 """
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from setdiff_megatron.checkpoint.names import EMA_PREFIX
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.weight_maps.megatron import MEGATRON_LAYER, megatron_to_torch
@@ -33,23 +35,27 @@ _STACKED_EXPERTS = ".mlp.experts.experts."
 """An MoE layer's experts are stored as one tensor per weight, experts first."""
 
 
-def _global_tensors(path: Path) -> dict[str, torch.Tensor]:
+def _global_tensors(path: Path, *, ema: bool) -> dict[str, torch.Tensor]:
     """Every model tensor of a checkpoint at its global shape (optimizer state and TE's
-    `_extra_state` bytes are not read)."""
+    `_extra_state` bytes are not read): the weights, or with `ema` their average where the
+    checkpoint holds one (every parameter), under the weights' keys."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     reader = dcp.FileSystemReader(str(path))
     metadata = reader.read_metadata().state_dict_metadata
-    state = {
-        key: torch.empty(meta.size, dtype=meta.properties.dtype)
+    tensors = {
+        key: meta
         for key, meta in metadata.items()
         if isinstance(meta, TensorStorageMetadata) and "optimizer" not in key.split(".")[:2]
     }
+    averaged = {key.removeprefix(EMA_PREFIX) for key in tensors if key.startswith(EMA_PREFIX)} if ema else set()
+    wanted = [key for key in tensors if (ema if key.startswith(EMA_PREFIX) else key not in averaged)]
+    state = {key: torch.empty(tensors[key].size, dtype=tensors[key].properties.dtype) for key in wanted}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
         dcp.load(state, storage_reader=reader, no_dist=True)
-    return state
+    return {key.removeprefix(EMA_PREFIX): tensor for key, tensor in state.items()}
 
 
 def _local_chunk(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -76,9 +82,10 @@ def _local_chunk(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return renamed
 
 
-def torch_weights(step_dir: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """The torch model's weights of a megatron checkpoint of any layout, in one process."""
-    megatron = _local_chunk(_global_tensors(step_dir))
+def torch_weights(step_dir: Path, config: ModelConfig, *, ema: bool = False) -> dict[str, torch.Tensor]:
+    """The torch model's weights of a megatron checkpoint of any layout, in one process; with `ema`
+    the average of the weights it holds (train.ema_decay), in fp32."""
+    megatron = _local_chunk(_global_tensors(step_dir, ema=ema))
     try:
         return megatron_to_torch(megatron, config, backend="local")
     except (KeyError, ValueError) as exc:

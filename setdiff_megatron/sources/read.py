@@ -2,6 +2,7 @@
 
   megatron   a run directory or step directory of the megatron engine, any TP/PP layout
   deepspeed  a run directory or step directory of the DeepSpeed engine, any ZeRO stage
+             (either engine's: the average of the weights where the run kept one, train.ema_decay)
   setdiff    a Hugging Face export of ours (model_type setdiff)
   llama, qwen2, qwen3, qwen3_moe   a Hugging Face causal LM to adapt (ar_import.py)
   dit        the reference implementation's DiT (dit_import.py): its PyTorchModelHubMixin
@@ -78,6 +79,9 @@ class Source:
     """The model's own decoding policy, where every sampling door starts: its recipe's (runs,
     releases), its generation_config.json (our exports), one token per step (causal LMs); the
     sampler's defaults where nothing records one (a bare DiT)."""
+    averaged: bool = False
+    """The weights are the run's average of them (train.ema_decay), which a checkpoint that holds
+    one gives every reader, as the reference evaluates and releases its EMA."""
 
     @property
     def family(self) -> str:
@@ -115,6 +119,8 @@ class Source:
         extra = f", step {self.step}" if self.step is not None else ""
         if self.layout and self.kind == "megatron":
             extra += f", saved at tp {self.layout.get('tp')} pp {self.layout.get('pp')}"
+        if self.averaged:
+            extra += ", EMA weights"
         return f"{what} {self.path}{extra}"
 
 
@@ -131,11 +137,12 @@ def _read_run(path: Path, weights: bool) -> Source:
         state.model, attention_impl=recipe.model.attention_impl, init_std=recipe.model.init_std
     )
     kind = "deepspeed" if is_deepspeed_checkpoint(step_dir) else "megatron"
+    averaged = state.ema is not None
     state_dict = None
     if weights and kind == "megatron":
-        state_dict = torch_weights(step_dir, config)
+        state_dict = torch_weights(step_dir, config, ema=averaged)
     elif weights:
-        state_dict = consolidated_state_dict(step_dir)
+        state_dict = consolidated_state_dict(step_dir, ema=averaged)
         shapes = torch_shapes(config)
         bad = sorted(set(shapes) ^ set(state_dict)) + [
             k for k in shapes if k in state_dict and tuple(state_dict[k].shape) != shapes[k]
@@ -152,6 +159,7 @@ def _read_run(path: Path, weights: bool) -> Source:
         state.progress.step,
         state.layout,
         decoding=recipe.decoding_policy(),
+        averaged=averaged,
     )
 
 

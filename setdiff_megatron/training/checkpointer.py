@@ -54,6 +54,7 @@ def _write_run_files(
             model=identity,
             tokenizer={"vocab_size": tokenizer.vocab_size, "mask_id": tokenizer.mask_id},
             run_id=run_id,
+            ema=engine.ema_state(),
         ),
     )
     save_resolved_recipe(recipe, tmp)

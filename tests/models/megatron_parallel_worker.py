@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 import warnings
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -21,6 +22,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from setdiff_megatron.core.loss import loss_weights
 from setdiff_megatron.distributed.megatron_cpu import auto_cpu_mode, dist_backend, model_parallel_seed
 from setdiff_megatron.models.megatron_plumbing import (
     build_model_chunks,
@@ -102,7 +104,7 @@ def _train_step(chunks, data) -> tuple[list[float], str]:
     schedule = get_forward_backward_func()
     cp = parallel_state.get_context_parallel_world_size()
     reports = schedule(
-        forward_step_func=forward_step,
+        forward_step_func=partial(forward_step, weigh=lambda b: loss_weights(b.loss_mask, "per_token")),
         data_iterator=[iter(data) for _ in chunks],
         model=chunks,
         num_microbatches=len(data),

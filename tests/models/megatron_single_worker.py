@@ -18,7 +18,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from megatron.core.tensor_parallel import random as mp_random
 
-from setdiff_megatron.core.loss import set_diffusion_loss
+from setdiff_megatron.core.loss import loss_weights, set_diffusion_loss
 from setdiff_megatron.core.streams import TwoStreamBatch
 from setdiff_megatron.distributed import megatron_cpu
 from setdiff_megatron.models.config import DIT_BODY
@@ -121,7 +121,7 @@ def recompute_with_dropout() -> dict:
         nll = model(
             batch.clean_tokens, batch.query_tokens, batch.position_ids, valid_len=batch.valid_len, targets=batch.targets
         )
-        nll_sum, num_tokens, _ = loss_func(batch.loss_mask, nll)
+        nll_sum, num_tokens, _ = loss_func(loss_weights(batch.loss_mask, "per_token"), nll)
         (nll_sum / num_tokens).backward()
         runs[name] = (nll_sum.item() / num_tokens.item(), {n: p.grad for n, p in model.named_parameters()})
     ref_loss, ref_grads = runs.pop("none")
@@ -192,7 +192,9 @@ def torch_parity() -> dict:
             ref_out.with_router_loss(ref.router_loss()).loss.backward()
             kwargs = dict(valid_len=batch.valid_len, document_ids=batch.document_ids, groups=batch.groups)
             logits = model(*args, **kwargs)
-            nll_sum, num_tokens, _ = loss_func(batch.loss_mask, model(*args, targets=batch.targets, **kwargs))
+            nll_sum, num_tokens, _ = loss_func(
+                loss_weights(batch.loss_mask, "per_token"), model(*args, targets=batch.targets, **kwargs)
+            )
             loss = nll_sum / num_tokens
             nll_sum.backward()
             grads = megatron_to_torch({n: p.grad / num_tokens for n, p in model.named_parameters()}, cfg)

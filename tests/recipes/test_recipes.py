@@ -25,6 +25,29 @@ def test_every_shipped_recipe_validates(path):
         assert validate_recipe(recipe) == []
 
 
+REFERENCE_TRAINING = {  # ref-baselines.md §5.1 and the reference's composer configs
+    "gsm8k-qwen3-1.7b.yaml": ((0.9, 0.98), 1e-5),
+    "cnndm-qwen3-shaped.yaml": ((0.9, 0.98), 1e-5),
+    "lm1b.yaml": ((0.9, 0.999), 0.0),
+    "owt-110m.yaml": ((0.9, 0.999), 0.0),
+    "owt-110m-d4.yaml": ((0.9, 0.999), 0.0),
+    "owt-110m-d16.yaml": ((0.9, 0.999), 0.0),
+}
+
+
+@pytest.mark.parametrize("name", REFERENCE_TRAINING)
+def test_paper_recipes_train_with_the_references_semantics(name):
+    """Loss per row, composer's DecoupledAdamW with the reference's betas, eps and weight decay,
+    clipping at 1 and an EMA of 0.9999; the small recipes keep megatron's defaults."""
+    t = load_recipe(TINY.parent / name).train
+    betas, weight_decay = REFERENCE_TRAINING[name]
+    assert (t.loss_normalization, t.optimizer, t.ema_decay) == ("per_row", "decoupled_adamw", 0.9999)
+    assert (t.betas, t.eps, t.weight_decay, t.clip_grad) == (betas, 1e-8, weight_decay, 1.0)
+    for small in ("tiny-cpu.yaml", "tiny-reasoning.yaml", "tiny-moe-cpu.yaml"):
+        t = load_recipe(TINY.parent / small).train
+        assert (t.loss_normalization, t.optimizer, t.ema_decay) == ("per_token", "adamw", None)
+
+
 def test_inheritance_and_overrides_resolve_as_documented(tmp_path, monkeypatch):
     d4 = load_recipe(RECIPES[0].parent / "owt-110m-d4.yaml")
     base = load_recipe(RECIPES[0].parent / "owt-110m.yaml")
@@ -148,6 +171,20 @@ MALFORMED = [
         "checkpoint.async_save: the deepspeed engine saves synchronously",
     ),
     (None, ["data.datasets=[{path: reasoning, format: sft}]"], "data.datasets.0.format: Input should be"),
+    (None, ["train.ema_decay=1.5"], "train.ema_decay: the EMA decay must be in (0, 1), e.g. 0.9999; 0 or null"),
+    (None, ["train.ema_decay=-0.5"], "train.ema_decay: the EMA decay must be in (0, 1)"),
+    (None, ["train.loss_normalization=per_sample"], "train.loss_normalization: Input should be 'per_token' or"),
+    (None, ["train.optimizer=decoupled"], "train.optimizer: Input should be 'adamw', 'decoupled_adamw' or 'sgd'"),
+    (
+        None,
+        ["train.loss_normalization=per_row", "model.num_experts=4"],
+        "train.loss_normalization: per_row with a mixture of experts is not supported",
+    ),
+    (
+        None,
+        ["engine=deepspeed", "parallel.zero_stage=3", "parallel.distributed_optimizer=false", "train.ema_decay=0.9"],
+        "train.ema_decay: the average of the weights is not kept under ZeRO-3",
+    ),
     (None, ["data.tokenizer=/nonexistent/tok"], "data.tokenizer: /nonexistent/tok does not exist"),
     (None, ["checkpoint.resume=/nonexistent/ckpt"], "checkpoint.resume"),
     (None, ["train"], "expected dotted.key=value"),

@@ -49,7 +49,8 @@ class Engine(Protocol):
 
     def forward_backward(self, batches: list[TwoStreamBatch]) -> tuple[float, float]:
         """Gradients of this rank's micro-batches of one global batch; returns the global batch's
-        [NLL sum, target tokens] (the loss is their ratio, megatron's per-token normalisation)."""
+        [weighted NLL sum, denominator]: the loss is their ratio, normalised per target token or
+        per row as train.loss_normalization says (training/objective.py)."""
 
     def optimizer_step(self) -> StepOutcome:
         """Update from the accumulated gradients, unless they are not finite."""
@@ -58,7 +59,8 @@ class Engine(Protocol):
         """Drop this step's gradients without an update; False if the engine updated anyway."""
 
     def evaluate(self, batches: list[TwoStreamBatch]) -> tuple[float, float]:
-        """[NLL sum, target tokens] of these micro-batches over all ranks, without gradients."""
+        """[weighted NLL sum, denominator] of these micro-batches over all ranks, without
+        gradients, normalised as training is; with the EMA's weights when the run keeps one."""
 
     def router_metrics(self) -> dict[str, float | list[float]]:
         """Collective: the last step's MoE routing (training/expert_load.py); empty for dense models."""
@@ -70,8 +72,13 @@ class Engine(Protocol):
 
     def scheduler_state(self) -> dict: ...
 
+    def ema_state(self) -> dict | None:
+        """What train_state.json records of the average of the weights its files hold
+        (training/ema.py), or None: no average (train.ema_decay unset, or no step yet)."""
+
     def save(self, directory: Path) -> None:
-        """Collective: write this rank's engine files (weights, optimizer, RNG) into `directory`."""
+        """Collective: write this rank's engine files (weights, optimizer, RNG, the average of the
+        weights) into `directory`."""
 
     def start_save(self, directory: Path, then: Callable[[], None]) -> None:
         """Collective: start writing this rank's engine files into `directory` in the background
@@ -83,4 +90,5 @@ class Engine(Protocol):
         with `blocking`); True when none is left in flight."""
 
     def load(self, resumed: Resumed) -> None:
-        """Collective: restore weights, optimizer, scheduler and RNG, or refuse with the reason."""
+        """Collective: restore weights, optimizer, scheduler, RNG and the average of the weights,
+        or refuse with the reason."""

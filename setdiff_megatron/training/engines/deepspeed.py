@@ -7,12 +7,15 @@ What it builds, in order:
               train.recompute, optionally torch.compile'd, wrapped by deepspeed.initialize with
               deepspeed_config.py's config (ZeRO stage, optimizer offload, precision,
               accumulation, clipping)
-  step        the micro-batches of one global batch with the loss per target token of the whole
-              global batch (as megatron), one optimizer step, megatron-core's LR scheduler
+  step        the micro-batches of one global batch with the loss of the whole global batch,
+              normalised per target token or per row (as megatron), one optimizer step,
+              megatron-core's LR scheduler
+With train.ema_decay each rank averages its share of the optimizer's fp32 weights after every
+step (training/ema.py); ZeRO-3 is refused there (recipes/validation.py).
 Checkpoints: DeepSpeed's own format under `deepspeed/` (sources/deepspeed.py reads it whole)
-plus each rank's RNG states. DeepSpeed loads partitioned optimizer state only on the ZeRO stage
-and data-parallel size it was saved with, so a resume on another layout is refused; its
-consolidated weights start a new run (`model.init_from`).
+plus each rank's RNG states and the average, whole, in `ema.pt`. DeepSpeed loads partitioned
+optimizer state only on the ZeRO stage and data-parallel size it was saved with, so a resume on
+another layout is refused; its consolidated weights start a new run (`model.init_from`).
 
 Not here: tensor and pipeline parallelism (the megatron engine's), and building a model too big
 for one device under deepspeed.zero.Init: every rank builds the full model, which ZeRO-3 then
@@ -37,9 +40,9 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from setdiff_megatron.checkpoint.names import DEEPSPEED_TAG as TAG
-from setdiff_megatron.checkpoint.names import RNG_FILE
+from setdiff_megatron.checkpoint.names import EMA_FILE, RNG_FILE
 from setdiff_megatron.checkpoint.resolve import Resumed
-from setdiff_megatron.core.loss import set_diffusion_loss
+from setdiff_megatron.core.loss import LossWeights, token_nll
 from setdiff_megatron.core.streams import TwoStreamBatch
 from setdiff_megatron.distributed import runtime
 from setdiff_megatron.distributed.layout import Layout
@@ -48,10 +51,12 @@ from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 from setdiff_megatron.recipes import Recipe
 from setdiff_megatron.training import lr_schedule
+from setdiff_megatron.training.ema import Share, WeightAverage, ema_to_load
 from setdiff_megatron.training.engines.base import StepOutcome
 from setdiff_megatron.training.engines.deepspeed_config import build_optimizer, deepspeed_config
 from setdiff_megatron.training.engines.rng import host_rng_state, set_host_rng_state
 from setdiff_megatron.training.expert_load import ExpertLoad
+from setdiff_megatron.training.objective import Objective
 
 __all__ = ["DeepSpeedEngine", "import_deepspeed", "apply_recompute", "layout_refusal", "LOADABLE_ON"]
 
@@ -126,7 +131,7 @@ class DeepSpeedEngine:
     def __init__(self, recipe: Recipe):
         from deepspeed.accelerator import get_accelerator
 
-        self.recipe = recipe
+        self.recipe, self.objective = recipe, Objective.of(recipe)
         self.deepspeed = import_deepspeed(recipe)
         accelerator = get_accelerator()
         runtime.init_process_group()
@@ -151,6 +156,7 @@ class DeepSpeedEngine:
             model.compile()  # in place: the module, and so its parameter names, stay as they are
         self.model, self.mask_token_id, self.total_steps = model, model_cfg.mask_token_id, total_steps
         self.expert_load = ExpertLoad(model_cfg, self.device) if model_cfg.num_experts else None
+        self.ema = WeightAverage(r.train.ema_decay) if r.train.ema else None
         self._engine = None
 
     def init_from(self, state_dict: dict[str, torch.Tensor], model_cfg: ModelConfig) -> None:
@@ -172,8 +178,9 @@ class DeepSpeedEngine:
 
     # ---- steps -----------------------------------------------------------------------------
 
-    def _nll(self, batch: TwoStreamBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | float]:
-        """NLL sum, target tokens, and the MoE router losses weighted per routed token (0 if dense)."""
+    def _nll(self, batch: TwoStreamBatch, weights: LossWeights) -> tuple[torch.Tensor, torch.Tensor | float]:
+        """Weighted NLL sum (training/objective.py) and the MoE router losses weighted per routed
+        token (0 if dense)."""
         logits = self.engine(
             batch.clean_tokens,
             batch.query_tokens,
@@ -182,30 +189,32 @@ class DeepSpeedEngine:
             batch.document_ids,
             groups=batch.groups,
         )
-        out = set_diffusion_loss(logits, batch.targets, batch.loss_mask, mask_token_id=self.mask_token_id)
+        nll = weights.apply(token_nll(logits, batch.targets, self.mask_token_id))
         if self.expert_load is not None:
             for layer, stats in self.model.router_stats().items():
                 self.expert_load.add(layer, stats.tokens_per_expert, stats.load_balancing_loss, stats.z_loss)
-        return out.nll_sum.sum(), out.num_tokens.sum(), self.model.router_loss()
+        return nll.sum(dim=1).sum(), self.model.router_loss()
 
     def forward_backward(self, batches: list[TwoStreamBatch]) -> tuple[float, float]:
-        """megatron averages the loss over the target tokens of the whole global batch; DeepSpeed
-        divides each micro-batch's loss by the accumulation steps and averages gradients over the
-        data-parallel ranks. So a micro-batch contributes its NLL sum x (micro-batches x dp) / the
-        global batch's target tokens, and the gradient is megatron's."""
+        """megatron divides the loss by the denominator of the whole global batch (its target
+        tokens, or rows); DeepSpeed divides each micro-batch's loss by the accumulation steps and
+        averages gradients over the data-parallel ranks. So a micro-batch contributes its weighted
+        NLL sum x (micro-batches x dp) / the global batch's denominator, and the gradient is
+        megatron's."""
         engine, start = self.engine, time.perf_counter()
-        tokens = _all_sum(sum(b.loss_mask.sum() for b in batches).double().reshape(1).to(engine.device))
+        weights = [self.objective(b) for b in batches]
+        denominator = _all_sum(sum(w.denominator for w in weights).double().reshape(1).to(engine.device))
         self.sync_seconds = time.perf_counter() - start
-        scale = len(batches) * self.dp_size / max(tokens.item(), 1.0)
+        scale = len(batches) * self.dp_size / max(denominator.item(), 1.0)
         local = torch.zeros(2, dtype=torch.float64, device=engine.device)
         if self.expert_load is not None:
             self.expert_load.reset()
-        for i, batch in enumerate(batches):
+        for i, (batch, w) in enumerate(zip(batches, weights)):
             # One accumulation boundary per global batch, whatever DeepSpeed's micro-step count.
             engine.set_gradient_accumulation_boundary(i == len(batches) - 1)
-            nll, count, router_loss = self._nll(batch)
+            nll, router_loss = self._nll(batch, w)
             engine.backward((nll + router_loss) * scale)
-            local += torch.stack([nll.detach().double(), count.double()])
+            local += torch.stack([nll.detach().double(), w.denominator.double()])
         start = time.perf_counter()
         nll, count = _all_sum(local).cpu().tolist()
         self.sync_seconds += time.perf_counter() - start
@@ -233,6 +242,8 @@ class DeepSpeedEngine:
         norm = engine.get_global_grad_norm()  # stage 0 in fp32 does not report it
         norm = None if norm is None else float(norm)
         if engine.was_step_applied():
+            if self.ema is not None:
+                self.ema.update(self._shares())
             self.scheduler.step(increment=1)
             return StepOutcome(applied=True, grad_norm=norm)
         problem = None if self.recipe.train.precision == "fp16" else "the gradients are not finite"
@@ -252,10 +263,12 @@ class DeepSpeedEngine:
         engine = self.engine
         local = torch.zeros(2, dtype=torch.float64, device=engine.device)
         engine.eval()
-        with torch.no_grad():
+        averaged = self.ema.swapped_in(self._shares()) if self.ema and self.ema.started else contextlib.nullcontext()
+        with torch.no_grad(), averaged:
             for batch in batches:
-                nll, count, _ = self._nll(batch)
-                local += torch.stack([nll.double(), count.double()])
+                weights = self.objective(batch)
+                nll, _ = self._nll(batch, weights)
+                local += torch.stack([nll.double(), weights.denominator.double()])
         engine.train()
         nll, count = _all_sum(local).cpu().tolist()
         return nll, count
@@ -284,9 +297,33 @@ class DeepSpeedEngine:
     def scheduler_state(self) -> dict:
         return self.scheduler.state_dict()
 
+    def _shares(self) -> list[Share]:
+        """Each parameter's fp32 weights that the optimizer steps on this rank (training/ema.py):
+        under ZeRO 1-2 its fragment of the rank's flat fp32 partition, which DeepSpeed links to
+        the parameter (`_hp_mapping`, None where the rank holds none of it); at stage 0 the
+        parameter itself."""
+        shares = []
+        for name, p in self.model.named_parameters():
+            if not hasattr(p, "_hp_mapping"):
+                shares.append(Share(name, p, p.shape, p))
+            elif p._hp_mapping is None:
+                shares.append(Share(name, p, p.shape, None, group=p._dp_group))
+            else:
+                fragment = p._hp_mapping
+                start = fragment.lp_fragment_address.start
+                shares.append(Share(name, p, p.shape, fragment.hp_fragment, start, p._dp_group))
+        return shares
+
+    def ema_state(self) -> dict | None:
+        return self.ema.record() if self.ema is not None else None
+
     def save(self, directory: Path) -> None:
         self.engine.save_checkpoint(str(directory), tag=TAG, save_latest=False)
         torch.save(host_rng_state(), directory / RNG_FILE.format(rank=dist.get_rank()))
+        if self.ema_state() is not None:  # whole, fp32, under the torch names: sources/deepspeed.py reads it
+            wholes = {s.name: whole.cpu() for s, whole in self.ema.wholes(self._shares())}
+            if dist.get_rank() == 0:
+                torch.save(wholes, directory / EMA_FILE)
 
     def start_save(self, directory: Path, then) -> None:
         """Refused by recipe validation (recipes/validation.py says why)."""
@@ -308,3 +345,6 @@ class DeepSpeedEngine:
             raise UserError(f"checkpoint.resume: DeepSpeed found no checkpoint in {path / TAG}")
         self.scheduler.load_state_dict(resumed.state.scheduler)
         set_host_rng_state(torch.load(path / RNG_FILE.format(rank=dist.get_rank()), weights_only=True))
+        if ema_to_load(resumed, self.ema):
+            wholes = torch.load(path / EMA_FILE, weights_only=True)
+            self.ema.load(self._shares(), lambda share: wholes[share.name])

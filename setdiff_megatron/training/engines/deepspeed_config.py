@@ -3,9 +3,9 @@ optimizer and the learning-rate schedule.
 
 The update rule is the megatron engine's, so that one recipe trains the same model under both:
 torch's AdamW (or SGD) over megatron-core's parameter groups (no weight decay on 1-D parameters
-and biases), megatron-core's OptimizerParamScheduler with the megatron engine's arguments (the
-same warmup/cosine/linear/constant/WSD numbers; the first step of a warmup runs at LR 0, as
-there), global-norm clipping (DeepSpeed's coefficient is megatron's: clip / (norm + 1e-6)) and
+and biases; one group of every parameter for decoupled_adamw, lr_schedule.py), megatron-core's
+OptimizerParamScheduler with the megatron engine's arguments (the same warmup/cosine/linear/
+constant/WSD numbers; the first step of a warmup runs at LR 0, as there), global-norm clipping (DeepSpeed's coefficient is megatron's: clip / (norm + 1e-6)) and
 fp16 dynamic loss scaling with megatron's defaults. DeepSpeed's own fused optimizers (FusedAdam,
 DeepSpeedCPUAdam) are not used: they need compiled ops and would step differently; with optimizer
 offload, torch's AdamW steps the host-side state.
@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from setdiff_megatron.recipes.schema import Recipe
+from setdiff_megatron.training.lr_schedule import scheduled_weight_decay
 
 __all__ = ["deepspeed_config", "param_groups", "build_optimizer"]
 
@@ -59,9 +60,12 @@ def deepspeed_config(recipe: Recipe, dp_size: int) -> dict:
     return config
 
 
-def param_groups(model: nn.Module) -> list[dict]:
-    """megatron-core's default groups: 1-D parameters (norms) and biases take no weight decay.
-    `wd_mult` is what OptimizerParamScheduler multiplies the weight decay by."""
+def param_groups(model: nn.Module, *, decay_all: bool = False) -> list[dict]:
+    """megatron-core's default groups: 1-D parameters (norms) and biases take no weight decay;
+    with `decay_all` one group of every parameter (composer's DecoupledAdamW). `wd_mult` is what
+    OptimizerParamScheduler multiplies the weight decay by."""
+    if decay_all:
+        return [{"params": list(model.parameters()), "wd_mult": 1.0}]
     no_decay = {n for n, p in model.named_parameters() if p.dim() == 1 or n.endswith(".bias")}
     return [
         {"params": [p for n, p in model.named_parameters() if n not in no_decay], "wd_mult": 1.0},
@@ -70,12 +74,14 @@ def param_groups(model: nn.Module) -> list[dict]:
 
 
 def build_optimizer(recipe: Recipe, model: nn.Module) -> torch.optim.Optimizer:
-    """The optimizer megatron-core builds on its torch path (decoupled weight decay for Adam)."""
+    """The optimizer megatron-core builds on its torch path (decoupled weight decay for Adam), or
+    composer's DecoupledAdamW as lr_schedule.py sets it up."""
     from megatron.core.optimizer import OptimizerConfig
 
     t = recipe.train
-    if t.optimizer == "adamw":
-        return torch.optim.AdamW(param_groups(model), lr=t.lr, weight_decay=t.weight_decay, betas=t.betas, eps=t.eps)
+    if t.optimizer != "sgd":
+        groups = param_groups(model, decay_all=t.optimizer == "decoupled_adamw")
+        return torch.optim.AdamW(groups, lr=t.lr, weight_decay=scheduled_weight_decay(recipe), betas=t.betas, eps=t.eps)
     # OptimizerConfig.sgd_momentum is a dataclass default: megatron's momentum, read from megatron.
     return torch.optim.SGD(
         param_groups(model), lr=t.lr, weight_decay=t.weight_decay, momentum=OptimizerConfig.sgd_momentum

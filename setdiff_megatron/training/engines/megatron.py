@@ -8,27 +8,31 @@ What it builds, in order:
   optimizer   get_megatron_optimizer (distributed optimizer when asked) + megatron-core's LR
               scheduler (lr_schedule.py)
   step        get_forward_backward_func() (1F1B / interleaved) over the micro-batches of one
-              global batch; the update through megatron's own pieces (prepare_grads,
-              get_grad_norm, clipping, step_with_ready_grads) with a finiteness check of the
-              gradient norm before anything is applied, so the NaN policy means what it means
-              under the DeepSpeed engine
+              global batch, the loss normalised by training/objective.py; the update through
+              megatron's own pieces (prepare_grads, get_grad_norm, clipping,
+              step_with_ready_grads) with a finiteness check of the gradient norm before anything
+              is applied, so the NaN policy means what it means under the DeepSpeed engine; then
+              the average of the weights (train.ema_decay) of each rank's main-parameter shards
 Checkpoints: dist_checkpointing shards of model and optimizer (checkpoint/megatron.py; the
 distributed optimizer in megatron's `fully_reshardable` format, so both reshard over TP, PP and
 DP; only switching `parallel.distributed_optimizer` itself restarts the Adam moments, with a
-warning) plus each rank's RNG states, restored on an unchanged layout only.
+warning), the average's shards beside the model's, plus each rank's RNG states, restored on an
+unchanged layout only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from setdiff_megatron.checkpoint.megatron import load_shards, model_sharded_state, save_shards
+from setdiff_megatron.checkpoint.megatron import ema_sharded_state, load_shards, model_sharded_state, save_shards
 from setdiff_megatron.checkpoint.names import RNG_FILE
 from setdiff_megatron.checkpoint.resolve import Resumed
 from setdiff_megatron.distributed import runtime
@@ -40,9 +44,11 @@ from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.dtypes import DTYPES
 from setdiff_megatron.recipes import Recipe
 from setdiff_megatron.training import lr_schedule
+from setdiff_megatron.training.ema import Share, WeightAverage, ema_to_load
 from setdiff_megatron.training.engines.base import StepOutcome
 from setdiff_megatron.training.engines.rng import host_rng_state, set_host_rng_state
 from setdiff_megatron.training.expert_load import ExpertLoad
+from setdiff_megatron.training.objective import Objective
 
 __all__ = ["MegatronEngine", "build_optimizer"]
 
@@ -117,7 +123,9 @@ class MegatronEngine:
         self.model_cfg = model_cfg
         self.chunks = [DistributedDataParallel(config, ddp_config, c) for c in chunks]
         self.optimizer, self.scheduler = build_optimizer(r, self.chunks, total_steps)
-        self._schedule, self._forward_step = get_forward_backward_func(), forward_step
+        self.ema = WeightAverage(t.ema_decay) if t.ema else None
+        self._schedule = get_forward_backward_func()
+        self._forward_step = partial(forward_step, weigh=Objective.of(r))
         self._seq_length = pipeline_seq_length(r.data.seq_len, streams=1 if r.method.family == "mdlm" else 2)
         self.expert_load = watch_routers(chunks, model_cfg, self.device) if model_cfg.num_experts else None
 
@@ -156,8 +164,9 @@ class MegatronEngine:
     # ---- steps -----------------------------------------------------------------------------
 
     def _run(self, batches, *, forward_only: bool) -> tuple[float, float]:
-        """[NLL sum, tokens] of the global batch: only last-stage ranks report, one per DP replica
-        per TP rank, so the all-reduced sum is divided by TP."""
+        """[weighted NLL sum, denominator] of the global batch (training/objective.py): only
+        last-stage ranks report, one per DP replica per TP rank, so the all-reduced sum is divided
+        by TP."""
         from megatron.core import parallel_state
 
         reports = self._schedule(
@@ -218,6 +227,8 @@ class MegatronEngine:
                         use_decoupled_grad=inner.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
                     )
             applied = opt.step_with_ready_grads()
+            if applied and self.ema is not None:
+                self.ema.update(self._shares())
         self.scheduler.step(increment=1)
         return StepOutcome(applied=applied, grad_norm=grad_norm)
 
@@ -227,7 +238,8 @@ class MegatronEngine:
     def evaluate(self, batches) -> tuple[float, float]:
         for c in self.chunks:
             c.eval()
-        with torch.no_grad():
+        averaged = self.ema.swapped_in(self._shares()) if self.ema and self.ema.started else contextlib.nullcontext()
+        with torch.no_grad(), averaged:
             out = self._run(batches, forward_only=True)
         for c in self.chunks:
             c.train()
@@ -247,9 +259,50 @@ class MegatronEngine:
     def _modules(self) -> list:
         return [c.module for c in self.chunks]
 
+    def _shares(self) -> list[Share]:
+        """Each parameter's fp32 main weights on this rank (training/ema.py): under the
+        distributed optimizer this rank's shard of it, in the order of the optimizer's buffers
+        (the same on every data-parallel rank); otherwise the whole main parameter."""
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        names = {p: f"{i}.{n}" for i, c in enumerate(self._modules()) for n, p in c.named_parameters()}
+        shares, sharded = [], set()
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            if not isinstance(opt, DistributedOptimizer):
+                continue
+            for buffer in opt.buffers:
+                for p in buffer.param_index_map:
+                    sharded.add(p)
+                    if p not in opt.model_param_group_index_map:  # no part of it on this rank
+                        shares.append(Share(names[p], p, p.shape, None, group=opt.data_parallel_group))
+                        continue
+                    main = opt._get_main_param_and_optimizer_states(p)["param"]
+                    start = opt._get_model_param_range_map(p)["param"].start
+                    shares.append(Share(names[p], p, p.shape, main, start, opt.data_parallel_group))
+        for p, name in names.items():
+            if p.requires_grad and p not in sharded:
+                main = getattr(p, "main_param", None)  # the fp32 copy of a 16-bit parameter
+                shares.append(Share(name, p, p.shape, p if main is None else main))
+        return shares
+
+    def ema_state(self) -> dict | None:
+        return self.ema.record() if self.ema is not None else None
+
+    def _sharded_state(self, optimizer, *, is_loading: bool = False, ema: bool = False) -> dict:
+        """The model's shards, the optimizer's unless None, and with `ema` the average's: whole
+        per parameter, gathered now (collective) for a save, empty ones to fill for a load."""
+        state = model_sharded_state(self._modules(), optimizer, is_loading=is_loading)
+        if not ema:
+            return state
+        if is_loading:
+            wholes = {id(s.param): torch.empty(s.shape, dtype=torch.float32) for s in self._shares()}
+        else:
+            wholes = {id(s.param): whole for s, whole in self.ema.wholes(self._shares())}
+        return state | ema_sharded_state(state, wholes)
+
     def save(self, directory: Path) -> None:
         _start_results_queue()
-        save_shards(model_sharded_state(self._modules(), self.optimizer), directory)
+        save_shards(self._sharded_state(self.optimizer, ema=self.ema_state() is not None), directory)
         self._save_rng(directory)
 
     def start_save(self, directory: Path, then: Callable[[], None]) -> None:
@@ -263,7 +316,8 @@ class MegatronEngine:
 
         _start_results_queue()
         with blocked():
-            request = save_shards(model_sharded_state(self._modules(), self.optimizer), directory, background=True)
+            state = self._sharded_state(self.optimizer, ema=self.ema_state() is not None)
+            request = save_shards(state, directory, background=True)
             request.add_finalize_fn(then)
             self._save_rng(directory)
             if self._async_saves is None:
@@ -296,15 +350,23 @@ class MegatronEngine:
             )
         else:
             _fill_optimizer_state(self.optimizer)
+        ema = ema_to_load(resumed, self.ema)
         with torch.no_grad():
-            loaded = load_shards(
-                model_sharded_state(self._modules(), self.optimizer if with_optimizer else None, is_loading=True),
-                resumed.path,
-            )
+            state = self._sharded_state(self.optimizer if with_optimizer else None, is_loading=True, ema=ema)
+            # The load replaces the state's entries; which parameter each average is for, before it.
+            averaged = {
+                (i, key): id(state[f"model{i}"][key].data)
+                for i in range(len(self.chunks))
+                for key in state.get(f"ema{i}", {})
+            }
+            loaded = load_shards(state, resumed.path)
             for i, c in enumerate(self.chunks):
                 c.module.load_state_dict(loaded[f"model{i}"])
             if with_optimizer:
                 _load_optimizer(self.optimizer, loaded["optimizer"])
+            if ema:
+                wholes = {param: loaded[f"ema{i}"][key] for (i, key), param in averaged.items()}
+                self.ema.load(self._shares(), lambda share: wholes[id(share.param)])
         if not resumed.state.weights_only:  # an import's schedule is the recipe's, from step 0
             self.scheduler.load_state_dict(resumed.state.scheduler)
         if _same_layout(saved, here):  # other layouts draw fresh streams from the recipe's seed
@@ -342,15 +404,17 @@ def watch_routers(chunks, model_cfg: ModelConfig, device: torch.device) -> Exper
 
 
 def build_optimizer(recipe: Recipe, chunks, total_steps: int):
-    """megatron-core's optimizer over the DDP chunks (distributed when asked) and its LR scheduler."""
+    """megatron-core's optimizer over the DDP chunks (distributed when asked) and its LR scheduler.
+    megatron's param groups leave norms and biases undecayed; decoupled_adamw decays every
+    parameter in one group (composer's), its decay scaled by the LR scheduler (lr_schedule.py)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     t = recipe.train
     opt_config = OptimizerConfig(
-        optimizer="adam" if t.optimizer == "adamw" else "sgd",
+        optimizer="sgd" if t.optimizer == "sgd" else "adam",
         lr=t.lr,
         min_lr=t.min_lr,
-        weight_decay=t.weight_decay,
+        weight_decay=lr_schedule.scheduled_weight_decay(recipe),
         adam_beta1=t.betas[0],
         adam_beta2=t.betas[1],
         adam_eps=t.eps,
@@ -360,7 +424,8 @@ def build_optimizer(recipe: Recipe, chunks, total_steps: int):
         params_dtype=DTYPES[t.precision],
         use_distributed_optimizer=recipe.parallel.distributed_optimizer,
     )
-    optimizer = get_megatron_optimizer(opt_config, chunks)
+    # An empty override table puts every parameter in the default (decayed) group.
+    optimizer = get_megatron_optimizer(opt_config, chunks, {} if t.optimizer == "decoupled_adamw" else None)
     return optimizer, lr_schedule.build_lr_scheduler(recipe, optimizer, total_steps)
 
 

@@ -43,8 +43,19 @@ RUNS = [
     ("stage2_offload", ["parallel.zero_stage=2", "parallel.offload_optimizer=true"]),
     ("stage1_bf16", ["parallel.zero_stage=1", "train.precision=bf16"]),
 ]
+# The reference's training semantics (per-row loss, composer's DecoupledAdamW, an average of the
+# weights), against reference_semantics below, at stage 0 and at ZeRO-2 (also resumed).
+REFERENCE_SEMANTICS = [
+    "train.loss_normalization=per_row",
+    "train.optimizer=decoupled_adamw",
+    f"train.ema_decay={(EMA_DECAY := 0.9)}",
+]
+SEMANTICS_RUNS = [
+    ("stage0_reference", ["parallel.zero_stage=0", *REFERENCE_SEMANTICS]),
+    ("stage2_reference", ["parallel.zero_stage=2", *REFERENCE_SEMANTICS]),
+]
 # Runs that also continue from their checkpoint in a new engine, for MORE_STEPS steps.
-RESUMED = ("stage2_offload", "stage3")
+RESUMED = ("stage2_offload", "stage3", "stage2_reference")
 MORE_STEPS = 2
 
 
@@ -73,6 +84,7 @@ def save(recipe, engine: DeepSpeedEngine, step: int) -> Path:
                     model={},
                     run_id="worker",
                     tokenizer={"vocab_size": 64, "mask_id": 63},
+                    ema=engine.ema_state(),
                 ),
             )
             StubTokenizer().save(tmp / TOKENIZER_DIR)
@@ -128,6 +140,46 @@ def reference_losses(recipe, cfg, data) -> list[float]:
     return losses
 
 
+def reference_semantics(recipe, cfg, data) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, whole global batches, the reference's semantics written out independently:
+    its per-row loss (tests/core), clipping, composer's DecoupledAdamW update (the LR of each step
+    from the recipe's schedule) and composer's EMA (the first step's weights, then decay x average
+    + (1 - decay) x weights). The losses and the final average."""
+    from tests.core.test_streams_and_loss import _reference_per_row_loss
+    from tests.training.test_training_semantics import composer_step
+
+    torch.manual_seed(recipe.train.seed)  # the engine's initial weights
+    model = SetDiffusionTransformer(cfg)
+    lr_of = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=recipe.train.lr)
+    schedule = build_lr_scheduler(recipe, lr_of, STEPS)
+    t, state, losses, average = recipe.train, {}, [], None
+    for step in range(STEPS):
+        micro = data[step * NUM_MICROBATCHES : (step + 1) * NUM_MICROBATCHES]
+        rows = sum(b.loss_mask.shape[0] for b in micro)
+        loss = 0.0
+        for b in micro:
+            logits = model(b.clean_tokens, b.query_tokens, b.position_ids, b.valid_len, b.document_ids)
+            share = _reference_per_row_loss(logits, b, cfg.mask_token_id) * b.loss_mask.shape[0] / rows
+            share.backward()
+            loss += share.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t.clip_grad)
+        params = dict(model.named_parameters())
+        grads = {n: p.grad for n, p in params.items()}
+        with torch.no_grad():
+            lr = lr_of.param_groups[0]["lr"]
+            composer_step(
+                params, grads, state, lr=lr, initial_lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay
+            )
+        model.zero_grad()
+        schedule.step(increment=1)
+        weights = {n: p.detach().clone() for n, p in params.items()}
+        average = (
+            weights if average is None else {n: average[n] * EMA_DECAY + weights[n] * (1 - EMA_DECAY) for n in weights}
+        )
+        losses.append(loss)
+    return losses, average
+
+
 def full_fp32(engine: DeepSpeedEngine) -> dict[str, torch.Tensor]:
     """Collective: the live fp32 weights (ZeRO's master copies, gathered), by parameter name."""
     ds = engine.engine
@@ -154,7 +206,14 @@ def start(recipe, cfg) -> DeepSpeedEngine:
     return engine
 
 
-def run(name: str, overrides: list[str], cfg, data, out_dir: Path) -> dict:
+def averages(engine: DeepSpeedEngine) -> dict[str, torch.Tensor]:
+    """Collective: the engine's whole average of each weight."""
+    return {s.name: whole.clone() for s, whole in engine.ema.wholes(engine._shares())}
+
+
+def run(name: str, overrides: list[str], cfg, data, out_dir: Path, reference=None) -> dict:
+    """`reference`: (losses, average) of reference_semantics, whose final average the checkpoint's
+    is compared with."""
     start_time = time.perf_counter()
     recipe = recipe_for(out_dir / name, overrides)
     engine = start(recipe, cfg)
@@ -166,12 +225,24 @@ def run(name: str, overrides: list[str], cfg, data, out_dir: Path) -> dict:
         result["keys_match"] = sorted(saved) == sorted(live)
         result["consolidated_diff"] = max((saved[k] - live[k]).abs().max().item() for k in live)
         result["dtypes"] = sorted({str(v.dtype) for v in saved.values()})
+        if reference is not None:
+            average = consolidated_state_dict(checkpoint, ema=True)
+            result["ema_recorded"] = read_train_state(checkpoint).ema
+            result["ema_keys_match"] = sorted(average) == sorted(live)
+            result["ema_diff"] = max((average[k] - reference[1][k]).abs().max().item() for k in live)
+            result["ema_not_weights"] = max((average[k] - live[k]).abs().max().item() for k in live)
     if name in RESUMED:
         more = range(STEPS, STEPS + MORE_STEPS)
         result["continued"] = train(engine, data, more)
+        continued = averages(engine) if engine.ema is not None else {}
         engine = start(recipe, cfg)  # train.seed's weights again
         engine.load(Resumed(checkpoint, read_train_state(checkpoint)))
         result["resumed"] = train(engine, data, more)
+        resumed = averages(engine) if engine.ema is not None else {}
+        if continued:
+            result["ema_resumed_bitwise"] = sorted(continued) == sorted(resumed) and all(
+                torch.equal(continued[k], resumed[k]) for k in continued
+            )
     result["seconds"] = time.perf_counter() - start_time
     return result
 
@@ -184,6 +255,11 @@ def main(out: Path) -> None:
     results = {"reference": reference_losses(recipe, cfg, data) if dist.get_rank() == 0 else None}
     for name, overrides in RUNS:
         results[name] = run(name, overrides, cfg, data, out.parent)
+    first = dist.get_rank() == 0
+    reference = reference_semantics(recipe_for(out.parent, REFERENCE_SEMANTICS), cfg, data) if first else None
+    results["semantics_reference"] = reference[0] if first else None
+    for name, overrides in SEMANTICS_RUNS:
+        results[name] = run(name, overrides, cfg, data, out.parent, reference)
     # Supervised records, two packed in a row (per-record positions and document ids), at ZeRO-2.
     records = batches(cfg, count=STEPS * NUM_MICROBATCHES, records=True)
     results["records_reference"] = reference_losses(recipe, cfg, records) if dist.get_rank() == 0 else None

@@ -25,7 +25,7 @@ from setdiff_megatron.recipes import load_recipe
 from setdiff_megatron.training.lr_schedule import build_lr_scheduler
 from tests.models.megatron_cases import ROOT, run_worker
 from tests.training.engines.deepspeed_megatron_worker import SCHEDULE_STEPS, SCHEDULES
-from tests.training.engines.deepspeed_zero_worker import RESUMED
+from tests.training.engines.deepspeed_zero_worker import RESUMED, SEMANTICS_RUNS
 
 pytest.importorskip("deepspeed", reason="the deepspeed extra: pip install -e .[deepspeed]")
 
@@ -88,12 +88,9 @@ def zero_results(tmp_path_factory) -> dict:
     )
 
 
-@pytest.fixture(scope="module")
-def megatron_results(tmp_path_factory, data_cache, straight) -> dict:
-    """The megatron engine's losses from the DeepSpeed engine's start (after `straight`, which
-    prepares the corpus)."""
-    out = tmp_path_factory.mktemp("megatron") / "megatron.json"
-    overrides = [f"checkpoint.dir={out.parent}", f"data.cache_dir={data_cache}", *BASE]
+def megatron_worker(out: Path, data_cache: Path, *overrides: str) -> dict:
+    """What deepspeed_megatron_worker.py reports of the megatron engine trained from the DeepSpeed
+    engine's start on the recipe with `overrides` (the corpus prepared already)."""
     cmd = [
         sys.executable,
         "-m",
@@ -103,6 +100,9 @@ def megatron_results(tmp_path_factory, data_cache, straight) -> dict:
         "-m",
         "tests.training.engines.deepspeed_megatron_worker",
         str(out),
+        f"checkpoint.dir={out.parent}",
+        f"data.cache_dir={data_cache}",
+        *BASE,
         *overrides,
     ]
     proc = subprocess.run(
@@ -110,6 +110,31 @@ def megatron_results(tmp_path_factory, data_cache, straight) -> dict:
     )
     assert proc.returncode == 0 and out.exists(), proc.stderr[-6000:]
     return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def megatron_results(tmp_path_factory, data_cache, straight) -> dict:
+    """The megatron engine's losses from the DeepSpeed engine's start (after `straight`, which
+    prepares the corpus)."""
+    return megatron_worker(tmp_path_factory.mktemp("megatron") / "megatron.json", data_cache)
+
+
+# The reference's training semantics, with a weight decay and an average that show.
+SEMANTICS = (
+    "train.loss_normalization=per_row",
+    "train.optimizer=decoupled_adamw",
+    "train.weight_decay=0.05",
+    "train.ema_decay=0.5",
+)
+
+
+@pytest.fixture(scope="module")
+def both_engines_with_the_references_semantics(tmp_path_factory, data_cache, straight) -> tuple[Path, dict]:
+    """(the DeepSpeed run's directory, the megatron worker's results), both with SEMANTICS."""
+    run_dir = tmp_path_factory.mktemp("deepspeed") / "semantics"
+    out = subprocess.run(command(run_dir, data_cache, *SEMANTICS), capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return run_dir, megatron_worker(tmp_path_factory.mktemp("megatron") / "semantics.json", data_cache, *SEMANTICS)
 
 
 @pytest.mark.multiproc
@@ -147,8 +172,24 @@ def test_checkpoint_consolidates_to_the_live_fp32_weights(zero_results, run, opt
 @pytest.mark.multiproc
 @pytest.mark.parametrize("run", RESUMED)
 def test_resume_into_a_new_engine_is_exact(zero_results, run):
-    """Two more steps from the step-5 checkpoint in a new engine equal two more steps in the old one."""
+    """Two more steps from the step-5 checkpoint in a new engine equal two more steps in the old
+    one, and so does the average of the weights where the run keeps one."""
     assert zero_results[run]["resumed"] == zero_results[run]["continued"]
+    keeps_one = run in dict(SEMANTICS_RUNS)
+    assert zero_results[run].get("ema_resumed_bitwise") is (True if keeps_one else None)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("run", [name for name, _ in SEMANTICS_RUNS])
+def test_reference_semantics_train_as_the_reference_does(zero_results, run):
+    """Per-row loss, composer's DecoupledAdamW and an EMA of the weights (0.9) on 2 ranks equal the
+    reference's rules written out in one process on whole global batches; the checkpoint holds the
+    average whole (ema.pt), which the reader returns."""
+    got, expected = zero_results[run]["losses"], zero_results["semantics_reference"]
+    assert len(got) == STEPS and max(abs(a - b) for a, b in zip(got, expected)) <= 1e-6, (got, expected)
+    result = zero_results[run]
+    assert result["ema_recorded"] == {"decay": 0.9} and result["ema_keys_match"]
+    assert result["ema_diff"] <= 1e-6 < 1e-4 <= result["ema_not_weights"], result
 
 
 @pytest.mark.multiproc
@@ -178,28 +219,27 @@ def test_moe_losses_match_the_megatron_engine_at_ep2(tmp_path, data_cache):
     out = subprocess.run(command(run_dir, data_cache, *MOE), capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     got = [v for _, v in losses(run_dir)]
-    megatron = tmp_path / "megatron.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "-m",
-        "tests.training.engines.deepspeed_megatron_worker",
-        str(megatron),
-        f"checkpoint.dir={tmp_path / 'm'}",
-        f"data.cache_dir={data_cache}",
-        *BASE,
-        *MOE,
-        "parallel.ep=2",
-    ]
-    proc = subprocess.run(
-        cmd, cwd=ROOT, env={**os.environ, "PYTHONWARNINGS": "ignore"}, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0 and megatron.exists(), proc.stderr[-6000:]
-    expected = json.loads(megatron.read_text())["losses"]
+    (tmp_path / "m").mkdir()
+    expected = megatron_worker(tmp_path / "m" / "megatron.json", data_cache, *MOE, "parallel.ep=2")["losses"]
     assert len(got) == STEPS and max(abs(a - b) for a, b in zip(got, expected)) <= 1e-5, (got, expected)
+
+
+@pytest.mark.multiproc
+def test_the_references_semantics_mean_the_same_in_both_engines(both_engines_with_the_references_semantics):
+    """Per-row loss, DecoupledAdamW and the EMA (validation at the last step runs on it) under
+    both engines at DP=2 from the same start: the same losses, and the same validation loss."""
+    run_dir, megatron = both_engines_with_the_references_semantics
+    got = [loss for _, loss in losses(run_dir)]
+    assert len(got) == STEPS and max(abs(a - b) for a, b in zip(got, megatron["losses"])) <= 2e-6, (got, megatron)
+    assert losses(run_dir, "valid/loss")[-1] == (STEPS, pytest.approx(megatron["valid"], abs=2e-6))
+
+
+@pytest.mark.multiproc
+def test_megatron_decoupled_adamw_steps_are_composers(megatron_results):
+    """train.optimizer=decoupled_adamw under megatron's distributed optimizer at DP=2: every
+    parameter decayed by (lr_t / lr) x weight_decay, then Adam (the single-process check of the same
+    rule: tests/training/test_training_semantics.py)."""
+    assert megatron_results["decoupled_worst"] <= 1e-7
 
 
 @pytest.mark.multiproc

@@ -1,0 +1,136 @@
+"""An exponential moving average of the weights (train.ema_decay), as the reference keeps one.
+
+The reference's trainer (composer's EMA algorithm) copies the weights after the first optimizer
+step and then, after every step, sets average = decay x average + (1 - decay) x weights: no
+warm-up, no bias correction. Its evaluations run on the average, and its releases are the average.
+
+Each rank averages the fp32 weights its optimizer updates (the main parameters): a whole tensor
+per parameter, or, under megatron's distributed optimizer and ZeRO, this rank's shard of the
+flattened parameter. So the average is split as the optimizer state is: over tensor and pipeline
+ranks with the weights, and over data-parallel ranks with the optimizer when that is sharded.
+A parameter's whole average (for a checkpoint, or for evaluation) is gathered on demand: every
+rank of the shard group writes its part into zeros and the group sums them, which is exact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from setdiff_megatron.checkpoint.resolve import Resumed
+from setdiff_megatron.log import say
+
+__all__ = ["Share", "WeightAverage", "ema_to_load"]
+
+
+@dataclass(frozen=True)
+class Share:
+    """One parameter's part of the optimizer's fp32 weights on this rank."""
+
+    name: str
+    """A key that names the parameter alike on every rank and at every step."""
+    param: torch.nn.Parameter
+    """The model's parameter, which evaluation overwrites with the average."""
+    shape: torch.Size
+    """The parameter's shape on this rank (its tensor- and pipeline-parallel part)."""
+    main: torch.Tensor | None
+    """The fp32 values the optimizer steps: the whole parameter, or a 1-D shard of the flattened
+    parameter; None when this rank holds none of it."""
+    start: int = 0
+    """Where `main` begins in the flattened parameter."""
+    group: dist.ProcessGroup | None = None
+    """The ranks whose shares make the whole parameter; None: `main` is all of it."""
+
+    @property
+    def size(self) -> int:
+        """How many of `main`'s values are the parameter's (a ZeRO-3 shard may end in padding)."""
+        if self.main is None:
+            return 0
+        return max(0, min(self.main.numel(), self.shape.numel() - self.start))
+
+
+class WeightAverage:
+    """The average of this rank's shares, keyed by share name; empty until the first update."""
+
+    def __init__(self, decay: float):
+        self.decay = decay
+        self.averages: dict[str, torch.Tensor] = {}
+        self.started = False
+        """Whether a step (or a checkpoint) has given it weights."""
+
+    @torch.no_grad()
+    def update(self, shares: list[Share]) -> None:
+        """After an optimizer step: the first copies the weights, each later one averages them in
+        with composer's expression (in fp32)."""
+        if not self.started:
+            self.averages = {s.name: s.main.detach().float().clone() for s in shares if s.main is not None}
+            self.started = True
+            return
+        for s in shares:
+            if s.main is not None:
+                average = self.averages[s.name]
+                average.copy_(average * self.decay + s.main * (1.0 - self.decay))
+
+    @torch.no_grad()
+    def whole(self, share: Share) -> torch.Tensor:
+        """The parameter's whole average in fp32, at its shape; collective over `share.group`."""
+        if share.group is None:
+            return self.averages[share.name].view(share.shape)
+        device = share.param.device
+        whole = torch.zeros(share.shape.numel(), dtype=torch.float32, device=device)
+        if share.size:
+            whole[share.start : share.start + share.size] = self.averages[share.name][: share.size]
+        dist.all_reduce(whole, group=share.group)
+        return whole.view(share.shape)
+
+    def wholes(self, shares: list[Share]) -> Iterator[tuple[Share, torch.Tensor]]:
+        """Each share with its whole average, in order (every rank of a group in the same order)."""
+        for share in shares:
+            yield share, self.whole(share)
+
+    @torch.no_grad()
+    def load(self, shares: list[Share], whole: Callable[[Share], torch.Tensor]) -> None:
+        """Take this rank's part of each parameter's whole average (`whole`, from a checkpoint)."""
+        averages = {}
+        for s in shares:
+            if s.main is None:
+                continue
+            part = torch.zeros_like(s.main, dtype=torch.float32)
+            part[: s.size] = whole(s).to(part.device).flatten()[s.start : s.start + s.size]
+            averages[s.name] = part
+        self.averages, self.started = averages, True
+
+    @contextlib.contextmanager
+    def swapped_in(self, shares: list[Share]) -> Iterator[None]:
+        """The model's parameters hold the average (in their dtype) inside, their own values after
+        (collective: evaluation on every rank)."""
+        kept = []
+        with torch.no_grad():
+            for share, whole in self.wholes(shares):
+                kept.append(share.param.detach().clone())
+                share.param.copy_(whole)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for share, own in zip(shares, kept):
+                    share.param.copy_(own)
+
+    def record(self) -> dict | None:
+        """What train_state.json says of it: the decay, or None before the first update."""
+        return {"decay": self.decay} if self.started else None
+
+
+def ema_to_load(resumed: Resumed, ema: WeightAverage | None) -> bool:
+    """Whether a resume loads the checkpoint's average of the weights (into `ema`, the recipe's);
+    says so when the recipe and the checkpoint disagree on keeping one."""
+    saved = resumed.state.ema is not None
+    if saved and ema is None:
+        say(f"setdiff: {resumed.path} holds an EMA of the weights; train.ema_decay is unset, so it is not kept")
+    elif ema is not None and not saved:
+        say(f"setdiff: {resumed.path} holds no EMA of the weights; it starts from the weights after the next step")
+    return saved and ema is not None

@@ -1,0 +1,42 @@
+"""The training objective's normalisation, read from a recipe once for both engines.
+
+`train.loss_normalization` names how the token NLLs of a global batch become its loss
+(core/loss.py's `loss_weights`): per target token (megatron's), or per row (the reference's mean
+over rows of each row's mean). What a row is follows the data: a padded supervised row or a
+pretraining window is one row (the reference's rows are both); a packed supervised row holds
+several records, and each counts as a row, so a packed run optimises what the same records
+padded one per row would (core/orders.py scores a packed record exactly as its padded row).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from setdiff_megatron.core.loss import LossWeights, Normalization, loss_weights
+from setdiff_megatron.core.streams import TwoStreamBatch
+from setdiff_megatron.recipes.schema import Recipe
+from setdiff_megatron.runs.terms import is_supervised
+
+__all__ = ["Objective"]
+
+
+@dataclass(frozen=True)
+class Objective:
+    normalization: Normalization = "per_token"
+    per_record: bool = False
+    """Rows pack supervised records, and each record is a row of the per-row mean."""
+
+    @classmethod
+    def of(cls, recipe: Recipe) -> Objective:
+        packed = is_supervised(recipe) and recipe.data.supervised.layout == "packed"
+        return cls(recipe.train.loss_normalization, packed)
+
+    def __call__(self, batch: TwoStreamBatch) -> LossWeights:
+        """The loss weights of one micro-batch."""
+        rows = None
+        if self.normalization == "per_row" and self.per_record:
+            ranks = torch.arange(batch.loss_mask.shape[1], device=batch.loss_mask.device)
+            rows = torch.where(ranks[None] < batch.valid_len[:, None], batch.document_ids, -1)
+        return loss_weights(batch.loss_mask, self.normalization, rows_BL=rows)
