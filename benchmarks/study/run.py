@@ -19,10 +19,10 @@ from benchmarks.study.plan import Model
 from setdiff_megatron.checkpoint.manifest import verify
 from setdiff_megatron.checkpoint.names import CHECKPOINTS, find_checkpoints
 from setdiff_megatron.core.decoding import DecodingConfig
+from setdiff_megatron.data.answers import gsm8k_answer
 from setdiff_megatron.data.reasoning import TRAIN_LEVELS, ReasoningCorpus, prepare_reasoning_corpus
 from setdiff_megatron.evaluation.infilling import InfillJob, run_infill_job
 from setdiff_megatron.evaluation.likelihood import LikelihoodJob, run_likelihood_job
-from setdiff_megatron.evaluation.scoring import gsm8k_answer
 from setdiff_megatron.evaluation.sweep import run_sweep
 from setdiff_megatron.inference.sharding import Placement
 from setdiff_megatron.recipes import load_recipe

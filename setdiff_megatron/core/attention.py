@@ -52,21 +52,33 @@ def set_causal_mask(length: int, device: torch.device | str | None = None) -> to
     return torch.cat([clean_rows, query_rows], dim=0)
 
 
-def grouped_mask(groups_BL: torch.Tensor, streams: int = 2, documents_BL: torch.Tensor | None = None) -> torch.Tensor:
+def grouped_mask(
+    groups_BL: torch.Tensor, streams: int = 2, documents_BL: torch.Tensor | None = None, within: str = "group"
+) -> torch.Tensor:
     """[B, streams * L, streams * L] boolean mask of set-causal attention over GROUPS of ranks
     (True = may attend): ranks that share a group are decided together, as one set. Clean rank i
     sees the clean ranks of its own and earlier groups; query rank i sees the clean ranks of
     earlier groups and the queries of its own group. With one rank per group this is
     `set_causal_mask`; with the blocks of BD3-LM it is the block-diffusion mask over x0 (+) xt;
     with one stream (queries only) and one group it is MDLM's bidirectional attention. With
-    `documents_BL` no rank sees another document's (packed records)."""
+    `documents_BL` no rank sees another document's (packed records).
+
+    `within="rank"` is a set sampler's steps instead (a decoded trajectory replayed,
+    core/trajectory.py): inside a group, clean ranks see the ones before them (commits are causal
+    among themselves) and a query sees only itself; across groups as above."""
     g_i, g_j = groups_BL[:, :, None], groups_BL[:, None, :]
     same = g_i == g_j
-    if streams == 1:
-        mask = same
+    if within == "rank":
+        rank = torch.arange(groups_BL.shape[1], device=groups_BL.device)
+        own = (rank[:, None] == rank[None, :]).expand_as(same)
+        clean_see, query_see = rank[:, None] >= rank[None, :], own
     else:
-        clean_rows = torch.cat([g_i >= g_j, torch.zeros_like(same)], dim=2)
-        query_rows = torch.cat([g_i > g_j, same], dim=2)
+        clean_see, query_see = g_i >= g_j, same
+    if streams == 1:
+        mask = query_see.expand_as(same)
+    else:
+        clean_rows = torch.cat([clean_see.expand_as(same), torch.zeros_like(same)], dim=2)
+        query_rows = torch.cat([g_i > g_j, query_see.expand_as(same)], dim=2)
         mask = torch.cat([clean_rows, query_rows], dim=1)
     if documents_BL is not None:
         docs = documents_BL.repeat(1, streams)
@@ -83,11 +95,12 @@ def grouped_attention(
     valid_len: torch.Tensor | None = None,
     scale: float | None = None,
     document_ids: torch.Tensor | None = None,
+    within: str = "group",
 ) -> torch.Tensor:
     """`grouped_mask` attention through SDPA (its memory-efficient kernel on GPUs): k/v hold one
     stream or two ([clean ; query], 2L tokens), q all of their rows or the query rows only; ranks
     at or beyond `valid_len` are padding (zero outputs, hidden as keys). groups (and
-    document_ids, which keep packed records apart) [B, L]."""
+    document_ids, which keep packed records apart) [B, L]; `within` as `grouped_mask`."""
     b, _, rows, _ = q.shape
     length = groups.shape[1]
     streams = k.shape[2] // length
@@ -96,7 +109,7 @@ def grouped_attention(
             f"groups [B, L={length}] must describe one or two streams of keys ({k.shape[2]} tokens) and "
             f"the rows of q ({rows})"
         )
-    allowed = grouped_mask(groups, streams, document_ids)[:, -rows:]
+    allowed = grouped_mask(groups, streams, document_ids, within)[:, -rows:]
     if valid_len is not None:
         real = (torch.arange(length, device=q.device)[None, :] < valid_len[:, None]).repeat(1, streams)
         allowed = torch.where(real[:, -rows:, None], allowed & real[:, None, :], True)  # padding rows: any key

@@ -55,9 +55,10 @@ def commit_decided(
     policy: RowPolicy,
     generators: list[torch.Generator | None],
     mask_token_id: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Choose this step's sets, write them to the canvas and queue them for the next forward.
-    Returns which query slots decoded [B, Q] and their tokens [B, Q]."""
+    Returns which query slots decoded [B, Q], their tokens and confidences [B, Q] (each token's
+    probability under the step's processed logits)."""
     b = batch
     scratch = b.scratch
     processed = process_logits(logits, b.canvas[:, :scratch], policy, mask_token_id)
@@ -73,4 +74,4 @@ def commit_decided(
     if policy.uses("stops"):
         b.stop_end = torch.minimum(b.stop_end, stop_ends(b.canvas, policy.stops, b.query_pos, new, b.tail_start))
         b.todo &= torch.arange(scratch + 1, device=b.todo.device) <= b.stop_end[:, None]
-    return new, tok
+    return new, tok, conf

@@ -316,7 +316,8 @@ class MaskedDiffusionSampler:
         )
         token, confidence = choose_tokens(processed, policy, [r.generator for r in rows], [width] * len(rows))
         chosen = select_queries(confidence, todo, policy)
-        for r, picks, tok, open_ in zip(rows, chosen.tolist(), token.tolist(), todo.tolist()):
+        logp = confidence.double().log().tolist()
+        for r, picks, tok, open_, lp in zip(rows, chosen.tolist(), token.tolist(), todo.tolist(), logp):
             start, end = r.block
             new = [(start + j, tok[j]) for j in range(end - start) if picks[j]]
             for p, t in new:
@@ -324,7 +325,13 @@ class MaskedDiffusionSampler:
             r.decoded += len(new)
             r.steps += 1
             if r.trace is not None:
-                r.trace.append(StepTrace(queried=[start + j for j in range(end - start) if open_[j]], decoded=new))
+                r.trace.append(
+                    StepTrace(
+                        queried=[start + j for j in range(end - start) if open_[j]],
+                        decoded=new,
+                        logprobs=[lp[j] for j in range(end - start) if picks[j]],
+                    )
+                )
             if self.mask_token_id not in r.canvas[start:end]:
                 self._block_done(r)
 

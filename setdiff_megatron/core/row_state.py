@@ -76,13 +76,18 @@ def record_traces(
     query_valid: torch.Tensor,
     new: torch.Tensor,
     tok: torch.Tensor,
+    conf: torch.Tensor,
     prefilling: list[bool],
 ) -> None:
-    """Append this step's queries and decoded tokens to the trace of every row that decoded."""
+    """Append this step's queries, decoded tokens and their log-probabilities to the trace of
+    every row that decoded."""
+    logp = conf.double().log().tolist()
     for i, (qp, qv, nw, tk) in enumerate(zip(query_pos.tolist(), query_valid.tolist(), new.tolist(), tok.tolist())):
         if not prefilling[i]:
             rows[i].trace.append(
                 StepTrace(
-                    queried=[p for p, v in zip(qp, qv) if v], decoded=[(p, t) for p, n, t in zip(qp, nw, tk) if n]
+                    queried=[p for p, v in zip(qp, qv) if v],
+                    decoded=[(p, t) for p, n, t in zip(qp, nw, tk) if n],
+                    logprobs=[lp for n, lp in zip(nw, logp[i]) if n],
                 )
             )

@@ -266,13 +266,15 @@ class SetSampler:
         self.cache = cache  # the first compiled step of a bucket may have re-allocated it
         self.metrics.forward_s += time.perf_counter() - t_model
         self.metrics.forwards += 1
-        new, tok = commit_decided(b, logits, query_valid, queries, self.policy, self.generators, self.mask_token_id)
+        new, tok, conf = commit_decided(
+            b, logits, query_valid, queries, self.policy, self.generators, self.mask_token_id
+        )
         for i, r in enumerate(self.rows):
             if prefilling[i]:
                 continue
             r.steps += 1
         if self.trace:
-            record_traces(self.rows, b.query_pos, query_valid, new, tok, prefilling)
+            record_traces(self.rows, b.query_pos, query_valid, new, tok, conf, prefilling)
         b.query_pos, b.query_valid = window_queries(b.todo, self.policy)
         # The one sync of the step: the next step's sizes, who finished, and each row's decided prefix.
         (num_commit, num_query, max_len), self._num_commits, queries_of, self._firsts = b.sync(

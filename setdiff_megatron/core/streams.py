@@ -46,6 +46,9 @@ class TwoStreamBatch:
     valid_len: torch.Tensor
     document_ids: torch.Tensor | None = None
     groups: torch.Tensor | None = None
+    group_within: str = "group"
+    """How ranks of one group see each other (core/attention.py `grouped_mask`): 'group' (the
+    baselines' blocks) or 'rank' (a set sampler's replayed steps)."""
 
     @property
     def num_targets(self) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Quality metrics of generated text: exact match, ROUGE-1/2/L, and GSM8K answer extraction.
+"""Quality metrics of generated text: exact match and ROUGE-1/2/L (GSM8K answers: data/answers.py).
 
 ROUGE is Google's `rouge-score` (F-measure, Porter stemming, as the summarisation and infilling
 papers report it); its tokenizer keeps ASCII letters and digits only, so text in other scripts
@@ -7,16 +7,13 @@ scores through exact match instead.
 
 from __future__ import annotations
 
-import re
 from functools import lru_cache
 
 from setdiff_megatron.errors import require
 
-__all__ = ["ROUGE_KEYS", "rouge", "exact_match", "gsm8k_answer"]
+__all__ = ["ROUGE_KEYS", "rouge", "exact_match"]
 
 ROUGE_KEYS = ("rouge1", "rouge2", "rougeL")
-_NUMBER = re.compile(r"-?[\d,]*\.?\d+")
-_GSM8K_FINAL = re.compile(r"####\s*(-?[\d,]*\.?\d+)")
 
 
 @lru_cache(maxsize=1)
@@ -38,17 +35,3 @@ def normalize(text: str) -> str:
 def exact_match(prediction: str, reference: str) -> float:
     """1.0 when both texts are equal up to whitespace runs, else 0.0."""
     return float(normalize(prediction) == normalize(reference))
-
-
-def _number(text: str) -> str:
-    value = text.replace(",", "")
-    return value.rstrip("0").rstrip(".") if "." in value else value
-
-
-def gsm8k_answer(text: str) -> str | None:
-    """The final number of a GSM8K-style solution: after '####' if present, else the last number."""
-    final = _GSM8K_FINAL.search(text)
-    if final:
-        return _number(final.group(1))
-    numbers = _NUMBER.findall(text)
-    return _number(numbers[-1]) if numbers else None

@@ -19,9 +19,9 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from setdiff_megatron.core.decoding import DecodingConfig
+from setdiff_megatron.data.answers import gsm8k_answer
 from setdiff_megatron.data.builtin import builtin_corpus_dir
 from setdiff_megatron.distributed.runtime import Ranks
-from setdiff_megatron.evaluation.scoring import gsm8k_answer
 from setdiff_megatron.evaluation.tasks import score_completion
 from setdiff_megatron.inference.loading import load_sampling_model
 from setdiff_megatron.inference.prompts import PromptRecord, encode_prompt

@@ -29,6 +29,7 @@ from typing import Any
 
 from setdiff_megatron.checkpoint.manifest import sha256_file
 from setdiff_megatron.core.decoding import DecodingConfig, DecodingRequest, decoding_request_record
+from setdiff_megatron.data.answers import gsm8k_answer
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.evaluation import scoring
 from setdiff_megatron.evaluation.records import (
@@ -139,8 +140,8 @@ def score_completion(
     if metric == "rouge":
         scores = [scoring.rouge(prediction, r) for r in references]
         return {"prediction": prediction, **{k: max(s[k] for s in scores) for k in scoring.ROUGE_KEYS}}
-    answer = scoring.gsm8k_answer(prediction)
-    correct = answer is not None and any(answer == scoring.gsm8k_answer(r) for r in references)
+    answer = gsm8k_answer(prediction)
+    correct = answer is not None and any(answer == gsm8k_answer(r) for r in references)
     return {"prediction": prediction, "answer": answer, "accuracy": float(correct)}
 
 

@@ -121,16 +121,22 @@ class StepContext:
 
 
 def attention_mask_slot(
-    valid_len: torch.Tensor | None, document_ids: torch.Tensor | None, groups: torch.Tensor | None = None
+    valid_len: torch.Tensor | None,
+    document_ids: torch.Tensor | None,
+    groups: torch.Tensor | None = None,
+    group_within: str = "group",
 ) -> torch.Tensor | None:
     """What a training forward carries in megatron's attention-mask slot: `valid_len` [b], or
     with document ids [b, L] (non-negative) those ids with -1 at padding ranks, or with groups
-    [b, L] (non-negative) the [b, 2, L] groups and document ids (0 without) with -1 at padding
-    ranks, from which `_attention_inputs` recovers them (padding comes last). One tensor, not a
-    tuple: full recompute saves the slot with save_for_backward, which takes tensors only."""
+    [b, L] (non-negative) the groups and document ids (0 without) with -1 at padding ranks,
+    stacked [b, 2, L], with a third row of zeros when groups see one another by rank
+    (`group_within` 'rank'), from which `_attention_inputs` recovers them (padding comes last).
+    One tensor, not a tuple: full recompute saves the slot with save_for_backward, which takes
+    tensors only."""
     ids = document_ids
     if groups is not None:
-        ids = torch.stack([groups, torch.zeros_like(groups) if document_ids is None else document_ids], 1)
+        rows = [groups, torch.zeros_like(groups) if document_ids is None else document_ids]
+        ids = torch.stack(rows + ([torch.zeros_like(groups)] if group_within == "rank" else []), 1)
     if ids is None:
         return valid_len
     if valid_len is None:
@@ -141,13 +147,14 @@ def attention_mask_slot(
 
 def _attention_inputs(
     slot: torch.Tensor | None,
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """(valid_len, document_ids, groups) of an `attention_mask_slot`."""
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, str]:
+    """(valid_len, document_ids, groups, group_within) of an `attention_mask_slot`."""
     if slot is None or slot.dim() == 1:
-        return slot, None, None
+        return slot, None, None, "group"
     if slot.dim() == 3:
-        return (slot[:, 0] >= 0).sum(dim=1), slot[:, 1].clamp(min=0), slot[:, 0].clamp(min=0)
-    return (slot >= 0).sum(dim=1), slot, None
+        within = "rank" if slot.shape[1] == 3 else "group"
+        return (slot[:, 0] >= 0).sum(dim=1), slot[:, 1].clamp(min=0), slot[:, 0].clamp(min=0), within
+    return (slot >= 0).sum(dim=1), slot, None, "group"
 
 
 class SetCausalCoreAttention(MegatronModule):
@@ -200,12 +207,19 @@ class SetCausalCoreAttention(MegatronModule):
                 self.layer_index, q, k, v, num_commit=step.num_commit, commit_valid=step.commit_valid
             )
             return out.permute(2, 0, 1, 3).flatten(2)
-        valid_len, document_ids, groups = _attention_inputs(attention_mask)
+        valid_len, document_ids, groups, within = _attention_inputs(attention_mask)
         if groups is not None:  # the masked-diffusion baselines: one stream or two, as k holds
             if self.query_rows_only and k.shape[2] == 2 * groups.shape[1]:
                 q = q[:, :, q.shape[2] // 2 :]
             out = grouped_attention(
-                q, k, v, groups=groups, valid_len=valid_len, scale=self.softmax_scale, document_ids=document_ids
+                q,
+                k,
+                v,
+                groups=groups,
+                valid_len=valid_len,
+                scale=self.softmax_scale,
+                document_ids=document_ids,
+                within=within,
             )
             return out.permute(2, 0, 1, 3).flatten(2)
         if self.query_rows_only:
@@ -400,6 +414,7 @@ class SetDiffusionGPT(LanguageModule):
         targets: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
         groups: torch.Tensor | None = None,
+        group_within: str = "group",
     ) -> torch.Tensor:
         """Two streams of [b, L] tokens in rank order (needed on the first stage only); with
         `document_ids` [b, L] (rank order) attention stays within each document; with `groups`
@@ -427,7 +442,7 @@ class SetDiffusionGPT(LanguageModule):
             hidden = self.embedding(input_ids=tokens, position_ids=None)
         hidden = self.decoder(
             hidden_states=hidden,
-            attention_mask=attention_mask_slot(valid_len, document_ids, groups),
+            attention_mask=attention_mask_slot(valid_len, document_ids, groups, group_within),
             rotary_pos_emb=self.rotary_freqs(position_ids.repeat(1, streams)),
         )
         if not self.post_process:

@@ -255,5 +255,6 @@ def forward_step(
         targets=batch.targets,
         document_ids=batch.document_ids,
         groups=batch.groups,
+        group_within=batch.group_within,
     )
     return nll, partial(loss_func, context_parallel_weights(weigh(whole), whole.position_ids.shape[1]))

@@ -182,14 +182,21 @@ class SetDiffusionTransformer(nn.Module):
         valid_len: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
         groups: torch.Tensor | None = None,
+        group_within: str = "group",
     ) -> torch.Tensor:
         """Query-stream logits [B, L, V] for two streams of [B, L] tokens in rank order; with
         `document_ids` [B, L] (rank order) attention stays within each document; with `groups`
-        [B, L] ranks of a group are decided together (core/attention.py `grouped_mask`), and
-        `clean_tokens` may then be None: the query stream alone (MDLM)."""
+        [B, L] ranks of a group are decided together (core/attention.py `grouped_mask`, `within`
+        `group_within`), and `clean_tokens` may then be None: the query stream alone (MDLM)."""
         return self.output_logits(
             self.hidden_states(
-                clean_tokens, query_tokens, position_ids, valid_len, document_ids=document_ids, groups=groups
+                clean_tokens,
+                query_tokens,
+                position_ids,
+                valid_len,
+                document_ids=document_ids,
+                groups=groups,
+                group_within=group_within,
             )
         )
 
@@ -202,6 +209,7 @@ class SetDiffusionTransformer(nn.Module):
         *,
         document_ids: torch.Tensor | None = None,
         groups: torch.Tensor | None = None,
+        group_within: str = "group",
         clean_rows: bool = False,
     ) -> torch.Tensor:
         """The last layer's output (before the final norm): the query stream's [B, L, E].
@@ -231,7 +239,12 @@ class SetDiffusionTransformer(nn.Module):
             )
         else:
             attend = partial(
-                grouped_attention, groups=groups, valid_len=valid_len, scale=self._scale, document_ids=document_ids
+                grouped_attention,
+                groups=groups,
+                valid_len=valid_len,
+                scale=self._scale,
+                document_ids=document_ids,
+                within=group_within,
             )
         for layer in self.layers[:-1]:
             x = layer(x, cos, sin, attend)

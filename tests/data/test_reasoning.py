@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from setdiff_megatron.data.answers import gsm8k_answer
 from setdiff_megatron.data.indexed import read_manifest
 from setdiff_megatron.data.reasoning import (
     TEST_LEVELS,
@@ -19,7 +20,6 @@ from setdiff_megatron.data.reasoning import (
 )
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.evaluation.infilling import jsonl_examples
-from setdiff_megatron.evaluation.scoring import gsm8k_answer
 from setdiff_megatron.evaluation.tasks import read_tasks
 
 STEP = re.compile(r"^(\d+)([+*-])(\d+)=(\d+)$")

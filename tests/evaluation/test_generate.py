@@ -13,6 +13,7 @@ import pytest
 from setdiff_megatron.cli import main
 from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.core.sampler import SetSampler
+from setdiff_megatron.data.answers import gsm8k_answer
 from setdiff_megatron.evaluation import scoring
 from setdiff_megatron.evaluation.tasks import GenerateJob, run_generate_job
 from setdiff_megatron.inference.sharding import Placement
@@ -66,7 +67,7 @@ def direct(trained_run):
 def tasks(direct, tmp_path_factory):
     """References made from the outputs so that every metric scores some examples and misses others."""
     p = direct["predictions"]
-    answer = scoring.gsm8k_answer
+    answer = gsm8k_answer
     references = [
         [p[0]],
         ["zzz qqq", " ".join(p[1].split()[: max(1, len(p[1].split()) // 2)])],
@@ -142,7 +143,7 @@ def test_metrics_equal_a_direct_computation(trained_run, tasks, direct, one_proc
     )
     gsm8k = run_generate_job(job(trained_run, tasks[0], out, metric="gsm8k"))
     correct = [
-        any(scoring.gsm8k_answer(p) is not None and scoring.gsm8k_answer(p) == scoring.gsm8k_answer(r) for r in rs)
+        any(gsm8k_answer(p) is not None and gsm8k_answer(p) == gsm8k_answer(r) for r in rs)
         for p, rs in zip(preds, refs)
     ]
     assert gsm8k["quality"] == {"accuracy": sum(correct) / 5} and gsm8k["score_name"] == "accuracy"

@@ -164,12 +164,14 @@ def torch_parity() -> dict:
         "bd3lm_tied": {},
         "mdlm_gqa1_recompute": dict(num_kv_heads=1),
         "bd3lm_records_recompute": {},
+        "replay_steps_recompute": {},
     }
     recompute = {
         "documents_gqa1_sdpa_recompute": dict(recompute="full"),
         "dit_sdpa_recompute": dict(recompute="full"),
         "mdlm_gqa1_recompute": dict(recompute="full"),
         "bd3lm_records_recompute": dict(recompute="full"),
+        "replay_steps_recompute": dict(recompute="full"),
     }
     out = {}
     for dtype in (torch.float32, torch.float64):
@@ -185,12 +187,20 @@ def torch_parity() -> dict:
             batch = batches(cfg, count=1, family=family, records="records" in name)[0]
             if name.startswith("documents"):
                 batch = _with_documents(batch)
+            if name.startswith("replay"):  # a decoded trajectory's steps of 3 ranks (core/trajectory.py)
+                steps = torch.arange(batch.position_ids.shape[1]).expand_as(batch.position_ids) // 3
+                batch = replace(batch, groups=steps, group_within="rank")
             args = (batch.clean_tokens, batch.query_tokens, batch.position_ids)
-            ref_logits = ref(*args, batch.valid_len, batch.document_ids, batch.groups)
+            ref_logits = ref(*args, batch.valid_len, batch.document_ids, batch.groups, batch.group_within)
             ref_out = set_diffusion_loss(ref_logits, batch.targets, batch.loss_mask, mask_token_id=cfg.mask_token_id)
             ref_loss = ref_out.nll_sum.sum() / ref_out.num_tokens.sum()
             ref_out.with_router_loss(ref.router_loss()).loss.backward()
-            kwargs = dict(valid_len=batch.valid_len, document_ids=batch.document_ids, groups=batch.groups)
+            kwargs = dict(
+                valid_len=batch.valid_len,
+                document_ids=batch.document_ids,
+                groups=batch.groups,
+                group_within=batch.group_within,
+            )
             logits = model(*args, **kwargs)
             nll_sum, num_tokens, _ = loss_func(
                 loss_weights(batch.loss_mask, "per_token"), model(*args, targets=batch.targets, **kwargs)

@@ -24,6 +24,8 @@ VARIANTS = [
     "mdlm_gqa1_recompute",
     # packed supervised records: BD3-LM's per-record blocks and document ids, through full recompute
     "bd3lm_records_recompute",
+    # a decoded trajectory replayed (steps of 3 ranks that see one another by rank), full recompute
+    "replay_steps_recompute",
 ]
 # float32 runs the same kernels in the same order (logits agree bit for bit); the loss goes through
 # megatron's vocab-parallel cross-entropy, which computes in float32 even for float64 logits.

@@ -188,6 +188,7 @@ class DeepSpeedEngine:
             batch.valid_len,
             batch.document_ids,
             groups=batch.groups,
+            group_within=batch.group_within,
         )
         nll = weights.apply(token_nll(logits, batch.targets, self.mask_token_id))
         if self.expert_load is not None:
