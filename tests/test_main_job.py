@@ -145,3 +145,33 @@ print(json.dumps({{"text": tok.decode(row.completion, skip_special_tokens=True),
 """
     result = run_clean(script, clean_site, tmp_path / "clean")
     assert (result["text"], round(result["tokens_per_step"], 4)) == _expected(shown)
+
+
+def _rl(run: Path, out: Path, steps: int, *extra: str) -> list[dict]:
+    _setdiff("train", "recipes/rl-reasoning.yaml", f"model.init_from={run}", f"checkpoint.dir={out}",
+             f"train.steps={steps}", "checkpoint.interval=1", "eval.interval=100", "eval.showcase_problems=0",
+             "log.interval=1", "launch.nproc_per_node=1", "rl.prompts_per_step=4", "parallel.global_batch_size=16",
+             "parallel.micro_batch_size=8", f"data.cache_dir={out.parent / 'data'}", *extra)  # fmt: skip
+    rows = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "rl/reward" in r]
+
+
+@pytest.mark.slow
+def test_rl_from_the_main_job_logs_its_rollouts_and_resumes_exactly(main_job, tmp_path):
+    """GRPO from the main job's model (recipes/rl-reasoning.yaml, one process): each step logs its
+    rollouts' reward, accuracy, tokens per step, KL and clip fraction; a run stopped after step 2
+    and resumed decodes and updates at step 3 exactly as the uninterrupted run."""
+    run, _, _ = main_job
+    whole = _rl(run, tmp_path / "whole", 3, "rl.epochs=2")
+    assert [r["step"] for r in whole] == [1, 2, 3]
+    for r in whole:
+        assert 0 <= r["rl/accuracy"] <= 1 and r["rl/tokens_per_step"] >= 1 and r["rl/kl"] >= 0
+    assert whole[0]["rl/accuracy"] > 0.2  # the main job's model solves some training problems
+    assert whole[0]["rl/clip_fraction"] == 0 and whole[2]["rl/clip_fraction"] == 0  # fresh rollouts
+    _rl(run, tmp_path / "parts", 2, "rl.epochs=2")
+    resumed = _rl(run, tmp_path / "parts", 3, "rl.epochs=2")
+
+    def learned(row: dict) -> dict:  # what training computed, not how long it took
+        return {k: v for k, v in row.items() if k.startswith(("train/", "rl/"))}
+
+    assert resumed[-1]["step"] == 3 and learned(resumed[-1]) == learned(whole[-1])

@@ -415,6 +415,7 @@ class SetDiffusionGPT(LanguageModule):
         document_ids: torch.Tensor | None = None,
         groups: torch.Tensor | None = None,
         group_within: str = "group",
+        temperature: float = 1.0,
     ) -> torch.Tensor:
         """Two streams of [b, L] tokens in rank order (needed on the first stage only); with
         `document_ids` [b, L] (rank order) attention stays within each document; with `groups`
@@ -424,8 +425,9 @@ class SetDiffusionGPT(LanguageModule):
         still describe the whole sequence.
 
         Returns, on the last stage, the query stream's per-token NLL [b, L] (float32, MASK
-        excluded) when `targets` is given, else its logits [b, L, V] gathered over TP; on other
-        stages the hidden states [S(/tp under SP), b, E] for the next stage.
+        excluded; of logits / `temperature`, RL's sampling temperature) when `targets` is given,
+        else its logits [b, L, V] gathered over TP; on other stages the hidden states [S(/tp under
+        SP), b, E] for the next stage.
         """
         length = position_ids.shape[1]
         streams = 1 if groups is not None and clean_tokens is None else 2
@@ -447,7 +449,7 @@ class SetDiffusionGPT(LanguageModule):
         )
         if not self.post_process:
             return hidden
-        return self._query_output(hidden, length, targets)
+        return self._query_output(hidden, length, targets, temperature)
 
     def _check_sampling(self) -> None:
         if self.config.context_parallel_size > 1:
@@ -495,7 +497,9 @@ class SetDiffusionGPT(LanguageModule):
         cache.advance()
         return self._query_output(hidden, tokens.shape[1] - num_commit, None)
 
-    def _query_output(self, hidden: torch.Tensor, num_queries: int, targets: torch.Tensor | None) -> torch.Tensor:
+    def _query_output(
+        self, hidden: torch.Tensor, num_queries: int, targets: torch.Tensor | None, temperature: float = 1.0
+    ) -> torch.Tensor:
         """Logits or NLL of the last `num_queries` rows of the final hidden states: the query
         stream (the last layer may already have dropped the clean rows)."""
         if self.config.sequence_parallel:
@@ -505,6 +509,8 @@ class SetDiffusionGPT(LanguageModule):
         if targets is None:
             logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits, group=self.tp_group)
             return logits[..., : self.model_cfg.vocab_size].transpose(0, 1).contiguous()
+        if temperature != 1.0:
+            logits = logits / temperature
         logits = logits.masked_fill(self.excluded_vocab, float("-inf"))
         nll = tensor_parallel.vocab_parallel_cross_entropy(logits, targets.transpose(0, 1).contiguous())
         return nll.transpose(0, 1).contiguous()

@@ -256,5 +256,6 @@ def forward_step(
         document_ids=batch.document_ids,
         groups=batch.groups,
         group_within=batch.group_within,
+        temperature=getattr(batch, "temperature", 1.0),  # RL's PolicyBatch scores at its sampling temperature
     )
     return nll, partial(loss_func, context_parallel_weights(weigh(whole), whole.position_ids.shape[1]))

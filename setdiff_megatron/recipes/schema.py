@@ -45,6 +45,7 @@ __all__ = [
     "LogSection",
     "SlurmSection",
     "LaunchSection",
+    "RLSection",
 ]
 
 
@@ -389,6 +390,39 @@ class LaunchSection(Section):
         return self.nnodes * self.nproc_per_node
 
 
+class RLSection(Section):
+    """Reinforcement learning from the model's own decodes: GRPO with exact trajectory
+    likelihoods (docs/rl.md). Each step samples `group_size` completions of `prompts_per_step`
+    supervised prompts with the cached sampler under the model's decoding policy at `temperature`,
+    scores them, and takes `epochs` clipped-ratio steps on them against a frozen copy of the
+    starting weights."""
+
+    group_size: PositiveInt = 4
+    """Completions a prompt (G); their rewards are normalised within the group."""
+    prompts_per_step: PositiveInt = 8
+    """Prompts of a step, over all data-parallel ranks: parallel.global_batch_size must be
+    prompts_per_step x group_size (the completions of a step)."""
+    temperature: PositiveFloat = 1.0
+    """Sampling temperature of the rollouts (and of the log-probabilities in the ratio)."""
+    max_new_tokens: PositiveInt = 64
+    reward: str = "gsm8k"
+    """'gsm8k': 1 when the completion's final answer (#### answer) equals the record's, else 0;
+    or 'module:function', called with the record (prompt and reference text) and the completion's
+    text, returning a float."""
+    step_reward: NonNegativeFloat = 0.0
+    """Added reward per token decoded per step above one: a push towards fewer decode steps."""
+    kl_coef: NonNegativeFloat = 0.02
+    """beta of the KL penalty to the reference (k3 estimator, per token)."""
+    clip: PositiveFloat = 0.2
+    """epsilon of the clipped ratio."""
+    epochs: PositiveInt = 1
+    """Optimizer steps on each step's rollouts (train.steps counts rollout steps)."""
+    likelihood: Literal["exact", "one_step"] = "exact"
+    """'exact': each token's log-probability as the decode step that committed it saw it (the
+    replay of core/trajectory.py); 'one_step': diffu-GRPO's estimate, every completion token
+    from the prompt alone (for comparison)."""
+
+
 class Recipe(Section):
     name: str = "unnamed"
     description: str = ""
@@ -402,6 +436,9 @@ class Recipe(Section):
     eval: EvalSection = Field(default_factory=EvalSection)
     log: LogSection = Field(default_factory=LogSection)
     launch: LaunchSection = Field(default_factory=LaunchSection)
+    rl: RLSection | None = None
+    """Set to train by reinforcement learning from the model's decodes instead of its data's
+    targets (docs/rl.md)."""
     decoding: DecodingSection = Field(default_factory=DecodingSection)
     """How the trained model decodes where it departs from its order's paper default (a window of
     d at threshold 0.9 for the staggered schedule, one token per step for AR, its blocks for a

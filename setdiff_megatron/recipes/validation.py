@@ -252,6 +252,45 @@ def _masked_diffusion_rules(r: Recipe) -> list[str]:
     return errors
 
 
+def _rl_rules(r: Recipe, world_size: int) -> list[str]:
+    """What RL (the `rl` section) needs: prompts from padded supervised records, set diffusion's
+    exact likelihoods, the whole model on each rank to sample (no PP, CP, SP or ZeRO-3), and a
+    global batch of exactly one step's completions."""
+    rl, p = r.rl, r.parallel
+    if rl is None:
+        return []
+    errors = []
+    if r.data.datasets[0].format != "supervised" or r.data.supervised.layout != "padded":
+        errors.append(
+            "rl: prompts come from supervised records one per row: set data.datasets format supervised, layout padded"
+        )
+    if r.method.masked_diffusion:
+        errors.append(
+            f"rl: the exact trajectory likelihood is set diffusion's; method.family {r.method.family} has none"
+        )
+    if p.pp > 1 or p.cp > 1 or p.sequence_parallel:
+        errors.append(
+            "rl: sampling runs the whole model on each rank: set parallel.pp = 1, cp = 1, sequence_parallel = false"
+        )
+    if r.engine == "deepspeed" and p.zero_stage == 3:
+        errors.append("rl: sampling needs whole parameters on each rank: set parallel.zero_stage <= 2")
+    if rl.group_size < 2:
+        errors.append("rl.group_size: GRPO normalises rewards within a group: give at least 2 completions a prompt")
+    if p.global_batch_size != rl.prompts_per_step * rl.group_size:
+        errors.append(
+            f"parallel.global_batch_size: {p.global_batch_size} must be rl.prompts_per_step x rl.group_size = "
+            f"{rl.prompts_per_step * rl.group_size} (the completions of a step)"
+        )
+    dp = data_parallel_size(r, world_size)
+    if dp and rl.prompts_per_step % dp:
+        errors.append(f"rl.prompts_per_step: {rl.prompts_per_step} prompts do not split over {dp} data-parallel ranks")
+    if not r.model.init_from:
+        errors.append("rl: needs model.init_from, the starting weights the KL penalty keeps the policy near")
+    if rl.reward != "gsm8k" and ":" not in rl.reward:
+        errors.append(f"rl.reward: {rl.reward!r} is neither 'gsm8k' nor 'module:function'")
+    return errors
+
+
 def _supervised_rules(r: Recipe) -> list[str]:
     formats = {ds.format for ds in r.data.datasets}
     if len(formats) > 1:
@@ -391,6 +430,7 @@ def validate_recipe(
         + _method_rules(recipe)
         + _train_rules(recipe, has_gpu)
         + _supervised_rules(recipe)
+        + _rl_rules(recipe, world)
     )
     if check_paths:
         errors += _path_rules(recipe, recipe_file)

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from setdiff_megatron.core.loss import LossWeights, Normalization, loss_weights
+from setdiff_megatron.core.policy_gradient import PolicyBatch, PolicyTerms
 from setdiff_megatron.core.streams import TwoStreamBatch
-from setdiff_megatron.recipes.schema import Recipe
+from setdiff_megatron.recipes.schema import Recipe, RLSection
 from setdiff_megatron.runs.terms import is_supervised
 
 __all__ = ["Objective"]
@@ -27,14 +28,18 @@ class Objective:
     normalization: Normalization = "per_token"
     per_record: bool = False
     """Rows pack supervised records, and each record is a row of the per-row mean."""
+    rl: RLSection | None = None
+    """RL's GRPO objective for the rollouts' PolicyBatches (validation batches keep the NLL)."""
 
     @classmethod
     def of(cls, recipe: Recipe) -> Objective:
         packed = is_supervised(recipe) and recipe.data.supervised.layout == "packed"
-        return cls(recipe.train.loss_normalization, packed)
+        return cls(recipe.train.loss_normalization, packed, recipe.rl)
 
-    def __call__(self, batch: TwoStreamBatch) -> LossWeights:
-        """The loss weights of one micro-batch."""
+    def __call__(self, batch: TwoStreamBatch) -> LossWeights | PolicyTerms:
+        """The loss weights of one micro-batch, or an RL rollout's clipped objective."""
+        if isinstance(batch, PolicyBatch):
+            return PolicyTerms.of(batch, clip=self.rl.clip, kl_coef=self.rl.kl_coef)
         rows = None
         if self.normalization == "per_row" and self.per_record:
             ranks = torch.arange(batch.loss_mask.shape[1], device=batch.loss_mask.device)

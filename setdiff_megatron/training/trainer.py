@@ -49,6 +49,7 @@ from setdiff_megatron.training.data_pipeline import DataLoaders, TrainingData, p
 from setdiff_megatron.training.engines import Engine, start_engine
 from setdiff_megatron.training.metrics import MetricsLogger, peak_flops, step_metrics, training_flops_per_token
 from setdiff_megatron.training.preflight import check_run
+from setdiff_megatron.training.rollouts import Rollouts
 from setdiff_megatron.training.spikes import SpikeDetector
 from setdiff_megatron.training.stragglers import StragglerMonitor
 from setdiff_megatron.training.watchdog import EVALUATION, ROLLBACK, STEP, Watchdog
@@ -123,10 +124,14 @@ class _Run:
             self.run_id = resumed.state.run_id or runtime.broadcast_object(uuid.uuid4().hex)
         else:
             self.run_id = runtime.broadcast_object(uuid.uuid4().hex)
-            if r.model.init_from:
-                source = read_source(r.model.init_from)
-                engine.init_from(fit_source(source, self.model_cfg, tok), self.model_cfg)
+        if r.model.init_from and (resumed is None or r.rl is not None):
+            source = read_source(r.model.init_from)
+            start = fit_source(source, self.model_cfg, tok)
+            if resumed is None:
+                engine.init_from(start, self.model_cfg)
                 say(f"setdiff: initialised from {source.describe()}")
+            if r.rl is not None:  # RL's KL reference: the starting weights, resumed or not
+                engine.set_reference(start, self.model_cfg)
 
     # ---- the loop --------------------------------------------------------------------------
 
@@ -142,8 +147,9 @@ class _Run:
         None after a rollback, which leaves `progress` at the checkpoint's step."""
         engine, step = self.engine, self.progress.step + 1
         self.faults.at_step_start(step)
+        batches = self.source.next_step()  # RL's rollouts decode here, outside the straggler's clock
         start = time.perf_counter()
-        nll, count = engine.forward_backward(self.loaders.next_step())
+        nll, count = engine.forward_backward(batches)
         self.faults.in_forward_backward()
         self.stragglers.add(time.perf_counter() - start - engine.sync_seconds)  # this rank's own work
         loss, grad_norm, problem, skipped = self.faults.loss(step, nll / max(count, 1)), None, None, True
@@ -205,7 +211,7 @@ class _Run:
             self.engine.load(target)
         self.rollbacks.append(step)
         self.progress.step = target.state.progress.step
-        self.progress.consumed_samples = self.loaders.consumed_samples  # past the bad batch
+        self.progress.consumed_samples = self.source.consumed_samples  # past the bad batch
         logger.message(
             f"{what}; rolled back to the checkpoint of step {self.progress.step}, its data order "
             f"moved past the batches up to step {step} (rollback {len(self.rollbacks)} of "
@@ -226,6 +232,12 @@ class _Run:
             device=engine.device,
         )
         valid_batches = self.loaders.valid_batches(r.eval.batches)
+        # Training batches: the data's, or with `rl` the model's own decodes (consumed: prompts).
+        self.source = self.loaders
+        if r.rl is not None:
+            self.source = Rollouts(
+                r, self.data, engine, dp_rank=engine.dp_rank, dp_size=engine.dp_size, consumed=progress.consumed_samples
+            )
         logger = MetricsLogger(
             r.log,
             self.run_dir / "logs",
@@ -273,7 +285,7 @@ class _Run:
                         continue
                     loss, grad_norm = stepped
                     progress.step += 1
-                    progress.consumed_samples = self.loaders.consumed_samples
+                    progress.consumed_samples = self.source.consumed_samples
                     elapsed = time.perf_counter() - start
                     tokens_seen += gbs * seq_len
                     train_time += elapsed
@@ -293,7 +305,8 @@ class _Run:
                         if grad_norm is not None:
                             metrics["train/grad_norm"] = grad_norm
                         ranks, straggler = self.stragglers.report()  # collective
-                        logger.log(progress.step, metrics | ranks | engine.router_metrics())
+                        rl = self.source.metrics if r.rl is not None else {}
+                        logger.log(progress.step, metrics | ranks | engine.router_metrics() | rl)
                         if straggler is not None:
                             logger.message(f"step {progress.step}: {straggler}")
                     if progress.step % r.eval.interval == 0 or last:

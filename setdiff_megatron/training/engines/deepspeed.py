@@ -162,6 +162,43 @@ class DeepSpeedEngine:
     def init_from(self, state_dict: dict[str, torch.Tensor], model_cfg: ModelConfig) -> None:
         self.model.load_state_dict(state_dict)  # before DeepSpeed copies and partitions the weights
 
+    # ---- RL (training/rollouts.py): sampling from, and scoring with, the policy ----------
+
+    def policy_model(self) -> SetDiffusionTransformer:
+        """The model being trained, as the sampler's StepModel (RL runs at ZeRO <= 2: whole
+        parameters on every rank)."""
+        return self.engine.module
+
+    def set_reference(self, state_dict: dict[str, torch.Tensor], model_cfg: ModelConfig) -> None:
+        """A frozen copy of `state_dict`'s weights: RL's KL reference."""
+        reference = SetDiffusionTransformer(model_cfg)
+        reference.load_state_dict(state_dict)
+        dtype = next(self.engine.module.parameters()).dtype
+        self.reference = reference.to(device=self.device, dtype=dtype).eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def token_logprobs(self, batches, *, reference: bool = False) -> list[torch.Tensor]:
+        """Each target's log-probability [b, L] under the policy (or the reference), no gradient."""
+        model = self.reference if reference else self.policy_model()
+        was = model.training
+        model.eval()
+        try:
+            out = []
+            for b in batches:
+                logits = model(
+                    b.clean_tokens,
+                    b.query_tokens,
+                    b.position_ids,
+                    b.valid_len,
+                    b.document_ids,
+                    groups=b.groups,
+                    group_within=b.group_within,
+                )
+                out.append(-token_nll(logits / getattr(b, "temperature", 1.0), b.targets, self.mask_token_id))
+            return out
+        finally:
+            model.train(was)
+
     @property
     def engine(self):
         if self._engine is None:
@@ -190,6 +227,7 @@ class DeepSpeedEngine:
             groups=batch.groups,
             group_within=batch.group_within,
         )
+        logits = logits / getattr(batch, "temperature", 1.0)  # RL's PolicyBatch scores at its sampling temperature
         nll = weights.apply(token_nll(logits, batch.targets, self.mask_token_id))
         if self.expert_load is not None:
             for layer, stats in self.model.router_stats().items():

@@ -132,34 +132,73 @@ class MegatronEngine:
     def init_from(self, state_dict: dict[str, torch.Tensor], model_cfg: ModelConfig) -> None:
         """Each rank loads its own chunks, mapped for its (tp, pp, vpp) position, then the
         optimizer's main (fp32) params copy the loaded weights."""
+        for chunk in self.chunks:
+            self._load_torch_weights(chunk.module, state_dict, model_cfg)
+        self.optimizer.reload_model_params()
+
+    def _load_torch_weights(self, module, state_dict: dict[str, torch.Tensor], model_cfg: ModelConfig) -> None:
+        """A chunk's share of torch-model weights, mapped for this rank's (tp, pp, vpp, ep) position."""
         from megatron.core import parallel_state
 
         from setdiff_megatron.models.weight_maps.megatron import torch_to_megatron
 
         p = self.recipe.parallel
-        for chunk in self.chunks:
-            module = chunk.module
-            mapped = torch_to_megatron(
-                state_dict,
-                model_cfg,
-                tp_rank=parallel_state.get_tensor_model_parallel_rank(),
-                tp_size=p.tp,
-                pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
-                pp_size=p.pp,
-                vp_size=p.vpp,
-                vp_stage=module.vp_stage,
-                ep_rank=parallel_state.get_expert_model_parallel_rank(),
-                ep_size=p.ep,
-                backend=self.recipe.model.backend,
-            )
-            with torch.no_grad():
-                missing, unexpected = module.load_state_dict(mapped, strict=False)
-            missing = [k for k in missing if not k.endswith("_extra_state")]
-            if missing or unexpected:
-                raise RuntimeError(
-                    f"model.init_from: megatron chunk weights missing {missing}, unexpected {unexpected}"
+        mapped = torch_to_megatron(
+            state_dict,
+            model_cfg,
+            tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+            tp_size=p.tp,
+            pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+            pp_size=p.pp,
+            vp_size=p.vpp,
+            vp_stage=module.vp_stage,
+            ep_rank=parallel_state.get_expert_model_parallel_rank(),
+            ep_size=p.ep,
+            backend=self.recipe.model.backend,
+        )
+        with torch.no_grad():
+            missing, unexpected = module.load_state_dict(mapped, strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise RuntimeError(f"model.init_from: megatron chunk weights missing {missing}, unexpected {unexpected}")
+
+    # ---- RL (training/rollouts.py): sampling from, and scoring with, the policy ----------
+
+    def policy_model(self):
+        """The model being trained, as the sampler's StepModel (RL runs at pp = 1: one chunk)."""
+        return self.chunks[0].module
+
+    def set_reference(self, state_dict: dict[str, torch.Tensor], model_cfg: ModelConfig) -> None:
+        """A frozen copy of `state_dict`'s weights, this rank's shard of it: RL's KL reference."""
+        from setdiff_megatron.models.megatron_plumbing import build_model_chunks
+
+        (reference,) = build_model_chunks(model_cfg, self.chunks[0].module.config, backend=self.recipe.model.backend)
+        self._load_torch_weights(reference, state_dict, model_cfg)
+        self.reference = reference.to(self.device).eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def token_logprobs(self, batches, *, reference: bool = False) -> list[torch.Tensor]:
+        """Each target's log-probability [b, L] under the policy (or the reference), no gradient."""
+        model = self.reference if reference else self.policy_model()
+        was = model.training
+        model.eval()
+        try:
+            return [
+                -model(
+                    b.clean_tokens,
+                    b.query_tokens,
+                    b.position_ids,
+                    valid_len=b.valid_len,
+                    targets=b.targets,
+                    document_ids=b.document_ids,
+                    groups=b.groups,
+                    group_within=b.group_within,
+                    temperature=getattr(b, "temperature", 1.0),
                 )
-        self.optimizer.reload_model_params()
+                for b in batches
+            ]
+        finally:
+            model.train(was)
 
     # ---- steps -----------------------------------------------------------------------------
 
