@@ -80,6 +80,32 @@ def test_a_hung_save_is_named_and_restarts_from_the_newest_complete_checkpoint(d
     assert steps == [1, 2, 3, 4, 3, 4, 5, 6] and replayed[:2] == replayed[2:]
 
 
+def test_a_killed_rank_restarts_in_job_and_ends_like_the_uninterrupted_run(data_cache, tmp_path):
+    """One process under torchrun with a restart: SIGKILLed at the start of step 3, it is restarted
+    by torchrun (launch.max_restarts = 1), resumes from step 2's checkpoint, and replays step 3
+    with the loss it would have had; the run ends at step 4, nothing left running."""
+    run = tmp_path / "run"
+    overrides = [
+        f"checkpoint.dir={run}",
+        f"data.cache_dir={data_cache}",
+        *BASE,
+        "launch.nproc_per_node=1",
+        "train.steps=4",
+        "checkpoint.interval=2",
+        "train.startup_timeout_s=120",
+    ]
+    env = {**os.environ, **RESTART_ENV, INJECT_ENV: "kill:step=3"}
+    out = run_in_session(Torchrun(1, ["train", TINY, *overrides], max_restarts=1).argv, env, tmp_path / "out.txt")
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert f"resumed from {run / 'checkpoints' / 'step_00000002'} at step 2" in out.stdout
+    steps = [s for s, _ in losses(run)]
+    assert steps == [1, 2, 3, 4]  # step 3 was killed before its loss was logged, then run again
+    uninterrupted = tmp_path / "whole"
+    rest = [o for o in overrides if not o.startswith(("checkpoint.dir=", "data.cache_dir="))]
+    subprocess.run(command(uninterrupted, data_cache, *rest), check=True, capture_output=True, timeout=600)
+    assert losses(run) == losses(uninterrupted)
+
+
 @pytest.mark.slow  # 77 to 110 s beside a CPU-bound process; the watchdog's phases, the drills and the cleanup have unit tests
 def test_a_slow_save_a_rank_killed_in_a_save_and_a_hung_rank_end_like_the_uninterrupted_run(
     trained_launch, data_cache, tmp_path
