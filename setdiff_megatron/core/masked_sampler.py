@@ -5,12 +5,12 @@ door (sample, eval, lm-eval, serve, the Hugging Face export) serves them as it s
 A row is its prompt (MASK tokens in it are spans to infill) and max_new_tokens MASKs, decoded in
 blocks of S = cfg.block_size positions, left to right, the first block starting at the prompt's
 end rounded down to a multiple of S (the reference aligns blocks to the canvas), ceil(N / S)
-blocks for N new tokens (so, as in the reference, the last N mod... positions past the aligned
-blocks stay undecided and are dropped when the prompt length is not a multiple of S); a block
-without a MASK is skipped. Each step scores every position of the block and commits, among its
-MASK positions, the k = cfg.tokens_per_step most confident plus every one whose confidence (the
-chosen token's probability, MASK excluded) reaches cfg.threshold; decided positions keep their
-tokens. A block ends when it holds no MASK; then the row stops if an EOS or stop sequence lies in
+blocks for N new tokens (the reference's count: when the prompt length P is not a multiple of S
+the last P mod S positions lie past the blocks, stay undecided and are dropped); an infilling
+prompt's blocks are those that hold a MASK. Each step scores every position of the block and
+commits, among its MASK positions, the k = cfg.tokens_per_step most confident plus every one
+whose confidence (the chosen token's probability, MASK excluded) reaches cfg.threshold; decided
+positions keep their tokens. A block ends when it holds no MASK; then the row stops if an EOS or stop sequence lies in
 its completion so far (the completion is cut after it), or goes on to the next block.
 
   bd3lm  a KV cache of clean tokens, updated once per block: the aligned prompt prefix is

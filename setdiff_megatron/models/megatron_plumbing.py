@@ -204,7 +204,7 @@ def context_parallel_slice(batch: TwoStreamBatch) -> TwoStreamBatch:
     per_rank = {
         f.name: t[:, rows]
         for f in fields(batch)
-        if (t := getattr(batch, f.name)) is not None and t.dim() == 2 and f.name != "document_ids"
+        if isinstance(t := getattr(batch, f.name), torch.Tensor) and t.dim() == 2 and f.name != "document_ids"
     }
     return replace(batch, **per_rank)
 
