@@ -120,7 +120,11 @@ def _claims(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
 
 def _ignored(args: argparse.Namespace) -> list[str]:
     """Flags that train or evaluate, given to a mode that does neither."""
-    return [f"--{f.replace('_', '-')}" for f in ("out", "steps", "seeds", "models", "budgets") if getattr(args, f)]
+    return [
+        f"--{f.replace('_', '-')}"
+        for f in ("out", "steps", "seeds", "models", "budgets", "train_only")
+        if getattr(args, f)
+    ]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -183,6 +187,12 @@ def _parser() -> argparse.ArgumentParser:
         help=f"comma-separated subset of the setting's models ({', '.join(m.name for m in plan.REASONING_MODELS)})",
     )
     parser.add_argument(
+        "--train-only",
+        action="store_true",
+        help="train the models that are not trained yet and stop: a long setting can train over several "
+        "sessions, then decode every model in one invocation, so that its speeds are measured together",
+    )
+    parser.add_argument(
         "--report-only",
         action="store_true",
         help="train and evaluate nothing: draw results.md and the plots again from the results.json "
@@ -229,6 +239,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     for m in [*(r for runs in seeded for r in runs), *code]:
         run.train(out, m, args.steps)
+    if args.train_only:
+        print(
+            f"study: {sum(map(len, seeded)) + len(code)} runs trained in {out / 'runs'}; evaluated nothing", flush=True
+        )
+        return {"trained": [m.key for runs in seeded for m in runs] + [m.key for m in code]}
     if args.setting == "infill":
         task, baselines = run.prepare_infill_task(out, args.infill_per_level)
 

@@ -45,9 +45,12 @@ of this many steps are the adapted setting's own (same keys, same run directorie
 BUDGET_MODELS = ("ar", "sd-d4", "mdlm", "bd3lm-b4")
 """The adapted setting's headline models, trained at every budget of `--budgets`."""
 BUDGETS = (400, 1600, 6400)
-"""The default `--budgets`: the adapted budget, 4 and 16 times it. 6,400 steps is the budget at
-which set diffusion d = 4 from random weights holds within 5 points over seeds (docs/study.md);
-from the base, the validation losses of a 1,600-step probe were still falling at its end."""
+"""The default `--budgets`: the adapted budget, 4 and 16 times it; the lead of a run sets its own.
+6,400 steps is the budget at which set diffusion d = 4 from random weights holds within 5 points
+over seeds (validation loss 0.014 to 0.017; docs/study.md). A probe of d = 4 from the base under a
+1,600-step schedule (one seed, 2026-12-05, stopped after 10 minutes) had not flattened: validation
+loss 0.235, 0.177, 0.134, 0.108 at steps 400, 600, 800, 1,000, still falling about a tenth every
+100 steps."""
 INFILL_LENGTH = 64
 """The infill models' trained length (recipes/study/infill/data.yaml): MDLM infills in one block of
 it, as the reference infills ROCStories with MDLM's one block of 1024."""

@@ -138,3 +138,10 @@ def test_the_committed_claims_table_is_that_of_the_committed_results():
         if (RESULTS / s / "results.json").is_file()
     }
     assert claims_markdown(by_setting) == (RESULTS / "claims.md").read_text(encoding="utf-8")
+
+
+def test_the_study_page_holds_the_committed_claims_table():
+    """docs/study.md shows the table claims.md holds (regenerated with --claims, then pasted)."""
+    page = (RESULTS.parents[2] / "docs" / "study.md").read_text(encoding="utf-8")
+    rows = [line for line in (RESULTS / "claims.md").read_text(encoding="utf-8").splitlines() if line.startswith("|")]
+    assert rows and all(row in page for row in rows)

@@ -162,8 +162,10 @@ def test_the_budget_setting_reuses_the_adapted_runs_at_their_budget():
 def test_the_baselines_run_through_the_pipeline(tmp_path):
     """MDLM and BD3-LM train through their recipes and decode every point of their sweeps, each
     point's speed with the invocation that measured it."""
-    argv = ["--models", "mdlm,bd3lm-b4", "--steps", "2", "--per-level", "1"]
-    results = main([*argv, "--out", str(tmp_path / "runs"), "--results", str(tmp_path / "results")])
+    argv = ["--models", "mdlm,bd3lm-b4", "--steps", "2", "--per-level", "1", "--out", str(tmp_path / "runs")]
+    trained = main([*argv, "--train-only", "--results", str(tmp_path / "results")])
+    assert trained == {"trained": ["mdlm", "bd3lm-b4"]} and not (tmp_path / "results").exists()
+    results = main([*argv, "--results", str(tmp_path / "results")])
     assert list(results["models"]) == ["mdlm", "bd3lm-b4"]
     for name, block in (("mdlm", 32), ("bd3lm-b4", 4)):
         points = results["models"][name]["points"]
