@@ -1,11 +1,11 @@
-"""`python -m benchmarks.study [--setting supervised|packed|adapted] [--seeds 1,2,3] [--quick]`:
-train the study's models, evaluate them, report. `--report-only` draws results.md and the plots
-again from the setting's existing results.json, training and evaluating nothing.
+"""`python -m benchmarks.study [--setting supervised|packed|adapted|infill|budget] [--seeds 1,2,3]
+[--quick]`: train the study's models, evaluate them, report. `--report-only` draws results.md and
+the plots again from the setting's existing results.json, training and evaluating nothing;
+`--claims` writes the table of the paper's claims from every setting's results.json.
 
-See benchmarks/study/__init__.py for what is measured. The supervised and packed settings take
-under 2 hours on 2 CPU cores for one seed; the adapted one about 2.5 minutes a model and seed;
---quick trains set diffusion d = 4 of the setting as the full run trains it and decodes it at
-W = 1 and at the paper's default policy: under 8 minutes for the adapted setting (the one
+See benchmarks/study/__init__.py for what is measured and docs/study.md for how long each setting
+takes. --quick trains set diffusion d = 4 of the setting as the full run trains it and decodes it
+at W = 1 and at the paper's default policy: under 8 minutes for the adapted setting (the one
 tests/benchmarks/study/test_quick.py holds to its seeds' spread), under 15 for the supervised one.
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 import time
@@ -20,9 +21,22 @@ from dataclasses import replace
 from pathlib import Path
 
 from benchmarks.machine import RESULTS_DIR, machine_info
-from benchmarks.study import plan, report, run
+from benchmarks.study import claims, plan, report, run
 from setdiff_megatron.errors import ArgumentParser
 from setdiff_megatron.recipes import load_recipe
+
+
+def _budgets(text: str) -> tuple[int, ...]:
+    """--budgets: positive step counts, e.g. 400,1600,6400."""
+    try:
+        budgets = tuple(int(s) for s in text.split(",") if s.strip())
+    except ValueError:
+        budgets = ()
+    if not budgets or min(budgets) < 1 or len(set(budgets)) != len(budgets):
+        raise argparse.ArgumentTypeError(
+            f"expected distinct positive step counts separated by commas, e.g. 400,1600,6400; got {text!r}"
+        )
+    return budgets
 
 
 def _model_entry(out: Path, model: plan.Model, steps: int | None) -> dict:
@@ -54,6 +68,7 @@ def _seeds(text: str) -> list[int]:
 def _points(rows: list[dict]) -> list[dict]:
     return [
         {
+            "invocation": r["invocation"],
             "point": r["point"],
             "window": r["decoding"]["window"],
             "threshold": r["decoding"]["threshold"],
@@ -72,7 +87,7 @@ def _points(rows: list[dict]) -> list[dict]:
 def _report_only(parser: argparse.ArgumentParser, args: argparse.Namespace, results_dir: Path) -> dict:
     """--report-only: the report of an existing results.json, drawn again by the code that first drew
     it (report.render), e.g. after a change to the report or to the models' names and labels."""
-    if ignored := [f"--{f.replace('_', '-')}" for f in ("out", "steps", "seeds", "models") if getattr(args, f)]:
+    if ignored := _ignored(args):
         parser.error(f"--report-only trains and evaluates nothing; drop {', '.join(ignored)}")
     path = results_dir / "results.json"
     if not path.is_file():
@@ -83,13 +98,43 @@ def _report_only(parser: argparse.ArgumentParser, args: argparse.Namespace, resu
     return results
 
 
-def main(argv: list[str] | None = None) -> dict:
+def _claims(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
+    """--claims: the claims table from every setting's results.json under --results (default
+    benchmarks/results/study), written beside them as claims.md."""
+    if ignored := _ignored(args):
+        parser.error(f"--claims trains and evaluates nothing; drop {', '.join(ignored)}")
+    root = args.results or RESULTS_DIR / "study"
+    if not root.is_dir():
+        parser.error(f"--claims: no folder {root}; name the folder of the settings' results with --results")
+    by_setting = {
+        s: json.loads((root / s / "results.json").read_text(encoding="utf-8"))
+        for s in plan.SETTINGS
+        if (root / s / "results.json").is_file()
+    }
+    text = claims.claims_markdown(by_setting)
+    (root / "claims.md").write_text(text, encoding="utf-8")
+    print(text)
+    print(f"study: the claims table of {', '.join(by_setting) or 'no setting'} in {root / 'claims.md'}", flush=True)
+    return by_setting
+
+
+def _ignored(args: argparse.Namespace) -> list[str]:
+    """Flags that train or evaluate, given to a mode that does neither."""
+    return [
+        f"--{f.replace('_', '-')}"
+        for f in ("out", "steps", "seeds", "models", "budgets", "train_only")
+        if getattr(args, f)
+    ]
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--setting",
         choices=plan.SETTINGS,
         default="supervised",
-        help="supervised records (the paper's format; default) or packed pretraining windows",
+        help="supervised records (the paper's format; default), packed pretraining windows, adapted from the "
+        "AR base, infill (chains the right side decides), or budget (the adapted headline models at --budgets)",
     )
     parser.add_argument(
         "--quick",
@@ -100,15 +145,20 @@ def main(argv: list[str] | None = None) -> dict:
         "--out",
         type=Path,
         default=None,
-        help="runs and evaluations (default runs/study/SETTING, or runs/study-quick/SETTING)",
+        help="runs and evaluations (default runs/study/SETTING, the budget setting's runs/study/adapted, or "
+        "runs/study-quick/SETTING)",
     )
     parser.add_argument(
         "--results",
         type=Path,
         default=None,
-        help="tables and plots (default benchmarks/results/study/SETTING, or .../study-quick/SETTING)",
+        help="tables and plots (default benchmarks/results/study/SETTING, or .../study-quick/SETTING; with "
+        "--claims, the folder of the settings' folders, default benchmarks/results/study)",
     )
     parser.add_argument("--per-level", type=int, default=50, help="test problems per difficulty level (default 50)")
+    parser.add_argument(
+        "--infill-per-level", type=int, default=200, help="infill setting: chains per level to infill (default 200)"
+    )
     parser.add_argument("--code-examples", type=int, default=200, help="stdlib function bodies to infill")
     parser.add_argument(
         "--steps",
@@ -125,9 +175,22 @@ def main(argv: list[str] | None = None) -> dict:
         "and spread over them; default: one run at the recipe's seed",
     )
     parser.add_argument(
+        "--budgets",
+        type=_budgets,
+        default=None,
+        help="budget setting: the adaptation steps to train each headline model for (default "
+        f"{','.join(map(str, plan.BUDGETS))}; {plan.ADAPTED_STEPS} reuses the adapted setting's runs)",
+    )
+    parser.add_argument(
         "--models",
         default=None,
-        help=f"comma-separated subset of the reasoning models ({', '.join(m.name for m in plan.REASONING_MODELS)})",
+        help=f"comma-separated subset of the setting's models ({', '.join(m.name for m in plan.REASONING_MODELS)})",
+    )
+    parser.add_argument(
+        "--train-only",
+        action="store_true",
+        help="train the models that are not trained yet and stop: a long setting can train over several "
+        "sessions, then decode every model in one invocation, so that its speeds are measured together",
     )
     parser.add_argument(
         "--report-only",
@@ -135,45 +198,82 @@ def main(argv: list[str] | None = None) -> dict:
         help="train and evaluate nothing: draw results.md and the plots again from the results.json "
         "already in --results (default that of --setting, or of --quick)",
     )
+    parser.add_argument(
+        "--claims",
+        action="store_true",
+        help="train and evaluate nothing: write the table of the paper's claims (claims.md) from every "
+        "setting's results.json",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = _parser()
     args = parser.parse_args(argv)
-    for flag in ("per_level", "code_examples", "steps"):
+    for flag in ("per_level", "infill_per_level", "code_examples", "steps"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1; got {value}")
-    if args.quick and args.setting == "packed":
+    if args.quick and args.setting not in ("supervised", "adapted"):
         parser.error("--quick runs the supervised or the adapted setting")
-    where = f"study-quick/{args.setting}" if args.quick else f"study/{args.setting}"
-    out = (args.out or Path("runs") / where).resolve()
-    results_dir = args.results or RESULTS_DIR / where
+    if args.budgets and args.setting != "budget":
+        parser.error("--budgets belongs to --setting budget")
+    if args.claims:
+        return _claims(parser, args)
+    quick = "study-quick" if args.quick else "study"
+    # The budget setting's runs are adapted models: its 400-step ones are the adapted setting's.
+    out = (args.out or Path("runs") / quick / ("adapted" if args.setting == "budget" else args.setting)).resolve()
+    results_dir = args.results or RESULTS_DIR / quick / args.setting
     if args.report_only:
         return _report_only(parser, args, results_dir)
-    steps = args.steps
-    start, started = time.perf_counter(), time.strftime("%Y-%m-%d %H:%M %Z")
-    reasoning, code = plan.models(args.quick, args.setting)
+    start, started, invocation = time.perf_counter(), time.strftime("%Y-%m-%d %H:%M %Z"), run.new_invocation(out)
+    load_start = os.getloadavg()[0]
+    budgets = args.budgets or plan.BUDGETS
+    reasoning, code = plan.models(args.quick, args.setting, budgets)
     if args.models:
-        wanted = args.models.split(",")
-        if unknown := sorted(set(wanted) - {m.name for m in reasoning}):
-            parser.error(f"--models: unknown {', '.join(unknown)}; choose from {', '.join(m.name for m in reasoning)}")
+        wanted, names = args.models.split(","), list(dict.fromkeys(m.name for m in reasoning))
+        if unknown := sorted(set(wanted) - set(names)):
+            parser.error(f"--models: unknown {', '.join(unknown)}; choose from {', '.join(names)}")
         reasoning = [m for m in reasoning if m.name in wanted]
     seeded = [[replace(m, seed=s) for s in args.seeds] if args.seeds else [m] for m in reasoning]
 
     for m in [*(r for runs in seeded for r in runs), *code]:
-        run.train(out, m, steps)
-    corpus, tasks, docs = run.prepare_tasks(out, args.per_level)
-    models = {}
-    for runs in seeded:
-        entries = {}
-        for m in runs:
-            entry = _model_entry(out, m, steps)
+        run.train(out, m, args.steps)
+    if args.train_only:
+        print(
+            f"study: {sum(map(len, seeded)) + len(code)} runs trained in {out / 'runs'}; evaluated nothing", flush=True
+        )
+        return {"trained": [m.key for runs in seeded for m in runs] + [m.key for m in code]}
+    if args.setting == "infill":
+        task, baselines = run.prepare_infill_task(out, args.infill_per_level)
+
+        def evaluate(m: plan.Model) -> dict:
+            return {"infill_chains": run.infill(out, m, "jsonl", task, None), "points": []}
+
+        facts = {"infill_per_level": args.infill_per_level, "infill_baselines": baselines}
+    else:
+        corpus, tasks, docs = run.prepare_tasks(out, args.per_level)
+
+        def evaluate(m: plan.Model) -> dict:
+            entry = {}
             if args.setting == "packed":  # whole-document models: likelihood and infilling
                 entry |= run.likelihood(out, m, docs)
                 entry["infill_jsonl"] = run.infill(out, m, "jsonl", corpus.infill_tasks, None)
-            entry["points"] = _points(run.sweep(out, m, tasks, args.quick))
-            entries[m.seed] = entry
-        models[runs[0].name] = report.over_seeds(entries) if args.seeds else entries[None]
+            return entry | {"points": _points(run.sweep(out, m, tasks, args.quick))}
+
+        facts = {
+            "test_problems": sum(1 for _ in tasks.open()),
+            "per_level": args.per_level,
+            "trivial_baseline": run.trivial_baseline(tasks),
+            **({"budgets": list(budgets)} if args.setting == "budget" else {}),
+        }
+    models = {}
+    for runs in seeded:
+        entries = {m.seed: _model_entry(out, m, args.steps) | evaluate(m) for m in runs}
+        models[runs[0].group] = report.over_seeds(entries) if args.seeds else entries[None]
     code_models = {}
     for m in code:
-        code_models[m.name] = _model_entry(out, m, steps) | {
+        code_models[m.name] = _model_entry(out, m, args.steps) | {
             "infill_code": run.infill(out, m, "code", None, args.code_examples),
             "points": [],
         }
@@ -182,13 +282,13 @@ def main(argv: list[str] | None = None) -> dict:
         "mode": "quick" if args.quick else "full",
         "setting": args.setting,
         "started": started,
+        "invocation": invocation,
+        "load_average": {"start": load_start, "end": os.getloadavg()[0]},
         "machine": machine_info(),
         "wall_minutes": (time.perf_counter() - start) / 60,
         "command": "python -m benchmarks.study" + "".join(f" {shlex.quote(a)}" for a in (argv or sys.argv[1:])),
         "seeds": {"corpus": 0, "training": args.seeds or "recipe train.seed (1234)", "decoding": "greedy"},
-        "test_problems": sum(1 for _ in tasks.open()),
-        "per_level": args.per_level,
-        "trivial_baseline": run.trivial_baseline(tasks),
+        **facts,
         "models": models,
         "code_models": code_models,
     }

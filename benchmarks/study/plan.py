@@ -1,4 +1,4 @@
-"""What the study trains and how it decodes: the models, the decoding grid, the infill settings."""
+"""What the study trains and how it decodes: the models, their decoding points, the infill settings."""
 
 from __future__ import annotations
 
@@ -7,11 +7,13 @@ from pathlib import Path
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes" / "study"
 
-SETTINGS = ("supervised", "packed", "adapted")
+SETTINGS = ("supervised", "packed", "adapted", "infill", "budget")
 """The paper's format for its reasoning models first (one problem per padded row, the expression
-pinned as the prompt, the solution the target), then packed pretraining windows: the right models
-for likelihood and infilling, as the paper uses its OpenWebText models for those; then the paper's
-pipeline, every model adapted from one pretrained AR base (recipes/study/adapted/)."""
+pinned as the prompt, the solution the target), then packed pretraining windows; then the paper's
+pipeline, every model adapted from one pretrained AR base (recipes/study/adapted/); then the
+infilling setting, models pretrained on packed chains whose masked line the right side decides
+(recipes/study/infill/, data/chains.py); then the adapted setting's headline models at several
+adaptation budgets (`--budgets`)."""
 
 WINDOWS = (4, 8, 16)
 THRESHOLDS = (0.5, 0.7, 0.9, 0.99)
@@ -19,49 +21,99 @@ QUICK_POINT = {"window": 4, "threshold": 0.9}
 """The paper's default policy for d = 4: with W = 1, the points of --quick, where its test reads
 its thresholds."""
 ADAPTED_POINTS = (
+    {"name": "w4-t0.99", "window": 4, "threshold": 0.99},
     {"name": "w4-t0.9", "window": 4, "threshold": 0.9},
     {"name": "w4-t0.7", "window": 4, "threshold": 0.7},
+    {"name": "w4-t0.5", "window": 4, "threshold": 0.5},
     {"name": "w8-t0.9", "window": 8, "threshold": 0.9},
 )
-"""The adapted setting decodes at W = 1 and these points, not the whole grid: it runs every model
-over seeds, and the paper's question there is the gap to AR at 2.5 tokens per step and beyond."""
+"""The adapted setting's set diffusion points besides W = 1, not the whole grid: it runs every
+model over seeds (and budgets), and the paper's question there is the trade-off at 2.5 tokens per
+step and beyond: a threshold sweep at W = 4 (the paper's default policy for d = 4 at 0.9) and
+W = 8 at 0.9. Runs of 2026-12-04 and before decoded the middle three only."""
+BASELINE_THRESHOLDS = (None, 0.99, 0.9, 0.7, 0.5)
+"""MDLM's and BD3-LM's sweep over their blocks: None decodes one token per step (the reference's
+1e6), 0.9 is their paper default."""
+MDLM_BLOCK = 32
+"""MDLM's paper default block (the reference decodes GSM8K in semi-autoregressive blocks of 32):
+a completion of 30 to 50 characters spans two blocks."""
+MDLM_SMALL_BLOCK = 8
+"""A labelled extra point of MDLM, at threshold 0.9: blocks of 8, nearer the completions' lines."""
+ADAPTED_STEPS = 400
+"""The adapted setting's budget (recipes/study/adapted/common.yaml); the budget setting's runs
+of this many steps are the adapted setting's own (same keys, same run directories)."""
+BUDGET_MODELS = ("ar", "sd-d4", "mdlm", "bd3lm-b4")
+"""The adapted setting's headline models, trained at every budget of `--budgets`."""
+BUDGETS = (400, 1600, 6400)
+"""The default `--budgets`: the adapted budget, 4 and 16 times it; the lead of a run sets its own.
+6,400 steps is the budget at which set diffusion d = 4 from random weights holds within 5 points
+over seeds (validation loss 0.014 to 0.017; docs/study.md). A probe of d = 4 from the base under a
+1,600-step schedule (one seed, 2026-12-05, stopped after 10 minutes) had not flattened: validation
+loss 0.235, 0.177, 0.134, 0.108 at steps 400, 600, 800, 1,000, still falling about a tenth every
+100 steps."""
+INFILL_LENGTH = 64
+"""The infill models' trained length (recipes/study/infill/data.yaml): MDLM infills in one block of
+it, as the reference infills ROCStories with MDLM's one block of 1024."""
 
 
 @dataclass(frozen=True)
 class Model:
     name: str
     family: str
-    """The order policy it was trained with: ar (left to right), sd (the staggered schedule),
-    sd-uniform or sd-block (set diffusion with core/orders.py's Uniform or Block order; not the
-    paper's MDLM and BD3-LM baselines, which are other models)."""
+    """ar (left to right); sd (set diffusion, the staggered schedule); sd-uniform or sd-block (set
+    diffusion with core/orders.py's Uniform or Block order); mdlm or bd3lm (the paper's MDLM and
+    BD3-LM baselines, `method.family`: other models, with their own losses and decoders)."""
     label: str
     block_size: int | None = None
     setting: str = "supervised"
+    """The folder of its recipe and runs: supervised, packed, adapted or infill (the budget
+    setting trains adapted models)."""
     seed: int | None = None
     """train.seed of this run; None: the recipe's."""
+    budget: int | None = None
+    """train.steps of this run; None: the recipe's."""
 
     @property
     def recipe(self) -> Path:
-        """recipes/study/<name>.yaml; the packed and adapted settings' reasoning models are under
-        packed/ and adapted/."""
+        """recipes/study/<name>.yaml; the packed, adapted and infill settings' models are in
+        their folders."""
         folder = "" if self.setting == "supervised" or self.name.startswith("code-") else self.setting
         return RECIPES / folder / f"{self.name}.yaml"
 
     @property
     def key(self) -> str:
-        """The name of its run and evaluation directories: one per training seed."""
-        return self.name if self.seed is None else f"{self.name}-seed{self.seed}"
+        """The name of its run and evaluation directories: one per budget and training seed."""
+        return (
+            self.name
+            + ("" if self.budget is None else f"-steps{self.budget}")
+            + ("" if self.seed is None else f"-seed{self.seed}")
+        )
+
+    @property
+    def group(self) -> str:
+        """The name of its entry in results.json: its runs over seeds are one entry."""
+        return self.name if self.budget is None else f"{self.name}-steps{self.budget}"
 
     def decoding_defaults(self) -> dict:
-        """Sweep settings every point of this model shares: a block order decodes block by block."""
-        return {"block_size": self.block_size} if self.family == "sd-block" else {}
+        """Sweep settings every point of this model shares: a block order and BD3-LM decode block
+        by block."""
+        if self.family in ("sd-block", "bd3lm"):
+            return {"block_size": self.block_size}
+        return {"block_size": MDLM_BLOCK} if self.family == "mdlm" else {}
 
     def grid(self, quick: bool) -> tuple[list[dict], dict[str, list]]:
-        """(explicit points, grid) of this model's sweep. AR has the one point W = 1; the others
-        decode at W = 1 too (left to right, one token per step), which tells the quality of the
-        model apart from what parallel, any-order decoding costs it."""
+        """(explicit points, grid) of this model's sweep. AR has the one point W = 1; set diffusion
+        decodes at W = 1 too (left to right, one token per step), which tells the quality of the
+        model apart from what parallel, any-order decoding costs it; MDLM and BD3-LM sweep the
+        threshold over their blocks, from one token per step (`toff`) to 0.5."""
         if self.family == "ar":
             return [{"name": "ar", "window": 1}], {}
+        if self.family in ("mdlm", "bd3lm"):
+            block = self.decoding_defaults()["block_size"]
+            points = [{"name": f"b{block}-t{_t(t)}", "threshold": t} for t in BASELINE_THRESHOLDS]
+            if self.family == "mdlm":
+                points.append({"name": f"b{MDLM_SMALL_BLOCK}-t0.9", "block_size": MDLM_SMALL_BLOCK, "threshold": 0.9})
+            return points, {}
         one = {"name": "w1", "window": 1}
         if quick:
             return [one, dict(QUICK_POINT)], {}
@@ -70,13 +122,20 @@ class Model:
         return [one], {"window": list(WINDOWS), "threshold": list(THRESHOLDS)}
 
     def infill(self) -> dict:
-        """The infill job's context and decoding: one token per step, the context the order can use
-        (AR: the left side; a block order: up to the end of the span's block; the others: both sides)."""
+        """The infill job's context and decoding, one token per step: the context the model can
+        use (AR: the left side; a block order and BD3-LM: up to the end of the span's block, as
+        their block decoding sees it; the others: both sides), MDLM in one block of its length."""
         if self.family == "ar":
             return {"context": "left", "window": 1}
-        if self.family == "sd-block":
+        if self.family in ("sd-block", "bd3lm"):
             return {"context": "blocks", "window": self.block_size, "block_size": self.block_size}
+        if self.family == "mdlm":
+            return {"context": "both", "window": INFILL_LENGTH, "block_size": INFILL_LENGTH}
         return {"context": "both", "window": 16}
+
+
+def _t(threshold: float | None) -> str:
+    return "off" if threshold is None else format(threshold, "g")
 
 
 REASONING_MODELS = (
@@ -87,7 +146,16 @@ REASONING_MODELS = (
     Model("sd-uniform", "sd-uniform", "set diffusion, uniform order"),
     Model("sd-block4", "sd-block", "set diffusion, block order (4)", block_size=4),
     Model("sd-block8", "sd-block", "set diffusion, block order (8)", block_size=8),
+    Model("mdlm", "mdlm", "MDLM"),
+    Model("bd3lm-b4", "bd3lm", "BD3-LM (block 4)", block_size=4),
+    Model("bd3lm-b8", "bd3lm", "BD3-LM (block 8)", block_size=8),
 )
+BASELINES = ("mdlm", "bd3lm-b4", "bd3lm-b8")
+"""The paper's baselines, in the supervised and adapted settings since 2026-12-05; the packed
+setting trains the others only."""
+INFILL_MODELS = ("ar", "sd-d4", "sd-d8", "mdlm", "bd3lm-b4")
+"""The infill setting's models (recipes/study/infill/): the paper's infilling comparison (AR,
+MDLM, BD3-LM, set diffusion) at this scale."""
 CODE_MODELS = (
     Model("code-ar", "ar", "AR (d=1)"),
     Model("code-sd-d4", "sd", "set diffusion d=4"),
@@ -101,10 +169,26 @@ full run for it (400 adapted steps, about 2 minutes; 1,750 steps from scratch in
 setting, 9 minutes, where half the steps leave d = 4 short of the task at 0.048 accuracy)."""
 
 
-def models(quick: bool, setting: str = "supervised") -> tuple[list[Model], list[Model]]:
+def models(
+    quick: bool, setting: str = "supervised", budgets: tuple[int, ...] = BUDGETS
+) -> tuple[list[Model], list[Model]]:
     """(reasoning models, code models) of a run; code models (pretraining on the stdlib corpus)
-    belong to the packed setting."""
-    reasoning = [replace(m, setting=setting) for m in REASONING_MODELS]
+    belong to the packed setting. The budget setting's models are adapted ones, one per budget
+    (`budgets`; the adapted setting's own at its ADAPTED_STEPS)."""
+    if setting == "budget":
+        headline = [replace(m, setting="adapted") for m in REASONING_MODELS if m.name in BUDGET_MODELS]
+        runs = [
+            replace(m, budget=None if b == ADAPTED_STEPS else b, label=f"{m.label}, {b} steps")
+            for b in budgets
+            for m in headline
+        ]
+        return runs, []
+    wanted = {"packed": [m.name for m in REASONING_MODELS if m.name not in BASELINES], "infill": INFILL_MODELS}
+    reasoning = [
+        replace(m, setting=setting)
+        for m in REASONING_MODELS
+        if m.name in wanted.get(setting, [m.name for m in REASONING_MODELS])
+    ]
     if quick:
         return [m for m in reasoning if m.name in QUICK_MODELS], []
     return reasoning, [replace(m, setting="packed") for m in CODE_MODELS] if setting == "packed" else []

@@ -1,15 +1,15 @@
-"""The study's results: one JSON, a markdown table, and the plots (Pareto, infill, loss curves)."""
+"""The study's results: one JSON, markdown tables, and the plots (plots.py)."""
 
 from __future__ import annotations
 
 import json
 import math
 import statistics
-import textwrap
 from collections import defaultdict
 from pathlib import Path
 
-from setdiff_megatron.evaluation.sweep import pareto_front
+from benchmarks.study import claims
+from benchmarks.study.plots import plot_curves, plot_infill, plot_pareto
 
 
 def level_accuracy(point_dir: Path) -> dict[str, float]:
@@ -26,26 +26,44 @@ def _mean(values: list) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def _over_seeds(values: list[float], examples: int) -> dict:
+    """A figure over seeds: the mean, the seeds' standard deviation, the standard error of the
+    mean from the seed spread, and the standard error from the examples (binomial: the same
+    examples serve every seed, so the spread over seeds does not contain it)."""
+    mean, std = statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+    return {
+        "mean": mean,
+        "std": std,
+        "se_seeds": std / math.sqrt(len(values)),
+        "se_problems": math.sqrt(max(mean * (1 - mean), 0.0) / examples),
+    }
+
+
+def _invocations(runs: list[dict]) -> dict:
+    """Which invocation measured each seed's speeds, where recorded (run.invocation_of)."""
+    return {"invocation_by_seed": [r["invocation"] for r in runs]} if "invocation" in runs[0] else {}
+
+
 def over_seeds(entries: dict[int, dict]) -> dict:
     """One model's runs over training seeds as one entry. Each point's accuracy is the mean over
     seeds, with the seeds' standard deviation, the standard error of that mean from the seed spread,
-    and the standard error from the test problems (binomial: the same problems serve every seed, so
-    the spread over seeds does not contain it); speeds and per-level accuracies are means, the
-    validation curve the mean at the steps every run logged. `by_seed` keeps each run's figures."""
+    and the standard error from the test problems (`_over_seeds`); speeds and per-level accuracies
+    are means, the validation curve the mean at the steps every run logged; infilling likewise
+    (exact match and ROUGE with their spreads). `by_seed` keeps each run's figures."""
     runs = list(entries.values())
     points = []
     for p in runs[0]["points"]:
         same = [next(q for q in r["points"] if q["point"] == p["point"]) for r in runs]
         acc = [q["accuracy"] for q in same]
-        mean, std = statistics.fmean(acc), statistics.stdev(acc) if len(acc) > 1 else 0.0
+        stats = _over_seeds(acc, p["examples"])
         levels = {lv: _mean([q["levels"].get(lv) for q in same]) for lv in p["levels"]}
         points.append(
-            p
+            {k: v for k, v in p.items() if k != "invocation"}
             | {
-                "accuracy": mean,
-                "accuracy_std": std,
-                "accuracy_se_seeds": std / math.sqrt(len(acc)),
-                "accuracy_se_problems": math.sqrt(mean * (1 - mean) / p["examples"]),
+                "accuracy": stats["mean"],
+                "accuracy_std": stats["std"],
+                "accuracy_se_seeds": stats["se_seeds"],
+                "accuracy_se_problems": stats["se_problems"],
                 "accuracy_by_seed": acc,
                 "tokens_per_step": _mean([q["tokens_per_step"] for q in same]),
                 "tokens_per_s": _mean([q["tokens_per_s"] for q in same]),
@@ -53,18 +71,55 @@ def over_seeds(entries: dict[int, dict]) -> dict:
                 "tokens_per_step_by_seed": [q["tokens_per_step"] for q in same],
                 "levels": levels,
             }
+            | {"tokens_per_s_by_seed": [q["tokens_per_s"] for q in same]}
+            | _invocations(same)
         )
     curves = [dict(r["valid_curve"]) for r in runs]
     steps = sorted(set.intersection(*(set(c) for c in curves)))
-    return {k: runs[0][k] for k in ("label", "family", "recipe", "steps")} | {
-        "seeds": list(entries),
-        "train_minutes": sum(r["train_minutes"] for r in runs),
-        "valid_curve": [(s, statistics.fmean(c[s] for c in curves)) for s in steps],
-        "points": points,
-        "by_seed": {
-            str(seed): {k: r[k] for k in ("train_minutes", "valid_curve", "points")} for seed, r in entries.items()
-        },
-    }
+    kept = ("train_minutes", "valid_curve", "points", *(["infill_chains"] if "infill_chains" in runs[0] else []))
+    return (
+        {k: runs[0][k] for k in ("label", "family", "recipe", "steps")}
+        | {
+            "seeds": list(entries),
+            "train_minutes": sum(r["train_minutes"] for r in runs),
+            "valid_curve": [(s, statistics.fmean(c[s] for c in curves)) for s in steps],
+            "points": points,
+        }
+        | (
+            {"infill_chains": _infill_over_seeds([r["infill_chains"] for r in runs])}
+            if "infill_chains" in runs[0]
+            else {}
+        )
+        | {"by_seed": {str(seed): {k: r[k] for k in kept} for seed, r in entries.items()}}
+    )
+
+
+INFILL_SCORES = ("exact_match", "rouge1", "rouge2", "rougeL")
+
+
+def _infill_over_seeds(runs: list[dict]) -> dict:
+    """One model's infilling over seeds: each score's mean, spread and standard errors (exact
+    match's binomial one from the examples), speeds and per-level exact match as means."""
+    first, out = runs[0], {}
+    for key in INFILL_SCORES:
+        values = [r[key] for r in runs]
+        stats = _over_seeds(values, first["examples"])
+        out |= {key: stats["mean"], f"{key}_std": stats["std"], f"{key}_se_seeds": stats["se_seeds"]}
+        out |= {f"{key}_by_seed": values} | (
+            {"exact_match_se_problems": stats["se_problems"]} if key == "exact_match" else {}
+        )
+    return (
+        {k: first[k] for k in ("task", "context", "examples", "skipped_too_long", "decoding")}
+        | out
+        | {
+            "tokens_per_step": _mean([r["tokens_per_step"] for r in runs]),
+            "tokens_per_s": _mean([r["tokens_per_s"] for r in runs]),
+            "mean_nfe": _mean([r["mean_nfe"] for r in runs]),
+            "tokens_per_s_by_seed": [r["tokens_per_s"] for r in runs],
+            "levels": {lv: _mean([r["levels"].get(lv) for r in runs]) for lv in first["levels"]},
+        }
+        | _invocations(runs)
+    )
 
 
 def _accuracy(p: dict) -> str:
@@ -87,8 +142,43 @@ SETTING_TEXT = {
     "adapted": "Adapted setting, the paper's pipeline: every model starts from one AR base pretrained here on packed "
     "windows of 128 characters (assets/reasoning-ar-base) and is adapted for the same 400 steps on the "
     "supervised records (expression pinned, solution the target), rows of 128 packing about three "
-    "problems each. Decoded at W = 1 and at three parallel points.",
+    "problems each. Decoded at W = 1 and at {parallel} parallel points.",
+    "budget": "Budget setting: the adapted setting's headline models (AR, set diffusion d = 4, BD3-LM with blocks of "
+    "4, MDLM), each adapted from the same AR base (assets/reasoning-ar-base) on the same supervised records for "
+    "{budgets} steps (the adapted setting's runs are its 400-step ones), every decoding point as there.",
+    "infill": "Infill setting: every model pretrained on packed windows of 64 characters of the chains corpus "
+    "(setdiff_megatron/data/chains.py: the reasoning corpus's + and - solutions without their expression lines), "
+    "every token a target, as the paper pretrains on OpenWebText; then one held-out line of a chain, a line the "
+    "right side decides and the left side leaves open, infilled at its true length, one token per step, with "
+    "the context each model can use, as the paper infills ROCStories: AR the left side; set diffusion and MDLM "
+    "(the paper's baseline, in one block of the 64 positions, as the reference's MDLM infills in one block of its "
+    "length) both sides; BD3-LM (the paper's baseline) what its block decoding sees, the right side up to the "
+    "end of the span's last block of 4.",
 }
+BASELINE_TEXT = (
+    "MDLM and BD3-LM are the paper's baselines (`method.family`), trained with the same data, tokens and steps; "
+    "each decodes over its blocks (MDLM 32, and 8 at threshold 0.9 as a labelled extra point; BD3-LM its own) at "
+    "thresholds off (one token per step), 0.99, 0.9 (the paper's default), 0.7 and 0.5; their points name the "
+    "block (b) and threshold (t), and they have no window. Their validation losses are their own objectives' "
+    "(masked tokens only), not comparable with set diffusion's."
+)
+SEEDED_TEXT = (
+    "Every model trained once per training seed (corpus and test problems fixed). Accuracy: the mean "
+    "over seeds ± the seeds' standard deviation, each seed's figure in brackets, and the standard error "
+    "of the mean from the seed spread and from the test problems (binomial); speeds are means. Two "
+    "figures whose difference is within about twice the combined standard error are within noise."
+)
+SEEDED_INFILL_TEXT = (
+    "Every model trained once per training seed (corpus and held-out chains fixed). Scores: the mean over seeds "
+    "± the seeds' standard deviation, each seed's figure in brackets; speeds are means. results.json has the "
+    "standard errors (exact match's from the seeds and, binomial, from the examples)."
+)
+NUMBER_WORDS = ("no", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+
+
+def _head(*columns: str) -> list[str]:
+    """A markdown table's header and rule."""
+    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -99,32 +189,77 @@ def _train_minutes(results: dict) -> float:
     return sum(m["train_minutes"] for group in ("models", "code_models") for m in results[group].values())
 
 
-def markdown(results: dict) -> str:
-    """The tables of results.md: likelihood, every decoding point, per-level accuracy, infilling."""
-    models = results["models"]
-    setting = results.get("setting", "packed")
-    seeded = any("seeds" in m for m in models.values())
-    out = [
-        f"# Study results ({results['mode']} run, {setting} setting)",
+def _setting_text(results: dict) -> str:
+    setting, models = results.get("setting", "packed"), results["models"]
+    parallel = max((len(m["points"]) - 1 for m in models.values() if m["family"].startswith("sd")), default=0)
+    budgets = ", ".join(str(b) for b in results.get("budgets", ()))
+    words = NUMBER_WORDS[parallel] if parallel < len(NUMBER_WORDS) else str(parallel)
+    text = SETTING_TEXT[setting]
+    if not parallel:  # no set diffusion model in these results
+        text = text.replace(" Decoded at W = 1 and at {parallel} parallel points.", "")
+    text = text.format(parallel=words, budgets=budgets)
+    baselines = setting != "infill" and any(m["family"] in ("mdlm", "bd3lm") for m in models.values())
+    return text + (f" {BASELINE_TEXT}" if baselines else "")
+
+
+def _speeds_text(results: dict) -> list[str]:
+    """Which invocations of the study measured the tokens/s figures, where recorded: speeds from
+    different invocations met different loads on the machine."""
+    seen = sorted(
+        {
+            i
+            for m in results["models"].values()
+            for item in [*m["points"], *([m["infill_chains"]] if "infill_chains" in m else [])]
+            for i in item.get("invocation_by_seed", [item.get("invocation")])
+            if i is not None
+        }
+    )
+    if not seen:
+        return []
+    load = results.get("load_average")
+    load_text = (
+        f" The load average (1 minute) was {load['start']:.1f} at this invocation's start and {load['end']:.1f} at "
+        f"its end, on {results['machine']['cpu_count']} CPUs: speeds fall when other work shares them."
+        if load
+        else ""
+    )
+    if len(seen) == 1:
+        return [f"Every tokens/s figure was measured in one invocation of the study, {seen[0]}.{load_text}", ""]
+    return [
+        f"The tokens/s figures were measured in {len(seen)} invocations of the study ({', '.join(seen)}), under "
+        "whatever else loaded the machine each time: compare speeds across invocations with care. results.json "
+        f"names each figure's (`invocation`, over seeds `invocation_by_seed`).{load_text}",
         "",
-        SETTING_TEXT[setting],
+    ]
+
+
+def _header(results: dict) -> list[str]:
+    """The title, the setting, the statistics over seeds, the machine, the invocation and its speeds."""
+    seeded = any("seeds" in m for m in results["models"].values())
+    return [
+        f"# Study results ({results['mode']} run, {results.get('setting', 'packed')} setting)",
         "",
-        *(
-            [
-                "Every model trained once per training seed (corpus and test problems fixed). Accuracy: the mean "
-                "over seeds ± the seeds' standard deviation, each seed's figure in brackets, and the standard error "
-                "of the mean from the seed spread and from the test problems (binomial); speeds are means. Two "
-                "figures whose difference is within about twice the combined standard error are within noise.",
-                "",
-            ]
-            if seeded
-            else []
-        ),
+        _setting_text(results),
+        "",
+        *([SEEDED_INFILL_TEXT if results.get("setting") == "infill" else SEEDED_TEXT, ""] if seeded else []),
         f"Machine: {results['machine']}. Training: {_train_minutes(results):.0f} minutes for all models (their "
         f"logged step times). This invocation started {results['started']} and took {results['wall_minutes']:.1f} "
         "minutes (a rerun skips the models and points already done). "
         f"Command: `{results['command']}`. Seeds: {results['seeds']}.",
         "",
+        *_speeds_text(results),
+    ]
+
+
+def markdown(results: dict) -> str:
+    """The tables of results.md: likelihood, every decoding point, per-level accuracy, infilling
+    (the infill setting's own: `infill_markdown`), and the budget setting's gaps to AR."""
+    models = results["models"]
+    setting = results.get("setting", "packed")
+    if setting == "infill":
+        return infill_markdown(results)
+    out = [
+        *_header(results),
         "## Training and held-out likelihood (nats per token, test problems)",
         "",
         *(
@@ -160,8 +295,9 @@ def markdown(results: dict) -> str:
     ]
     for m in models.values():
         for p in m["points"]:
+            window = "-" if m["family"] in ("mdlm", "bd3lm") else p["window"]  # they decode blocks, no window
             out.append(
-                f"| {m['label']} | {p['point']} | {p['window']} | {_fmt(p['threshold'], 'g')} | "
+                f"| {m['label']} | {p['point']} | {window} | {_fmt(p['threshold'], 'g')} | "
                 f"{_accuracy(p)} | {p['tokens_per_step']:.2f} | {_fmt(p['tokens_per_s'], '.0f')} | "
                 f"{p['mean_nfe']:.1f} |"
             )
@@ -170,8 +306,7 @@ def markdown(results: dict) -> str:
         "",
         "## Accuracy by difficulty level (each model's most accurate point)",
         "",
-        "| model | point | " + " | ".join(levels) + " |",
-        "|---|---|" + "---|" * len(levels),
+        *_head("model", "point", *levels),
     ]
     for m in models.values():
         if m["points"]:
@@ -202,109 +337,76 @@ def markdown(results: dict) -> str:
                 f"| {label} | {m['label']} | {r['context']} | {r['exact_match']:.3f} | {r['rouge1']:.3f} | "
                 f"{r['rouge2']:.3f} | {r['rougeL']:.3f} | {r['examples']} |"
             )
+    if setting == "budget":
+        out += ["", *claims.budget_table(results)]
     return "\n".join(out) + "\n"
 
 
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+def _score(r: dict, key: str) -> str:
+    """An infill score: over seeds, the mean ± the seeds' standard deviation and each seed's figure."""
+    if f"{key}_by_seed" not in r:
+        return f"{r[key]:.3f}"
+    return f"{r[key]:.3f} ± {r[f'{key}_std']:.3f} [{', '.join(f'{v:.3f}' for v in r[f'{key}_by_seed'])}]"
 
 
-def _save(fig, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    _plt().close(fig)
-
-
-def plot_pareto(results: dict, path: Path) -> None:
-    """Accuracy against tokens per step and against tokens/s; each model's own frontier joined."""
-    plt = _plt()
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), constrained_layout=True)
-    for ax, key, label in (
-        (axes[0], "tokens_per_step", "tokens per step (parallelism)"),
-        (axes[1], "tokens_per_s", "tokens/s at batch 16 (2 CPU cores)"),
-    ):
-        for n, m in enumerate(results["models"].values()):
-            pts = [p for p in m["points"] if p[key] is not None]
-            if not pts:
-                continue
-            xs, ys = [p[key] for p in pts], [p["accuracy"] for p in pts]
-            line = ax.scatter(xs, ys, marker="os^Dv<>"[n % 7], s=22, alpha=0.6)
-            if "accuracy_std" in pts[0]:  # over seeds: the seeds' standard deviation
-                ax.errorbar(
-                    xs,
-                    ys,
-                    yerr=[p["accuracy_std"] for p in pts],
-                    fmt="none",
-                    alpha=0.5,
-                    ecolor=line.get_facecolor()[0],
-                    capsize=2,
-                )
-            front = pareto_front(xs, ys)
-            ax.plot(
-                [xs[i] for i in front],
-                [ys[i] for i in front],
-                "-",
-                color=line.get_facecolor()[0],
-                marker="os^Dv<>"[n % 7],
-                label=m["label"],
+def infill_markdown(results: dict) -> str:
+    """The infill setting's tables: the task's rules, training, and each model's infilling."""
+    rules, models = results["infill_baselines"], results["models"]
+    levels = list(rules["by_level"])
+    out = [
+        *_header(results),
+        "## The task",
+        "",
+        f"{rules['examples']} held-out chains ({results['infill_per_level']} per level), one line each masked at "
+        "its true length. Exact match of three rules on them (setdiff_megatron/data/chains.py): the trivial "
+        "baseline gives every example the most common masked line; the best left-only guess is the most common "
+        "line among the training chains with the same left side (the line above's result, the line's index, "
+        "the operands' digits) and span length; the right-context rule reads the line off the result above "
+        "and the number below.",
+        "",
+        *_head("rule", "all", *levels),
+        *(
+            f"| {name} | {rules[key]:.3f} | " + " | ".join(f"{rules['by_level'][lv][key]:.3f}" for lv in levels) + " |"
+            for key, name in (
+                ("trivial", "trivial baseline"),
+                ("left_only", "best left-only guess"),
+                ("right_context", "right-context rule"),
             )
-        ax.set_xlabel(label)
-        ax.set_ylabel("test accuracy (#### answer)")
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    seeds = results["seeds"]["training"]
-    fig.suptitle(
-        f"Reasoning corpus, {results.get('setting', 'packed')} setting: accuracy against decoding speed\n"
-        "(W x tau grid, k = 1; lines: each model's frontier"
-        + (f"; means over training seeds {seeds}, bars: their standard deviation)" if isinstance(seeds, list) else ")"),
-        fontsize=10,
-    )
-    _save(fig, path)
-
-
-def plot_infill(results: dict, path: Path) -> None:
-    plt = _plt()
-    groups = [
-        ("jsonl", "solution lines", results["models"]),
-        ("code", "stdlib function bodies", results.get("code_models", {})),
+        ),
+        "",
+        "## Training",
+        "",
+        "| model | trained steps | train minutes | final valid loss |",
+        "|---|---|---|---|",
+        *(
+            f"| {m['label']} | {m['steps']} | {_fmt(m.get('train_minutes'), '.1f')} | "
+            f"{_fmt(m['valid_curve'][-1][1] if m['valid_curve'] else None, '.4f')} |"
+            for m in models.values()
+        ),
+        "",
+        "## Infilling (the masked line at its true length; one token per step, batch 16)",
+        "",
+        "| model | context | exact match | ROUGE-1 | ROUGE-2 | ROUGE-L | tokens/step | tokens/s | examples |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    groups = [g for g in groups if any(m.get(f"infill_{g[0]}") for m in g[2].values())]
-    if not groups:
-        return
-    fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4.2), constrained_layout=True, squeeze=False)
-    for ax, (task, title, models) in zip(axes[0], groups):
-        rows = [m for m in models.values() if m.get(f"infill_{task}")]
-        x = range(len(rows))
-        ax.bar([i - 0.2 for i in x], [m[f"infill_{task}"]["exact_match"] for m in rows], 0.4, label="exact match")
-        ax.bar([i + 0.2 for i in x], [m[f"infill_{task}"]["rougeL"] for m in rows], 0.4, label="ROUGE-L")
-        # Labels wrapped to the width of a bar pair, so that neighbours do not overlap.
-        ticks = [f"{textwrap.fill(m['label'], 15)}\n({m[f'infill_{task}']['context']})" for m in rows]
-        ax.set_xticks(list(x), ticks, fontsize=7)
-        ax.set_title(f"infilling: {title}")
-        ax.set_ylim(0, 1)
-        ax.legend(fontsize=8)
-    _save(fig, path)
-
-
-def plot_curves(results: dict, path: Path) -> None:
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 4.5), constrained_layout=True)
-    for m in results["models"].values():
-        if m["valid_curve"]:
-            steps, losses = zip(*m["valid_curve"])
-            ax.plot(steps, losses, marker=".", label=m["label"])
-    ax.set_xlabel("step")
-    ax.set_ylabel("validation loss (nats/token, own policy)")
-    ax.set_yscale("log")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    ax.set_title("Validation loss against step (reasoning corpus)")
-    _save(fig, path)
+    for m in models.values():
+        r = m["infill_chains"]
+        out.append(
+            f"| {m['label']} | {r['context']} | {_score(r, 'exact_match')} | {_score(r, 'rouge1')} | "
+            f"{_score(r, 'rouge2')} | {_score(r, 'rougeL')} | {r['tokens_per_step']:.2f} | "
+            f"{_fmt(r['tokens_per_s'], '.0f')} | {r['examples']} |"
+        )
+    out += [
+        "",
+        "Exact match by level:",
+        "",
+        *_head("model", *levels),
+        *(
+            f"| {m['label']} | " + " | ".join(_fmt(m["infill_chains"]["levels"].get(lv), ".3f") for lv in levels) + " |"
+            for m in models.values()
+        ),
+    ]
+    return "\n".join(out) + "\n"
 
 
 def write(results: dict, directory: Path) -> None:
@@ -318,6 +420,7 @@ def render(results: dict, directory: Path) -> None:
     """results.md and the plots from `results` alone, so that an existing results.json can be
     drawn again (`--report-only`) without training or evaluating anything."""
     (directory / "results.md").write_text(markdown(results), encoding="utf-8")
-    plot_pareto(results, directory / "pareto.png")
+    if any(m["points"] for m in results["models"].values()):
+        plot_pareto(results, directory / "pareto.png")
     plot_infill(results, directory / "infill.png")
     plot_curves(results, directory / "loss_curves.png")

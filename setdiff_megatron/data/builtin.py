@@ -1,9 +1,10 @@
 """The corpora every machine can build with no download, by the names recipes give them.
 
 `data.datasets: [{path: stdlib}]` trains on the Python standard library's sources (corpus.py),
-`[{path: reasoning}]` on generated multi-step arithmetic (reasoning.py). Both are prepared on
-first use under the run's data cache in one layout: `tokenizer/`, and the indexed datasets
-`train` and `valid`. The reasoning corpus also holds its problems as supervised records
+`[{path: reasoning}]` on generated multi-step arithmetic (reasoning.py), `[{path:
+reasoning-chains}]` on its + and - solutions without the expression line, the study's infilling
+corpus (chains.py). Each is prepared on first use under the run's data cache in one layout:
+`tokenizer/`, and the indexed datasets `train` and `valid`. The reasoning corpus also holds its problems as supervised records
 (`format: supervised`): `train-supervised` and `valid-supervised`.
 """
 
@@ -27,6 +28,10 @@ def prepare_builtin_corpus(name: str, directory: Path, vocab_size: int, *, progr
         from setdiff_megatron.data.corpus import prepare_default_corpus
 
         prepare_default_corpus(directory, vocab_size, progress=progress)
+    elif name == "reasoning-chains":
+        from setdiff_megatron.data.chains import prepare_chains_corpus
+
+        prepare_chains_corpus(directory, progress=progress)
     else:
         from setdiff_megatron.data.reasoning import prepare_reasoning_corpus
 

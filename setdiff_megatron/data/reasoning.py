@@ -55,6 +55,7 @@ __all__ = [
     "char_tokenizer",
     "ReasoningCorpus",
     "prepare_reasoning_corpus",
+    "write_jsonl",
 ]
 
 FORMAT_VERSION = 2
@@ -129,10 +130,10 @@ def _solve(numbers: list[int], ops: list[str]) -> list[str] | None:
     return steps
 
 
-def make_problem(rng: random.Random, level: Level) -> Problem:
-    """One problem of `level`, drawn from `rng` (rejection keeps every step >= 0)."""
+def make_problem(rng: random.Random, level: Level, operators: str = "+-*") -> Problem:
+    """One problem of `level` over `operators`, drawn from `rng` (rejection keeps every step >= 0)."""
     while True:
-        ops = [rng.choice("+-*") for _ in range(level.num_ops)]
+        ops = [rng.choice(operators) for _ in range(level.num_ops)]
         if "**" in "".join(ops):
             continue
         numbers = [_operand(rng, level.digits)]
@@ -144,15 +145,21 @@ def make_problem(rng: random.Random, level: Level) -> Problem:
 
 
 def problems(
-    seed: int, levels: Sequence[Level], count: int, exclude: frozenset[str] = frozenset(), *, distinct: bool = True
+    seed: int,
+    levels: Sequence[Level],
+    count: int,
+    exclude: frozenset[str] = frozenset(),
+    *,
+    distinct: bool = True,
+    operators: str = "+-*",
 ) -> Iterator[Problem]:
-    """`count` problems, levels in turn, none of whose expressions is in `exclude`; with
-    `distinct`, no expression twice (the small levels hold a few thousand expressions only, so
-    training draws with repeats, as real corpora do)."""
+    """`count` problems over `operators`, levels in turn, none of whose expressions is in
+    `exclude`; with `distinct`, no expression twice (the small levels hold a few thousand
+    expressions only, so training draws with repeats, as real corpora do)."""
     rng, seen = random.Random(seed), set(exclude)
     made = 0
     while made < count:
-        problem = make_problem(rng, levels[made % len(levels)])
+        problem = make_problem(rng, levels[made % len(levels)], operators)
         if problem.expression in seen:
             continue
         if distinct:
@@ -197,7 +204,8 @@ def _infill_record(problem: Problem, rng: random.Random) -> dict:
     return {"id": problem.expression, "left": left, "middle": middle, "right": right, "level": problem.level.name}
 
 
-def _write_jsonl(path: Path, records: Iterator[dict]) -> None:
+def write_jsonl(path: Path, records: Iterator[dict]) -> None:
+    """One JSON object a line, written under a temporary name and moved into place."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
     with open(partial, "w", encoding="utf-8") as stream:
@@ -218,7 +226,7 @@ def _write_problems(raw: Path, split: str, problems: Iterator[Problem]) -> None:
                 records.write(json.dumps({"prompt": problem.prompt, "response": problem.solution}) + "\n")
                 yield {"text": problem.text}
 
-        _write_jsonl(raw / f"{split}.jsonl", documents())
+        write_jsonl(raw / f"{split}.jsonl", documents())
     os.replace(partial, path)
 
 
@@ -259,14 +267,14 @@ def prepare_reasoning_corpus(
         for i, level in enumerate(TEST_LEVELS):
             test = list(problems(seed * 1000 + 1 + i, [level], num_test, frozenset(held)))
             held |= {p.expression for p in test}
-            _write_jsonl(
+            write_jsonl(
                 corpus.test_tasks(level),
                 ({"prompt": p.prompt, "reference": p.solution, "level": level.name} for p in test),
             )
         infill_rng = random.Random(seed * 1000 + 500)
         infill = list(problems(seed * 1000 + 501, TRAIN_LEVELS, num_infill, frozenset(held)))
         held |= {p.expression for p in infill}
-        _write_jsonl(corpus.infill_tasks, (_infill_record(p, infill_rng) for p in infill))
+        write_jsonl(corpus.infill_tasks, (_infill_record(p, infill_rng) for p in infill))
         valid = list(problems(seed * 1000 + 502, TRAIN_LEVELS, num_valid, frozenset(held)))
         held |= {p.expression for p in valid}
         _write_problems(out_dir / "raw", "valid", iter(valid))

@@ -321,6 +321,8 @@ def run_infill_job(job: InfillJob) -> dict | None:
         "examples": len(records),
         "skipped_too_long": info["skipped_too_long"],
         "tokens_per_step": decoded / max(sum(r["steps"] for r in records), 1),
+        # As `setdiff eval generate` measures it: each row's share of the engine's time, summed.
+        "tokens_per_s": decoded / seconds if (seconds := sum(r["busy_seconds"] for r in records)) > 0 else None,
         "mean_nfe": sum(r["nfe"] for r in records) / len(records),
         "decoding": {k: v for k, v in asdict(decoding).items() if k != "max_new_tokens"},
     }

@@ -71,14 +71,16 @@ def showcase(recipe: Recipe) -> list[str]:
         return []
     corpus, records = found
     sm = load_sampling_model(recipe.checkpoint.dir, Ranks(), device="cpu")
-    cfg = sm.decoding.over(
-        {"max_new_tokens": 52 if corpus == "reasoning" else 48, "eos_token_ids": (sm.tokenizer.eos_id,)}
-    )
-    sampler = sm.sampler()
     ids = [
         encode_prompt(PromptRecord(i, i + 1, (r["prompt"],), {}), sm.tokenizer, sm.prompt_format())
         for i, r in enumerate(records)
     ]
+    # Within the context after the longest prompt: MDLM's and BD3-LM's decoders never run past it.
+    room = sm.config.max_seq_len - max(map(len, ids))
+    cfg = sm.decoding.over(
+        {"max_new_tokens": min(52 if corpus == "reasoning" else 48, room), "eos_token_ids": (sm.tokenizer.eos_id,)}
+    )
+    sampler = sm.sampler()
     out = sampler.generate(ids, cfg, batch_size=16)
     texts = [sm.tokenizer.decode(row.completion, skip_special_tokens=True) for row in out.rows]
     policy = _policy_words(cfg)

@@ -122,7 +122,7 @@ class MethodSection(Section):
         return self.order_policy().decoding_policy()
 
 
-BUILTIN_CORPORA = ("stdlib", "reasoning")
+BUILTIN_CORPORA = ("stdlib", "reasoning", "reasoning-chains")
 """Dataset paths that name a corpus every machine builds itself (data/builtin.py)."""
 SUPERVISED_CORPORA = ("reasoning",)
 """The built-in corpora that also hold supervised records."""
@@ -131,7 +131,8 @@ SUPERVISED_CORPORA = ("reasoning",)
 class DatasetSpec(Section):
     path: str
     """Prefix of a megatron indexed dataset (without .bin/.idx), or a built-in corpus: 'stdlib'
-    (the Python standard library's sources) or 'reasoning' (generated multi-step arithmetic)."""
+    (the Python standard library's sources), 'reasoning' (generated multi-step arithmetic) or
+    'reasoning-chains' (its + and - solutions without the expression line, for infilling)."""
     weight: PositiveFloat = 1.0
     format: Literal["pretraining", "supervised"] = "pretraining"
     """'pretraining': documents packed into windows; 'supervised': prompt/response records

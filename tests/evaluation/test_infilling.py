@@ -144,6 +144,8 @@ def test_infill_job_scores_its_samples_and_resumes(trained_run, stories, tmp_pat
     assert metrics["examples"] == 2 and [s["id"] for s in samples] == ["s1", "s2"]
     assert all(s["completion"] == "" and len(s["infills"]) == 1 for s in samples)
     assert metrics["rougeL"] == pytest.approx(score_samples(samples)["rougeL"])
+    decoded, busy = sum(s["num_decoded"] for s in samples), sum(s["busy_seconds"] for s in samples)
+    assert metrics["tokens_per_s"] == pytest.approx(decoded / busy) and decoded > 0
     again = infill(trained_run, tmp_path / "roc", "--task", "rocstories", "--data", str(stories))
     assert again.returncode == 0 and "2 already written" in again.stderr
     assert json.loads((tmp_path / "roc" / "metrics.json").read_text()) == metrics

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -90,9 +92,102 @@ def test_the_adapted_setting_starts_every_model_from_the_shipped_base():
     from setdiff_megatron.recipes import load_recipe
 
     reasoning, code = plan.models(False, "adapted")
-    assert len(reasoning) == 7 and not code
+    assert len(reasoning) == 10 and not code
     for model in reasoning:
         recipe = load_recipe(model.recipe)
-        assert recipe.model.init_from == "assets/reasoning-ar-base" and recipe.train.steps == 400
+        assert recipe.model.init_from == "assets/reasoning-ar-base" and recipe.train.steps == plan.ADAPTED_STEPS
         points, grid = model.grid(False)
-        assert points[0]["window"] == 1 and not grid and len(points) == (1 if model.family == "ar" else 4)
+        assert not grid and len(points) == {"ar": 1, "mdlm": 6, "bd3lm": 5}.get(model.family, 6)
+
+
+def test_the_baselines_are_the_papers_families_under_the_settings_budget():
+    """MDLM and BD3-LM train as `method.family` says, with the same data, steps and optimizer as
+    the setting's set diffusion models; they sweep the threshold over their blocks, their paper
+    default (threshold 0.9) among the points."""
+    from benchmarks.study import plan
+    from setdiff_megatron.recipes import load_recipe
+
+    for setting in ("supervised", "adapted"):
+        models = {m.name: m for m in plan.models(False, setting)[0]}
+        reference = load_recipe(models["sd-d4"].recipe)
+        for name, family, block in (("mdlm", "mdlm", None), ("bd3lm-b4", "bd3lm", 4), ("bd3lm-b8", "bd3lm", 8)):
+            recipe = load_recipe(models[name].recipe)
+            assert (recipe.method.family, recipe.method.block_size) == (family, block)
+            for section in ("data", "train", "parallel"):
+                assert getattr(recipe, section) == getattr(reference, section)
+            assert recipe.model == reference.model
+            points, _ = models[name].grid(False)
+            block = block or plan.MDLM_BLOCK
+            assert {p["name"] for p in points} >= {f"b{block}-toff", f"b{block}-t0.9", f"b{block}-t0.5"}
+            assert models[name].decoding_defaults() == {"block_size": block}
+    assert not {m.name for m in plan.models(False, "packed")[0]} & set(plan.BASELINES)
+
+
+def test_the_infill_setting_pretrains_every_family_on_the_chains():
+    from benchmarks.study import plan
+    from setdiff_megatron.recipes import load_recipe
+
+    models = plan.models(False, "infill")[0]
+    assert [m.name for m in models] == list(plan.INFILL_MODELS)
+    contexts = {}
+    for m in models:
+        recipe = load_recipe(m.recipe)
+        assert [d.path for d in recipe.data.datasets] == [
+            "reasoning-chains"
+        ] and recipe.data.seq_len == plan.INFILL_LENGTH
+        assert recipe.data.datasets[0].format == "pretraining" and recipe.model.init_from is None
+        contexts[m.name] = m.infill()
+    assert contexts["ar"]["context"] == "left" and contexts["sd-d4"]["context"] == "both"
+    assert contexts["mdlm"] == {"context": "both", "window": 64, "block_size": 64}
+    assert contexts["bd3lm-b4"] == {"context": "blocks", "window": 4, "block_size": 4}
+
+
+def test_the_budget_setting_reuses_the_adapted_runs_at_their_budget():
+    from benchmarks.study import plan
+    from benchmarks.study.run import overrides
+
+    models = plan.models(False, "budget", (400, 1600))[0]
+    assert [m.key for m in models] == [
+        *plan.BUDGET_MODELS,
+        *(f"{name}-steps1600" for name in plan.BUDGET_MODELS),
+    ]
+    assert {m.setting for m in models} == {"adapted"} and models[0].recipe == plan.models(False, "adapted")[0][0].recipe
+    longer = replace(models[-1], seed=2)
+    assert longer.key == "bd3lm-b4-steps1600-seed2" and longer.group == "bd3lm-b4-steps1600"
+    assert "train.steps=1600" in overrides(Path("out"), longer, None)
+    assert overrides(Path("out"), longer, 3)[-2:] == ["train.steps=3", "checkpoint.interval=3"]  # a smoke run's
+
+
+@pytest.mark.slow  # 6 minutes on 2 cores shared with other work (2026-12-05); MDLM decodes its whole canvas each step
+def test_the_baselines_run_through_the_pipeline(tmp_path):
+    """MDLM and BD3-LM train through their recipes and decode every point of their sweeps, each
+    point's speed with the invocation that measured it."""
+    argv = ["--models", "mdlm,bd3lm-b4", "--steps", "2", "--per-level", "1", "--out", str(tmp_path / "runs")]
+    trained = main([*argv, "--train-only", "--results", str(tmp_path / "results")])
+    assert trained == {"trained": ["mdlm", "bd3lm-b4"]} and not (tmp_path / "results").exists()
+    results = main([*argv, "--results", str(tmp_path / "results")])
+    assert list(results["models"]) == ["mdlm", "bd3lm-b4"]
+    for name, block in (("mdlm", 32), ("bd3lm-b4", 4)):
+        points = results["models"][name]["points"]
+        assert [p["point"] for p in points][:5] == [f"b{block}-t{t}" for t in ("off", "0.99", "0.9", "0.7", "0.5")]
+        assert {p["block_size"] for p in points[:5]} == {block} and all(p["examples"] == 5 for p in points)
+        assert {p["invocation"] for p in points} == {results["invocation"]} and all(p["tokens_per_s"] for p in points)
+    assert results["models"]["mdlm"]["points"][5]["block_size"] == 8
+    text = (tmp_path / "results" / "results.md").read_text()
+    assert "| BD3-LM (block 4) | b4-t0.9 | - | 0.9 |" in text and "measured in one invocation" in text
+
+
+@pytest.mark.slow  # 2 to 3 minutes on 2 shared cores (2026-12-05): five models trained and infilled
+def test_the_infill_setting_runs_through_the_pipeline(tmp_path):
+    """Every infill model trains on the chains, infills them with its context, and the rules'
+    figures, per-level scores and speeds reach the results."""
+    argv = ["--setting", "infill", "--steps", "2", "--infill-per-level", "2", "--seeds", "1,2"]
+    results = main([*argv, "--out", str(tmp_path / "runs"), "--results", str(tmp_path / "results")])
+    assert results["infill_baselines"]["right_context"] == 1.0 and results["infill_baselines"]["examples"] == 10
+    contexts = {name: m["infill_chains"]["context"] for name, m in results["models"].items()}
+    assert contexts == {"ar": "left", "sd-d4": "both", "sd-d8": "both", "mdlm": "both", "bd3lm-b4": "blocks"}
+    for m in results["models"].values():
+        r = m["infill_chains"]
+        assert r["examples"] == 10 and len(r["exact_match_by_seed"]) == 2 and r["tokens_per_s"] > 0
+        assert set(r["levels"]) == set(results["infill_baselines"]["by_level"])
+    assert (tmp_path / "results" / "infill.png").stat().st_size > 0

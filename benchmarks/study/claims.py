@@ -1,0 +1,340 @@
+"""The paper's claims held against the study's results: the comparisons, their verdicts, the table.
+
+The paper (arXiv 2607.01775) claims set diffusion has 1. a better speed-quality trade-off than
+MDLM and BD3-LM on mathematical reasoning, summarisation and unconditional generation, and 2.
+stronger infilling than block diffusion. A comparison here sets two sides against each other, the
+claimed winner first, each a mean over training seeds with the standard error of that mean from
+the seeds' spread (standard deviation / sqrt(seeds)); the difference d (claimed direction
+positive) has the standard error se = sqrt(se_a^2 + se_b^2), the two sides' models trained
+independently. The verdict (`verdict`):
+
+  holds          d > 2 se
+  does not hold  d < -2 se
+  inconclusive   otherwise, or a side with fewer than two seeds (no spread to judge by)
+
+A side of a speed-quality comparison is a family's most accurate point at or above a speed floor
+(SPEED_FLOORS, tokens per step, the paper's parallelism axis): set diffusion (the staggered
+schedule, d = 2, 4, 8; not its uniform and block orders) against MDLM, or against BD3-LM (blocks
+of 4 and 8). Picking the best of several points flatters each side, set diffusion's (more models
+and points) the more; the standard errors do not count that. The test problems are the same for
+every model, so their sampling error is shared and left out of se. A side of the infilling
+comparison is a family's best exact match (and ROUGE-L) on the chains task. Claims the study
+has no setting for are "not tested here", with the reason; a setting without results yet is
+"not run yet".
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+VERDICT_SE = 2.0
+"""A difference counts when it is beyond this many standard errors of the difference."""
+SPEED_FLOORS = (1.5, 2.5)
+"""Tokens per step at or above which each family's best point is compared: moderate parallelism,
+and the 2.5 the study's earlier verdicts read the gap to AR at."""
+GAP_FLOOR = 2.5
+"""The budget setting's question: the gap to AR at 2.5 tokens per step or more."""
+SET_DIFFUSION = ("sd",)
+BASELINES = {"MDLM": ("mdlm",), "BD3-LM": ("bd3lm",)}
+
+
+@dataclass(frozen=True)
+class Side:
+    """One side of a comparison: a figure's mean over seeds, its spread and where it was read."""
+
+    label: str
+    mean: float
+    std: float
+    seeds: int
+    tokens_per_step: float | None = None
+    tokens_per_s: float | None = None
+
+    @property
+    def se(self) -> float | None:
+        """The standard error of the mean from the seeds; None with one seed."""
+        return self.std / math.sqrt(self.seeds) if self.seeds > 1 else None
+
+    def text(self) -> str:
+        speeds = [
+            *([f"{self.tokens_per_step:.2f} tokens/step"] if self.tokens_per_step is not None else []),
+            *([f"{self.tokens_per_s:.0f} tokens/s"] if self.tokens_per_s is not None else []),
+        ]
+        spread = f" ± {self.std:.3f}" if self.seeds > 1 else " (one seed)"
+        return f"{self.mean:.3f}{spread} ({', '.join([self.label, *speeds])})"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    difference: float | None
+    se: float | None
+    verdict: str
+    why: str
+
+    def text(self) -> str:
+        if self.difference is None:
+            return "-"
+        return f"{self.difference:+.3f}" + ("" if self.se is None else f" ± {self.se:.3f}")
+
+
+def verdict(a: Side, b: Side) -> Verdict:
+    """a (the claimed winner) against b, by the module docstring's rule."""
+    d = a.mean - b.mean
+    if a.se is None or b.se is None:
+        return Verdict(d, None, "inconclusive", "a side has one seed: no spread to judge the difference by")
+    se = math.hypot(a.se, b.se)
+    bound = VERDICT_SE * se
+    if d > bound:
+        return Verdict(d, se, "holds", f"the difference is above {VERDICT_SE:g} standard errors ({bound:.3f})")
+    if d < -bound:
+        return Verdict(d, se, "does not hold", f"the difference is below -{VERDICT_SE:g} standard errors ({bound:.3f})")
+    return Verdict(d, se, "inconclusive", f"the difference is within {VERDICT_SE:g} standard errors ({bound:.3f})")
+
+
+def _has(models: dict, families: tuple[str, ...]) -> bool:
+    return any(m["family"] in families for m in models.values())
+
+
+def best_point(models: dict, families: tuple[str, ...], floor: float) -> Side | None:
+    """The most accurate decoding point at or above `floor` tokens per step among `models` of
+    `families` (results.json entries), or None."""
+    candidates = [
+        (m, p) for m in models.values() if m["family"] in families for p in m["points"] if p["tokens_per_step"] >= floor
+    ]
+    if not candidates:
+        return None
+    m, p = max(candidates, key=lambda mp: mp[1]["accuracy"])
+    return Side(
+        f"{m['label']}, {p['point']}",
+        p["accuracy"],
+        p.get("accuracy_std", 0.0),
+        len(p.get("accuracy_by_seed", [None])),
+        p["tokens_per_step"],
+        p["tokens_per_s"],
+    )
+
+
+def best_infill(models: dict, families: tuple[str, ...], score: str) -> Side | None:
+    """The best infilling `score` (exact_match, rougeL) among `models` of `families`, or None."""
+    rows = [(m, m["infill_chains"]) for m in models.values() if m["family"] in families and "infill_chains" in m]
+    if not rows:
+        return None
+    m, r = max(rows, key=lambda mr: mr[1][score])
+    return Side(
+        m["label"],
+        r[score],
+        r.get(f"{score}_std", 0.0),
+        len(r.get(f"{score}_by_seed", [None])),
+        None,
+        r["tokens_per_s"],
+    )
+
+
+@dataclass(frozen=True)
+class Row:
+    claim: str
+    paper: str
+    here: str
+    measured: str
+    difference: str
+    verdict: str
+    why: str
+
+
+MATH = "1. Set diffusion's speed-quality trade-off beats {name}'s on math reasoning"
+MATH_PAPER = "GSM8K; Qwen3-1.7B-Base adapted into each model; accuracy against tokens/s and tokens per step"
+SETTING_WORDS = {
+    "supervised": "supervised: 4 x 128 models from scratch",
+    "adapted": "adapted: 4 x 128 models from one AR base",
+}
+
+
+def _unmeasured(claim: str, paper: str, here: str, verdict_: str, why: str) -> Row:
+    return Row(claim, paper, here, "-", "-", verdict_, why)
+
+
+def _math_rows(setting: str, results: dict | None) -> list[Row]:
+    rows = []
+    for name, families in BASELINES.items():
+        for floor in SPEED_FLOORS:
+            claim = MATH.format(name=name)
+            if results is None:
+                rows.append(
+                    _unmeasured(claim, MATH_PAPER, SETTING_WORDS[setting], "not run yet", f"no {setting} results")
+                )
+                continue
+            models = results["models"]
+            steps = next(iter(models.values()))["steps"]  # one budget for every model of a setting
+            here = (
+                f"{SETTING_WORDS[setting]}, {steps} steps, seeds {results['seeds']['training']}, "
+                f"{results['test_problems']} problems; best at >= {floor} tokens/step"
+            )
+            absent = [n for n, f in (("set diffusion", SET_DIFFUSION), (name, families)) if not _has(models, f)]
+            if absent:
+                why = f"these results hold no {' and no '.join(absent)} model"
+                rows.append(_unmeasured(claim, MATH_PAPER, here, "not run yet", why))
+                continue
+            sd, base = best_point(models, SET_DIFFUSION, floor), best_point(models, families, floor)
+            if sd is None or base is None:
+                missing = "set diffusion" if sd is None else name
+                rows.append(
+                    _unmeasured(claim, MATH_PAPER, here, "not tested here", f"{missing} has no point at >= {floor}")
+                )
+                continue
+            v = verdict(sd, base)
+            rows.append(
+                Row(
+                    claim,
+                    MATH_PAPER,
+                    here,
+                    f"set diffusion {sd.text()}; {name} {base.text()}",
+                    v.text(),
+                    v.verdict,
+                    v.why,
+                )
+            )
+    return rows
+
+
+NOT_TESTED = (
+    Row(
+        "1. ... on summarisation",
+        "CNN/DailyMail; Qwen3-0.6B-shaped models from scratch; ROUGE against tokens/s",
+        "-",
+        "-",
+        "-",
+        "not tested here",
+        "the study's corpora are generated arithmetic, with no summarisation task; the project's "
+        "recipes/cnndm-*.yaml are the paper's setting (the dataset and GPUs)",
+    ),
+    Row(
+        "1. ... on unconditional generation",
+        "OpenWebText; 110M-parameter models; MAUVE against tokens/s",
+        "-",
+        "-",
+        "-",
+        "not tested here",
+        "the study measures no unconditional generation (MAUVE needs a reference corpus and a featuriser "
+        "model); recipes/owt-*.yaml are the paper's setting",
+    ),
+)
+INFILL = "2. Set diffusion infills better than block diffusion (BD3-LM): {score}"
+INFILL_PAPER = "ROCStories middle sentences; OpenWebText-pretrained models; ROUGE"
+
+
+def _infill_rows(results: dict | None) -> list[Row]:
+    rows = []
+    for score, name in (("exact_match", "exact match"), ("rougeL", "ROUGE-L")):
+        claim = INFILL.format(score=name)
+        if results is None:
+            rows.append(_unmeasured(claim, INFILL_PAPER, "infill", "not run yet", "no infill results"))
+            continue
+        models = results["models"]
+        here = (
+            f"infill: chain lines the right side decides, {results['infill_baselines']['examples']} lines, seeds "
+            f"{results['seeds']['training']} (best left-only guess {results['infill_baselines']['left_only']:.3f})"
+        )
+        sd, bd3 = best_infill(models, SET_DIFFUSION, score), best_infill(models, BASELINES["BD3-LM"], score)
+        if sd is None or bd3 is None:
+            rows.append(_unmeasured(claim, INFILL_PAPER, here, "not tested here", "a family was not trained"))
+            continue
+        v = verdict(sd, bd3)
+        rows.append(
+            Row(
+                claim, INFILL_PAPER, here, f"set diffusion {sd.text()}; BD3-LM {bd3.text()}", v.text(), v.verdict, v.why
+            )
+        )
+    return rows
+
+
+def _by_budget(results: dict) -> dict[int, dict]:
+    """The budget setting's models grouped by their trained steps."""
+    groups: dict[int, dict] = {}
+    for key, m in results["models"].items():
+        groups.setdefault(m["steps"], {})[key] = m
+    return dict(sorted(groups.items()))
+
+
+def _gap(models: dict) -> tuple[Side | None, Side | None, Verdict | None]:
+    """(AR's best point, set diffusion's best at >= GAP_FLOOR, AR's lead over it) in one budget's models."""
+    ar, sd = best_point(models, ("ar",), 0.0), best_point(models, SET_DIFFUSION, GAP_FLOOR)
+    return ar, sd, (verdict(ar, sd) if ar and sd else None)
+
+
+BUDGET = "The adapted setting's gap to AR at >= 2.5 tokens/step is its 400-step budget (this study's earlier reading)"
+
+
+def _budget_row(results: dict | None) -> Row:
+    paper = "- (the paper adapts Qwen3-1.7B-Base for a full fine-tuning run)"
+    if results is None:
+        return _unmeasured(BUDGET, paper, "budget", "not run yet", "no budget results")
+    gaps = {b: _gap(models) for b, models in _by_budget(results).items()}
+    here = f"budget: AR and set diffusion d = 4 adapted for {', '.join(map(str, gaps))} steps, seeds {results['seeds']['training']}"
+    measured = "; ".join(f"{b} steps: AR lead {v.text()}" for b, (_, _, v) in gaps.items() if v is not None)
+    longest = gaps[max(gaps)][2]
+    if longest is None:
+        return _unmeasured(
+            BUDGET, paper, here, "not tested here", "set diffusion has no point at >= 2.5 at the longest budget"
+        )
+    if longest.se is None:
+        return Row(BUDGET, paper, here, measured, longest.text(), "inconclusive", longest.why)
+    closed = longest.difference <= VERDICT_SE * longest.se
+    why = (
+        f"at the longest budget AR's lead is {'within' if closed else 'beyond'} {VERDICT_SE:g} standard errors "
+        f"({VERDICT_SE * longest.se:.3f})"
+    )
+    return Row(BUDGET, paper, here, measured, longest.text(), "holds" if closed else "does not hold", why)
+
+
+def claim_rows(by_setting: dict[str, dict]) -> list[Row]:
+    """Every row of the claims table from the settings' results (a missing setting: not run yet)."""
+    return [
+        *_math_rows("supervised", by_setting.get("supervised")),
+        *_math_rows("adapted", by_setting.get("adapted")),
+        *NOT_TESTED,
+        *_infill_rows(by_setting.get("infill")),
+        _budget_row(by_setting.get("budget")),
+    ]
+
+
+def claims_markdown(by_setting: dict[str, dict]) -> str:
+    """The claims table (benchmarks/results/study/claims.md) with the rule it applies."""
+    rows = claim_rows(by_setting)
+    out = [
+        "# The paper's claims against the study",
+        "",
+        "Generated by `python -m benchmarks.study --claims` from the settings' results.json "
+        "(benchmarks/study/claims.py). Figures: mean ± standard deviation over training seeds; the difference "
+        "(claimed direction positive) ± its standard error from the seeds' spread. Verdict: holds when the "
+        f"difference is above {VERDICT_SE:g} standard errors, does not hold when below -{VERDICT_SE:g}, otherwise "
+        "(or with one seed) inconclusive. Each side of a speed-quality comparison is its family's best point at "
+        "or above the speed floor, which flatters both sides.",
+        "",
+        "| claim | paper's setting | this study's setting | measured | difference ± SE | verdict | why |",
+        "|---|---|---|---|---|---|---|",
+        *(
+            f"| {r.claim} | {r.paper} | {r.here} | {r.measured} | {r.difference} | **{r.verdict}** | {r.why} |"
+            for r in rows
+        ),
+    ]
+    return "\n".join(out) + "\n"
+
+
+def budget_table(results: dict) -> list[str]:
+    """The budget setting's section of results.md: per budget, AR's accuracy, each family's best
+    point at >= GAP_FLOOR tokens per step, and AR's lead over set diffusion."""
+    out = [
+        f"## The gap to AR by budget (best points at >= {GAP_FLOOR:g} tokens per step)",
+        "",
+        "| steps | AR | set diffusion d = 4 | BD3-LM (block 4) | MDLM | AR's lead over set diffusion ± SE |",
+        "|---|---|---|---|---|---|",
+    ]
+    for steps, models in _by_budget(results).items():
+        ar, sd, lead = _gap(models)
+        cells = [best_point(models, BASELINES[name], GAP_FLOOR) for name in ("BD3-LM", "MDLM")]
+        out.append(
+            f"| {steps} | {ar.text() if ar else '-'} | {sd.text() if sd else '-'} | "
+            + " | ".join(c.text() if c else "-" for c in cells)
+            + f" | {lead.text() if lead else '-'} |"
+        )
+    return out

@@ -1,0 +1,147 @@
+"""The claims table's rules (benchmarks/study/claims.py) on made-up results whose verdicts are
+worked out by hand, and the committed claims.md as the table of the committed results."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from benchmarks.study import plan
+from benchmarks.study.claims import Side, best_point, claim_rows, claims_markdown, verdict
+
+RESULTS = Path(__file__).parents[3] / "benchmarks" / "results" / "study"
+
+
+def _side(mean: float, std: float, seeds: int = 3) -> Side:
+    return Side("x", mean, std, seeds)
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "expected"),
+    [
+        # se of each side 0.03 / sqrt(3); of the difference sqrt(2) times that, 0.0245: 2 se = 0.049
+        ((0.70, 0.03), (0.60, 0.03), "holds"),
+        ((0.60, 0.03), (0.70, 0.03), "does not hold"),
+        ((0.64, 0.03), (0.60, 0.03), "inconclusive"),
+        ((0.60, 0.03), (0.64, 0.03), "inconclusive"),
+    ],
+)
+def test_a_difference_counts_beyond_two_standard_errors(a, b, expected):
+    v = verdict(_side(*a), _side(*b))
+    assert v.verdict == expected
+    assert v.difference == pytest.approx(a[0] - b[0]) and v.se == pytest.approx(math.sqrt(2) * 0.03 / math.sqrt(3))
+
+
+def test_one_seed_is_never_a_verdict():
+    v = verdict(_side(0.9, 0.0, seeds=1), _side(0.1, 0.05))
+    assert v.verdict == "inconclusive" and v.se is None and "one seed" in v.why
+
+
+def _point(name: str, accuracy: float, tokens_per_step: float, std: float = 0.01) -> dict:
+    return {
+        "point": name,
+        "accuracy": accuracy,
+        "accuracy_std": std,
+        "accuracy_by_seed": [accuracy] * 3,
+        "tokens_per_step": tokens_per_step,
+        "tokens_per_s": 100.0 * tokens_per_step,
+    }
+
+
+def _model(label: str, family: str, points: list[dict], steps: int = 400) -> dict:
+    return {"label": label, "family": family, "steps": steps, "points": points}
+
+
+MATH = {
+    "seeds": {"training": [1, 2, 3]},
+    "test_problems": 250,
+    "models": {
+        "ar": _model("AR", "ar", [_point("ar", 0.90, 1.0)]),
+        "sd-d4": _model("d=4", "sd", [_point("w1", 0.80, 1.0), _point("w4-t0.9", 0.70, 2.6)]),
+        # a block order is set diffusion with another order: never set diffusion's side
+        "sd-block4": _model("block", "sd-block", [_point("w4-t0.9", 0.99, 2.9)]),
+        "mdlm": _model("MDLM", "mdlm", [_point("b32-t0.9", 0.50, 1.8), _point("b32-t0.5", 0.30, 3.0)]),
+        "bd3lm-b4": _model("BD3-LM", "bd3lm", [_point("b4-t0.9", 0.69, 2.7), _point("b4-toff", 0.95, 1.0)]),
+    },
+}
+
+
+def test_each_side_is_its_familys_best_point_at_the_floor():
+    best = best_point(MATH["models"], ("sd",), 2.5)
+    assert (best.mean, best.label, best.tokens_per_step) == (0.70, "d=4, w4-t0.9", 2.6)
+    assert best_point(MATH["models"], ("bd3lm",), 1.0).mean == 0.95
+    assert best_point(MATH["models"], ("bd3lm",), 2.5).mean == 0.69
+    assert best_point(MATH["models"], ("mdlm",), 3.5) is None
+
+
+def _infill(exact: float, std: float) -> dict:
+    return {
+        "exact_match": exact,
+        "exact_match_std": std,
+        "exact_match_by_seed": [exact] * 3,
+        "rougeL": exact,
+        "rougeL_std": std,
+        "rougeL_by_seed": [exact] * 3,
+        "tokens_per_s": 50.0,
+    }
+
+
+INFILL = {
+    "seeds": {"training": [1, 2, 3]},
+    "infill_baselines": {"examples": 1000, "left_only": 0.07},
+    "models": {
+        "sd-d4": _model("d=4", "sd", []) | {"infill_chains": _infill(0.40, 0.02)},
+        "bd3lm-b4": _model("BD3-LM", "bd3lm", []) | {"infill_chains": _infill(0.10, 0.02)},
+    },
+}
+
+
+def _budget(ar: float, sd: float) -> dict:
+    return {
+        "seeds": {"training": [1, 2, 3]},
+        "models": {
+            "ar": _model("AR", "ar", [_point("ar", 0.90, 1.0)]),
+            "sd-d4": _model("d=4", "sd", [_point("w4-t0.9", 0.60, 2.6)]),
+            "ar-steps6400": _model("AR", "ar", [_point("ar", ar, 1.0)], steps=6400),
+            "sd-d4-steps6400": _model("d=4", "sd", [_point("w4-t0.9", sd, 2.6)], steps=6400),
+        },
+    }
+
+
+def test_the_claims_table_of_made_up_settings():
+    rows = claim_rows({"supervised": MATH, "infill": INFILL, "budget": _budget(0.95, 0.94)})
+    verdicts = [(r.claim.split(" ")[6] if r.claim.startswith("1. Set") else r.claim, r.verdict) for r in rows]
+    # supervised: MDLM at >= 1.5 (0.70 vs 0.50) and >= 2.5 (0.70 vs 0.30); BD3-LM at >= 1.5
+    # (0.70 vs its 0.69 at 2.7) and >= 2.5 (the same); the adapted setting has no results
+    assert [v for _, v in verdicts[:4]] == ["holds", "holds", "inconclusive", "inconclusive"]
+    assert [v for _, v in verdicts[4:8]] == ["not run yet"] * 4
+    assert [r.verdict for r in rows[8:10]] == ["not tested here"] * 2  # summarisation, unconditional
+    assert [r.verdict for r in rows[10:12]] == ["holds", "holds"]  # infilling: 0.40 against 0.10
+    assert rows[12].verdict == "holds"  # the budget: AR 0.95, set diffusion 0.94, within 2 se
+    assert claim_rows({"budget": _budget(0.95, 0.80)})[12].verdict == "does not hold"
+    assert "0.700 ± 0.010 (d=4, w4-t0.9, 2.60 tokens/step, 260 tokens/s)" in rows[0].measured
+
+
+def test_results_without_the_baselines_are_not_run_yet():
+    old = MATH | {"models": {k: m for k, m in MATH["models"].items() if k not in plan.BASELINES}}
+    rows = claim_rows({"adapted": old})[4:8]
+    assert {r.verdict for r in rows} == {"not run yet"} and "no MDLM model" in rows[0].why
+
+
+def test_the_committed_claims_table_is_that_of_the_committed_results():
+    by_setting = {
+        s: json.loads((RESULTS / s / "results.json").read_text(encoding="utf-8"))
+        for s in plan.SETTINGS
+        if (RESULTS / s / "results.json").is_file()
+    }
+    assert claims_markdown(by_setting) == (RESULTS / "claims.md").read_text(encoding="utf-8")
+
+
+def test_the_study_page_holds_the_committed_claims_table():
+    """docs/study.md shows the table claims.md holds (regenerated with --claims, then pasted)."""
+    page = (RESULTS.parents[2] / "docs" / "study.md").read_text(encoding="utf-8")
+    rows = [line for line in (RESULTS / "claims.md").read_text(encoding="utf-8").splitlines() if line.startswith("|")]
+    assert rows and all(row in page for row in rows)
