@@ -24,6 +24,7 @@ forward hooks, so neither body's code changes; megatron's linears return (output
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -147,13 +148,15 @@ def is_adapter_key(name: str) -> bool:
     return f".{_PREFIX}" in name and name.rsplit(".", 1)[-1] in ("A", "B")
 
 
-def load_weights(module: nn.Module, state_dict: Mapping[str, torch.Tensor], what: str) -> None:
+def load_weights(
+    module: nn.Module, state_dict: Mapping[str, torch.Tensor], what: str, *, adapters: bool = False
+) -> None:
     """Load `state_dict` into `module`, strictly except for what it need not hold: the module's
-    adapters (a base model has none; a LoRA checkpoint holds nothing else) and Transformer
-    Engine's `_extra_state` entries."""
+    adapters (a base model has none), or with `adapters` (a LoRA checkpoint's) everything else,
+    and Transformer Engine's `_extra_state` entries."""
     with torch.no_grad():
         missing, unexpected = module.load_state_dict(state_dict, strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state") and not is_adapter_key(k)]
+    missing = [k for k in missing if not k.endswith("_extra_state") and is_adapter_key(k) == adapters]
     if missing or unexpected:
         raise RuntimeError(f"{what}: weights missing {missing}, unexpected {unexpected}")
 
@@ -167,8 +170,12 @@ def merge_adapters(
     state: Mapping[str, torch.Tensor], adapters: Mapping[str, torch.Tensor], spec: LoraSpec, cfg: ModelConfig
 ) -> StateDict:
     """Torch weights with the adapters (torch names) folded in: W0 + scale * B @ A, computed in
-    float64 and stored in W0's dtype. Every adapter the spec names must be there, and no other."""
-    out, unused = dict(state), set(adapters)
+    float64; every weight is stored in the wider of its dtype and the adapters' (a bf16 base
+    trained in fp32 gives fp32 weights: the sum, rounded to bf16, would lose the adapters' small
+    steps). Every adapter the spec names must be there, and no other."""
+    wide = functools.reduce(torch.promote_types, (a.dtype for a in adapters.values()), torch.bfloat16)
+    out = {k: v.to(torch.promote_types(v.dtype, wide)) if v.is_floating_point() else v for k, v in state.items()}
+    unused = set(adapters)
     for i in range(cfg.num_layers):
         for target in spec.targets:
             key = TORCH_LAYER.format(i) + _PREFIX + target

@@ -403,7 +403,12 @@ class MegatronEngine:
             }
             loaded = load_shards(state, resumed.path)
             for i, c in enumerate(self.chunks):
-                load_weights(c.module, loaded[f"model{i}"], f"checkpoint.resume: {resumed.path}")
+                load_weights(
+                    c.module,
+                    loaded[f"model{i}"],
+                    f"checkpoint.resume: {resumed.path}",
+                    adapters=self.recipe.model.lora is not None,
+                )
             if with_optimizer:
                 _load_optimizer(self.optimizer, loaded["optimizer"])
             if ema:
