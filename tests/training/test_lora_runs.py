@@ -3,7 +3,6 @@ its shipped AR base, 2 processes data parallel, under both engines; only adapter
 checkpoints, an exact resume from the base read again, and a Hugging Face export whose merged
 weights give the adapted model's logits."""
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -16,20 +15,12 @@ from setdiff_megatron.models.lora import adapt_torch_model, is_adapter_key
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 from setdiff_megatron.sources.megatron import adapter_weights
 from setdiff_megatron.sources.read import fit_source, read_source
+from tests.training.test_supervised_runs import ROOT, losses
+from tests.training.test_supervised_runs import train as train_reasoning
 
-ROOT = Path(__file__).parents[2]
-RECIPE = ROOT / "recipes" / "tiny-reasoning.yaml"
 BASE = ROOT / "assets" / "reasoning-ar-base"
-SMALL = (
-    "train.steps=3",
-    "parallel.micro_batch_size=4",
-    "parallel.global_batch_size=8",
-    "log.interval=1",
-    "eval.interval=3",
-    "eval.batches=2",
+LORA = (
     "checkpoint.interval=2",
-    "log.tensorboard=false",
-    "train.warmup_steps=1",
     "eval.showcase_problems=0",
     "train.precision=fp32",
     f"model.init_from={BASE}",
@@ -46,24 +37,8 @@ def data_cache(tmp_path_factory) -> Path:
 
 
 def train(run_dir: Path, data_cache: Path, *overrides: str) -> list[dict]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "setdiff_megatron.cli",
-        "train",
-        str(RECIPE),
-        f"checkpoint.dir={run_dir}",
-        f"data.cache_dir={data_cache}",
-        *SMALL,
-        *overrides,
-    ]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    return [json.loads(line) for line in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
-
-
-def losses(metrics: list[dict], key: str = "train/loss") -> list[float]:
-    return [m[key] for m in metrics if key in m]
+    """The main job's recipe on 3 steps of 8 rows (test_supervised_runs.py), with LoRA on its base."""
+    return train_reasoning(run_dir, data_cache, *LORA, *overrides)
 
 
 @pytest.fixture(scope="module")
