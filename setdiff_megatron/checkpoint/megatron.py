@@ -5,6 +5,7 @@ whole in one process, without megatron).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -19,17 +20,22 @@ OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 """The canonical per-parameter format of the distributed optimizer: reshardable over TP/PP/DP."""
 
 
-def model_sharded_state(modules, optimizer=None, *, is_loading: bool = False) -> dict:
+def model_sharded_state(
+    modules, optimizer=None, *, is_loading: bool = False, keep: Callable[[str], bool] | None = None
+) -> dict:
     """Model chunks (bare megatron modules) and, unless None, their optimizer as one
-    dist_checkpointing state dict."""
+    dist_checkpointing state dict; with `keep`, only the model entries whose keys it keeps (LoRA's
+    adapters: models/lora.py)."""
     model = {f"model{i}": m.sharded_state_dict(prefix="") for i, m in enumerate(modules)}
-    if optimizer is None:
-        return model
     # The optimizer's shards are keyed by the model's sharded tensors, found by parameter.
-    return {
-        **model,
-        "optimizer": optimizer.sharded_state_dict(model, is_loading=is_loading, metadata=OPTIMIZER_METADATA),
-    }
+    state = (
+        {"optimizer": optimizer.sharded_state_dict(model, is_loading=is_loading, metadata=OPTIMIZER_METADATA)}
+        if optimizer is not None
+        else {}
+    )
+    if keep is not None:
+        model = {chunk: {k: v for k, v in part.items() if keep(k)} for chunk, part in model.items()}
+    return model | state
 
 
 def ema_sharded_state(model_state: dict, wholes: dict[int, torch.Tensor]) -> dict:

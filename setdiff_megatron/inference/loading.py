@@ -112,8 +112,8 @@ def load_sampling_model(
     torch_dtype = dtype_named(dtype or ("bf16" if where.type == "cuda" else "fp32"))
     sharded = ranks.tp > 1
     source = path if isinstance(path, Source) else read_source(path, weights=not sharded)
-    if source.state_dict is None and not (sharded and source.kind == "megatron"):
-        source = read_source(source.path)  # only megatron shards load rank by rank
+    if source.state_dict is None and not (sharded and source.kind == "megatron" and not source.lora):
+        source = read_source(source.path)  # only megatron shards load rank by rank (LoRA's: merged whole)
     for note in source.notes:  # what a release's reader ignored (its source files, ...)
         say(f"setdiff: {note}", file=sys.stderr)
     if sharded:

@@ -67,12 +67,13 @@ from setdiff_megatron.errors import UserError, require
 from setdiff_megatron.kernels.dispatch import context_parallel_kernel
 from setdiff_megatron.kernels.ring_attention import ring_set_causal_attention
 from setdiff_megatron.models.config import ModelConfig
+from setdiff_megatron.models.lora import LoraSpec, Rows, add_adapters
 from setdiff_megatron.models.torch_model import LayerNorm as TorchLayerNorm
 from setdiff_megatron.models.torch_model import Rotary, cache_attention_impl
-from setdiff_megatron.models.weight_maps.megatron import check_backend
+from setdiff_megatron.models.weight_maps.megatron import check_backend, qkv_rows
 from setdiff_megatron.models.weight_maps.parallel import padded_vocab_size, stage_layers
 
-__all__ = ["SetCausalCoreAttention", "layer_spec"]
+__all__ = ["SetCausalCoreAttention", "adapt_megatron_model", "layer_spec"]
 
 
 class _SequenceParallelNorm:
@@ -514,3 +515,25 @@ class SetDiffusionGPT(LanguageModule):
         logits = logits.masked_fill(self.excluded_vocab, float("-inf"))
         nll = tensor_parallel.vocab_parallel_cross_entropy(logits, targets.transpose(0, 1).contiguous())
         return nll.transpose(0, 1).contiguous()
+
+
+_LORA_SITES = {
+    "qkv": "self_attention.linear_qkv",
+    "attention_output": "self_attention.linear_proj",
+    "mlp_input": "mlp.linear_fc1",
+    "mlp_output": "mlp.linear_fc2",
+}
+"""The megatron layer's linear under each LoRA target (models/lora.py); fc1's [gate ; up] rows are
+the torch adapter's at TP = 1, linear_qkv's are regrouped (`qkv_rows`)."""
+
+
+def adapt_megatron_model(chunk: SetDiffusionGPT, spec: LoraSpec, seed: int) -> None:
+    """LoRA adapters (models/lora.py) on a whole model's layers (TP = PP = 1, local backend, dense:
+    recipes/validation.py refuses the rest), drawn as the torch body draws them."""
+    qkv = qkv_rows(chunk.model_cfg)
+
+    def sites(layer, target: str) -> list[tuple[torch.nn.Module, Rows]]:
+        linear = layer.get_submodule(_LORA_SITES[target])
+        return [(linear, qkv.to(linear.weight.device) if target == "qkv" else slice(None))]
+
+    add_adapters(chunk, ((layer.layer_number - 1, layer) for layer in chunk.decoder.layers), sites, spec, seed)

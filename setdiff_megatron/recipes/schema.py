@@ -27,12 +27,14 @@ from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.core.masked_diffusion import masked_decoding_policy
 from setdiff_megatron.core.orders import Block, OrderError, OrderPolicy, Staggered, make_order_policy
 from setdiff_megatron.models.config import ModelConfig
+from setdiff_megatron.models.lora import TARGETS, LoraSpec
 from setdiff_megatron.recipes.decoding import DecodingSection, given
 
 __all__ = [
     "BUILTIN_CORPORA",
     "Recipe",
     "ModelSection",
+    "LoraSection",
     "MethodSection",
     "DatasetSpec",
     "SupervisedSection",
@@ -53,6 +55,29 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
 
 
+class LoraSection(Section):
+    """LoRA (models/lora.py, docs/recipes.md "LoRA"): low-rank adapters on the frozen weights of
+    model.init_from, W = W0 + (alpha / rank) B @ A. Only the adapters are trained and saved; a
+    checkpoint is read (sampling, evaluation, serving, export, init_from) with them merged."""
+
+    rank: PositiveInt = 8
+    alpha: PositiveFloat = 16.0
+    """The adapters' term is scaled by alpha / rank."""
+    targets: list[Literal[TARGETS]] = Field(default_factory=lambda: list(TARGETS))
+    """Which linear layers of every transformer layer are adapted: qkv (one adapter on the fused
+    query, key and value projection), attention_output, mlp_input (gate and up), mlp_output."""
+
+    @field_validator("targets")
+    @classmethod
+    def _targets_named_once(cls, value: list[str]) -> list[str]:
+        if not value or len(set(value)) != len(value):
+            raise ValueError(f"name each of {', '.join(TARGETS)} at most once, and at least one")
+        return value
+
+    def spec(self) -> LoraSpec:
+        return LoraSpec(self.rank, self.alpha, tuple(self.targets))
+
+
 @dataclass(kw_only=True)
 class ModelSection(ModelConfig):
     """The model config of `models/config.py`, plus how to build and initialise it."""
@@ -61,6 +86,8 @@ class ModelSection(ModelConfig):
     """Layers of the megatron body: plain PyTorch ('local') or Transformer Engine ('te', GPU only)."""
     init_from: str | None = None
     """A checkpoint to start from (a Hugging Face directory once imports land); None: random init."""
+    lora: LoraSection | None = None
+    """Set to train LoRA adapters on the frozen init_from weights instead of every weight."""
 
     def to_model_config(self, *, vocab_size: int, mask_token_id: int) -> ModelConfig:
         values = {f.name: getattr(self, f.name) for f in fields(ModelConfig)}

@@ -291,6 +291,36 @@ def _rl_rules(r: Recipe, world_size: int) -> list[str]:
     return errors
 
 
+def _lora_rules(r: Recipe) -> list[str]:
+    """What LoRA (model.lora) needs: a base to adapt, and the layouts where an adapter is exact:
+    dense layers, whole linears (no TP split of B, no Transformer Engine norm fused into the
+    linear), all layers on one stage (adapters are drawn layer by layer from one seed), and
+    weights that are not partitioned (ZeRO-3)."""
+    m, p = r.model, r.parallel
+    if m.lora is None:
+        return []
+    errors = []
+    if not m.init_from:
+        errors.append("model.lora: adapters train on a base model: set model.init_from")
+    if m.num_experts:
+        errors.append(
+            "model.lora: adapters go on dense layers; a mixture of experts (model.num_experts) is not supported"
+        )
+    if r.engine == "megatron" and (p.tp > 1 or p.pp > 1):
+        errors.append(
+            "model.lora: the megatron engine adapts whole layers on one stage: set parallel.tp = 1 and pp = 1"
+        )
+    if r.engine == "megatron" and m.backend == "te":
+        errors.append("model.lora: Transformer Engine fuses the norm into the adapted linears: set model.backend local")
+    if r.engine == "deepspeed" and p.zero_stage == 3:
+        errors.append(
+            "model.lora: ZeRO-3 partitions the frozen weights the adapters read: set parallel.zero_stage <= 2"
+        )
+    if r.train.ema:
+        errors.append("model.lora: no average of the weights is kept for adapters: remove train.ema_decay")
+    return errors
+
+
 def _supervised_rules(r: Recipe) -> list[str]:
     formats = {ds.format for ds in r.data.datasets}
     if len(formats) > 1:
@@ -431,6 +461,7 @@ def validate_recipe(
         + _train_rules(recipe, has_gpu)
         + _supervised_rules(recipe)
         + _rl_rules(recipe, world)
+        + _lora_rules(recipe)
     )
     if check_paths:
         errors += _path_rules(recipe, recipe_file)

@@ -23,7 +23,7 @@ from setdiff_megatron.errors import UserError
 from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.weight_maps.megatron import MEGATRON_LAYER, megatron_to_torch
 
-__all__ = ["torch_weights"]
+__all__ = ["torch_weights", "adapter_weights"]
 
 _STACKED = MEGATRON_LAYER.format("").rstrip(".")  # "decoder.layers": one tensor per weight, layers first
 _CHECKPOINT_NORMS = {
@@ -90,3 +90,12 @@ def torch_weights(step_dir: Path, config: ModelConfig, *, ema: bool = False) -> 
         return megatron_to_torch(megatron, config, backend="local")
     except (KeyError, ValueError) as exc:
         raise UserError(f"checkpoint {step_dir} does not match its recorded model config: {exc}") from None
+
+
+def adapter_weights(step_dir: Path) -> dict[str, torch.Tensor]:
+    """The LoRA adapters (models/lora.py) a checkpoint of a run with model.lora holds in place of
+    weights, under the torch model's names (their tensors are the same under both bodies)."""
+    return {
+        "layers." + key.removeprefix(_STACKED + "."): t
+        for key, t in _local_chunk(_global_tensors(step_dir, ema=False)).items()
+    }

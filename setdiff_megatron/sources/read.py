@@ -2,7 +2,8 @@
 
   megatron   a run directory or step directory of the megatron engine, any TP/PP layout
   deepspeed  a run directory or step directory of the DeepSpeed engine, any ZeRO stage
-             (either engine's: the average of the weights where the run kept one, train.ema_decay)
+             (either engine's: the average of the weights where the run kept one, train.ema_decay;
+             a LoRA run's adapters merged into its model.init_from weights, models/lora.py)
   setdiff    a Hugging Face export of ours (model_type setdiff)
   llama, qwen2, qwen3, qwen3_moe   a Hugging Face causal LM to adapt (ar_import.py)
   dit        the reference implementation's DiT (dit_import.py): its PyTorchModelHubMixin
@@ -34,6 +35,7 @@ from setdiff_megatron.core.orders import LeftToRight
 from setdiff_megatron.data.tokenizers import SetDiffTokenizer, load_tokenizer
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.models.config import ModelConfig
+from setdiff_megatron.models.lora import merge_adapters
 from setdiff_megatron.models.weight_maps.torch_layout import torch_shapes
 from setdiff_megatron.recipes import Recipe, load_recipe
 from setdiff_megatron.recipes.loading import RESOLVED_NAME
@@ -44,7 +46,7 @@ from setdiff_megatron.sources.deepspeed import consolidated_state_dict, is_deeps
 from setdiff_megatron.sources.dit_import import DIT_KIND, dit_state_dict, is_dit_config, read_composer_checkpoint
 from setdiff_megatron.sources.hf_export import export_policy, load_hf_export, read_hf_config
 from setdiff_megatron.sources.hf_files import load_safetensors_dir
-from setdiff_megatron.sources.megatron import torch_weights
+from setdiff_megatron.sources.megatron import adapter_weights, torch_weights
 from setdiff_megatron.sources.setdlm_release import RELEASE_KIND, is_release_config, read_release
 
 __all__ = ["Source", "read_source", "read_hf_dir", "fit_source", "AR_KINDS"]
@@ -104,6 +106,12 @@ class Source:
         return self.length or self.config.max_seq_len
 
     @property
+    def lora(self) -> bool:
+        """A run with model.lora: its checkpoints hold adapters alone, which the reader merges
+        into the weights of its model.init_from."""
+        return self.kind in RUN_KINDS and self.recipe is not None and self.recipe.model.lora is not None
+
+    @property
     def add_bos(self) -> bool:
         """The training data started each sample with a clean BOS (recipe method.keep_clean_bos)."""
         return self.recipe is not None and self.recipe.method.keep_clean_bos
@@ -139,7 +147,10 @@ def _read_run(path: Path, weights: bool) -> Source:
     kind = "deepspeed" if is_deepspeed_checkpoint(step_dir) else "megatron"
     averaged = state.ema is not None
     state_dict = None
-    if weights and kind == "megatron":
+    if weights and recipe.model.lora is not None:
+        adapters = adapter_weights(step_dir) if kind == "megatron" else consolidated_state_dict(step_dir)
+        state_dict = _merged(step_dir, recipe, config, tokenizer, adapters)
+    elif weights and kind == "megatron":
         state_dict = torch_weights(step_dir, config, ema=averaged)
     elif weights:
         state_dict = consolidated_state_dict(step_dir, ema=averaged)
@@ -161,6 +172,27 @@ def _read_run(path: Path, weights: bool) -> Source:
         decoding=recipe.decoding_policy(),
         averaged=averaged,
     )
+
+
+def _merged(
+    step_dir: Path, recipe: Recipe, config: ModelConfig, tokenizer: SetDiffTokenizer, adapters: dict
+) -> dict[str, torch.Tensor]:
+    """A LoRA run's weights: its adapters merged into its base, model.init_from read again
+    (through read_source: a base that is itself a LoRA run merges its own adapters first)."""
+    base = Path(recipe.model.init_from)
+    if not base.exists():
+        raise UserError(
+            f"checkpoint {step_dir} holds LoRA adapters on model.init_from {base}, which is not found from "
+            f"{Path.cwd()}: run from the directory the training ran in"
+        )
+    where = f"the LoRA base (model.init_from) of {step_dir},"
+    start = fit_source(read_source(base), config, tokenizer, where)
+    try:
+        return merge_adapters(start, adapters, recipe.model.lora.spec(), config)
+    except KeyError as exc:
+        raise UserError(
+            f"checkpoint {step_dir} does not hold the adapters its recipe's model.lora names: {exc}"
+        ) from None
 
 
 def _hf_tokenizer(directory: Path) -> SetDiffTokenizer:

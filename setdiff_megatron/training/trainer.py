@@ -19,7 +19,8 @@ What the loop decides, whatever the engine:
   checkpoints   every `checkpoint.interval`, at the end, and at a preemption signal's step
                 boundary (exit code 75), published through checkpoint/publish.py
   resume        `checkpoint.resume` through checkpoint/resolve.py; a resumed run keeps its run id
-  init_from     any source sources/read.py reads, fitted to the recipe's model
+  init_from     any source sources/read.py reads, fitted to the recipe's model; with model.lora
+                the frozen base under the adapters, read again on every resume
 """
 
 from __future__ import annotations
@@ -117,6 +118,14 @@ class _Run:
         if self.first:  # only once the run directory is known to be this run's to write in
             save_resolved_recipe(r, self.run_dir)
         engine.build(self.model_cfg, self.total_steps)
+        lora = r.model.lora is not None
+        if r.model.init_from and (resumed is None or r.rl is not None or lora):
+            source = read_source(r.model.init_from)
+            start = fit_source(source, self.model_cfg, tok)
+            # LoRA's frozen base, resumed or not: its checkpoints hold the adapters alone.
+            if resumed is None or lora:
+                engine.init_from(start, self.model_cfg)
+                say(f"setdiff: {'LoRA adapters on' if lora else 'initialised from'} {source.describe()}")
         self.progress, self.resumed = Progress(), resumed
         if resumed is not None:
             engine.load(resumed)
@@ -124,14 +133,8 @@ class _Run:
             self.run_id = resumed.state.run_id or runtime.broadcast_object(uuid.uuid4().hex)
         else:
             self.run_id = runtime.broadcast_object(uuid.uuid4().hex)
-        if r.model.init_from and (resumed is None or r.rl is not None):
-            source = read_source(r.model.init_from)
-            start = fit_source(source, self.model_cfg, tok)
-            if resumed is None:
-                engine.init_from(start, self.model_cfg)
-                say(f"setdiff: initialised from {source.describe()}")
-            if r.rl is not None:  # RL's KL reference: the starting weights, resumed or not
-                engine.set_reference(start, self.model_cfg)
+        if r.rl is not None:  # RL's KL reference: the starting weights (with LoRA the base), resumed or not
+            engine.set_reference(start, self.model_cfg)
 
     # ---- the loop --------------------------------------------------------------------------
 

@@ -22,6 +22,8 @@ from setdiff_megatron.core.loss import loss_weights, set_diffusion_loss
 from setdiff_megatron.core.streams import TwoStreamBatch
 from setdiff_megatron.distributed import megatron_cpu
 from setdiff_megatron.models.config import DIT_BODY
+from setdiff_megatron.models.lora import TARGETS, LoraSpec, adapt_torch_model, adapter_state
+from setdiff_megatron.models.megatron_model import adapt_megatron_model
 from setdiff_megatron.models.megatron_plumbing import build_model_chunks, loss_func, transformer_config_from
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 from setdiff_megatron.models.weight_maps.megatron import megatron_to_torch, torch_to_megatron
@@ -220,6 +222,43 @@ def torch_parity() -> dict:
     return out
 
 
+def lora() -> dict:
+    """LoRA adapters on both bodies (models/lora.py), drawn from one seed, B made non-zero alike:
+    the same adapter tensors under the same names (less megatron's `decoder.` prefix), the same
+    logits, and the same adapter gradients; no base weight takes a gradient."""
+    spec = LoraSpec(rank=4, alpha=8.0, targets=TARGETS)
+    out = {}
+    for name, cfg in {"gqa": debug_config(num_kv_heads=2), "dit": debug_config(**DIT_BODY, num_kv_heads=None)}.items():
+        ref = SetDiffusionTransformer(cfg)
+        ref.load_state_dict(randomized(ref.state_dict()))
+        model = _megatron_model(cfg)
+        model.load_state_dict(torch_to_megatron(ref.state_dict(), cfg))
+        adapt_torch_model(ref, spec, seed=11)
+        adapt_megatron_model(model, spec, seed=11)
+        drawn = adapter_state(ref)
+        gen = torch.Generator().manual_seed(1)
+        b = {k: 0.1 * torch.randn(v.shape, generator=gen) for k, v in drawn.items() if k.endswith(".B")}
+        ref.load_state_dict(b, strict=False)
+        model.load_state_dict({"decoder." + k: v for k, v in b.items()}, strict=False)
+        (batch,) = batches(cfg, count=1)
+        args = (batch.clean_tokens, batch.query_tokens, batch.position_ids)
+        ref_logits = ref(*args, batch.valid_len)
+        logits = model(*args, valid_len=batch.valid_len)
+        ref_logits.square().mean().backward()
+        logits.square().mean().backward()
+        grads = {n.removeprefix("decoder."): p.grad for n, p in model.named_parameters() if p.grad is not None}
+        ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+        out[name] = {
+            "same_adapters": all(
+                torch.equal(v, adapter_state(model)["decoder." + k]) for k, v in drawn.items() if k.endswith(".A")
+            ),
+            "logits_diff": (logits - ref_logits).abs().max().item(),
+            "grads": sorted(grads) == sorted(ref_grads) == sorted(drawn),
+            "grad_diff": max((grads[k] - g).abs().max().item() for k, g in ref_grads.items()),
+        }
+    return out
+
+
 def sampling(cfg=None) -> dict:
     """The megatron model as the sampler's StepModel (TP=1) against the torch model."""
     cfg = cfg or parallel_config()
@@ -237,7 +276,7 @@ def main(out: Path) -> None:
     dist.init_process_group(megatron_cpu.dist_backend(), store=store, rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
     results = {"auto_cpu_mode": megatron_cpu.auto_cpu_mode()}
-    for check in (device_redirect, backward_reentry, rng_tracker, recompute_with_dropout, torch_parity, sampling):
+    for check in (device_redirect, backward_reentry, rng_tracker, recompute_with_dropout, torch_parity, sampling, lora):
         results[check.__name__] = check()
     results["moe_sampling"] = sampling(moe_config())
     results["dit_sampling"] = sampling(dit_parallel_config())

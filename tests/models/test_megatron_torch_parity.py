@@ -49,3 +49,12 @@ def test_megatron_model_samples_like_torch_model(single_results, case):
     r = single_results[case]
     assert r["step_logits_diff"] <= 1e-6
     assert all(r["tokens_equal"]) and all(r["nfe_equal"]) and len(r["tokens_equal"]) == 4
+
+
+@pytest.mark.parametrize("body", ["gqa", "dit"])
+def test_lora_adapters_are_the_same_under_both_bodies(single_results, body):
+    """One seed draws the same adapters on both bodies (megatron's fused QKV reads B in torch rows):
+    same logits, same adapter gradients, and gradients for the adapters alone."""
+    r = single_results["lora"][body]
+    assert r["same_adapters"] and r["grads"]
+    assert r["logits_diff"] <= 1e-6 and r["grad_diff"] <= 1e-6

@@ -58,7 +58,7 @@ from setdiff_megatron.models.weight_maps.torch_layout import (
     mlp_params,
 )
 
-__all__ = ["BACKENDS", "MEGATRON_LAYER", "check_backend", "megatron_to_torch", "torch_to_megatron"]
+__all__ = ["BACKENDS", "MEGATRON_LAYER", "check_backend", "megatron_to_torch", "qkv_rows", "torch_to_megatron"]
 
 BACKENDS = ("local", "te")
 MEGATRON_LAYER = "decoder.layers.{}."
@@ -144,6 +144,16 @@ def _qkv_groups(cfg: ModelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     """[G, (H/G + 2) * D, E]: megatron's per-group [q ; k ; v] row blocks."""
     g, d = cfg.num_kv_heads, cfg.head_dim
     return torch.cat([q.view(g, -1, q.shape[1]), k.view(g, d, -1), v.view(g, d, -1)], dim=1)
+
+
+def qkv_rows(cfg: ModelConfig) -> torch.Tensor:
+    """[(H + 2G) * D]: row j of megatron's whole linear_qkv is row qkv_rows[j] of torch's
+    [q ; k ; v] (how a LoRA adapter's B, kept in torch rows, serves the fused layer)."""
+    rows = torch.arange((cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim)[:, None]
+    q, k, v = rows.split(
+        [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
+    )
+    return _qkv_groups(cfg, q, k, v).flatten()
 
 
 def torch_to_megatron(

@@ -48,6 +48,7 @@ from setdiff_megatron.distributed import runtime
 from setdiff_megatron.distributed.layout import Layout
 from setdiff_megatron.errors import UserError, require
 from setdiff_megatron.models.config import ModelConfig
+from setdiff_megatron.models.lora import adapt_torch_model, load_weights
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 from setdiff_megatron.recipes import Recipe
 from setdiff_megatron.training import lr_schedule
@@ -151,6 +152,8 @@ class DeepSpeedEngine:
         r = self.recipe
         torch.manual_seed(r.train.seed)
         model = SetDiffusionTransformer(model_cfg)
+        if r.model.lora is not None:  # frozen weights, trained adapters (models/lora.py)
+            adapt_torch_model(model, r.model.lora.spec(), r.train.seed)
         apply_recompute(model, r.train.recompute)
         if r.train.compile:
             model.compile()  # in place: the module, and so its parameter names, stay as they are
@@ -160,7 +163,8 @@ class DeepSpeedEngine:
         self._engine = None
 
     def init_from(self, state_dict: dict[str, torch.Tensor], model_cfg: ModelConfig) -> None:
-        self.model.load_state_dict(state_dict)  # before DeepSpeed copies and partitions the weights
+        """Before DeepSpeed copies and partitions the weights; with LoRA, the base under the adapters."""
+        load_weights(self.model, state_dict, "model.init_from")
 
     # ---- RL (training/rollouts.py): sampling from, and scoring with, the policy ----------
 
@@ -357,7 +361,9 @@ class DeepSpeedEngine:
         return self.ema.record() if self.ema is not None else None
 
     def save(self, directory: Path) -> None:
-        self.engine.save_checkpoint(str(directory), tag=TAG, save_latest=False)
+        # With LoRA the frozen base is model.init_from's, read again on resume: adapters only.
+        lora = self.recipe.model.lora is not None
+        self.engine.save_checkpoint(str(directory), tag=TAG, save_latest=False, exclude_frozen_parameters=lora)
         torch.save(host_rng_state(), directory / RNG_FILE.format(rank=dist.get_rank()))
         if self.ema_state() is not None:  # whole, fp32, under the torch names: sources/deepspeed.py reads it
             wholes = {s.name: whole.cpu() for s, whole in self.ema.wholes(self._shares())}
@@ -378,7 +384,11 @@ class DeepSpeedEngine:
             raise UserError(f"checkpoint.resume: cannot load {problem}")
         # The LR schedule is the recipe's (its scheduler takes only the step count from the checkpoint).
         loaded, _ = self.engine.load_checkpoint(
-            str(path), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False
+            str(path),
+            tag=TAG,
+            load_optimizer_states=True,
+            load_lr_scheduler_states=False,
+            load_module_strict=self.recipe.model.lora is None,  # a LoRA checkpoint holds adapters only
         )
         if loaded is None:
             raise UserError(f"checkpoint.resume: DeepSpeed found no checkpoint in {path / TAG}")

@@ -61,16 +61,19 @@ def deepspeed_config(recipe: Recipe, dp_size: int) -> dict:
 
 
 def param_groups(model: nn.Module, *, decay_all: bool = False) -> list[dict]:
-    """megatron-core's default groups: 1-D parameters (norms) and biases take no weight decay;
-    with `decay_all` one group of every parameter (composer's DecoupledAdamW). `wd_mult` is what
-    OptimizerParamScheduler multiplies the weight decay by."""
+    """megatron-core's default groups over the trainable parameters (frozen ones, under LoRA, go
+    to no optimizer): 1-D parameters (norms) and biases take no weight decay; with `decay_all`
+    one group of every parameter (composer's DecoupledAdamW). `wd_mult` is what
+    OptimizerParamScheduler multiplies the weight decay by. Empty groups are left out."""
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if decay_all:
-        return [{"params": list(model.parameters()), "wd_mult": 1.0}]
-    no_decay = {n for n, p in model.named_parameters() if p.dim() == 1 or n.endswith(".bias")}
-    return [
-        {"params": [p for n, p in model.named_parameters() if n not in no_decay], "wd_mult": 1.0},
-        {"params": [p for n, p in model.named_parameters() if n in no_decay], "wd_mult": 0.0},
+        return [{"params": [p for _, p in trained], "wd_mult": 1.0}]
+    no_decay = {n for n, p in trained if p.dim() == 1 or n.endswith(".bias")}
+    groups = [
+        {"params": [p for n, p in trained if n not in no_decay], "wd_mult": 1.0},
+        {"params": [p for n, p in trained if n in no_decay], "wd_mult": 0.0},
     ]
+    return [g for g in groups if g["params"]]
 
 
 def build_optimizer(recipe: Recipe, model: nn.Module) -> torch.optim.Optimizer:

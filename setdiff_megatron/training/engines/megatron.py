@@ -42,6 +42,7 @@ from setdiff_megatron.distributed.signals import PREEMPTION_SIGNALS, blocked
 from setdiff_megatron.log import say
 from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.dtypes import DTYPES
+from setdiff_megatron.models.lora import is_adapter_key, load_weights
 from setdiff_megatron.recipes import Recipe
 from setdiff_megatron.training import lr_schedule
 from setdiff_megatron.training.ema import Share, WeightAverage, ema_to_load
@@ -92,6 +93,7 @@ class MegatronEngine:
         )
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        from setdiff_megatron.models.megatron_model import adapt_megatron_model
         from setdiff_megatron.models.megatron_plumbing import (
             build_model_chunks,
             forward_step,
@@ -117,6 +119,9 @@ class MegatronEngine:
         chunks = build_model_chunks(model_cfg, config, backend=r.model.backend)
         if torch.cuda.is_available():
             chunks = [c.cuda() for c in chunks]
+        if r.model.lora is not None:  # frozen weights, trained adapters (models/lora.py), before DDP
+            for chunk in chunks:
+                adapt_megatron_model(chunk, r.model.lora.spec(), t.seed)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, use_distributed_optimizer=r.parallel.distributed_optimizer
         )
@@ -156,11 +161,7 @@ class MegatronEngine:
             ep_size=p.ep,
             backend=self.recipe.model.backend,
         )
-        with torch.no_grad():
-            missing, unexpected = module.load_state_dict(mapped, strict=False)
-        missing = [k for k in missing if not k.endswith("_extra_state")]
-        if missing or unexpected:
-            raise RuntimeError(f"model.init_from: megatron chunk weights missing {missing}, unexpected {unexpected}")
+        load_weights(module, mapped, "model.init_from: a megatron chunk")
 
     # ---- RL (training/rollouts.py): sampling from, and scoring with, the policy ----------
 
@@ -328,9 +329,11 @@ class MegatronEngine:
         return self.ema.record() if self.ema is not None else None
 
     def _sharded_state(self, optimizer, *, is_loading: bool = False, ema: bool = False) -> dict:
-        """The model's shards, the optimizer's unless None, and with `ema` the average's: whole
+        """The model's shards (with LoRA the adapters' only: the frozen base is model.init_from's,
+        read again on resume), the optimizer's unless None, and with `ema` the average's: whole
         per parameter, gathered now (collective) for a save, empty ones to fill for a load."""
-        state = model_sharded_state(self._modules(), optimizer, is_loading=is_loading)
+        keep = is_adapter_key if self.recipe.model.lora is not None else None
+        state = model_sharded_state(self._modules(), optimizer, is_loading=is_loading, keep=keep)
         if not ema:
             return state
         if is_loading:
@@ -400,7 +403,12 @@ class MegatronEngine:
             }
             loaded = load_shards(state, resumed.path)
             for i, c in enumerate(self.chunks):
-                c.module.load_state_dict(loaded[f"model{i}"])
+                load_weights(
+                    c.module,
+                    loaded[f"model{i}"],
+                    f"checkpoint.resume: {resumed.path}",
+                    adapters=self.recipe.model.lora is not None,
+                )
             if with_optimizer:
                 _load_optimizer(self.optimizer, loaded["optimizer"])
             if ema:
