@@ -72,6 +72,7 @@ def test_a_resumed_lora_run_reads_its_base_again_and_continues_exactly(megatron_
     assert resumed == losses(metrics)[2:], (resumed, losses(metrics))
 
 
+@pytest.mark.slow  # a third run; the megatron run and its export carry the default suite's LoRA claims
 def test_deepspeed_trains_the_same_adapters_and_saves_them_alone(megatron_run, tmp_path, data_cache):
     """One seed draws the same adapters under both engines: the same losses, step by step."""
     _, reference = megatron_run
