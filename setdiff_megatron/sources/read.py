@@ -38,6 +38,7 @@ from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.lora import merge_adapters
 from setdiff_megatron.models.weight_maps.torch_layout import torch_shapes
 from setdiff_megatron.recipes import Recipe, load_recipe
+from setdiff_megatron.recipes.inputs import where_looked
 from setdiff_megatron.recipes.loading import RESOLVED_NAME
 from setdiff_megatron.recipes.schema import MethodSection
 from setdiff_megatron.sources.ar_import import SUPPORTED, ar_model_config, ar_state_dict, unsupported_architecture
@@ -179,11 +180,11 @@ def _merged(
 ) -> dict[str, torch.Tensor]:
     """A LoRA run's weights: its adapters merged into its base, model.init_from read again
     (through read_source: a base that is itself a LoRA run merges its own adapters first)."""
-    base = Path(recipe.model.init_from)
+    base = Path(recipe.model.init_from)  # a relative one was looked for as a recipe's inputs are
     if not base.exists():
         raise UserError(
-            f"checkpoint {step_dir} holds LoRA adapters on model.init_from {base}, which is not found from "
-            f"{Path.cwd()}: run from the directory the training ran in"
+            f"checkpoint {step_dir} holds LoRA adapters on model.init_from {base}, which is not found"
+            f"{where_looked(str(base), step_dir / RESOLVED_NAME)}: read it from the directory it trained in"
         )
     where = f"the LoRA base (model.init_from) of {step_dir},"
     start = fit_source(read_source(base), config, tokenizer, where)

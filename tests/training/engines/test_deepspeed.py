@@ -235,6 +235,24 @@ def test_the_references_semantics_mean_the_same_in_both_engines(both_engines_wit
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow  # two runs a family; the megatron engine's families are in the default suite
+@pytest.mark.parametrize(
+    "family", [("method.family=mdlm",), ("method.family=bd3lm", "method.block_size=4")], ids=["mdlm", "bd3lm"]
+)
+def test_the_baselines_train_alike_in_both_engines(tmp_path, data_cache, straight, family):
+    """MDLM and BD3-LM under DeepSpeed ZeRO-2 (the torch body) and the megatron engine at DP=2 from
+    the same start, noise levels and masks: the same losses, and the same validation loss."""
+    run_dir = tmp_path / "deepspeed"
+    out = subprocess.run(command(run_dir, data_cache, *family), capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (tmp_path / "megatron").mkdir()
+    megatron = megatron_worker(tmp_path / "megatron" / "family.json", data_cache, *family)
+    got = [loss for _, loss in losses(run_dir)]
+    assert len(got) == STEPS and max(abs(a - b) for a, b in zip(got, megatron["losses"])) <= 2e-6, (got, megatron)
+    assert losses(run_dir, "valid/loss")[-1] == (STEPS, pytest.approx(megatron["valid"], abs=2e-6))
+
+
+@pytest.mark.multiproc
 def test_megatron_decoupled_adamw_steps_are_composers(megatron_results):
     """train.optimizer=decoupled_adamw under megatron's distributed optimizer at DP=2: every
     parameter decayed by (lr_t / lr) x weight_decay, then Adam (the single-process check of the same
