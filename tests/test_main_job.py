@@ -18,7 +18,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 
+from setdiff_megatron.models.lora import is_adapter_key
+from setdiff_megatron.sources.read import read_source
 from tests.hf.clean_env import run_clean
 
 REPO = Path(__file__).resolve().parents[1]
@@ -175,3 +179,21 @@ def test_rl_from_the_main_job_logs_its_rollouts_and_resumes_exactly(main_job, tm
         return {k: v for k, v in row.items() if k.startswith(("train/", "rl/"))}
 
     assert resumed[-1]["step"] == 3 and learned(resumed[-1]) == learned(whole[-1])
+
+
+@pytest.mark.slow
+def test_rl_with_lora_starts_at_its_reference_and_trains_the_adapters_alone(main_job, tmp_path):
+    """GRPO with model.lora on the main job's model: the adapters start at zero, so the first
+    rollouts' policy is the KL reference exactly (KL 0); the step still moves the adapters (a
+    gradient), and the checkpoint holds adapters alone, merged for every reader."""
+    run, _, _ = main_job
+    out = tmp_path / "lora"
+    rows = _rl(run, out, 2, "model.lora.rank=4")
+    metrics = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
+    grads = [r["train/grad_norm"] for r in metrics if "train/grad_norm" in r]
+    assert rows[0]["rl/kl"] == 0 and rows[0]["rl/accuracy"] > 0.2 and grads and grads[0] > 0, (rows, grads)
+    step = out / "checkpoints" / "step_00000002"
+    keys = dcp.FileSystemReader(str(step)).read_metadata().state_dict_metadata
+    assert all(is_adapter_key(k) for k in keys if not k.startswith("optimizer.")), sorted(keys)[:8]
+    merged, base = read_source(step).state_dict, read_source(run).state_dict
+    assert merged.keys() == base.keys() and any(not torch.equal(merged[k].float(), base[k].float()) for k in base)
