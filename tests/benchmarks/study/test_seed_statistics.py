@@ -12,7 +12,7 @@ import pytest
 
 from benchmarks.study.report import over_seeds
 
-FULL_RUN = Path(__file__).parents[3] / "benchmarks" / "results" / "study" / "adapted" / "results.json"
+FULL_RUN = Path(__file__).parents[3] / "benchmarks" / "results" / "study" / "adapted-2026-12-04" / "results.json"
 
 
 def _run(accuracies: tuple[float, float], tokens_per_step: float, curve: list, levels: dict) -> dict:
@@ -61,7 +61,7 @@ def test_one_seed_has_no_spread():
 
 
 def test_the_committed_three_seed_figures_are_those_statistics_of_their_seeds():
-    """benchmarks/results/study/adapted/results.json, which test_quick.py's bounds come from."""
+    """benchmarks/results/study/adapted-2026-12-04/results.json, which test_quick.py's bounds come from."""
     model = json.loads(FULL_RUN.read_text())["models"]["sd-d4"]
     assert len(model["points"]) == 4
     for point in model["points"]:
