@@ -197,3 +197,58 @@ def test_rl_with_lora_starts_at_its_reference_and_trains_the_adapters_alone(main
     assert all(is_adapter_key(k) for k in keys if not k.startswith("optimizer.")), sorted(keys)[:8]
     merged, base = read_source(step).state_dict, read_source(run).state_dict
     assert merged.keys() == base.keys() and any(not torch.equal(merged[k].float(), base[k].float()) for k in base)
+
+
+RL_LAYOUTS = {
+    "tp2": ("parallel.tp=2", "launch.nproc_per_node=2"),
+    "deepspeed": ("engine=deepspeed", "parallel.distributed_optimizer=false", "parallel.zero_stage=1"),
+}
+"""Layouts RL must run as one megatron process does: each of two TP ranks samples with its half of
+every layer; DeepSpeed's engine samples and scores with the plain torch body."""
+
+
+@pytest.fixture(scope="module")
+def rl_one_process(main_job, tmp_path_factory) -> list[dict]:
+    return _rl(main_job[0], tmp_path_factory.mktemp("rl") / "one", 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", RL_LAYOUTS)
+def test_rl_decodes_and_updates_alike_under_tensor_parallelism_and_deepspeed(
+    main_job, rl_one_process, layout, tmp_path
+):
+    """GRPO under another layout against one megatron process, over two steps: the same rollouts
+    (reward, accuracy, tokens per step: every rank draws the same tokens) and the same update
+    (gradient norm, and so the next step's KL to the reference) to float tolerance."""
+    other = _rl(main_job[0], tmp_path / layout, 2, *RL_LAYOUTS[layout])
+    assert [r["step"] for r in other] == [1, 2]
+    rollout = ("rl/reward", "rl/accuracy", "rl/tokens_per_step")
+    for a, b in zip(rl_one_process, other):
+        assert {k: a[k] for k in rollout} == {k: b[k] for k in rollout}, (rl_one_process, other)
+        assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=1e-3)
+        assert b["rl/kl"] == pytest.approx(a["rl/kl"], rel=1e-2, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_the_rl_benchmark_measures_every_variant_and_reuses_its_runs(main_job, tmp_path, capsys):
+    """`python -m benchmarks.rl` on the main job's model, two steps a run: every variant scored
+    at the model's policy and one token per step, LoRA training a small share of the parameters;
+    run again, it trains nothing and reports the same figures."""
+    from benchmarks import rl as rl_benchmark
+
+    run, _, _ = main_job
+    argv = ["--base", str(run), "--seeds", "4", "--steps", "2", "--per-level", "4", "--out", str(tmp_path / "out"),
+            "--results", str(tmp_path / "results")]  # fmt: skip
+    first = rl_benchmark.main(argv)
+    assert set(first["variants"]) == {"exact", "one_step", "lora"} and first["problems"] == 20
+    cost = {name: v["cost"] for name, v in first["variants"].items()}
+    assert cost["exact"]["trained_parameters"] == cost["one_step"]["trained_parameters"]
+    assert 0 < cost["lora"]["trained_parameters"] < cost["exact"]["trained_parameters"] / 5
+    for v in first["variants"].values():
+        for policy in ("policy", "one_token_per_step"):
+            assert 0 <= v["after"][policy]["accuracy"]["mean"] <= 1 and v["after"][policy]["tokens_per_step"] >= 1
+    assert (tmp_path / "results" / "rl.png").stat().st_size > 0
+    capsys.readouterr()
+    again = rl_benchmark.main(argv)
+    assert "rl: training" not in capsys.readouterr().out
+    assert again["base"] == first["base"] and again["variants"] == first["variants"]

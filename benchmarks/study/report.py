@@ -26,7 +26,7 @@ def _mean(values: list) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def _over_seeds(values: list[float], examples: int) -> dict:
+def over_seed_values(values: list[float], examples: int) -> dict:
     """A figure over seeds: the mean, the seeds' standard deviation, the standard error of the
     mean from the seed spread, and the standard error from the examples (binomial: the same
     examples serve every seed, so the spread over seeds does not contain it)."""
@@ -47,7 +47,7 @@ def _invocations(runs: list[dict]) -> dict:
 def over_seeds(entries: dict[int, dict]) -> dict:
     """One model's runs over training seeds as one entry. Each point's accuracy is the mean over
     seeds, with the seeds' standard deviation, the standard error of that mean from the seed spread,
-    and the standard error from the test problems (`_over_seeds`); speeds and per-level accuracies
+    and the standard error from the test problems (`over_seed_values`); speeds and per-level accuracies
     are means, the validation curve the mean at the steps every run logged; infilling likewise
     (exact match and ROUGE with their spreads). `by_seed` keeps each run's figures."""
     runs = list(entries.values())
@@ -55,7 +55,7 @@ def over_seeds(entries: dict[int, dict]) -> dict:
     for p in runs[0]["points"]:
         same = [next(q for q in r["points"] if q["point"] == p["point"]) for r in runs]
         acc = [q["accuracy"] for q in same]
-        stats = _over_seeds(acc, p["examples"])
+        stats = over_seed_values(acc, p["examples"])
         levels = {lv: _mean([q["levels"].get(lv) for q in same]) for lv in p["levels"]}
         points.append(
             {k: v for k, v in p.items() if k != "invocation"}
@@ -103,7 +103,7 @@ def _infill_over_seeds(runs: list[dict]) -> dict:
     first, out = runs[0], {}
     for key in INFILL_SCORES:
         values = [r[key] for r in runs]
-        stats = _over_seeds(values, first["examples"])
+        stats = over_seed_values(values, first["examples"])
         out |= {key: stats["mean"], f"{key}_std": stats["std"], f"{key}_se_seeds": stats["se_seeds"]}
         out |= {f"{key}_by_seed": values} | (
             {"exact_match_se_problems": stats["se_problems"]} if key == "exact_match" else {}

@@ -28,6 +28,7 @@ from setdiff_megatron.core.streams import TwoStreamBatch
 from setdiff_megatron.core.trajectory import replay_batch
 from setdiff_megatron.recipes.schema import Recipe
 from setdiff_megatron.training.data_pipeline import TrainingData
+from setdiff_megatron.training.engines.base import evaluating
 from setdiff_megatron.training.rewards import reward_function
 
 __all__ = ["Rollouts"]
@@ -113,13 +114,9 @@ class Rollouts:
                 seed = _seed(self.recipe.train.seed, index, g)
                 sampler.submit(Request(key=(index, g), prompt=tuple(prompt), cfg=cfg.over({"seed": seed}), seed=seed))
         rows = {}
-        was = model.training
-        model.eval()
-        try:
+        with evaluating(model):
             while not sampler.idle:
                 rows.update(dict(sampler.step()))
-        finally:
-            model.train(was)
         return [rows[(index, g)] for index, _, _ in records for g in range(rl.group_size)]
 
     def _rollout(self) -> list[PolicyBatch]:

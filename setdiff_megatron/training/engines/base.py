@@ -8,7 +8,8 @@ they run and how their files are written and read.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -19,7 +20,19 @@ from setdiff_megatron.checkpoint.resolve import Resumed
 from setdiff_megatron.core.streams import TwoStreamBatch
 from setdiff_megatron.models.config import ModelConfig
 
-__all__ = ["Engine", "StepOutcome"]
+__all__ = ["Engine", "StepOutcome", "evaluating"]
+
+
+@contextmanager
+def evaluating(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """The model in eval mode for the block (RL's rollouts and their scoring), back in the mode
+    it was in afterwards, however the block ends."""
+    was = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was)
 
 
 @dataclass(frozen=True)

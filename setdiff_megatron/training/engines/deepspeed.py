@@ -53,7 +53,7 @@ from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 from setdiff_megatron.recipes import Recipe
 from setdiff_megatron.training import lr_schedule
 from setdiff_megatron.training.ema import Share, WeightAverage, ema_to_load
-from setdiff_megatron.training.engines.base import StepOutcome
+from setdiff_megatron.training.engines.base import StepOutcome, evaluating
 from setdiff_megatron.training.engines.deepspeed_config import build_optimizer, deepspeed_config
 from setdiff_megatron.training.engines.rng import host_rng_state, set_host_rng_state
 from setdiff_megatron.training.expert_load import ExpertLoad
@@ -183,11 +183,8 @@ class DeepSpeedEngine:
     @torch.no_grad()
     def token_logprobs(self, batches, *, reference: bool = False) -> list[torch.Tensor]:
         """Each target's log-probability [b, L] under the policy (or the reference), no gradient."""
-        model = self.reference if reference else self.policy_model()
-        was = model.training
-        model.eval()
-        try:
-            out = []
+        out = []
+        with evaluating(self.reference if reference else self.policy_model()) as model:
             for b in batches:
                 logits = model(
                     b.clean_tokens,
@@ -199,9 +196,7 @@ class DeepSpeedEngine:
                     group_within=b.group_within,
                 )
                 out.append(-token_nll(logits / getattr(b, "temperature", 1.0), b.targets, self.mask_token_id))
-            return out
-        finally:
-            model.train(was)
+        return out
 
     @property
     def engine(self):

@@ -46,7 +46,7 @@ from setdiff_megatron.models.lora import is_adapter_key, load_weights
 from setdiff_megatron.recipes import Recipe
 from setdiff_megatron.training import lr_schedule
 from setdiff_megatron.training.ema import Share, WeightAverage, ema_to_load
-from setdiff_megatron.training.engines.base import StepOutcome
+from setdiff_megatron.training.engines.base import StepOutcome, evaluating
 from setdiff_megatron.training.engines.rng import host_rng_state, set_host_rng_state
 from setdiff_megatron.training.expert_load import ExpertLoad
 from setdiff_megatron.training.objective import Objective
@@ -180,10 +180,7 @@ class MegatronEngine:
     @torch.no_grad()
     def token_logprobs(self, batches, *, reference: bool = False) -> list[torch.Tensor]:
         """Each target's log-probability [b, L] under the policy (or the reference), no gradient."""
-        model = self.reference if reference else self.policy_model()
-        was = model.training
-        model.eval()
-        try:
+        with evaluating(self.reference if reference else self.policy_model()) as model:
             return [
                 -model(
                     b.clean_tokens,
@@ -198,8 +195,6 @@ class MegatronEngine:
                 )
                 for b in batches
             ]
-        finally:
-            model.train(was)
 
     # ---- steps -----------------------------------------------------------------------------
 
