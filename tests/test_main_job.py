@@ -200,11 +200,13 @@ def test_rl_with_lora_starts_at_its_reference_and_trains_the_adapters_alone(main
 
 
 RL_LAYOUTS = {
+    "dp2": ("launch.nproc_per_node=2",),
     "tp2": ("parallel.tp=2", "launch.nproc_per_node=2"),
     "deepspeed": ("engine=deepspeed", "parallel.distributed_optimizer=false", "parallel.zero_stage=1"),
 }
-"""Layouts RL must run as one megatron process does: each of two TP ranks samples with its half of
-every layer; DeepSpeed's engine samples and scores with the plain torch body."""
+"""Layouts RL must run as one megatron process does: two data-parallel ranks decode half the prompts
+each; each of two TP ranks samples with its half of every layer; DeepSpeed's engine samples and
+scores with the plain torch body."""
 
 
 @pytest.fixture(scope="module")
@@ -214,7 +216,7 @@ def rl_one_process(main_job, tmp_path_factory) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", RL_LAYOUTS)
-def test_rl_decodes_and_updates_alike_under_tensor_parallelism_and_deepspeed(
+def test_rl_decodes_and_updates_alike_under_data_and_tensor_parallelism_and_deepspeed(
     main_job, rl_one_process, layout, tmp_path
 ):
     """GRPO under another layout against one megatron process, over two steps: the same rollouts
