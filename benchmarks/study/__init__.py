@@ -14,7 +14,7 @@ every figure then a mean with its spread and standard errors). Five settings (`-
 - adapted (recipes/study/adapted/, the paper's pipeline): every model starts from one AR base
   pretrained here on packed windows (assets/reasoning-ar-base) and is adapted on the supervised
   records with the same budget, as the paper adapts Qwen3-1.7B-Base;
-- infill (recipes/study/infill/): AR, set diffusion d = 4 and 8, MDLM and BD3-LM (blocks of 4)
+- infill (recipes/study/infill/): AR, set diffusion d = 4, 8 and 16, MDLM and BD3-LM (blocks of 4)
   pretrained on packed chains (data/chains.py) and infilling a held-out line that the right side
   decides and the left side leaves open, as the paper infills ROCStories;
 - budget: the adapted setting's headline models (AR, d = 4, MDLM, BD3-LM blocks of 4) at several

@@ -153,7 +153,10 @@ REASONING_MODELS = (
 BASELINES = ("mdlm", "bd3lm-b4", "bd3lm-b8")
 """The paper's baselines, in the supervised and adapted settings since 2026-12-05; the packed
 setting trains the others only."""
-INFILL_MODELS = ("ar", "sd-d4", "sd-d8", "mdlm", "bd3lm-b4")
+SD_D16 = Model("sd-d16", "sd", "set diffusion d=16")
+"""Sets of up to 16 of the 64 positions (m = 32): trained in the infill setting only, the study's
+nearest to the paper's infilling model (sets of up to 32), whose orders reach the right side."""
+INFILL_MODELS = ("ar", "sd-d4", "sd-d8", "sd-d16", "mdlm", "bd3lm-b4")
 """The infill setting's models (recipes/study/infill/): the paper's infilling comparison (AR,
 MDLM, BD3-LM, set diffusion) at this scale."""
 CODE_MODELS = (
@@ -184,11 +187,11 @@ def models(
         ]
         return runs, []
     wanted = {"packed": [m.name for m in REASONING_MODELS if m.name not in BASELINES], "infill": INFILL_MODELS}
-    reasoning = [
-        replace(m, setting=setting)
-        for m in REASONING_MODELS
-        if m.name in wanted.get(setting, [m.name for m in REASONING_MODELS])
-    ]
+    candidates = (*REASONING_MODELS, SD_D16) if setting == "infill" else REASONING_MODELS
+    order = wanted.get(setting, [m.name for m in REASONING_MODELS])
+    reasoning = sorted(
+        (replace(m, setting=setting) for m in candidates if m.name in order), key=lambda m: order.index(m.name)
+    )
     if quick:
         return [m for m in reasoning if m.name in QUICK_MODELS], []
     return reasoning, [replace(m, setting="packed") for m in CODE_MODELS] if setting == "packed" else []

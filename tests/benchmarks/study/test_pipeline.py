@@ -137,7 +137,9 @@ def test_the_infill_setting_pretrains_every_family_on_the_chains():
         ] and recipe.data.seq_len == plan.INFILL_LENGTH
         assert recipe.data.datasets[0].format == "pretraining" and recipe.model.init_from is None
         contexts[m.name] = m.infill()
-    assert contexts["ar"]["context"] == "left" and contexts["sd-d4"]["context"] == "both"
+    assert (
+        contexts["ar"]["context"] == "left" and contexts["sd-d4"]["context"] == contexts["sd-d16"]["context"] == "both"
+    )
     assert contexts["mdlm"] == {"context": "both", "window": 64, "block_size": 64}
     assert contexts["bd3lm-b4"] == {"context": "blocks", "window": 4, "block_size": 4}
 
@@ -177,7 +179,7 @@ def test_the_baselines_run_through_the_pipeline(tmp_path):
     assert "| BD3-LM (block 4) | b4-t0.9 | - | 0.9 |" in text and "measured in one invocation" in text
 
 
-@pytest.mark.slow  # 2 to 3 minutes on 2 shared cores (2026-12-05): five models trained and infilled
+@pytest.mark.slow  # 2 to 3 minutes on 2 shared cores (2026-12-05): six models trained and infilled
 def test_the_infill_setting_runs_through_the_pipeline(tmp_path):
     """Every infill model trains on the chains, infills them with its context, and the rules'
     figures, per-level scores and speeds reach the results."""
@@ -185,7 +187,9 @@ def test_the_infill_setting_runs_through_the_pipeline(tmp_path):
     results = main([*argv, "--out", str(tmp_path / "runs"), "--results", str(tmp_path / "results")])
     assert results["infill_baselines"]["right_context"] == 1.0 and results["infill_baselines"]["examples"] == 10
     contexts = {name: m["infill_chains"]["context"] for name, m in results["models"].items()}
-    assert contexts == {"ar": "left", "sd-d4": "both", "sd-d8": "both", "mdlm": "both", "bd3lm-b4": "blocks"}
+    assert contexts == {
+        "ar": "left", "sd-d4": "both", "sd-d8": "both", "sd-d16": "both", "mdlm": "both", "bd3lm-b4": "blocks"
+    }  # fmt: skip
     for m in results["models"].values():
         r = m["infill_chains"]
         assert r["examples"] == 10 and len(r["exact_match_by_seed"]) == 2 and r["tokens_per_s"] > 0
