@@ -144,7 +144,7 @@ def _correct(args, name: str, policy: str) -> list[float]:
 def paired_change(before: list[float], after_by_seed: list[list[float]]) -> dict:
     """The change in accuracy from `before`, problem by problem (the seeds' mean after, minus
     before), with its standard error over the problems: the same problems score both, so their
-    difficulty cancels and this error is far below either accuracy's own."""
+    difficulty cancels and this error is below either accuracy's own."""
     diffs = [statistics.fmean(seeds) - b for b, *seeds in zip(before, *after_by_seed)]
     return {"mean": statistics.fmean(diffs), "se_problems": statistics.stdev(diffs) / len(diffs) ** 0.5}
 
