@@ -10,8 +10,8 @@ x 4 completions):
 - one_step: diffu-GRPO's one-step estimate of the likelihood, the rest alike;
 - lora: the exact likelihood, LoRA adapters (rank 8 on every linear layer) trained alone.
 
-Each run is `setdiff train recipes/rl-reasoning.yaml` in its own process under OUT/runs (a run
-whose final checkpoint is in place is reused); the base and every run are then scored by the
+Each run is `setdiff train recipes/rl-reasoning.yaml` in its own process under OUT/runs, named by
+its variant, steps, learning rate and seed (a run whose final checkpoint is in place is reused); the base and every run are then scored by the
 `setdiff eval generate` job on the study's 1,000 held-out problems (200 of each training level) at
 the model's own decoding policy and at one token per step (window 1): accuracy, tokens per step,
 tokens/s. Training cost comes from each run's metrics.jsonl: wall seconds per RL step (rollouts
@@ -32,6 +32,7 @@ from pathlib import Path
 
 from benchmarks.machine import RESULTS_DIR, machine_info
 from benchmarks.study import run as study_run
+from benchmarks.study.plan import parse_seeds
 from benchmarks.study.report import over_seed_values
 from setdiff_megatron.checkpoint.names import CHECKPOINTS, find_checkpoints
 from setdiff_megatron.errors import ArgumentParser
@@ -49,22 +50,17 @@ POLICIES = {"policy": {}, "one_token_per_step": {"window": 1, "threshold": None}
 """The decodings every model is scored at: its own policy, and left to right one token a step."""
 
 
-def _seeds(text: str) -> list[int]:
-    try:
-        seeds = [int(s) for s in text.split(",")]
-    except ValueError:
-        raise SystemExit(f"--seeds: expected comma-separated integers such as 1,2,3; got {text!r}") from None
-    return seeds
-
-
-def _run_dir(out: Path, variant: str, seed: int) -> Path:
-    return out / "runs" / f"{variant}-seed{seed}"
+def _run_dir(args, variant: str, seed: int) -> Path:
+    """A run's directory, named by what it trains with: a run is reused only under the same
+    settings (another --steps or learning rate trains anew beside it)."""
+    lr = args.lora_lr if variant == "lora" else args.lr
+    return args.out / "runs" / f"{variant}-steps{args.steps}-lr{lr:g}-seed{seed}"
 
 
 def _overrides(args, variant: str, seed: int) -> list[str]:
     shared = [
         f"model.init_from={args.base}",
-        f"checkpoint.dir={_run_dir(args.out, variant, seed)}",
+        f"checkpoint.dir={_run_dir(args, variant, seed)}",
         f"data.cache_dir={args.out / 'data'}",
         f"train.seed={seed}",
         f"train.steps={args.steps}",
@@ -80,7 +76,7 @@ def _overrides(args, variant: str, seed: int) -> list[str]:
 
 def _train(args, variant: str, seed: int) -> Path:
     """The run's directory, trained unless its final checkpoint is in place."""
-    directory = _run_dir(args.out, variant, seed)
+    directory = _run_dir(args, variant, seed)
     if any(c.name == f"step_{args.steps:08d}" for c in find_checkpoints(directory / CHECKPOINTS)):
         print(f"rl: {directory.name} is trained", flush=True)
         return directory
@@ -250,7 +246,7 @@ def plot(results: dict, path: Path) -> None:
 def _parser() -> ArgumentParser:
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", type=Path, default=Path("runs/tiny-reasoning"), help="the main job's run")
-    parser.add_argument("--seeds", type=_seeds, default=[1, 2, 3], help="training seeds, e.g. 1,2,3")
+    parser.add_argument("--seeds", type=parse_seeds, default=[1, 2, 3], help="training seeds, e.g. 1,2,3")
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps a run")
     parser.add_argument("--lr", type=float, default=2e-5, help="the full fine-tunes' learning rate")
     parser.add_argument("--lora-lr", type=float, default=2e-4, help="the adapters' learning rate")

@@ -52,19 +52,6 @@ def _model_entry(out: Path, model: plan.Model, steps: int | None) -> dict:
     }
 
 
-def _seeds(text: str) -> list[int]:
-    """--seeds: argparse reports the ArgumentTypeError's words after the flag's name."""
-    try:
-        seeds = [int(s) for s in text.split(",") if s.strip()]
-    except ValueError:
-        seeds = []
-    if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
-        raise argparse.ArgumentTypeError(
-            f"expected distinct non-negative integers separated by commas, e.g. 1,2,3; got {text!r}"
-        )
-    return seeds
-
-
 def _points(rows: list[dict]) -> list[dict]:
     return [
         {
@@ -169,7 +156,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--seeds",
-        type=_seeds,
+        type=plan.parse_seeds,
         default=None,
         help="train every model once per training seed (train.seed), e.g. 1,2,3, and report the mean "
         "and spread over them; default: one run at the recipe's seed",

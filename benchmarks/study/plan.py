@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -195,3 +196,16 @@ def models(
     if quick:
         return [m for m in reasoning if m.name in QUICK_MODELS], []
     return reasoning, [replace(m, setting="packed") for m in CODE_MODELS] if setting == "packed" else []
+
+
+def parse_seeds(text: str) -> list[int]:
+    """--seeds of the study and the RL evidence: argparse reports the ArgumentTypeError's words after the flag's name."""
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        seeds = []
+    if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(
+            f"expected distinct non-negative integers separated by commas, e.g. 1,2,3; got {text!r}"
+        )
+    return seeds
