@@ -235,7 +235,11 @@ def main(argv: list[str] | None = None) -> dict:
         task, baselines = run.prepare_infill_task(out, args.infill_per_level)
 
         def evaluate(m: plan.Model) -> dict:
-            return {"infill_chains": run.infill(out, m, "jsonl", task, None), "points": []}
+            infills = {
+                "_".join(filter(None, ("infill_chains", variant))): run.infill(out, m, "jsonl", task, None, variant)
+                for variant in m.infills()
+            }
+            return infills | {"points": []}
 
         facts = {"infill_per_level": args.infill_per_level, "infill_baselines": baselines}
     else:

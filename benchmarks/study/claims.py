@@ -114,14 +114,22 @@ def best_point(models: dict, families: tuple[str, ...], floor: float) -> Side | 
     )
 
 
+def infill_variants(m: dict, task: str = "chains") -> list[tuple[str, dict]]:
+    """A model's infilling of `task` with each row's label: its own (`infill_<task>`), then its
+    other variants' (`infill_<task>_<variant>`: BD3-LM's "blocks", plan.Model.infills)."""
+    key = f"infill_{task}"
+    return [(m["label"] + k[len(key) :].replace("_", ", ", 1), m[k]) for k in m if k == key or k.startswith(key + "_")]
+
+
 def best_infill(models: dict, families: tuple[str, ...], score: str) -> Side | None:
-    """The best infilling `score` (exact_match, rougeL) among `models` of `families`, or None."""
-    rows = [(m, m["infill_chains"]) for m in models.values() if m["family"] in families and "infill_chains" in m]
+    """The best infilling `score` (exact_match, rougeL) among `models` of `families` and their
+    variants (BD3-LM's two contexts: the stronger one is the baseline), or None."""
+    rows = [row for m in models.values() if m["family"] in families for row in infill_variants(m)]
     if not rows:
         return None
-    m, r = max(rows, key=lambda mr: mr[1][score])
+    label, r = max(rows, key=lambda row: row[1][score])
     return Side(
-        m["label"],
+        label,
         r[score],
         r.get(f"{score}_std", 0.0),
         len(r.get(f"{score}_by_seed", [None])),

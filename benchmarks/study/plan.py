@@ -122,17 +122,23 @@ class Model:
             return [one, *map(dict, ADAPTED_POINTS)], {}
         return [one], {"window": list(WINDOWS), "threshold": list(THRESHOLDS)}
 
-    def infill(self) -> dict:
-        """The infill job's context and decoding, one token per step: the context the model can
-        use (AR: the left side; a block order and BD3-LM: up to the end of the span's block, as
-        their block decoding sees it; the others: both sides), MDLM in one block of its length."""
+    def infills(self) -> dict[str, dict]:
+        """The infill jobs' contexts and decodings by variant ("" first, the one the claims read
+        first), one token per step: the context the model can use (AR: the left side; a block
+        order: up to the end of the span's block, as its block decoding sees it; the others: both
+        sides), MDLM in one block of its length. BD3-LM infills twice: as the reference's, the
+        whole input cached ahead of the span's blocks (cache_infill_input), and "blocks", the right
+        side up to its span's block end that its own block decoding sees."""
         if self.family == "ar":
-            return {"context": "left", "window": 1}
-        if self.family in ("sd-block", "bd3lm"):
-            return {"context": "blocks", "window": self.block_size, "block_size": self.block_size}
+            return {"": {"context": "left", "window": 1}}
+        blocks = {"context": "blocks", "window": self.block_size, "block_size": self.block_size}
+        if self.family == "sd-block":
+            return {"": blocks}
+        if self.family == "bd3lm":
+            return {"": blocks | {"context": "both", "cache_infill_input": True}, "blocks": blocks}
         if self.family == "mdlm":
-            return {"context": "both", "window": INFILL_LENGTH, "block_size": INFILL_LENGTH}
-        return {"context": "both", "window": 16}
+            return {"": {"context": "both", "window": INFILL_LENGTH, "block_size": INFILL_LENGTH}}
+        return {"": {"context": "both", "window": 16}}
 
 
 def _t(threshold: float | None) -> str:

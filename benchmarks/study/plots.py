@@ -6,6 +6,7 @@ import statistics
 import textwrap
 from pathlib import Path
 
+from benchmarks.study.claims import infill_variants
 from setdiff_megatron.evaluation.sweep import pareto_front
 
 FAMILY_COLOURS = {
@@ -114,7 +115,7 @@ def plot_infill(results: dict, path: Path) -> None:
         return
     fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4.2), constrained_layout=True, squeeze=False)
     for ax, (task, title, models) in zip(axes[0], groups):
-        rows = [m[f"infill_{task}"] | {"label": m["label"]} for m in models.values() if m.get(f"infill_{task}")]
+        rows = [r | {"label": label} for m in models.values() for label, r in infill_variants(m, task)]
         x = range(len(rows))
         for offset, key, name in ((-0.2, "exact_match", "exact match"), (0.2, "rougeL", "ROUGE-L")):
             errors = [r.get(f"{key}_std", 0.0) for r in rows]

@@ -174,13 +174,18 @@ def sweep(out: Path, model: Model, tasks: Path, quick: bool) -> list[dict]:
     return [r | {"invocation": invocation_of(out, Path(r["dir"]) / "generations.jsonl")} for r in rows]
 
 
-def infill(out: Path, model: Model, task: str, data: Path | None, max_examples: int | None) -> dict:
-    """Infilling with the context the model can use, one token per step (plan.Model.infill); for
-    records with levels (the chains task), also the exact match per level; and the invocation
-    that measured its speed."""
-    settings = model.infill()
-    decoding = DecodingConfig(window=settings["window"], block_size=settings.get("block_size"), max_new_tokens=0)
-    directory = out / "eval" / model.key / f"infill-{task}"
+def infill(out: Path, model: Model, task: str, data: Path | None, max_examples: int | None, variant: str = "") -> dict:
+    """Infilling with the context the model can use, one token per step (plan.Model.infills'
+    `variant`); for records with levels (the chains task), also the exact match per level; and
+    the invocation that measured its speed."""
+    settings = model.infills()[variant]
+    decoding = DecodingConfig(
+        window=settings["window"],
+        block_size=settings.get("block_size"),
+        cache_infill_input=settings.get("cache_infill_input", False),
+        max_new_tokens=0,
+    )
+    directory = out / "eval" / model.key / "-".join(filter(None, ("infill", task, variant)))
     metrics = run_infill_job(
         InfillJob(
             source=str(run_dir(out, model)),

@@ -134,6 +134,16 @@ class DecodingConfig:
     """Block diffusion (BD3-LM) decoding: queries never pass the end of the block (positions
     [j*S, (j+1)*S), counted from the canvas start) that holds the leftmost masked position, so a
     block is finished before the next one is queried, as a block-order model was trained. None: off."""
+    cache_infill_input: bool = _setting(
+        False,
+        bool,
+        "BD3-LM infilling as the reference's: cache the whole input (right context and MASKs too) and decode "
+        "the span's blocks after it",
+    )
+    """BD3-LM only (core/masked_sampler.py): its blocks never see later ones, so the reference's
+    infill caches the whole input, MASK-padded to a multiple of S, as clean blocks and decodes the
+    span's blocks at positions after it, where the right context lies behind them. Set diffusion
+    and MDLM see both contexts anyway."""
     tokens_per_step: int = _setting(1, int, "k: decode the k most confident queries each step", ge=1)
     threshold: float | None = _setting(
         None, float, "tau: also decode every query at least this confident", gt=0, le=1, off=True

@@ -16,7 +16,12 @@ its completion so far (the completion is cut after it), or goes on to the next b
   bd3lm  a KV cache of clean tokens, updated once per block: the aligned prompt prefix is
          prefilled as clean blocks (x0's block-causal attention), each step runs the block's S
          tokens as queries that see the cache and one another, and a decided block joins the
-         cache as the first part of the next block's first step (the reference's fused cache)
+         cache as the first part of the next block's first step (the reference's fused cache).
+         With cfg.cache_infill_input an infilling prompt is prefilled whole instead (its whole
+         blocks, MASKs and right context included) and the span's blocks run at positions after
+         it (`_Row.shift`), as the reference's BD3-LM infills: a block sees only earlier
+         positions, so this is how the right context reaches it. A block cut short by the
+         prompt's end runs without the MASK padding the reference gives it
   mdlm   no cache: each step runs the whole canvas (padded with MASKs to the context length, as
          the reference pads it) as one bidirectional group, and reads the block's positions
 
@@ -57,6 +62,8 @@ class _Row:
     """(token, position, group) of clean tokens to commit in the next step: the prompt prefix,
     or the block just decided."""
     prefilled: bool = False
+    shift: int = 0
+    """Model position minus canvas position of the blocks (cfg.cache_infill_input), else 0."""
     steps: int = 0
     nfe: int = 0
     decoded: int = 0
@@ -116,6 +123,17 @@ class MaskedDiffusionSampler:
                 f"is longer than the context: its {len(prompt)} tokens plus max_new_tokens "
                 f"({cfg.max_new_tokens}) must be <= context_len = {self.context_len}"
             )
+        cached = _cached_input(prompt, cfg, mask) if self.family == "bd3lm" else None
+        if cached is not None:
+            size = cfg.block_size
+            masked = [i for i, t in enumerate([*prompt, *[mask] * cfg.max_new_tokens]) if t == mask]
+            end = cached + masked[-1] // size * size - masked[0] // size * size + size
+            if end > self.context_len:
+                return (
+                    f"is too long for cache_infill_input: its {cached} cached tokens and the blocks from its first "
+                    f"MASK to its last run to position {end}, past context_len = {self.context_len}; decode it "
+                    "without cache_infill_input"
+                )
         return None
 
     @property
@@ -204,8 +222,10 @@ class MaskedDiffusionSampler:
             admitted_s=time.perf_counter(),
             trace=[] if self.trace else None,
         )
-        if self.family == "bd3lm":  # the clean prefix before the first block: x0's blocks
-            row.pending = [(canvas[p], p, p // size) for p in range(row.blocks[0])]
+        if self.family == "bd3lm":  # clean x0 blocks: the prefix before the first block, or the whole input
+            cached = _cached_input(request.prompt, cfg, mask)
+            row.pending = [(canvas[p], p, p // size) for p in range(row.blocks[0] if cached is None else cached)]
+            row.shift = 0 if cached is None else cached - row.blocks[0]
         return row
 
     def _admit(self) -> None:
@@ -232,7 +252,9 @@ class MaskedDiffusionSampler:
             query_pos = [list(range(len(q))) for q in queries]
         else:
             queries = [[] if r.pending and not r.prefilled else r.canvas[slice(*r.block)] for r in self.rows]
-            query_pos = [list(range(*r.block)) if q else [] for r, q in zip(self.rows, queries)]
+            query_pos = [
+                list(range(r.block[0] + r.shift, r.block[1] + r.shift)) if q else [] for r, q in zip(self.rows, queries)
+            ]
         num_commit = max((len(c) for c in commits), default=0)
         num_query = max(len(q) for q in queries)
         tokens, positions, commit_valid, commit_groups, query_valid = [], [], [], [], []
@@ -343,7 +365,7 @@ class MaskedDiffusionSampler:
             r.blocks.pop(0)
         if self.family == "bd3lm" and r.blocks and r.stop_end is None:
             nxt = r.blocks[0]
-            r.pending = [(r.canvas[p], p, p // r.block_size) for p in range(start, nxt)]
+            r.pending = [(r.canvas[p], p + r.shift, (p + r.shift) // r.block_size) for p in range(start, nxt)]
 
     # ----------------------------------------------------------------------------------------
     # retirement
@@ -393,6 +415,14 @@ class MaskedDiffusionSampler:
         if self._cache is not None:
             self._cache = self._cache.select(keep) if keep else None
         return out
+
+
+def _cached_input(prompt: Sequence[int], cfg: DecodingConfig, mask: int) -> int | None:
+    """How many of an infilling prompt's tokens BD3-LM caches under cfg.cache_infill_input (its
+    whole blocks, as the reference's prefill: none when it is shorter than a block), else None."""
+    if not cfg.cache_infill_input or not any(int(t) == mask for t in prompt):
+        return None
+    return len(prompt) // cfg.block_size * cfg.block_size
 
 
 def _padded_canvas(rows: list[_Row], mask: int, device) -> torch.Tensor:

@@ -16,7 +16,8 @@ greedy).
 `--context` gives a model only the context its training order lets it use: `left` drops the
 right context (an autoregressive model), `blocks` keeps the right context up to the end of the
 span's last block of --block-size positions (a model trained with a block order, which sees later
-blocks only once it has decoded them).
+blocks only once it has decoded them). A BD3-LM model sees the right context through its cache
+(its policy's cache_infill_input, the reference's infill: core/masked_sampler.py).
 The job writes the prompts once (`prompts.jsonl`, a reference per line), decodes them through
 the sampling job (sharded, resumable: `samples.jsonl`) and scores the merged samples
 (`metrics.json`). Examples longer than the model's context are skipped and counted.

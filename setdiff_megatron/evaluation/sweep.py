@@ -132,6 +132,8 @@ def _auto_name(given: dict[str, Any]) -> str:
     for key, value in given.items():
         if key == "fill_window":
             parts.append("fill" if value else "span")
+        elif key == "cache_infill_input":
+            parts.append("cache" if value else "nocache")
         else:
             parts.append(f"{short[key]}{'off' if value is None else format(value, 'g')}")
     name = "-".join(parts) or "default"

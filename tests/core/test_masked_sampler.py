@@ -3,6 +3,8 @@ the training forward computes with no cache, the MDLM decode its bidirectional f
 whole canvas, one row at a time or batched, as the reference decodes (docs/method.md, "The
 baselines"): aligned blocks, the most confident MASK plus every one at the threshold per step."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -123,6 +125,52 @@ def test_spans_of_a_prompt_are_infilled(model):
         row = sampler.generate([prompt], DecodingConfig(block_size=4, window=4, max_new_tokens=0)).rows[0]
         assert len(row.tokens) == len(prompt) and mask not in row.tokens and row.num_decoded == 3
         assert [row.tokens[i] for i in (0, 1, 5, 6, 7, 8)] == [5, 9, 3, 7, 1, 2]
+
+
+def reference_cached_infill(model, prompt, size):
+    """The reference's BD3-LM infill, on the training forward: the prompt's whole blocks (MASKs
+    and right context included), then the span's blocks decoded so far and the block being
+    decoded, one sequence whose x0 stream is clean and whose last block is the noisy one; one
+    token per step."""
+    mask = model.config.mask_token_id
+    canvas = list(prompt)
+    context = canvas[: len(canvas) // size * size]
+    for lo in sorted({i // size * size for i, t in enumerate(prompt) if t == mask}):
+        hi = min(lo + size, len(canvas))
+        while mask in canvas[lo:hi]:
+            x = torch.tensor([context + canvas[lo:hi]])
+            positions = torch.arange(x.shape[1])[None]
+            logits = model(x, x, positions, groups=positions // size)[0, len(context) :]
+            probs = logits.index_fill(-1, torch.tensor([mask]), float("-inf")).softmax(-1)
+            conf, tok = probs.max(-1)
+            j = int(torch.where(torch.tensor([t == mask for t in canvas[lo:hi]]), conf, -1.0).argmax())
+            canvas[lo + j] = int(tok[j])
+        context += canvas[lo:hi]
+    return canvas
+
+
+def test_bd3lm_infills_over_the_whole_input_cached_as_the_reference(model):
+    mask = model.config.mask_token_id
+    prompts = [  # a span inside a block, one across three blocks, one in the last, partial block, a short prompt
+        [5, 9, mask, mask, 3, 7, 1, 2, 11],
+        [5, 9, 11, 3, 7, mask, mask, mask, mask, mask, mask, 1, 2, 3, 4, 5, 6, 7],
+        [1, 2, 3, 4, 5, 6, 7, 8, 9, mask, mask],
+        [5, mask, 9],
+    ]
+    cfg = DecodingConfig(block_size=4, window=4, max_new_tokens=0, cache_infill_input=True)
+    sampler = MaskedDiffusionSampler(model, family="bd3lm", mask_token_id=mask, context_len=CONTEXT)
+    rows = sampler.generate(prompts, cfg).rows
+    for prompt, row in zip(prompts, rows):
+        assert row.tokens == reference_cached_infill(model, prompt, 4)
+        assert row.nfe == row.steps + (len(prompt) >= 4)  # the whole blocks: one prefill forward
+        assert sampler.generate([prompt], cfg).rows[0].tokens == row.tokens  # alone as batched
+    # The right context changes the fills (without the cache it lies in blocks the span never sees).
+    plain = sampler.generate(prompts, DecodingConfig(block_size=4, window=4, max_new_tokens=0)).rows
+    assert [r.tokens for r in plain] != [r.tokens for r in rows]
+    # Cached tokens and blocks past the context are refused, as every decode past it is here.
+    long = [1] * 14 + [mask] * 8 + [2] * 3  # 24 cached, blocks [12, 24) run to position 36
+    assert "past context_len = 32" in sampler.request_problem(long, cfg)
+    assert sampler.request_problem(long, replace(cfg, cache_infill_input=False)) is None
 
 
 def test_requests_it_cannot_decode(model):

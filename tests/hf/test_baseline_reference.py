@@ -2,7 +2,8 @@
 (tests/fixtures/baselines/, written by the reference's code): the release read as the family, the
 masked batch drawn as the reference draws it (forced noise levels, seeded masking and BD3-LM's
 masked-block rule), each row's training loss and each position's log p within 1e-5 in float32,
-and the greedy decode traces (tokens, steps, per-step decided positions) identical.
+and the greedy decode traces (tokens, steps, per-step decided positions) identical, BD3-LM's
+infills (the whole input cached, cache_infill_input) included.
 
 Decodes past the trained length (the fixtures' second prompt: 11 + 32 tokens over L = 32, which
 the reference runs with a sliding window or a cropped cache) are refused here, not reproduced."""
@@ -95,3 +96,24 @@ def test_greedy_decodes_follow_the_reference_traces(release):
     assert "longer than the context" in sampler.request_problem(
         long["prompt"], DecodingConfig(block_size=4, max_new_tokens=long["max_new_tokens"])
     )
+
+
+def test_bd3lm_infills_follow_the_reference_traces():
+    ref = _reference("bd3lm")
+    sm = load_sampling_model(read_source(FIXTURES / ref["release"], base=BASE), Ranks(), device="cpu")
+    sampler = sm.sampler()
+    for infill in ref["infill"]:
+        threshold = None if infill["threshold"] >= 1 else infill["threshold"]
+        cfg = DecodingConfig(block_size=4, window=4, threshold=threshold, max_new_tokens=0, cache_infill_input=True)
+        row = sampler.generate([infill["prompt"]], cfg, trace=True).rows[0]
+        assert row.tokens == infill["tokens"]
+        assert [[list(p) for p in s.decoded] for s in row.trace] == [s["decoded"] for s in infill["steps"]]
+        assert row.steps == infill["nfe"] and row.tokens_per_step == pytest.approx(infill["parallelism_factor"])
+        # One prefill forward; the reference caches each decided block in a forward of its own
+        # (its fused cache is off for infills), here it joins the next block's first step.
+        blocks = len({tuple(s["queried"]) for s in infill["steps"]})
+        assert row.nfe == row.steps + 1 and infill["backbone_forwards"] == row.steps + 1 + blocks
+        plain = sampler.generate(
+            [infill["prompt"]], DecodingConfig(block_size=4, window=4, threshold=threshold, max_new_tokens=0)
+        )
+        assert plain.rows[0].tokens != row.tokens  # without the cache the right context is never seen

@@ -125,6 +125,15 @@ def test_the_claims_table_of_made_up_settings():
     assert "0.700 ± 0.010 (d=4, w4-t0.9, 2.60 tokens/step, 260 tokens/s)" in rows[0].measured
 
 
+def test_the_stronger_of_bd3lm_s_infill_contexts_is_the_baseline():
+    models = INFILL["models"] | {
+        "bd3lm-b4": INFILL["models"]["bd3lm-b4"] | {"infill_chains_blocks": _infill(0.38, 0.02)}
+    }
+    rows = claim_rows({"infill": INFILL | {"models": models}})[10:12]
+    assert [r.verdict for r in rows] == ["inconclusive", "inconclusive"]  # 0.40 against the blocks' 0.38
+    assert "BD3-LM, blocks" in rows[0].measured
+
+
 def test_results_without_the_baselines_are_not_run_yet():
     old = MATH | {"models": {k: m for k, m in MATH["models"].items() if k not in plan.BASELINES}}
     rows = claim_rows({"adapted": old})[4:8]

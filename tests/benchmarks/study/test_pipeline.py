@@ -136,12 +136,12 @@ def test_the_infill_setting_pretrains_every_family_on_the_chains():
             "reasoning-chains"
         ] and recipe.data.seq_len == plan.INFILL_LENGTH
         assert recipe.data.datasets[0].format == "pretraining" and recipe.model.init_from is None
-        contexts[m.name] = m.infill()
-    assert (
-        contexts["ar"]["context"] == "left" and contexts["sd-d4"]["context"] == contexts["sd-d16"]["context"] == "both"
-    )
-    assert contexts["mdlm"] == {"context": "both", "window": 64, "block_size": 64}
-    assert contexts["bd3lm-b4"] == {"context": "blocks", "window": 4, "block_size": 4}
+        contexts[m.name] = m.infills()
+    assert contexts["ar"] == {"": {"context": "left", "window": 1}}
+    assert contexts["sd-d4"] == contexts["sd-d16"] == {"": {"context": "both", "window": 16}}
+    assert contexts["mdlm"] == {"": {"context": "both", "window": 64, "block_size": 64}}
+    blocks = {"context": "blocks", "window": 4, "block_size": 4}  # BD3-LM as the reference, then its own blocks'
+    assert contexts["bd3lm-b4"] == {"": blocks | {"context": "both", "cache_infill_input": True}, "blocks": blocks}
 
 
 def test_the_budget_setting_reuses_the_adapted_runs_at_their_budget():
@@ -188,10 +188,16 @@ def test_the_infill_setting_runs_through_the_pipeline(tmp_path):
     assert results["infill_baselines"]["right_context"] == 1.0 and results["infill_baselines"]["examples"] == 10
     contexts = {name: m["infill_chains"]["context"] for name, m in results["models"].items()}
     assert contexts == {
-        "ar": "left", "sd-d4": "both", "sd-d8": "both", "sd-d16": "both", "mdlm": "both", "bd3lm-b4": "blocks"
+        "ar": "left", "sd-d4": "both", "sd-d8": "both", "sd-d16": "both", "mdlm": "both", "bd3lm-b4": "both"
     }  # fmt: skip
-    for m in results["models"].values():
-        r = m["infill_chains"]
+    bd3lm = results["models"]["bd3lm-b4"]
+    assert (
+        bd3lm["infill_chains"]["decoding"]["cache_infill_input"]
+        and bd3lm["infill_chains_blocks"]["context"] == "blocks"
+    )
+    for r in [m["infill_chains"] for m in results["models"].values()] + [bd3lm["infill_chains_blocks"]]:
         assert r["examples"] == 10 and len(r["exact_match_by_seed"]) == 2 and r["tokens_per_s"] > 0
         assert set(r["levels"]) == set(results["infill_baselines"]["by_level"])
+    text = (tmp_path / "results" / "results.md").read_text()
+    assert "| BD3-LM (block 4) | both, input cached |" in text and "| BD3-LM (block 4), blocks | blocks |" in text
     assert (tmp_path / "results" / "infill.png").stat().st_size > 0
