@@ -15,6 +15,7 @@ import pytest
 
 from setdiff_megatron.distributed.runtime import Ranks
 from setdiff_megatron.inference.loading import load_sampling_model
+from setdiff_megatron.inference.prompts import encode_prompt, read_prompts
 from setdiff_megatron.sources.read import read_source
 from tests.hf.clean_env import run_clean
 
@@ -95,6 +96,23 @@ def test_sample_decodes_with_the_familys_decoder_and_policy(family_runs, family,
     assert row["completion"] == text and (row["steps"], row["nfe"]) == (counts["steps"], counts["nfe"])
     job = json.loads((tmp_path / "o.jsonl.job.json").read_text())
     assert job["decoding"]["block_size"] == (4 if family == "bd3lm" else 32)
+    assert job["decoding"]["cache_infill_input"] is False  # nothing to infill: recorded off
+
+
+def test_sample_infills_bd3lm_with_its_policy_s_cached_input(family_runs, tmp_path):
+    run = family_runs["bd3lm"]
+    (tmp_path / "p.jsonl").write_text(json.dumps({"segments": [PROMPT, 6, "):\n    return x"]}) + "\n")
+    _setdiff("sample", str(run), "--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "o.jsonl"),
+             "--max-new-tokens", "0", "--no-progress")  # fmt: skip
+    (row,) = [json.loads(line) for line in (tmp_path / "o.jsonl").read_text().splitlines()]
+    assert json.loads((tmp_path / "o.jsonl.job.json").read_text())["decoding"]["cache_infill_input"] is True
+    sm = load_sampling_model(run, Ranks(), device="cpu")
+    (record,) = read_prompts(tmp_path / "p.jsonl")
+    ids = encode_prompt(record, sm.tokenizer, sm.prompt_format())
+    direct = sm.sampler().generate([ids], sm.decoding.over({"max_new_tokens": 0})).rows[0]
+    assert sm.decoding.cache_infill_input and row["steps"] == direct.steps and row["nfe"] == direct.nfe
+    fill = [direct.tokens[i] for i, t in enumerate(ids) if t == sm.tokenizer.mask_id]
+    assert row["infills"] == [sm.tokenizer.decode(fill)]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -23,6 +23,7 @@ S stop sequences, M longest stop sequence.
 
 from __future__ import annotations
 
+import json
 import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -37,6 +38,7 @@ __all__ = [
     "DecodingRequest",
     "resolve_decoding",
     "decoding_request_record",
+    "settings_off_default",
     "RowPolicy",
     "window_queries",
     "process_logits",
@@ -214,6 +216,14 @@ def decoding_request_record(request: DecodingRequest) -> dict[str, Any]:
     if isinstance(request, DecodingConfig):
         return asdict(request)
     return {"model_policy_with": dict(request)}
+
+
+def settings_off_default(record: Mapping[str, Any]) -> dict[str, Any]:
+    """The entries of a DecodingConfig's JSON record that differ from the defaults: what tells two
+    recorded decodings apart, so that a record written before a setting existed still matches
+    one that holds it at its default."""
+    defaults = json.loads(json.dumps(asdict(DecodingConfig())))
+    return {k: v for k, v in record.items() if k not in defaults or v != defaults[k]}
 
 
 @dataclass

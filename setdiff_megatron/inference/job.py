@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from setdiff_megatron.checkpoint.manifest import sha256_file
-from setdiff_megatron.core.decoding import DecodingConfig, DecodingRequest, resolve_decoding
+from setdiff_megatron.core.decoding import DecodingConfig, DecodingRequest, resolve_decoding, settings_off_default
 from setdiff_megatron.core.sample_output import RowResult
 from setdiff_megatron.core.sample_request import Request
 from setdiff_megatron.core.sampler import SetSampler
@@ -116,6 +116,10 @@ def run_sample_job(job: SampleJob) -> DecodingConfig:
     add_bos = sm.add_bos if job.add_bos is None else job.add_bos
     fmt = sm.prompt_format(add_bos)
     encoded = [encode_prompt(r, sm.tokenizer, fmt) for r in records]
+    if decoding.cache_infill_input and not any(sm.tokenizer.mask_id in ids for ids in encoded):
+        # Nothing to infill: the setting cannot act, so the job records it off and matches jobs
+        # of the same prompts saved before it existed (BD3-LM's policy holds it on).
+        decoding = replace(decoding, cache_infill_input=False)
     for record, ids in zip(records, encoded):
         problem = sampler.request_problem(ids, decoding)
         if problem:
@@ -132,6 +136,7 @@ def run_sample_job(job: SampleJob) -> DecodingConfig:
             "add_bos": add_bos,
             "dtype": str(next(sm.model.parameters()).dtype),
         },
+        same_as={"decoding": settings_off_default},
     )
     results.check_job()
     if ranks.rank == 0:

@@ -6,7 +6,9 @@ the batch in flight; a torn last line is cut off when the shard reopens its file
 skips every index already written, under any sharding. When every index is present, the parts
 are merged in index order into `<out>` (written to a temporary name, then renamed) and removed.
 `<out>.job.json` records what produced the results (model, prompts, settings); a rerun with
-other settings is refused rather than mixed in.
+other settings is refused rather than mixed in. A job may name how to read a part of its record
+(`same_as`: the decoding settings that differ from their defaults), so that a setting added in a
+later version, at its default, does not set a saved job apart.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,11 +40,16 @@ def _complete_records(path: Path) -> Iterable[dict[str, Any]]:
 
 
 class ShardedResults:
-    def __init__(self, out: str | Path, job: dict[str, Any]):
+    def __init__(self, out: str | Path, job: dict[str, Any], same_as: Mapping[str, Callable[[Any], Any]] | None = None):
         self.out = Path(out)
         self.parts = self.out.with_name(self.out.name + ".parts")
         self.job_file = self.out.with_name(self.out.name + ".job.json")
         self.job = json.loads(json.dumps(job))  # as it reads back from disk
+        self.same_as = dict(same_as or {})
+        """For a key of the record, what of its value tells two jobs apart."""
+
+    def _compared(self, key: str, value: Any) -> Any:
+        return self.same_as[key](value) if key in self.same_as and value is not None else value
 
     def check_job(self) -> None:
         """Refuse to mix results of other settings into existing ones (read-only: every rank may call it)."""
@@ -54,7 +61,11 @@ class ShardedResults:
                 "choose another output path"
             )
         saved = json.loads(self.job_file.read_text())
-        diffs = [f"{k}: {saved.get(k)!r} there, {v!r} here" for k, v in self.job.items() if saved.get(k) != v]
+        diffs = [
+            f"{k}: {self._compared(k, saved.get(k))!r} there, {self._compared(k, v)!r} here"
+            for k, v in self.job.items()
+            if self._compared(k, saved.get(k)) != self._compared(k, v)
+        ]
         if diffs:
             raise UserError(
                 f"{self.out} holds results of other settings ({'; '.join(diffs)}); "

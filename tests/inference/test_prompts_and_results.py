@@ -1,10 +1,12 @@
 """Prompt files and the resumable, sharded results store of sampling/evaluation jobs."""
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
+from setdiff_megatron.core.decoding import DecodingConfig, settings_off_default
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.inference.prompts import read_prompts
 from setdiff_megatron.inference.results import ShardedResults
@@ -82,6 +84,17 @@ def test_other_settings_are_refused_and_foreign_files_kept(tmp_path):
     with pytest.raises(UserError, match="not written by this kind of job"):
         ShardedResults(foreign, {}).check_job()
     assert foreign.read_text() == "keep me\n" and results.done() == {0}
+
+
+def test_a_job_saved_before_a_decoding_setting_existed_resumes_at_its_default(tmp_path):
+    out = tmp_path / "o.jsonl"
+    before = {k: v for k, v in asdict(DecodingConfig(window=4)).items() if k != "cache_infill_input"}
+    ShardedResults(out, {"decoding": before}).start()
+    same = {"decoding": settings_off_default}
+    ShardedResults(out, {"decoding": asdict(DecodingConfig(window=4))}, same).check_job()
+    changed = asdict(DecodingConfig(window=4, cache_infill_input=True))
+    with pytest.raises(UserError, match="other settings .*'cache_infill_input': True"):
+        ShardedResults(out, {"decoding": changed}, same).check_job()
 
 
 def test_a_peer_checking_while_the_first_process_starts_the_job_is_never_refused(tmp_path, monkeypatch):
