@@ -121,6 +121,11 @@ def infill_variants(m: dict, task: str = "chains") -> list[tuple[str, dict]]:
     return [(m["label"] + k[len(key) :].replace("_", ", ", 1), m[k]) for k in m if k == key or k.startswith(key + "_")]
 
 
+def infill_context(r: dict) -> str:
+    """The context an infill row had, and whether its whole input was cached (BD3-LM as the reference)."""
+    return r["context"] + (", input cached" if r["decoding"].get("cache_infill_input") else "")
+
+
 def best_infill(models: dict, families: tuple[str, ...], score: str) -> Side | None:
     """The best infilling `score` (exact_match, rougeL) among `models` of `families` and their
     variants (BD3-LM's two contexts: the stronger one is the baseline), or None."""

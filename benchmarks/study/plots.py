@@ -6,7 +6,7 @@ import statistics
 import textwrap
 from pathlib import Path
 
-from benchmarks.study.claims import infill_variants
+from benchmarks.study.claims import infill_context, infill_variants
 from setdiff_megatron.evaluation.sweep import pareto_front
 
 FAMILY_COLOURS = {
@@ -128,7 +128,7 @@ def plot_infill(results: dict, path: Path) -> None:
                 label=name,
             )
         # Labels wrapped to the width of a bar pair, so that neighbours do not overlap.
-        ax.set_xticks(list(x), [f"{textwrap.fill(r['label'], 15)}\n({r['context']})" for r in rows], fontsize=7)
+        ax.set_xticks(list(x), [f"{textwrap.fill(r['label'], 15)}\n({infill_context(r)})" for r in rows], fontsize=7)
         ax.set_title(f"infilling: {title}")
         ax.set_ylim(0, 1)
         ax.legend(fontsize=8)

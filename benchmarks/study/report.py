@@ -94,11 +94,6 @@ def over_seeds(entries: dict[int, dict]) -> dict:
 INFILL_SCORES = ("exact_match", "rouge1", "rouge2", "rougeL")
 
 
-def _context(r: dict) -> str:
-    """The context an infill row had, and whether its whole input was cached (BD3-LM as the reference)."""
-    return r["context"] + (", input cached" if r["decoding"].get("cache_infill_input") else "")
-
-
 def _infill_over_seeds(runs: list[dict]) -> dict:
     """One model's infilling over seeds: each score's mean, spread and standard errors (exact
     match's binomial one from the examples), speeds and per-level exact match as means."""
@@ -394,7 +389,7 @@ def infill_markdown(results: dict) -> str:
     ]
     for label, r in (row for m in models.values() for row in claims.infill_variants(m)):
         out.append(
-            f"| {label} | {_context(r)} | {_score(r, 'exact_match')} | {_score(r, 'rouge1')} | "
+            f"| {label} | {claims.infill_context(r)} | {_score(r, 'exact_match')} | {_score(r, 'rouge1')} | "
             f"{_score(r, 'rouge2')} | {_score(r, 'rougeL')} | {r['tokens_per_step']:.2f} | "
             f"{_fmt(r['tokens_per_s'], '.0f')} | {r['examples']} |"
         )
