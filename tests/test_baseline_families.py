@@ -99,7 +99,7 @@ def test_sample_decodes_with_the_familys_decoder_and_policy(family_runs, family,
     assert job["decoding"]["cache_infill_input"] is False  # nothing to infill: recorded off
 
 
-def test_sample_infills_bd3lm_with_its_policy_s_cached_input(family_runs, tmp_path):
+def test_sample_infills_bd3lm_with_the_cached_input_of_its_policy(family_runs, tmp_path):
     run = family_runs["bd3lm"]
     (tmp_path / "p.jsonl").write_text(json.dumps({"segments": [PROMPT, 6, "):\n    return x"]}) + "\n")
     _setdiff("sample", str(run), "--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "o.jsonl"),
