@@ -226,18 +226,21 @@ def export_to_hf(
 
 
 def _verify_export(source: Source, directory: Path, dtype: torch.dtype, tolerance: float) -> list[verify.Comparison]:
-    """Query logits of the exported directory, loaded through transformers' AutoModel, against
-    the source model's."""
+    """Logits of the exported directory, loaded through transformers' AutoModel, against the
+    source model's, both computed as the model's family computes them."""
     transformers = require("transformers", "hf", "Checking a Hugging Face export")
     batch = verify.fixed_batch(source.config)
-    reference = verify.query_logits(verify.torch_model(source.config, source.state_dict, round_to=dtype), batch)
+    family = (source.family, source.block_size)
+    reference = verify.family_logits(
+        verify.torch_model(source.config, source.state_dict, round_to=dtype), batch, *family
+    )
     with verify.quiet_transformers(transformers):
         exported = transformers.AutoModel.from_pretrained(str(directory), trust_remote_code=True, dtype=torch.float32)
     with torch.no_grad():
         logits = exported(batch.clean_tokens, position_ids=batch.position_ids, query_ids=batch.query_tokens).logits
     out = [verify.compare("exported model (transformers AutoModel) vs source", logits, reference, tolerance)]
     if any(t.dtype != dtype for t in source.state_dict.values() if t.is_floating_point()):
-        unrounded = verify.query_logits(verify.torch_model(source.config, source.state_dict), batch)
+        unrounded = verify.family_logits(verify.torch_model(source.config, source.state_dict), batch, *family)
         shift = verify.compare(f"rounding to {_hf_name(dtype)} (information)", reference, unrounded, float("inf"))
         out.append(shift)
     return out

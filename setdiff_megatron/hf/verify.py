@@ -85,6 +85,18 @@ def query_logits(model, batch: TwoStreamBatch) -> torch.Tensor:
 
 
 @torch.no_grad()
+def family_logits(model, batch: TwoStreamBatch, family: str, block_size: int | None) -> torch.Tensor:
+    """The logits an export's forward computes from these inputs for a model of `family`
+    (hf/hf_model.py): set diffusion's two streams, BD3-LM's with its blocks as groups, MDLM's one
+    bidirectional stream of the clean tokens."""
+    if family == "mdlm":
+        groups = torch.zeros_like(batch.clean_tokens)
+        return model(None, batch.clean_tokens, batch.position_ids, groups=groups).float()
+    groups = batch.position_ids // block_size if family == "bd3lm" else None
+    return model(batch.clean_tokens, batch.query_tokens, batch.position_ids, groups=groups).float()
+
+
+@torch.no_grad()
 def clean_stream(model: SetDiffusionTransformer, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(final-norm hidden states, logits) of the clean stream under the left-to-right order:
     position r sees tokens 0..r, exactly an AR model's computation."""
