@@ -20,7 +20,8 @@ blocks only once it has decoded them). A BD3-LM model sees the right context thr
 (its policy's cache_infill_input, the reference's infill: core/masked_sampler.py).
 The job writes the prompts once (`prompts.jsonl`, a reference per line), decodes them through
 the sampling job (sharded, resumable: `samples.jsonl`) and scores the merged samples
-(`metrics.json`). Examples longer than the model's context are skipped and counted.
+(`metrics.json`). A rerun into the same --out resumes that job and refuses any other, before it
+writes anything. Examples longer than the model's context are skipped and counted.
 """
 
 from __future__ import annotations
@@ -265,11 +266,17 @@ def _write_prompts(job: InfillJob, path: Path) -> tuple[int, int]:
     if not lines:
         raise UserError(f"every {job.task} example is longer than the model's context ({max_len} tokens)")
     text = "".join(line + "\n" for line in lines)
-    if not path.is_file() or path.read_text(encoding="utf-8") != text:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(text, encoding="utf-8")
-        tmp.replace(path)
+    if path.is_file():  # a rerun resumes only the job that wrote these prompts
+        if path.read_text(encoding="utf-8") != text:
+            raise UserError(
+                f"{path.parent} holds another infill job's prompts (other task, examples, context or model); "
+                "choose another --out or delete it"
+            )
+        return len(lines), skipped
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
     return len(lines), skipped
 
 

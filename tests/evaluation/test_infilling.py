@@ -149,6 +149,12 @@ def test_infill_job_scores_its_samples_and_resumes(trained_run, stories, tmp_pat
     again = infill(trained_run, tmp_path / "roc", "--task", "rocstories", "--data", str(stories))
     assert again.returncode == 0 and "2 already written" in again.stderr
     assert json.loads((tmp_path / "roc" / "metrics.json").read_text()) == metrics
+    saved = {f.name: f.read_bytes() for f in (tmp_path / "roc").iterdir() if f.is_file()}
+    other = infill(trained_run, tmp_path / "roc", "--task", "rocstories", "--data", str(stories), "--context", "left")
+    assert (
+        other.returncode == 2 and other.stderr.count("\n") == 1 and "holds another infill job's prompts" in other.stderr
+    )
+    assert {f.name: f.read_bytes() for f in (tmp_path / "roc").iterdir() if f.is_file()} == saved
 
 
 def test_code_infill_job(trained_run, tmp_path):
