@@ -122,7 +122,7 @@ def infill_variants(m: dict, task: str = "chains") -> list[tuple[str, dict]]:
 
 
 def infill_context(r: dict) -> str:
-    """The context an infill row had, and whether its whole input was cached (BD3-LM as the reference)."""
+    """The context an infill row had, and whether its input's whole blocks were cached (BD3-LM as the reference)."""
     return r["context"] + (", input cached" if r["decoding"].get("cache_infill_input") else "")
 
 

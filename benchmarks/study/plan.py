@@ -127,7 +127,7 @@ class Model:
         first), one token per step: the context the model can use (AR: the left side; a block
         order: up to the end of the span's block, as its block decoding sees it; the others: both
         sides), MDLM in one block of its length. BD3-LM infills twice: as the reference's, the
-        whole input cached ahead of the span's blocks (cache_infill_input), and "blocks", the right
+        input's whole blocks cached ahead of the span's blocks (cache_infill_input), and "blocks", the right
         side up to its span's block end that its own block decoding sees."""
         if self.family == "ar":
             return {"": {"context": "left", "window": 1}}

@@ -149,8 +149,8 @@ SETTING_TEXT = {
     "right side decides and the left side leaves open, infilled at its true length, one token per step, with "
     "the context each model can use, as the paper infills ROCStories: AR the left side; set diffusion and MDLM "
     "(the paper's baseline, in one block of the 64 positions, as the reference's MDLM infills in one block of its "
-    "length) both sides; BD3-LM (the paper's baseline) as the reference's BD3-LM infills, the whole input cached "
-    "ahead of the span's blocks (both sides, input cached), and with what its own block decoding sees, the right "
+    "length) both sides; BD3-LM (the paper's baseline) as the reference's BD3-LM infills, the input's whole blocks "
+    "cached ahead of the span's blocks (both sides, input cached), and with what its own block decoding sees, the right "
     "side up to the end of the span's last block of 4 (the row ', blocks').",
 }
 BASELINE_TEXT = (

@@ -139,8 +139,8 @@ class DecodingConfig:
     cache_infill_input: bool = _setting(
         False,
         bool,
-        "BD3-LM infilling as the reference's: cache the whole input (right context and MASKs too) and decode "
-        "the span's blocks after it",
+        "BD3-LM infilling as the reference's: cache the input's whole blocks (right context and MASKs too) and "
+        "decode the span's blocks after them",
     )
     """BD3-LM only (core/masked_sampler.py): its blocks never see later ones, so the reference's
     infill caches the input's whole blocks of S (MASKs and right context included) as clean blocks

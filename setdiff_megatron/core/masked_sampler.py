@@ -17,8 +17,8 @@ its completion so far (the completion is cut after it), or goes on to the next b
          prefilled as clean blocks (x0's block-causal attention), each step runs the block's S
          tokens as queries that see the cache and one another, and a decided block joins the
          cache as the first part of the next block's first step (the reference's fused cache).
-         With cfg.cache_infill_input an infilling prompt is prefilled whole instead (its whole
-         blocks, MASKs and right context included) and the span's blocks run at positions after
+         With cfg.cache_infill_input an infilling prompt's whole blocks are prefilled instead (MASKs
+         and right context included; a last partial block is not, as in the reference's) and the span's blocks run at positions after
          it (`_Row.shift`), as the reference's BD3-LM infills: a block sees only earlier
          positions, so this is how the right context reaches it. A block cut short by the
          prompt's end runs without the MASK padding the reference gives it
@@ -222,7 +222,7 @@ class MaskedDiffusionSampler:
             admitted_s=time.perf_counter(),
             trace=[] if self.trace else None,
         )
-        if self.family == "bd3lm":  # clean x0 blocks: the prefix before the first block, or the whole input
+        if self.family == "bd3lm":  # clean x0 blocks: the prefix before the first block, or the input's whole blocks
             cached = _cached_input(request.prompt, cfg, mask)
             row.pending = [(canvas[p], p, p // size) for p in range(row.blocks[0] if cached is None else cached)]
             row.shift = 0 if cached is None else cached - row.blocks[0]

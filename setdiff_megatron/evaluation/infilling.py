@@ -35,6 +35,7 @@ from pathlib import Path
 
 from setdiff_megatron.core.decoding import DecodingConfig, DecodingRequest
 from setdiff_megatron.errors import UserError
+from setdiff_megatron.evaluation.records import write_json, write_jsonl
 from setdiff_megatron.evaluation.scoring import ROUGE_KEYS, exact_match, rouge
 from setdiff_megatron.inference.job import job_decoding
 from setdiff_megatron.inference.sharding import Placement
@@ -43,6 +44,7 @@ from setdiff_megatron.log import say
 __all__ = ["InfillExample", "rocstories_examples", "code_examples", "InfillJob", "run_infill_job", "add_parser"]
 
 TASKS = ("rocstories", "code", "jsonl")
+PROMPTS, PROMPTS_INFO, SAMPLES = "prompts.jsonl", "prompts.info.json", "samples.jsonl"
 CONTEXTS = ("both", "left", "blocks")
 _ROC_COLUMNS = (
     "InputStoryid",
@@ -232,8 +234,8 @@ def _visible_right(ex: InfillExample, tokenizer, context: str, block_size: int |
     return tokenizer.decode(tokenizer.encode(ex.right)[:keep])
 
 
-def _write_prompts(job: InfillJob, path: Path) -> tuple[int, int]:
-    """Write the prompts that fit the model's context; returns (written, skipped)."""
+def _prompts(job: InfillJob) -> tuple[list[dict], dict[str, int]]:
+    """The prompt records that fit the model's context, and their counts."""
     from setdiff_megatron.sources.read import read_source
 
     examples = _examples(job)
@@ -248,7 +250,7 @@ def _write_prompts(job: InfillJob, path: Path) -> tuple[int, int]:
             "--context blocks needs a block size: the model's policy has none (it was not trained with "
             "block orders); give --block-size S"
         )
-    lines, skipped = [], 0
+    records, skipped = [], 0
     for ex in examples:
         if job.task == "code":
             ex = _fit_code_context(ex, tokenizer, max_len - 2)
@@ -257,27 +259,29 @@ def _write_prompts(job: InfillJob, path: Path) -> tuple[int, int]:
             skipped += 1
             continue
         right = _visible_right(ex, tokenizer, job.context, block_size, bos)
-        lines.append(
-            json.dumps(
-                {"id": ex.id, **ex.extra, "segments": [ex.left, span, right], "reference": ex.middle},
-                ensure_ascii=False,
-            )
-        )
-    if not lines:
+        records.append({"id": ex.id, **ex.extra, "segments": [ex.left, span, right], "reference": ex.middle})
+    if not records:
         raise UserError(f"every {job.task} example is longer than the model's context ({max_len} tokens)")
-    text = "".join(line + "\n" for line in lines)
-    if path.is_file():  # a rerun resumes only the job that wrote these prompts
-        if path.read_text(encoding="utf-8") != text:
+    return records, {"examples": len(records), "skipped_too_long": skipped}
+
+
+def _check_out(out: Path, records: list[dict], info: dict[str, int]) -> bool:
+    """Whether `out` already holds these prompts (a rerun resumes them); refuses a folder that
+    holds another job's prompts, or samples without their prompts. Read-only: every rank checks,
+    so all of them stop with the same one-line error."""
+    prompts, saved_info = out / PROMPTS, out / PROMPTS_INFO
+    sampled = any(out.glob(f"{SAMPLES}*"))  # before the prompts: another shard writes them first
+    if prompts.is_file():
+        same = [json.loads(line) for line in prompts.read_text(encoding="utf-8").splitlines()] == records
+        if not same or not saved_info.is_file() or json.loads(saved_info.read_text()) != info:
             raise UserError(
-                f"{path.parent} holds another infill job's prompts (other task, examples, context or model); "
+                f"{out} holds another infill job's prompts (other task, examples, context or model); "
                 "choose another --out or delete it"
             )
-        return len(lines), skipped
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
-    return len(lines), skipped
+        return True
+    if sampled:
+        raise UserError(f"{out} holds samples without the prompts they were made from; choose another --out")
+    return False
 
 
 def score_samples(samples: list[dict]) -> dict:
@@ -298,13 +302,14 @@ def run_infill_job(job: InfillJob) -> dict | None:
 
     job.check()
     out = Path(job.out)
-    prompts = out / "prompts.jsonl"
+    prompts = out / PROMPTS
     ranks = join(job.placement.tp)
-    if ranks.rank == 0:
-        written, skipped = _write_prompts(job, prompts)
-        (out / "prompts.info.json").write_text(json.dumps({"examples": written, "skipped_too_long": skipped}))
+    records, info = _prompts(job)
+    if not _check_out(out, records, info) and ranks.rank == 0:
+        write_json(out / PROMPTS_INFO, info)  # first: prompts.jsonl marks the pair complete
+        write_jsonl(prompts, records)
     ranks.barrier()
-    samples = out / "samples.jsonl"
+    samples = out / SAMPLES
     decoding = run_sample_job(
         SampleJob(
             source=job.source,
@@ -319,7 +324,6 @@ def run_infill_job(job: InfillJob) -> dict | None:
     if ranks.rank != 0 or job.placement.shard is not None:
         return None
     records = [json.loads(line) for line in samples.read_text(encoding="utf-8").splitlines()]
-    info = json.loads((out / "prompts.info.json").read_text())
     decoded = sum(r["num_decoded"] for r in records)
     metrics = {
         "task": job.task,

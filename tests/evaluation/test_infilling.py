@@ -155,6 +155,10 @@ def test_infill_job_scores_its_samples_and_resumes(trained_run, stories, tmp_pat
         other.returncode == 2 and other.stderr.count("\n") == 1 and "holds another infill job's prompts" in other.stderr
     )
     assert {f.name: f.read_bytes() for f in (tmp_path / "roc").iterdir() if f.is_file()} == saved
+    (tmp_path / "roc" / "prompts.jsonl").unlink()
+    orphan = infill(trained_run, tmp_path / "roc", "--task", "rocstories", "--data", str(stories))
+    assert orphan.returncode == 2 and "holds samples without the prompts they were made from" in orphan.stderr
+    assert not (tmp_path / "roc" / "prompts.jsonl").exists()
 
 
 def test_code_infill_job(trained_run, tmp_path):

@@ -3,7 +3,7 @@
 masked batch drawn as the reference draws it (forced noise levels, seeded masking and BD3-LM's
 masked-block rule), each row's training loss and each position's log p within 1e-5 in float32,
 and the greedy decode traces (tokens, steps, per-step decided positions) identical, BD3-LM's
-infills (the whole input cached, cache_infill_input) included.
+infills (the input's whole blocks cached, cache_infill_input) included.
 
 Decodes past the trained length (the fixtures' second prompt: 11 + 32 tokens over L = 32, which
 the reference runs with a sliding window or a cropped cache) are refused here, not reproduced."""
