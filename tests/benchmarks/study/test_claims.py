@@ -99,14 +99,16 @@ INFILL = {
 }
 
 
-def _budget(ar: float, sd: float) -> dict:
+def _budget(ar: float, sd: float, losses: tuple[float, float] = (0.051, 0.050)) -> dict:
+    """AR and d = 4 at 400 and 6,400 steps; `losses`: d = 4's validation loss at steps 4,800 and 6,400."""
+    curve = [(0, 4.4), (3200, 0.08), (4800, losses[0]), (6400, losses[1])]
     return {
         "seeds": {"training": [1, 2, 3]},
         "models": {
             "ar": _model("AR", "ar", [_point("ar", 0.90, 1.0)]),
             "sd-d4": _model("d=4", "sd", [_point("w4-t0.9", 0.60, 2.6)]),
             "ar-steps6400": _model("AR", "ar", [_point("ar", ar, 1.0)], steps=6400),
-            "sd-d4-steps6400": _model("d=4", "sd", [_point("w4-t0.9", sd, 2.6)], steps=6400),
+            "sd-d4-steps6400": _model("d=4", "sd", [_point("w4-t0.9", sd, 2.6)], steps=6400) | {"valid_curve": curve},
         },
     }
 
@@ -121,7 +123,9 @@ def test_the_claims_table_of_made_up_settings():
     assert [r.verdict for r in rows[8:10]] == ["not tested here"] * 2  # summarisation, unconditional
     assert [r.verdict for r in rows[10:12]] == ["holds", "holds"]  # infilling: 0.40 against 0.10
     assert rows[12].verdict == "holds"  # the budget: AR 0.95, set diffusion 0.94, within 2 se
-    assert claim_rows({"budget": _budget(0.95, 0.80)})[12].verdict == "does not hold"
+    assert claim_rows({"budget": _budget(0.95, 0.80)})[12].verdict == "does not hold"  # its loss flat (2 %)
+    falling = claim_rows({"budget": _budget(0.95, 0.80, losses=(0.09, 0.064))})[12]  # as d = 4 at 1,600
+    assert falling.verdict == "inconclusive" and "still fell 29% over its last quarter" in falling.why
     assert "0.700 ± 0.010 (d=4, w4-t0.9, 2.60 tokens/step, 260 tokens/s)" in rows[0].measured
 
 
