@@ -104,6 +104,7 @@ def _budget(ar: float, sd: float, losses: tuple[float, float] = (0.051, 0.050)) 
     curve = [(0, 4.4), (3200, 0.08), (4800, losses[0]), (6400, losses[1])]
     return {
         "seeds": {"training": [1, 2, 3]},
+        "test_problems": 250,
         "models": {
             "ar": _model("AR", "ar", [_point("ar", 0.90, 1.0)]),
             "sd-d4": _model("d=4", "sd", [_point("w4-t0.9", 0.60, 2.6)]),
@@ -120,11 +121,12 @@ def test_the_claims_table_of_made_up_settings():
     # (0.70 vs its 0.69 at 2.7) and >= 2.5 (the same); the adapted setting has no results
     assert [v for _, v in verdicts[:4]] == ["holds", "holds", "inconclusive", "inconclusive"]
     assert [v for _, v in verdicts[4:8]] == ["not run yet"] * 4
-    assert [r.verdict for r in rows[8:10]] == ["not tested here"] * 2  # summarisation, unconditional
-    assert [r.verdict for r in rows[10:12]] == ["holds", "holds"]  # infilling: 0.40 against 0.10
-    assert rows[12].verdict == "holds"  # the budget: AR 0.95, set diffusion 0.94, within 2 se
-    assert claim_rows({"budget": _budget(0.95, 0.80)})[12].verdict == "does not hold"  # its loss flat (2 %)
-    falling = claim_rows({"budget": _budget(0.95, 0.80, losses=(0.09, 0.064))})[12]  # as d = 4 at 1,600
+    assert [v for _, v in verdicts[8:12]] == ["not run yet"] * 4  # the budget setting holds no baseline
+    assert [r.verdict for r in rows[12:14]] == ["not tested here"] * 2  # summarisation, unconditional
+    assert [r.verdict for r in rows[14:16]] == ["holds", "holds"]  # infilling: 0.40 against 0.10
+    assert rows[-1].verdict == "holds"  # the budget: AR 0.95, set diffusion 0.94, within 2 se
+    assert claim_rows({"budget": _budget(0.95, 0.80)})[-1].verdict == "does not hold"  # its loss flat (2 %)
+    falling = claim_rows({"budget": _budget(0.95, 0.80, losses=(0.09, 0.064))})[-1]  # as d = 4 at 1,600
     assert falling.verdict == "inconclusive" and "still fell 29% over its last quarter" in falling.why
     assert "0.700 ± 0.010 (d=4, w4-t0.9, 2.60 tokens/step, 260 tokens/s)" in rows[0].measured
 
@@ -133,9 +135,20 @@ def test_the_stronger_of_bd3lm_s_infill_contexts_is_the_baseline():
     models = INFILL["models"] | {
         "bd3lm-b4": INFILL["models"]["bd3lm-b4"] | {"infill_chains_blocks": _infill(0.38, 0.02)}
     }
-    rows = claim_rows({"infill": INFILL | {"models": models}})[10:12]
+    rows = claim_rows({"infill": INFILL | {"models": models}})[14:16]
     assert [r.verdict for r in rows] == ["inconclusive", "inconclusive"]  # 0.40 against the blocks' 0.38
     assert "BD3-LM, blocks" in rows[0].measured
+
+
+def test_claim_1_is_read_again_at_the_longest_budget():
+    budget = _budget(0.95, 0.80)
+    budget["models"] |= {
+        "bd3lm-b4": _model("BD3-LM", "bd3lm", [_point("b4-t0.9", 0.75, 2.7)]),
+        "bd3lm-b4-steps6400": _model("BD3-LM", "bd3lm", [_point("b4-t0.9", 0.81, 2.7)], steps=6400),
+    }
+    rows = claim_rows({"budget": budget})[10:12]  # against BD3-LM, at >= 1.5 and >= 2.5
+    assert [r.verdict for r in rows] == ["inconclusive"] * 2  # 0.80 against 0.81, not 0.60 against 0.75
+    assert "6400 steps" in rows[1].here and "BD3-LM 0.810" in rows[1].measured
 
 
 def test_results_without_the_baselines_are_not_run_yet():
