@@ -17,10 +17,11 @@ its completion so far (the completion is cut after it), or goes on to the next b
          prefilled as clean blocks (x0's block-causal attention), each step runs the block's S
          tokens as queries that see the cache and one another, and a decided block joins the
          cache as the first part of the next block's first step (the reference's fused cache).
-         With cfg.cache_infill_input an infilling prompt's whole blocks are prefilled instead (MASKs
-         and right context included; a last partial block is not, as in the reference's) and the span's blocks run at positions after
-         it (`_Row.shift`), as the reference's BD3-LM infills: a block sees only earlier
-         positions, so this is how the right context reaches it. A block cut short by the
+         With cfg.cache_infill_input an infilling prompt's whole blocks are prefilled instead
+         (MASKs and right context included; a last partial block is not, as in the reference's)
+         and the span's blocks run at positions after them (`_Row.shift`), as the reference's
+         BD3-LM infills: a block sees only earlier positions, so this is how the right context
+         reaches it. A block cut short by the
          prompt's end runs without the MASK padding the reference gives it
   mdlm   no cache: each step runs the whole canvas (padded with MASKs to the context length, as
          the reference pads it) as one bidirectional group, and reads the block's positions
