@@ -115,6 +115,19 @@ def test_sample_infills_bd3lm_with_the_cached_input_of_its_policy(family_runs, t
     assert row["infills"] == [sm.tokenizer.decode(fill)]
 
 
+def test_sample_records_cache_infill_input_off_where_it_cannot_act(family_runs, tmp_path):
+    """MDLM sees both sides anyway: `--cache-infill-input` is recorded off, so the job matches (and
+    resumes) one saved without it instead of refusing it as another decoding."""
+    (tmp_path / "p.jsonl").write_text(json.dumps({"segments": [PROMPT, 6, "):\n    return x"]}) + "\n")
+    args = ["sample", str(family_runs["mdlm"]), "--prompts", str(tmp_path / "p.jsonl"),
+            "--out", str(tmp_path / "o.jsonl"), "--max-new-tokens", "0", "--no-progress"]  # fmt: skip
+    _setdiff(*args, "--no-cache-infill-input")
+    saved = (tmp_path / "o.jsonl").read_bytes()
+    _setdiff(*args, "--cache-infill-input")
+    assert (tmp_path / "o.jsonl").read_bytes() == saved
+    assert json.loads((tmp_path / "o.jsonl.job.json").read_text())["decoding"]["cache_infill_input"] is False
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_serve_decodes_with_the_familys_decoder(family_runs, family):
     pytest.importorskip("openai", reason="the serving tests use the openai client (part of the dev extra)")

@@ -145,7 +145,8 @@ class DecodingConfig:
     """BD3-LM only (core/masked_sampler.py): its blocks never see later ones, so the reference's
     infill caches the input's whole blocks of S (MASKs and right context included) as clean blocks
     and decodes the span's blocks at positions after them, where the right context lies behind
-    them. Set diffusion and MDLM see both contexts anyway."""
+    them. Set diffusion and MDLM see both contexts anyway: a sample job records it off for them
+    (inference/job.py), as it does for prompts with nothing to infill."""
     tokens_per_step: int = _setting(1, int, "k: decode the k most confident queries each step", ge=1)
     threshold: float | None = _setting(
         None, float, "tau: also decode every query at least this confident", gt=0, le=1, off=True

@@ -116,9 +116,11 @@ def run_sample_job(job: SampleJob) -> DecodingConfig:
     add_bos = sm.add_bos if job.add_bos is None else job.add_bos
     fmt = sm.prompt_format(add_bos)
     encoded = [encode_prompt(r, sm.tokenizer, fmt) for r in records]
-    if decoding.cache_infill_input and not any(sm.tokenizer.mask_id in ids for ids in encoded):
-        # Nothing to infill: the setting cannot act, so the job records it off and matches jobs
-        # of the same prompts saved before it existed (BD3-LM's policy holds it on).
+    if decoding.cache_infill_input and (
+        sm.family != "bd3lm" or not any(sm.tokenizer.mask_id in ids for ids in encoded)
+    ):
+        # Not BD3-LM, or nothing to infill: the setting cannot act, so the job records it off and
+        # matches jobs of the same prompts and model saved without it (BD3-LM's policy holds it on).
         decoding = replace(decoding, cache_infill_input=False)
     for record, ids in zip(records, encoded):
         problem = sampler.request_problem(ids, decoding)
