@@ -7,6 +7,7 @@ Face export's own generate() decoding with the family's decoder and policy (bloc
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -148,17 +149,27 @@ def test_the_hf_export_generates_as_the_family_and_imports_back(family_runs, fam
     _setdiff("convert", "to-hf", str(run), str(tmp_path / "hf"), "--check")  # the family's logits, equal
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["family"] == family and config.get("block_size") == (4 if family == "bd3lm" else None)
+    # An export written before cache_infill_input existed: both doors read the family's own policy.
+    shutil.copytree(tmp_path / "hf", tmp_path / "old")
+    generation = json.loads((tmp_path / "old" / "generation_config.json").read_text())
+    assert generation.pop("cache_infill_input") is (family == "bd3lm")
+    (tmp_path / "old" / "generation_config.json").write_text(json.dumps(generation))
+    assert read_source(tmp_path / "old", weights=False).decoding == read_source(tmp_path / "hf", weights=False).decoding
     sm = load_sampling_model(run, Ranks(), device="cpu")
     ids = sm.prompt_format().prompt(sm.tokenizer.encode(PROMPT)).tolist()
     script = f"""
 import json
+from dataclasses import asdict
 from transformers import AutoModelForCausalLM
 
 model = AutoModelForCausalLM.from_pretrained({str(tmp_path / "hf")!r}, trust_remote_code=True)
 row = model.generate([{ids!r}], max_new_tokens={NEW}, return_dict_in_generate=True).rows[0]
-print(json.dumps({{"tokens": row.tokens, "steps": row.steps}}))
+old = AutoModelForCausalLM.from_pretrained({str(tmp_path / "old")!r}, trust_remote_code=True)
+same = asdict(old.decoding_config()) == asdict(model.decoding_config())  # each export's own classes
+print(json.dumps({{"tokens": row.tokens, "steps": row.steps, "same": same}}))
 """
     result = run_clean(script, clean_site, tmp_path / "clean")
+    assert result["same"]
     cfg = sm.decoding.over({"max_new_tokens": NEW, "eos_token_ids": (sm.tokenizer.eos_id,)})
     row = sm.sampler().generate([ids], cfg).rows[0]
     assert (result["tokens"], result["steps"]) == (row.tokens, row.steps)

@@ -37,7 +37,11 @@ from setdiff_megatron.core.sample_output import SampleOutput
 from setdiff_megatron.core.samplers import sampler_for
 from setdiff_megatron.hf.configuration_setdiff import SetDiffConfig
 from setdiff_megatron.models.torch_model import Rotary, SetDiffusionTransformer
-from setdiff_megatron.sources.hf_config import decoding_config_from_generation, model_config_from_hf_config
+from setdiff_megatron.sources.hf_config import (
+    decoding_config_from_generation,
+    model_config_from_hf_config,
+    with_family_policy,
+)
 
 __all__ = ["SetDiffConfig", "SetDiffModel", "SetDiffOutput", "SetDiffPreTrainedModel"]
 
@@ -131,7 +135,7 @@ class SetDiffModel(SetDiffPreTrainedModel):
         """The DecodingConfig `generate` uses: generation_config (default: the model's) + kwargs."""
         config = generation_config if generation_config is not None else getattr(self, "generation_config", None)
         values = config.to_dict() if hasattr(config, "to_dict") else dict(config or {})
-        return decoding_config_from_generation(values, **kwargs)
+        return decoding_config_from_generation(with_family_policy(values, self.config.to_dict()), **kwargs)
 
     @torch.inference_mode()
     def generate(

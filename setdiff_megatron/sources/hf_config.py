@@ -4,7 +4,8 @@ One table each, used by the exporter (writing config.json and generation_config.
 importer (reading Llama/Qwen configs) and, bundled into the export's modeling file, by the
 Hugging Face model itself. A mixture of experts adds the MOE_CONFIG_KEYS, which a dense model's
 config.json leaves out (their values would describe experts it does not have). Imports only the
-package's config dataclasses, so the bundle stays torch + transformers.
+package's config dataclasses and the baselines' decoding policy, so the bundle stays torch +
+transformers.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from setdiff_megatron.core.decoding import SETTINGS, DecodingConfig
+from setdiff_megatron.core.masked_diffusion import masked_decoding_policy
 from setdiff_megatron.models.config import ModelConfig
 
 __all__ = [
@@ -23,6 +25,7 @@ __all__ = [
     "rope_theta_of",
     "generation_config_from_decoding",
     "decoding_config_from_generation",
+    "with_family_policy",
 ]
 
 HF_CONFIG_KEYS: dict[str, str] = {
@@ -103,6 +106,17 @@ def generation_config_from_decoding(cfg: DecodingConfig, *, mask_token_id: int, 
     out["stop_token_sequences"] = [list(s) for s in cfg.stop_sequences]
     out |= {"eos_token_id": list(cfg.eos_token_ids), "pad_token_id": pad_token_id, "mask_token_id": mask_token_id}
     return out
+
+
+def with_family_policy(generation: Mapping[str, Any], config: Mapping[str, Any]) -> dict[str, Any]:
+    """generation-config values with a baseline family's own policy (config.json's family and
+    block_size) under the keys they lack: a BD3-LM export written before cache_infill_input
+    existed still infills as the reference's BD3-LM does. Keys present, None included, win."""
+    family = config.get("family", "set_diffusion")
+    if family not in ("mdlm", "bd3lm"):
+        return dict(generation)
+    policy = masked_decoding_policy(config.get("block_size") if family == "bd3lm" else None)
+    return {**{k: v for k, v in policy.items() if k not in generation}, **generation}
 
 
 def decoding_config_from_generation(config: Mapping[str, Any], **overrides: Any) -> DecodingConfig:

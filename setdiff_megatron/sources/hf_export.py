@@ -14,7 +14,11 @@ from setdiff_megatron.data.tokenizers import SetDiffTokenizer, load_tokenizer
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.weight_maps.hf import hf_to_torch
-from setdiff_megatron.sources.hf_config import decoding_config_from_generation, model_config_from_hf_config
+from setdiff_megatron.sources.hf_config import (
+    decoding_config_from_generation,
+    model_config_from_hf_config,
+    with_family_policy,
+)
 from setdiff_megatron.sources.hf_files import load_safetensors_dir
 
 __all__ = ["read_hf_config", "load_hf_export", "export_policy"]
@@ -61,11 +65,12 @@ def load_hf_export(directory: str | Path) -> tuple[ModelConfig, dict[str, torch.
 def export_policy(directory: str | Path) -> DecodingConfig:
     """The decoding policy an export carries in its generation_config.json (the exporter writes
     the trained model's own); its EOS is left to the caller, which stops there unless told not
-    to. No file: the sampler's defaults."""
+    to. No file: the sampler's defaults; keys it lacks: a baseline family's own (with_family_policy)."""
     path = Path(directory) / "generation_config.json"
     if not path.is_file():
         return DecodingConfig()
     try:
-        return replace(decoding_config_from_generation(json.loads(path.read_text())), eos_token_ids=())
+        generation = with_family_policy(json.loads(path.read_text()), read_hf_config(directory))
+        return replace(decoding_config_from_generation(generation), eos_token_ids=())
     except (TypeError, ValueError) as exc:
         raise UserError(f"{path} is not a valid set diffusion generation config: {exc}") from None
