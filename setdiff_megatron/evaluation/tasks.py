@@ -28,7 +28,12 @@ from pathlib import Path
 from typing import Any
 
 from setdiff_megatron.checkpoint.manifest import sha256_file
-from setdiff_megatron.core.decoding import DecodingConfig, DecodingRequest, decoding_request_record
+from setdiff_megatron.core.decoding import (
+    DecodingConfig,
+    DecodingRequest,
+    decoding_request_record,
+    settings_off_default,
+)
 from setdiff_megatron.data.answers import gsm8k_answer
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.evaluation import scoring
@@ -197,7 +202,17 @@ def finished(out: str | Path, settings: dict[str, Any]) -> dict[str, Any] | None
         metrics = json.loads(path.read_text())
     except json.JSONDecodeError:
         return None
-    return metrics if metrics.get("settings") == settings and (Path(out) / SCORED).is_file() else None
+    same = _comparable(metrics.get("settings") or {}) == _comparable(settings)
+    return metrics if same and (Path(out) / SCORED).is_file() else None
+
+
+def _comparable(settings: dict[str, Any]) -> dict[str, Any]:
+    """Settings with a whole decoding config's record reduced to its settings off their defaults,
+    so a job finished before a setting existed still matches (as the sample job's record does)."""
+    decoding = settings.get("decoding")
+    if isinstance(decoding, dict) and "model_policy_with" not in decoding:
+        return {**settings, "decoding": settings_off_default(decoding)}
+    return settings
 
 
 def _check(job: GenerateJob) -> None:

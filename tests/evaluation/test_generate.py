@@ -7,6 +7,7 @@ import json
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -14,6 +15,7 @@ from setdiff_megatron.cli import main
 from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.core.sampler import SetSampler
 from setdiff_megatron.data.answers import gsm8k_answer
+from setdiff_megatron.errors import UserError
 from setdiff_megatron.evaluation import scoring
 from setdiff_megatron.evaluation.tasks import GenerateJob, run_generate_job
 from setdiff_megatron.inference.sharding import Placement
@@ -162,6 +164,21 @@ def test_a_rerun_after_an_interruption_gives_the_same_metrics(trained_run, tasks
     saved = (tmp_path / "metrics.json").read_bytes()
     assert run_generate_job(job(trained_run, tasks[0], tmp_path)) == metrics  # finished: nothing is redone
     assert "is up to date" in capsys.readouterr().err and (tmp_path / "metrics.json").read_bytes() == saved
+
+
+def test_a_job_finished_before_a_setting_existed_is_up_to_date(trained_run, tasks, tmp_path, capsys):
+    """A whole decoding config in the job's record: a record without a setting at its default
+    (as one written before the setting existed) is the same job, not one to decode again."""
+    whole = replace(job(trained_run, tasks[0], tmp_path), decoding=DecodingConfig(**DECODING))
+    run_generate_job(whole)
+    record = json.loads((tmp_path / "metrics.json").read_text())
+    assert record["settings"]["decoding"].pop("cache_infill_input") is False
+    (tmp_path / "metrics.json").write_text(json.dumps(record))
+    capsys.readouterr()
+    assert run_generate_job(whole) == record and "is up to date" in capsys.readouterr().err
+    changed = replace(whole, decoding=DecodingConfig(**{**DECODING, "threshold": 0.5}))
+    with pytest.raises(UserError, match="holds results of other settings"):  # another decoding: not finished
+        run_generate_job(changed)
 
 
 @pytest.mark.multiproc
