@@ -22,7 +22,9 @@ its completion so far (the completion is cut after it), or goes on to the next b
          and the span's blocks run at positions after them (`_Row.shift`), as the reference's
          BD3-LM infills: a block sees only earlier positions, so this is how the right context
          reaches it. A block cut short by the
-         prompt's end runs without the MASK padding the reference gives it
+         prompt's end runs without the MASK padding the reference gives it. With several spans
+         (the reference infills one) the blocks between them follow the span's blocks too, so the
+         copy after the input runs from the first span's block to the last one's as the input does
   mdlm   no cache: each step runs the whole canvas (padded with MASKs to the context length, as
          the reference pads it) as one bidirectional group, and reads the block's positions
 
@@ -126,9 +128,10 @@ class MaskedDiffusionSampler:
             )
         cached = _cached_input(prompt, cfg, mask) if self.family == "bd3lm" else None
         if cached is not None:
-            size = cfg.block_size
+            size, length = cfg.block_size, len(prompt) + cfg.max_new_tokens
             masked = [i for i, t in enumerate([*prompt, *[mask] * cfg.max_new_tokens]) if t == mask]
-            end = cached + masked[-1] // size * size - masked[0] // size * size + size
+            first, last = masked[0] // size * size, masked[-1] // size * size
+            end = cached + last - first + min(size, length - last)  # a last block cut short runs short
             if end > self.context_len:
                 return (
                     f"is too long for cache_infill_input: its {cached} cached tokens and the blocks from its first "

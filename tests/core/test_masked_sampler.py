@@ -171,6 +171,15 @@ def test_bd3lm_infills_over_the_whole_input_cached_as_the_reference(model):
     long = [1] * 14 + [mask] * 8 + [2] * 3  # 24 cached, blocks [12, 24) run to position 36
     assert "past context_len = 32" in sampler.request_problem(long, cfg)
     assert sampler.request_problem(long, replace(cfg, cache_infill_input=False)) is None
+    # Two spans, the last in a block cut short: 16 cached, blocks [8, 18) run to position 26.
+    short = MaskedDiffusionSampler(model, family="bd3lm", mask_token_id=mask, context_len=26)
+    two = [1, 2, 3, 4, 5, 6, 7, 8, mask, 9, 10, 11, 12, 13, 14, 15, 16, mask]
+    assert short.request_problem(two, cfg) is None
+    assert "past context_len = 25" in MaskedDiffusionSampler(
+        model, family="bd3lm", mask_token_id=mask, context_len=25
+    ).request_problem(two, cfg)
+    (row,) = short.generate([two], cfg).rows
+    assert len(row.tokens) == len(two) and mask not in row.tokens and row.steps == 2
 
 
 def test_requests_it_cannot_decode(model):
