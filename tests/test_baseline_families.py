@@ -124,7 +124,7 @@ def test_sample_records_cache_infill_input_off_where_it_cannot_act(family_runs, 
             "--out", str(tmp_path / "o.jsonl"), "--max-new-tokens", "0", "--no-progress"]  # fmt: skip
     _setdiff(*args, "--no-cache-infill-input")
     saved = (tmp_path / "o.jsonl").read_bytes()
-    _setdiff(*args, "--cache-infill-input")
+    assert "1 already written" in _setdiff(*args, "--cache-infill-input").stderr  # the same job: resumed
     assert (tmp_path / "o.jsonl").read_bytes() == saved
     assert json.loads((tmp_path / "o.jsonl.job.json").read_text())["decoding"]["cache_infill_input"] is False
 
@@ -153,8 +153,15 @@ def test_the_hf_export_generates_as_the_family_and_imports_back(family_runs, fam
     shutil.copytree(tmp_path / "hf", tmp_path / "old")
     generation = json.loads((tmp_path / "old" / "generation_config.json").read_text())
     assert generation.pop("cache_infill_input") is (family == "bd3lm")
+    assert generation.pop("block_size") == generation.pop("window") == (4 if family == "bd3lm" else 32)
     (tmp_path / "old" / "generation_config.json").write_text(json.dumps(generation))
-    assert read_source(tmp_path / "old", weights=False).decoding == read_source(tmp_path / "hf", weights=False).decoding
+    policy = read_source(tmp_path / "hf", weights=False).decoding
+    assert read_source(tmp_path / "old", weights=False).decoding == policy
+    (tmp_path / "old" / "generation_config.json").rename(tmp_path / "generation_config.json")
+    bare = read_source(tmp_path / "old", weights=False).decoding  # no generation config: the family's policy
+    keys = ("block_size", "window", "threshold", "cache_infill_input")
+    assert [getattr(bare, k) for k in keys] == [getattr(policy, k) for k in keys]
+    (tmp_path / "generation_config.json").rename(tmp_path / "old" / "generation_config.json")
     sm = load_sampling_model(run, Ranks(), device="cpu")
     ids = sm.prompt_format().prompt(sm.tokenizer.encode(PROMPT)).tolist()
     script = f"""

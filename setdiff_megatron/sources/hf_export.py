@@ -65,12 +65,12 @@ def load_hf_export(directory: str | Path) -> tuple[ModelConfig, dict[str, torch.
 def export_policy(directory: str | Path) -> DecodingConfig:
     """The decoding policy an export carries in its generation_config.json (the exporter writes
     the trained model's own); its EOS is left to the caller, which stops there unless told not
-    to. No file: the sampler's defaults; keys it lacks: a baseline family's own (with_family_policy)."""
+    to. Keys it lacks (or no file): a baseline family's own policy (with_family_policy), else
+    the sampler's defaults."""
     path = Path(directory) / "generation_config.json"
-    if not path.is_file():
-        return DecodingConfig()
     try:
-        generation = with_family_policy(json.loads(path.read_text()), read_hf_config(directory))
+        values = json.loads(path.read_text()) if path.is_file() else {}
+        generation = with_family_policy(values, read_hf_config(directory))
         return replace(decoding_config_from_generation(generation), eos_token_ids=())
     except (TypeError, ValueError) as exc:
         raise UserError(f"{path} is not a valid set diffusion generation config: {exc}") from None
