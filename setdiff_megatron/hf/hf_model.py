@@ -21,8 +21,9 @@ Calling conventions (they are not a causal LM's):
       top_k, top_p, repetition_penalty, eos_token_id, stop_token_sequences, max_new_tokens, seed),
       or a generation_config argument, overridden by keyword arguments; a baseline's policy keys
       they lack come from its family (with_family_policy: MDLM's blocks of 32, BD3-LM's own
-      blocks and cached infill), the others from the sampler's defaults. Returns prompt + completion rows padded with pad_token_id,
-      or with return_dict_in_generate=True the sampler's SampleOutput (per-row tokens, steps, NFE).
+      blocks and cached infill), the others from the sampler's defaults. Returns prompt +
+      completion rows padded with pad_token_id, or with return_dict_in_generate=True the
+      sampler's SampleOutput (per-row tokens, steps, NFE).
 """
 
 from __future__ import annotations
