@@ -15,7 +15,8 @@ independently. The verdict (`verdict`):
 A side of a speed-quality comparison is a family's most accurate point at or above a speed floor
 (SPEED_FLOORS, tokens per step, the paper's parallelism axis): set diffusion (the staggered
 schedule, d = 2, 4, 8; not its uniform and block orders) against MDLM, or against BD3-LM (blocks
-of 4 and 8). Picking the best of several points flatters each side, set diffusion's (more models
+of 4 and 8), among the models a setting's results hold (a row names them: a run of a subset
+compares fewer). Picking the best of several points flatters each side, set diffusion's (more models
 and points) the more; the standard errors do not count that. The test problems are the same for
 every model, so their sampling error is shared and left out of se. A side of the infilling
 comparison is a family's best exact match (and ROUGE-L) on the chains task. Claims the study
@@ -182,9 +183,10 @@ def _math_rows(setting: str, results: dict | None) -> list[Row]:
                 continue
             models = results["models"]
             steps = next(iter(models.values()))["steps"]  # one budget for every model of a setting
+            compared = [m["label"] for m in models.values() if m["family"] in (*SET_DIFFUSION, *families)]
             here = (
                 f"{SETTING_WORDS[setting]}, {steps} steps, seeds {results['seeds']['training']}, "
-                f"{results['test_problems']} problems; best at >= {floor} tokens/step"
+                f"{results['test_problems']} problems; best at >= {floor} tokens/step of {', '.join(compared)}"
             )
             absent = [n for n, f in (("set diffusion", SET_DIFFUSION), (name, families)) if not _has(models, f)]
             if absent:

@@ -129,6 +129,7 @@ def test_the_claims_table_of_made_up_settings():
     falling = claim_rows({"budget": _budget(0.95, 0.80, losses=(0.09, 0.064))})[-1]  # as d = 4 at 1,600
     assert falling.verdict == "inconclusive" and "still fell 29% over its last quarter" in falling.why
     assert "0.700 ± 0.010 (d=4, w4-t0.9, 2.60 tokens/step, 260 tokens/s)" in rows[0].measured
+    assert rows[0].here.endswith("best at >= 1.5 tokens/step of d=4, MDLM")  # the models compared, no others
 
 
 def test_the_stronger_of_bd3lm_s_infill_contexts_is_the_baseline():
