@@ -16,8 +16,8 @@ A side of a speed-quality comparison is a family's most accurate point at or abo
 (SPEED_FLOORS, tokens per step, the paper's parallelism axis): set diffusion (the staggered
 schedule, d = 2, 4, 8; not its uniform and block orders) against MDLM, or against BD3-LM (blocks
 of 4 and 8), among the models a setting's results hold (a row names them: a run of a subset
-compares fewer). Picking the best of several points flatters each side, set diffusion's (more models
-and points) the more; the standard errors do not count that. The test problems are the same for
+compares fewer). Picking the best of several points flatters each side, set diffusion's (more
+models and points) the more; the standard errors do not count that. The test problems are the same for
 every model, so their sampling error is shared and left out of se. A side of the infilling
 comparison is a family's best exact match (and ROUGE-L) on the chains task. Claims the study
 has no setting for are "not tested here", with the reason; a setting without results yet is
