@@ -35,6 +35,7 @@ from benchmarks.study import run as study_run
 from benchmarks.study.plan import parse_seeds
 from benchmarks.study.report import over_seed_values
 from setdiff_megatron.checkpoint.names import CHECKPOINTS, find_checkpoints
+from setdiff_megatron.distributed.offspring import child_env
 from setdiff_megatron.errors import ArgumentParser
 from setdiff_megatron.evaluation.tasks import SCORED, GenerateJob, run_generate_job
 from setdiff_megatron.recipes import load_recipe
@@ -85,7 +86,7 @@ def _train(args, variant: str, seed: int) -> Path:
     cmd = [sys.executable, "-m", "setdiff_megatron.cli", "train", str(RECIPE), *_overrides(args, variant, seed)]
     print(f"rl: training {directory.name} (log {log})", flush=True)
     with open(log, "ab") as stream:
-        code = subprocess.call(cmd, stdout=stream, stderr=subprocess.STDOUT, cwd=study_run.ROOT)
+        code = subprocess.call(cmd, stdout=stream, stderr=subprocess.STDOUT, cwd=study_run.ROOT, env=child_env())
     if code != 0:
         raise SystemExit(f"rl: training {directory.name} failed with exit code {code}; see {log}")
     return directory

@@ -2,7 +2,9 @@
 
 Each subcommand parses its arguments and calls one library function. Errors a user can fix
 (`UserError`) print one line and exit with code 2, once for all the processes of a local launch
-(see errors.py).
+(see errors.py). A command that writes into a run or output directory owns it while it runs
+(distributed/ownership.py), and every command ends with the process that started it
+(distributed/offspring.py, `follow_parent`).
 """
 
 from __future__ import annotations
@@ -95,8 +97,10 @@ def _launch(args: argparse.Namespace) -> int:
     recipe = _load_checked(args, launch=not dry_run)
     if dry_run:
         return launch_local(recipe, args.recipe, args.overrides, dry_run=True)
+    from setdiff_megatron.distributed.ownership import hold
     from setdiff_megatron.distributed.signals import supervise_launch
 
+    hold(recipe.checkpoint.dir)  # before anything touches it; torchrun and the workers inherit it
     return supervise_launch(recipe.checkpoint.dir, lambda: launch_local(recipe, args.recipe, args.overrides))
 
 
@@ -148,6 +152,9 @@ def _add_sample_parser(sub) -> None:
 
 
 def _convert_to_hf(args: argparse.Namespace) -> int:
+    from setdiff_megatron.distributed.ownership import hold
+
+    hold(args.out_dir)
     if args.layout == "setdlm":
         from setdiff_megatron.hf.release_export import export_release
 
@@ -170,8 +177,10 @@ def _convert_to_hf(args: argparse.Namespace) -> int:
 
 
 def _convert_from_hf(args: argparse.Namespace) -> int:
+    from setdiff_megatron.distributed.ownership import hold
     from setdiff_megatron.hf.import_hf import import_from_hf
 
+    hold(args.out_ckpt)
     report = import_from_hf(
         args.hf_dir,
         args.out_ckpt,
@@ -371,11 +380,16 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = argv
     if getattr(args, "base", None):  # a Qwen3 release's base model, for this process and those it starts
         os.environ[BASE_ENV] = str(Path(args.base).absolute())
+    from setdiff_megatron.distributed import offspring, ownership
+
+    offspring.follow_parent()  # a worker or a started command ends with what started it
     try:
         return run_reporting(lambda: args.func(args))
     except KeyboardInterrupt:
         say("setdiff: interrupted", file=sys.stderr, everywhere=True)
         return 130
+    finally:
+        ownership.release_all()
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.data.answers import gsm8k_answer
 from setdiff_megatron.data.chains import prepare_chains_corpus, rule_baselines
 from setdiff_megatron.data.reasoning import TRAIN_LEVELS, ReasoningCorpus, prepare_reasoning_corpus
+from setdiff_megatron.distributed.offspring import child_env
 from setdiff_megatron.evaluation.infilling import InfillJob, run_infill_job
 from setdiff_megatron.evaluation.likelihood import LikelihoodJob, run_likelihood_job
 from setdiff_megatron.evaluation.scoring import exact_match
@@ -77,7 +78,7 @@ def train(out: Path, model: Model, steps: int | None) -> None:
     cmd = [sys.executable, "-m", "setdiff_megatron.cli", "train", str(model.recipe), *overrides(out, model, steps)]
     print(f"study: training {model.key}: {' '.join(cmd[2:])} (log {log})", flush=True)
     with open(log, "ab") as stream:  # from the checkout: adapted recipes name assets/ relative to it
-        code = subprocess.call(cmd, stdout=stream, stderr=subprocess.STDOUT, cwd=ROOT)
+        code = subprocess.call(cmd, stdout=stream, stderr=subprocess.STDOUT, cwd=ROOT, env=child_env())
     if code != 0:
         raise SystemExit(f"study: training {model.key} failed with exit code {code}; see {log}")
 

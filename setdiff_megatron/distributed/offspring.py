@@ -32,10 +32,15 @@ from multiprocessing.managers import SyncManager
 
 import psutil
 
-__all__ = ["Offspring", "start_manager", "exit_with_parent"]
+__all__ = ["Offspring", "start_manager", "exit_with_parent", "follow_parent", "child_env", "PARENT_ENV"]
 
 PARENT_POLL_S = 0.5
 """How often an orphan-to-be looks for its parent."""
+PARENT_ENV = "SETDIFF_PARENT_PID"
+"""Set by a process for the commands it starts (workers.Torchrun, the study's runs): the pid they
+end with."""
+GRACE_S = 30.0
+"""How long a command whose parent is gone has to stop as a preempted run does, before it exits."""
 
 _managers: list[tuple[SyncManager, int]] = []
 """The managers `start_manager` started in this process, with their pids."""
@@ -43,16 +48,42 @@ _forks_watched = False
 _pid_before_fork = 0
 
 
-def exit_with_parent(parent: int) -> None:
+def exit_with_parent(parent: int, *, grace_s: float = 0.0) -> None:
     """End this process (exit code 1) once `parent` is no longer its parent: a daemon thread polls
-    `os.getppid()`, which changes the moment the parent dies and the process is re-parented."""
+    `os.getppid()`, which changes the moment the parent dies and the process is re-parented. With
+    `grace_s` it first sends itself SIGTERM, the signal a run stops on with a checkpoint (and
+    torchrun on by stopping its workers), and exits only if that has not ended it in time."""
 
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(PARENT_POLL_S)
+        if grace_s:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(grace_s)
         os._exit(1)
 
     threading.Thread(target=watch, name="setdiff-exit-with-parent", daemon=True).start()
+
+
+def follow_parent() -> None:
+    """End this command with the process that started it, however that one ends (SIGKILL too).
+
+    A torchrun worker follows its torchrun and exits at once: torchrun is gone only if it was
+    killed outright, and then so is the job. A command started with PARENT_ENV (torchrun under
+    a `setdiff` launcher, a study's run) follows that pid and stops as a preempted run does."""
+    if "LOCAL_RANK" in os.environ and "TORCHELASTIC_RUN_ID" in os.environ:
+        exit_with_parent(os.getppid())
+    elif PARENT_ENV in os.environ:
+        parent = int(os.environ.pop(PARENT_ENV))
+        if os.getppid() != parent:  # gone before this process got here
+            os._exit(1)
+        exit_with_parent(parent, grace_s=GRACE_S)
+
+
+def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment (`env`, default this process's) for a `setdiff` command this process starts
+    and that must end with it (`follow_parent`)."""
+    return {**(os.environ if env is None else env), PARENT_ENV: str(os.getpid())}
 
 
 def _remember_pid() -> None:

@@ -4,6 +4,12 @@ Every command that starts its own workers starts them through `Torchrun`, so the
 same environment: `setdiff train` and `setdiff launch` (launch/local.py, through its quiet
 launcher), `setdiff sample` and the `setdiff eval` jobs at --nproc > 1 (inference/cli_args.py),
 and `setdiff serve --nproc` (serving/cli.py, whose front end keeps running beside its workers).
+
+They end with the process that started them, however it ends: torchrun runs under
+`setdiff_megatron.distributed.torchrun`, which stops its workers (SIGTERM, as on a preemption) once
+that process is gone, and each worker exits at once if its torchrun is killed outright
+(offspring.follow_parent). torchrun also keeps the run's locks open (ownership.held_fds), so a
+second job on the same directory is refused until the last of them has ended.
 """
 
 from __future__ import annotations
@@ -13,6 +19,9 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field
+
+from setdiff_megatron.distributed.offspring import child_env
+from setdiff_megatron.distributed.ownership import held_fds
 
 __all__ = ["RESTART_ENV", "Torchrun"]
 
@@ -24,16 +33,16 @@ RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 @dataclass(frozen=True)
 class Torchrun:
     """`python -m MODULE CLI_ARGS` (default: the `setdiff` command) as `nproc` local processes
-    under torchrun (`launcher`: torchrun's module, or one that runs torchrun's `main`), restarted
-    together up to `max_restarts` times when one of them fails. They get `env` over this
-    process's environment."""
+    under torchrun (run by `launcher`, a module that runs torchrun's `main` and ends it with this
+    process), restarted together up to `max_restarts` times when one of them fails. They get `env`
+    over this process's environment."""
 
     nproc: int
     cli_args: Sequence[str]
     module: str = "setdiff_megatron.cli"
     _: KW_ONLY
     env: Mapping[str, str] = field(default_factory=dict)
-    launcher: str = "torch.distributed.run"
+    launcher: str = "setdiff_megatron.distributed.torchrun"
     max_restarts: int = 0
 
     @property
@@ -53,15 +62,21 @@ class Torchrun:
 
     @property
     def environment(self) -> dict[str, str]:
-        """This process's environment, `env` and RESTART_ENV. OMP_NUM_THREADS is torchrun's own
+        """This process's environment, `env`, RESTART_ENV and this pid as the one torchrun ends
+        with (PARENT_ENV). OMP_NUM_THREADS is torchrun's own
         default for its workers (1) unless set: set here, torchrun prints no banner about it."""
-        return {"OMP_NUM_THREADS": "1", **os.environ, **self.env, **RESTART_ENV}
+        return child_env({"OMP_NUM_THREADS": "1", **os.environ, **self.env, **RESTART_ENV})
 
     def start(self) -> subprocess.Popen:
         """The processes started, for a caller that keeps running beside them."""
-        return subprocess.Popen(self.argv, env=self.environment)
+        return subprocess.Popen(self.argv, env=self.environment, pass_fds=held_fds())
 
     def run(self) -> int:
         """The processes run to the end: torchrun's exit code (torchrun is killed if this process
         is interrupted while it waits)."""
-        return subprocess.call(self.argv, env=self.environment)
+        with self.start() as proc:
+            try:
+                return proc.wait()
+            except BaseException:
+                proc.kill()
+                raise

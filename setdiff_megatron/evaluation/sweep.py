@@ -336,7 +336,7 @@ def _run(args) -> int:
             for p in points:
                 print(f"{ckpt} {p.name}: its own policy with {json.dumps(p.decoding)}")
         return 0
-    code = relaunch(args)
+    code = relaunch(args, out=args.out or spec.out)
     if code is not None:
         return code
     run_sweep(args.spec, out=args.out, placement=placement_from_args(args), wandb=wandb_from_args(args))

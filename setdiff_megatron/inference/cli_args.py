@@ -143,11 +143,18 @@ def _without_option(argv: list[str], name: str) -> list[str]:
     return out
 
 
-def relaunch(args: argparse.Namespace) -> int | None:
-    """With --nproc > 1 and no launcher around, run this same command as --nproc torchrun
-    processes and return their exit code; otherwise None (this process does the work)."""
+def relaunch(args: argparse.Namespace, out: str | None = None) -> int | None:
+    """Own the job's output (`out`, default --out; a shard's own lock with --shard), then, with
+    --nproc > 1 and no launcher around, run this same command as --nproc torchrun processes and
+    return their exit code; otherwise None (this process does the work)."""
+    from setdiff_megatron.distributed.ownership import hold
+
     if args.nproc < 1:
         raise UserError(f"--nproc must be >= 1 (the local processes to start); got {args.nproc}")
+    target = out or args.out
+    if getattr(args, "shard", None) is not None:
+        target = f"{target}.shard-{args.shard}-of-{args.num_shards}"
+    hold(target)
     if args.nproc == 1 or "RANK" in os.environ:
         return None
     from setdiff_megatron.distributed.workers import Torchrun

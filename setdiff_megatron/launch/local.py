@@ -3,7 +3,7 @@
 Multi-node SLURM launches render an sbatch script instead (slurm/); this is the local path a
 laptop or a single GPU node uses. A UserError in any worker reaches the person once: the workers
 hand their messages over through a directory of this launch (errors.report), torchrun runs quiet
-about that failure (launch/torchrun.py), and the launcher raises the lowest rank's message.
+about that failure (distributed/torchrun.py), and the launcher raises the lowest rank's message.
 """
 
 from __future__ import annotations
@@ -16,13 +16,14 @@ from setdiff_megatron.distributed.workers import RESTART_ENV, Torchrun
 from setdiff_megatron.errors import ERROR_DIR_ENV, UserError, handed_over
 from setdiff_megatron.recipes import Recipe
 
-QUIET_TORCHRUN = "setdiff_megatron.launch.torchrun"
-
 
 def torchrun_command(recipe: Recipe, recipe_path: str, overrides: list[str]) -> list[str]:
     """The recipe's processes under plain torchrun: the command to run by hand."""
     argv = Torchrun(
-        _local_processes(recipe), ["train", recipe_path, *overrides], max_restarts=recipe.launch.max_restarts
+        _local_processes(recipe),
+        ["train", recipe_path, *overrides],
+        launcher="torch.distributed.run",
+        max_restarts=recipe.launch.max_restarts,
     ).argv
     return ["env", *(f"{k}={v}" for k, v in RESTART_ENV.items()), *argv] if recipe.launch.max_restarts else argv
 
@@ -42,7 +43,7 @@ def run_workers(
     lowest rank's)."""
     with tempfile.TemporaryDirectory(prefix="setdiff-errors-") as error_dir:
         env = {**env, ERROR_DIR_ENV: error_dir}
-        code = Torchrun(nproc, cli_args, module, env=env, launcher=QUIET_TORCHRUN, max_restarts=max_restarts).run()
+        code = Torchrun(nproc, cli_args, module, env=env, max_restarts=max_restarts).run()
         message = handed_over(Path(error_dir))
     if message is not None:
         raise UserError(message)

@@ -229,9 +229,11 @@ def replica_main() -> int:
     model, then serve the front end at the settings' address (the group's first rank) or its peers."""
     from multiprocessing.connection import Client
 
+    from setdiff_megatron.distributed.offspring import follow_parent
     from setdiff_megatron.distributed.runtime import join, tensor_parallel_broadcast
     from setdiff_megatron.inference.loading import load_sampling_model
 
+    follow_parent()  # a front end killed outright takes its replicas with it
     args = ReplicaSettings.from_env()
     ranks = join(args.tp)
     sm = load_sampling_model(args.source, ranks, device=args.device, dtype=args.dtype)

@@ -18,9 +18,11 @@ from pathlib import Path
 
 from setdiff_megatron.checkpoint.publish import check_writable
 from setdiff_megatron.checkpoint.resolve import resume_target
+from setdiff_megatron.errors import UserError
 from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.recipes import Recipe, RecipeError, validate_recipe
 from setdiff_megatron.recipes.validation import estimated_model_config
+from setdiff_megatron.training.rewards import reward_function
 
 __all__ = ["check_run", "CHECKPOINT_BYTES_PER_PARAM"]
 
@@ -54,6 +56,11 @@ def check_run(
     if errors:
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
         raise RecipeError(f"{source}: {errors[0]}{more}")
+    if files and recipe.rl is not None:
+        try:
+            reward_function(recipe.rl.reward)  # imported now: a typo fails before any process starts
+        except UserError as exc:
+            raise RecipeError(f"{source}: {exc}") from None
     if checkpoint_dir:
         check_writable(Path(recipe.checkpoint.dir), model_config.num_params() * CHECKPOINT_BYTES_PER_PARAM)
     if resumable:

@@ -18,6 +18,8 @@ What the loop decides, whatever the engine:
   validation    the same held-out micro-batches and orders at every `eval.interval`
   checkpoints   every `checkpoint.interval`, at the end, and at a preemption signal's step
                 boundary (exit code 75), published through checkpoint/publish.py
+  ownership     the run directory's lock (distributed/ownership.py), held from before the first
+                write to the end: a second run on it is refused
   resume        `checkpoint.resume` through checkpoint/resolve.py; a resumed run keeps its run id
   init_from     any source sources/read.py reads, fitted to the recipe's model; with model.lora
                 the frozen base under the adapters, read again on every resume
@@ -39,6 +41,7 @@ from setdiff_megatron.checkpoint.state import Progress
 from setdiff_megatron.distributed import runtime
 from setdiff_megatron.distributed.fault_injection import Faults
 from setdiff_megatron.distributed.offspring import Offspring
+from setdiff_megatron.distributed.ownership import owned
 from setdiff_megatron.distributed.signals import PreemptionHandler
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.log import say
@@ -70,7 +73,11 @@ class TrainResult:
 def train(recipe: Recipe, recipe_path: str | Path = "<recipe>") -> TrainResult:
     check_run(recipe, recipe_path, world_size=runtime.world_size())
     offspring = Offspring()
-    with PreemptionHandler(recipe.checkpoint.dir) as preemption, Watchdog.for_run(recipe, offspring) as watchdog:
+    with (
+        owned(recipe.checkpoint.dir),
+        PreemptionHandler(recipe.checkpoint.dir) as preemption,
+        Watchdog.for_run(recipe, offspring) as watchdog,
+    ):
         try:
             return _Run(recipe, start_engine(recipe), preemption, watchdog).loop()
         finally:

@@ -1,12 +1,17 @@
-"""torchrun for the local launcher, quiet about a failure that is the person's to fix.
+"""torchrun for every local launch: ended with its launcher, quiet about a failure that is the
+person's to fix.
 
-A worker that meets a UserError hands its message to the launcher (`errors.report`) and exits
-with code 2. torchrun then stops the other workers and reports the failure as log lines and a
+Started by workers.Torchrun, it follows the launcher's pid (offspring.follow_parent): when the
+launcher dies, by SIGKILL too, torchrun gets SIGTERM and stops its workers as on a preemption
+(a training run saves a checkpoint at its next step boundary), then exits.
+
+Under the local launcher (ERROR_DIR_ENV set), a worker that meets a UserError hands its message
+to the launcher (`errors.report`) and exits with code 2. torchrun then stops the other workers and reports the failure as log lines and a
 ChildFailedError traceback, which name the exit code but not the message. Once a message has been
 handed over, that report is noise (the launcher prints the message), so this runs torchrun's own
 `main` with it left out and exits with code 2. Every other failure is reported as torchrun reports it.
 
-    SETDIFF_ERROR_DIR=DIR python -m setdiff_megatron.launch.torchrun TORCHRUN_ARGS...
+    [SETDIFF_ERROR_DIR=DIR] python -m setdiff_megatron.distributed.torchrun TORCHRUN_ARGS...
 """
 
 from __future__ import annotations
@@ -17,8 +22,10 @@ import sys
 from pathlib import Path
 
 from torch.distributed import run
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+from setdiff_megatron.distributed.offspring import follow_parent
 from setdiff_megatron.errors import ERROR_DIR_ENV, EXIT_USER_ERROR, handed_over
 
 
@@ -45,16 +52,22 @@ def _handlers_of(name: str) -> list[logging.Handler]:
 
 
 def main() -> int:
-    """torchrun's exit code, or 2 without torchrun's report once a worker handed over a UserError."""
-    directory = Path(os.environ[ERROR_DIR_ENV])
-    for handler in _handlers_of("torch.distributed.elastic"):
-        handler.addFilter(_UnlessHandedOver(directory))
+    """torchrun's exit code; 2 without torchrun's report once a worker handed over a UserError;
+    128 + the signal's number, without a traceback, when a signal stopped it (its workers were
+    stopped first)."""
+    follow_parent()
+    directory = Path(os.environ[ERROR_DIR_ENV]) if ERROR_DIR_ENV in os.environ else None
+    if directory is not None:
+        for handler in _handlers_of("torch.distributed.elastic"):
+            handler.addFilter(_UnlessHandedOver(directory))
     try:
         run.main()
     except ChildFailedError:
-        if handed_over(directory) is None:
+        if directory is None or handed_over(directory) is None:
             raise
         return EXIT_USER_ERROR
+    except SignalException as stop:
+        return 128 + stop.sigval
     return 0
 
 
