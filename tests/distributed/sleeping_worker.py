@@ -1,11 +1,13 @@
 """A worker that does nothing for a long time, as a rank between steps: it follows its parent as
-every `setdiff` worker does (cli.main, the serving replicas), and prints its pid."""
+every `setdiff` worker does (cli.main, the serving replicas), and says it is up (one write, so
+the lines of two workers never interleave)."""
 
+import os
 import time
 
 from setdiff_megatron.distributed.offspring import follow_parent
 
 if __name__ == "__main__":
     follow_parent()
-    print("worker up", flush=True)
+    os.write(1, b"worker up\n")
     time.sleep(300)
