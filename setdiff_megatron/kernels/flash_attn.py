@@ -98,7 +98,7 @@ class FlashAttnKernel:
             kb,
             vb,
             ob,
-            lse,
+            lse.contiguous(),  # mha_bwd reads softmax_lse by its data pointer, strides unread
             dq,
             dk,
             dv,

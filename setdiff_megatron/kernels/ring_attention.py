@@ -119,21 +119,23 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, o: torch.Tensor, o
 @dataclass
 class _KernelBlocks:
     """A block's attention by the fixed-mask kernel: all, causal (clean rows) or strictly causal
-    (query rows, rotated by one slot so that plain causal attention gives keys < row)."""
+    (query rows, rotated by one slot so that plain causal attention gives keys < row). Each
+    forward returns the kernel's `aux`, and the backward of the same block gets it back: TE's
+    backward needs its rng state and backend, PyTorch's CUDA flash backward its sequence data."""
 
     kernel: PartialAttention
     scale: float
 
-    def forward(self, stream: str, kind: str, q, k, v, rows, keys) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, stream: str, kind: str, q, k, v, rows, keys):
         if kind == "full" or stream == "x":
-            return self.kernel.forward(q, k, v, scale=self.scale, causal=kind == "diagonal")[:2]
-        o, o_lse, _ = self.kernel.forward(_rotated(q, q[:, :, 0]), k, v, scale=self.scale, causal=True)
-        return _unrotated(o), _unrotated(o_lse, float("-inf"))  # a chunk's first query sees none of it
+            return self.kernel.forward(q, k, v, scale=self.scale, causal=kind == "diagonal")
+        o, o_lse, aux = self.kernel.forward(_rotated(q, q[:, :, 0]), k, v, scale=self.scale, causal=True)
+        return _unrotated(o), _unrotated(o_lse, float("-inf")), aux  # a chunk's first query sees none of it
 
-    def backward(self, stream: str, kind: str, dout, q, k, v, out, lse, rows, keys):
+    def backward(self, stream: str, kind: str, dout, q, k, v, out, lse, aux, rows, keys):
         causal = kind == "diagonal"
         if not (causal and stream == "m"):
-            return self.kernel.backward(dout, q, k, v, out, lse, None, scale=self.scale, causal=causal)
+            return self.kernel.backward(dout, q, k, v, out, lse, aux, scale=self.scale, causal=causal)
         # The dropped last slot (the chunk's first query) gets no gradient: dO = 0, and lse = inf makes P = 0.
         dq, dk, dv = self.kernel.backward(
             _rotated(dout, 0.0),
@@ -142,7 +144,7 @@ class _KernelBlocks:
             v,
             _rotated(out, out[:, :, 0]),
             _rotated(lse, float("inf")),
-            None,
+            aux,
             scale=self.scale,
             causal=True,
         )
@@ -174,9 +176,9 @@ class _DocumentBlocks:
 
     def forward(self, stream, kind, q, k, v, rows, keys):
         probs, lse = self._probs(stream, q, k, None, rows, keys)
-        return probs @ v.repeat_interleave(q.shape[1] // v.shape[1], dim=1), lse
+        return probs @ v.repeat_interleave(q.shape[1] // v.shape[1], dim=1), lse, None
 
-    def backward(self, stream, kind, dout, q, k, v, out, lse, rows, keys):
+    def backward(self, stream, kind, dout, q, k, v, out, lse, aux, rows, keys):
         g = q.shape[1] // k.shape[1]
         probs, _ = self._probs(stream, q, k, lse, rows, keys)
         dp = dout @ v.repeat_interleave(g, dim=1).transpose(-1, -2)
@@ -200,13 +202,14 @@ class _RingSetCausal(torch.autograd.Function):
         out = {s: torch.zeros(x.shape, dtype=acc, device=q.device) for s, x in streams.items()}
         lse = {s: torch.full(x.shape[:3], float("-inf"), dtype=acc, device=q.device) for s, x in streams.items()}
         block = [k[:, :, :local].contiguous(), v[:, :, :local].contiguous()]
+        auxes = {}  # (step, row chunk, key chunk, stream) -> the kernel's aux, for the backward
         for step in range(ring.size):
             pending = ring.pass_on(block) if step + 1 < ring.size else None
             source = ring.source(step)
             theirs = zigzag_ranks(length, ring.size, source, device=q.device)
             for r, c, kind in _blocks(zigzag_chunks(ring.size, ring.rank), zigzag_chunks(ring.size, source), size):
                 for name, qs in streams.items():
-                    o, o_lse = blocks.forward(
+                    o, o_lse, auxes[step, r.start, c.start, name] = blocks.forward(
                         name, kind, qs[:, :, r], block[0][:, :, c], block[1][:, :, c], mine[r], theirs[c]
                     )
                     _merge(out[name], lse[name], r, o, o_lse)
@@ -223,7 +226,7 @@ class _RingSetCausal(torch.autograd.Function):
         lse["m"] = lse_m
         result = torch.cat(list(out.values()), dim=2).to(q.dtype)
         ctx.save_for_backward(q, k, v, result, torch.cat(list(lse.values()), dim=2))
-        ctx.ring, ctx.blocks, ctx.length = ring, blocks, length
+        ctx.ring, ctx.blocks, ctx.length, ctx.auxes = ring, blocks, length, auxes
         return result
 
     @staticmethod
@@ -261,7 +264,8 @@ class _RingSetCausal(torch.autograd.Function):
                         kx[:, :, c],
                         vx[:, :, c],
                         out[:, :, rr],
-                        lse[:, :, rr],
+                        lse[:, :, rr].contiguous(),
+                        ctx.auxes[step, r.start, c.start, name],
                         mine[r],
                         theirs[c],
                     )

@@ -13,9 +13,18 @@ import torch
 import torch.distributed as dist
 
 from setdiff_megatron.core.attention import set_causal_attention
+from setdiff_megatron.core.merged_attention import ATEN_FLASH
+from setdiff_megatron.kernels.flash_attn import FlashAttnKernel
 from setdiff_megatron.kernels.ring_attention import ring_set_causal_attention, zigzag_ranks
+from setdiff_megatron.kernels.te_fused import TEFusedKernel
+from tests.kernels import emulation
 from tests.models.megatron_cases import write_worker_results
 
+KERNELS = {
+    "te": lambda: TEFusedKernel(emulation.te_api()),
+    "flash_attn": lambda: FlashAttnKernel(emulation.flash_api()),
+}
+"""The GPU kernels' adapters on their strict emulation (bf16, as the real kernels take)."""
 CASES = {
     # name: (dtype, B, H, G, L, valid lengths or None, query rows only, documents)
     "fp32_gqa_padding": (torch.float32, 2, 4, 2, 24, [24, 17], False, False),
@@ -24,6 +33,10 @@ CASES = {
     "fp64_gqa_padding": (torch.float64, 2, 4, 2, 24, [24, 5], False, False),
     "fp32_documents": (torch.float32, 2, 4, 2, 24, [24, 19], False, True),
     "fp64_documents_query_rows_only": (torch.float64, 2, 4, 2, 24, None, True, True),
+    "te_gqa_padding": (torch.bfloat16, 2, 4, 2, 24, [24, 17], False, False),
+    "te_query_rows_only": (torch.bfloat16, 2, 4, 1, 20, [20, 9], True, False),
+    "flash_attn_gqa_padding": (torch.bfloat16, 2, 4, 2, 24, [24, 17], False, False),
+    "flash_attn_query_rows_only": (torch.bfloat16, 2, 4, 1, 20, [20, 9], True, False),
 }
 
 
@@ -40,25 +53,33 @@ def documents(b: int, length: int, gen: torch.Generator) -> torch.Tensor:
     return torch.stack([torch.randint(0, 3, (length,), generator=gen) for _ in range(b)])
 
 
-def run_case(dtype, b, h, g, length, valid, query_only, with_documents) -> dict:
+def run_case(name, dtype, b, h, g, length, valid, query_only, with_documents) -> dict:
     gen = torch.Generator().manual_seed(0)
     d, scale = 8, 8**-0.5
+    kernel = next((make() for prefix, make in KERNELS.items() if name.startswith(prefix)), ATEN_FLASH)
     q = torch.randn(b, h, length if query_only else 2 * length, d, generator=gen, dtype=dtype)
     k, v = (torch.randn(b, g, 2 * length, d, generator=gen, dtype=dtype) for _ in range(2))
     valid_len = None if valid is None else torch.tensor(valid)
     docs = documents(b, length, gen) if with_documents else None
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    ref = set_causal_attention(q, k, v, impl="dense", valid_len=valid_len, scale=scale, document_ids=docs)
+    exact = torch.promote_types(dtype, torch.float32)  # the reference of bf16 inputs in fp32
+    ref = set_causal_attention(
+        *(t.to(exact) for t in (q, k, v)), impl="dense", valid_len=valid_len, scale=scale, document_ids=docs
+    )
     dout = torch.randn(ref.shape, generator=gen, dtype=dtype)
-    ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), dout.to(exact))
 
     cp, rank = dist.get_world_size(), dist.get_rank()
     rows = zigzag_ranks(length, cp, rank)
     mine = [local_rows(t.detach(), length, rows).requires_grad_() for t in (q, k, v)]
-    out = ring_set_causal_attention(*mine, scale=scale, group=dist.group.WORLD, valid_len=valid_len, document_ids=docs)
+    out = ring_set_causal_attention(
+        *mine, scale=scale, group=dist.group.WORLD, valid_len=valid_len, document_ids=docs, kernel=kernel
+    )
     grads = torch.autograd.grad(out, mine, local_rows(dout, length, rows))
-    diffs = [(out - local_rows(ref.detach(), length, rows)).abs().max()]
-    diffs += [(a - local_rows(r, length, rows)).abs().max() for a, r in zip(grads, ref_grads)]
+    # bf16 results are compared relative to the reference's largest entry (one bf16 step is 2^-8 of it)
+    unit = (lambda r: r.abs().max()) if dtype == torch.bfloat16 else (lambda r: 1.0)
+    diffs = [(out.double() - local_rows(ref.detach(), length, rows)).abs().max() / unit(ref.detach())]
+    diffs += [(a.double() - local_rows(r, length, rows)).abs().max() / unit(r) for a, r in zip(grads, ref_grads)]
     diffs = torch.stack(diffs).double()
     dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
     return dict(zip(["out", "dq", "dk", "dv"], diffs.tolist()))
@@ -66,7 +87,7 @@ def run_case(dtype, b, h, g, length, valid, query_only, with_documents) -> dict:
 
 def main(out: Path) -> None:
     dist.init_process_group("gloo")
-    write_worker_results(out, {name: run_case(*case) for name, case in CASES.items()})
+    write_worker_results(out, {name: run_case(name, *case) for name, case in CASES.items()})
 
 
 if __name__ == "__main__":
