@@ -22,7 +22,11 @@ mutates its inputs copies them.
 
 Attention: masked SDPA with a dense step mask (the default), or, when `attention_impl` names a
 kernel step (core.step_attention.STEP_IMPLS: 'te', 'flash_attn'), a fused kernel reading the
-cache with per-row lengths instead of a mask (docs/method.md, "KV cache").
+cache with per-row lengths instead of a mask (docs/method.md, "KV cache"). The kernel reads the
+whole buffer, capacity and dummy slot included, with each row's length: its shapes stay the same
+from step to step (cuDNN builds a graph per new shape), and for a kernel that takes only
+tokens-before-heads storage (Transformer Engine; core.step_attention.TOKEN_MAJOR_CACHE) the buffer
+is stored that way, so the kernel reads it in place instead of a copy per layer and step.
 
 Shapes: N layers, B batch, G key/value heads, C capacity, D head dim, T step tokens.
 """
@@ -35,6 +39,7 @@ import torch
 
 from setdiff_megatron.core.step_attention import (
     STEP_IMPLS,
+    TOKEN_MAJOR_CACHE,
     set_causal_step_attention,
     staged_step_attention,
     step_attention_mask,
@@ -42,6 +47,13 @@ from setdiff_megatron.core.step_attention import (
 from setdiff_megatron.core.step_layout import StepLayout
 
 __all__ = ["CacheSpec", "KVCache"]
+
+
+def _token_major(t_NBGCD: torch.Tensor) -> torch.Tensor:
+    """The same values stored [N, B, C, G, D] (a copy only when they are not already)."""
+    if t_NBGCD.transpose(2, 3).is_contiguous():
+        return t_NBGCD
+    return t_NBGCD.transpose(2, 3).contiguous().transpose(2, 3)
 
 
 @dataclass(frozen=True)
@@ -77,6 +89,10 @@ class KVCache:
     """The step's dense attention mask (None on the kernel path), built by layer 0."""
     _commits: list = field(default_factory=list, repr=False)
     """Each layer's commit K/V [B, G, K, D] of the step in flight, written by `advance`."""
+
+    def __post_init__(self) -> None:
+        if self.attention_impl in TOKEN_MAJOR_CACHE:
+            self.keys, self.values = _token_major(self.keys), _token_major(self.values)
 
     @classmethod
     def allocate(
@@ -198,13 +214,13 @@ class KVCache:
         else:  # static: read only
             k_cache, v_cache = keys[:, :, : layout.span], values[:, :, : layout.span]
             staged_k, staged_v = torch.cat([k_cache, k], 2), torch.cat([v_cache, v], 2)
-        if self._mask is None:
+        if self._mask is None:  # the kernel: the whole buffer, each row's entries by its length
             out = set_causal_step_attention(
                 q,
                 k,
                 v,
-                k_cache,
-                v_cache,
+                keys,
+                values,
                 num_commit=layout.num_commit,
                 impl=self.attention_impl,
                 cache_len=self.lengths,
@@ -301,5 +317,6 @@ class KVCache:
         index = source_BC.clamp(max=self.capacity)[None, :, None, :, None].expand_as(self.keys)
         self.keys = self.keys.gather(3, index)
         self.values = self.values.gather(3, index)
+        self.__post_init__()
         self.lengths = self.lengths - count_B
         self.ragged = True

@@ -23,6 +23,7 @@ from setdiff_megatron.core.merged_attention import PartialAttention
 
 __all__ = [
     "STEP_IMPLS",
+    "TOKEN_MAJOR_CACHE",
     "merged_step_attention",
     "register_step_impl",
     "set_causal_step_attention",
@@ -161,10 +162,15 @@ StepImpl = Callable[..., torch.Tensor]
 STEP_IMPLS: dict[str, StepImpl] = {}
 """Kernel-backed step attention by implementation name (setdiff_megatron/kernels registers them);
 names without an entry take the masked SDPA step."""
+TOKEN_MAJOR_CACHE: set[str] = set()
+"""Kernel steps that read the cache only as tokens-before-heads storage ([b, s, h, d] contiguous,
+Transformer Engine's bshd): a KV cache for them is stored that way, so no step copies it."""
 
 
-def register_step_impl(name: str, fn: StepImpl) -> None:
+def register_step_impl(name: str, fn: StepImpl, *, token_major_cache: bool = False) -> None:
     STEP_IMPLS[name] = fn
+    if token_major_cache:
+        TOKEN_MAJOR_CACHE.add(name)
 
 
 def _prefix_len(mask: torch.Tensor, name: str) -> torch.Tensor:

@@ -27,10 +27,11 @@ KERNELS = {
 }
 
 
-def emulated_step(name: str, calls: list | None = None):
-    """The kernel step `name` on the emulated kernel API, noting each call in `calls`."""
+def emulated_step(name: str, calls: list | None = None, *, allow_fp32: bool = True):
+    """The kernel step `name` on the emulated kernel API, noting each call in `calls`; fp32 passes
+    unless the emulation is to be strict (the GPU libraries take half precision only)."""
     step, api = KERNELS[name]
-    step = partial(step, api=api())
+    step = partial(step, api=api(allow_fp32=allow_fp32))
 
     def counted(*args, **kwargs):
         if calls is not None:
@@ -40,12 +41,12 @@ def emulated_step(name: str, calls: list | None = None):
     return counted
 
 
-def emulate_kernels(monkeypatch, calls: list | None = None) -> None:
+def emulate_kernels(monkeypatch, calls: list | None = None, *, allow_fp32: bool = True) -> None:
     """Make 'te' and 'flash_attn' usable here, their steps running on the emulated kernels."""
     monkeypatch.setattr(te_fused, "te_status", lambda: (True, "emulation"))
     monkeypatch.setattr(flash_attn, "flash_status", lambda: (True, "emulation"))
     for name in KERNELS:
-        monkeypatch.setitem(step_attention.STEP_IMPLS, name, emulated_step(name, calls))
+        monkeypatch.setitem(step_attention.STEP_IMPLS, name, emulated_step(name, calls, allow_fp32=allow_fp32))
 
 
 @pytest.fixture(scope="module")
@@ -132,17 +133,19 @@ def test_sampler_on_kernel_step_matches_sdpa_cache(reference, monkeypatch, impl,
     assert sum(drops) == evictions and (evictions > 0) == (case == "evict")
 
 
-def test_cache_steps_with_dummy_commits_eviction_and_retired_rows(monkeypatch):
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_cache_steps_with_dummy_commits_eviction_and_retired_rows(monkeypatch, dtype, tolerance):
     """KVCache alone: dummy commits, a row without a cache, drop and select_rows give the masked
-    SDPA path's outputs on the kernel path, which select_rows and drop carry along."""
-    emulate_kernels(monkeypatch)
+    SDPA path's outputs on the kernel path, which select_rows and drop carry along; in bf16 on the
+    strict emulation too (relative to the largest output)."""
+    emulate_kernels(monkeypatch, allow_fp32=dtype == torch.float32)
     gen = torch.Generator()
     g, h, d = 2, 4, 16
 
     def step(cache, num_commit, num_query, commit_valid):
         b = cache.lengths.shape[0]
-        q = torch.randn(b, h, num_commit + num_query, d, generator=gen)
-        k, v = (torch.randn(b, g, num_commit + num_query, d, generator=gen) for _ in range(2))
+        q = torch.randn(b, h, num_commit + num_query, d, generator=gen).to(dtype)
+        k, v = (torch.randn(b, g, num_commit + num_query, d, generator=gen).to(dtype) for _ in range(2))
         out = cache.attend(0, q, k, v, num_commit=num_commit, commit_valid=commit_valid)
         cache.advance()
         return out
@@ -151,7 +154,7 @@ def test_cache_steps_with_dummy_commits_eviction_and_retired_rows(monkeypatch):
     for impl in ("sdpa", "te", "flash_attn"):
         gen.manual_seed(0)
         cache = KVCache.allocate(
-            num_layers=1, batch_size=3, num_kv_heads=g, head_dim=d, capacity=32, attention_impl=impl
+            num_layers=1, batch_size=3, num_kv_heads=g, head_dim=d, capacity=32, attention_impl=impl, dtype=dtype
         )
         outs[impl] = [
             step(cache, 4, 0, torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0]]).bool()),
@@ -162,10 +165,33 @@ def test_cache_steps_with_dummy_commits_eviction_and_retired_rows(monkeypatch):
         cache.drop(torch.tensor([1, 0, 0]), torch.tensor([2, 1, 0]))
         cache = cache.select_rows(torch.tensor([2, 0]))
         assert cache.attention_impl == impl and cache.ragged and cache.uses_kernel == (impl != "sdpa")
+        assert cache.keys.transpose(2, 3).is_contiguous() == (impl == "te")  # TE reads tokens-major storage
         outs[impl].append(step(cache, 2, 2, None))
     for impl in ("te", "flash_attn"):
         for a, e in zip(outs[impl], outs["sdpa"]):
-            torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+            scale = 1.0 if dtype == torch.float32 else e.float().abs().max().item()
+            torch.testing.assert_close(a.float() / scale, e.float() / scale, rtol=tolerance, atol=tolerance)
+
+
+def test_te_decode_steps_build_one_graph_and_copy_no_cache(monkeypatch):
+    """Eager decode steps on the TE kernel: every call over the cache has the same shape (cuDNN
+    builds a graph per new shape and keeps it), and the only bytes copied for TE are the step's
+    queries, never the cache (its storage is tokens-major: TE reads it in place)."""
+    emulate_kernels(monkeypatch, allow_fp32=False)
+    te_fused.KERNEL_STATS.reset()
+    b, g, h, d, steps = 2, 2, 4, 16, 12
+    cache = KVCache.allocate(
+        num_layers=1, batch_size=b, num_kv_heads=g, head_dim=d, capacity=64, attention_impl="te", dtype=torch.bfloat16
+    )
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        q = torch.randn(b, h, 3, d, generator=gen).bfloat16()
+        k, v = (torch.randn(b, g, 3, d, generator=gen).bfloat16() for _ in range(2))
+        cache.attend(0, q, k, v, num_commit=2)
+        cache.advance()
+    assert cache.length == 2 * steps
+    assert len(te_fused.KERNEL_STATS.shapes) == 1, te_fused.KERNEL_STATS.shapes
+    assert te_fused.KERNEL_STATS.copied_bytes == steps * q.numel() * q.element_size()
 
 
 def test_models_choose_the_cache_path(reference, monkeypatch):
