@@ -6,8 +6,8 @@
    (model FLOPs of training_flops_per_token against the GPU's dense BF16 peak), and the same
    training step with the reference's dense-mask attention (sdpa) as the baseline ratio.
 3. Attention kernels (setdiff_megatron/kernels): each GPU implementation this machine has (TE
-   fused BF16, TE FP8 under an fp8_autocast with DelayedScaling, flash-attn 2, PyTorch's flash)
-   against the dense fp32 reference, outputs and q/k/v gradients, GQA and padding, head dim 128;
+   fused BF16, TE FP8 under an fp8_autocast with DelayedScaling and fp8_dpa, flash-attn 2,
+   PyTorch's flash) against the dense fp32 reference, outputs and q/k/v gradients, GQA and padding, head dim 128;
    the sampling step (ragged cache) against the masked step; forward+backward time of each
    against masked SDPA over 2L. Tolerances (max error / max |reference|): bf16 2e-2; FP8 0.15
    for the output, 0.35 for gradients (this check on the CPU emulation of the FP8 kernels, with
@@ -24,6 +24,10 @@
    b. tokens/s at batch 1 and 16 on a random ~0.8B model (head dim 128, 16 prompts of 256-1024
       tokens, 64 new tokens each, set-size 2 in a window of 16): each kernel path against the
       SDPA path; greedy agreement is reported, not required (a random model's bf16 near ties).
+      For the TE path also the distinct fused-attention call shapes over the decode (each one a
+      cuDNN graph build; expected: a handful, one per batch size and step width, not one per
+      step) and the bytes copied per forward to give TE its layout (expected: the step's queries
+      only, never the cache; te_fused.KERNEL_STATS).
 5. Compiled static-shape decode steps (core/step_compiler.py, CUDA graphs per bucket through
    `mode="reduce-overhead"`) against eager steps, bf16: greedy tokens of the copying model of 4a
    must be equal; ms per decode forward at batch 1 and 16 on the model of 4b, with the warm-up
@@ -165,7 +169,7 @@ def kernel_variants() -> dict[str, tuple]:
             lambda: fp8_autocast(
                 enabled=True,
                 fp8_recipe=DelayedScaling(
-                    fp8_format=Format.HYBRID, amax_history_len=1, amax_compute_algo="most_recent"
+                    fp8_format=Format.HYBRID, amax_history_len=1, amax_compute_algo="most_recent", fp8_dpa=True
                 ),
             ),
         )
@@ -447,10 +451,16 @@ def sampler_timing(
     }
     rows = []
     for batch in batches:
-        outs = {}
+        outs, te_cost = {}, None
         for impl, s in sampler.items():
             s.generate(prompts[:batch], cfg, batch_size=batch)  # warm-up (kernels, allocator)
+            te_fused.KERNEL_STATS.reset()
             outs[impl] = s.generate(prompts, cfg, batch_size=batch)
+            if impl == "te":  # what the TE calls cost beyond their math (te_fused.KERNEL_STATS)
+                te_cost = {
+                    "graph_shapes": len(te_fused.KERNEL_STATS.shapes),
+                    "copied_bytes_per_forward": te_fused.KERNEL_STATS.copied_bytes / outs[impl].metrics.forwards,
+                }
         base = outs["sdpa"].metrics.tokens_per_s
         row = {
             "batch": batch,
@@ -459,8 +469,15 @@ def sampler_timing(
             "rows_equal_to_sdpa": {
                 k: sum(a.tokens == b.tokens for a, b in zip(o.rows, outs["sdpa"].rows)) for k, o in outs.items()
             },
+            "te_cost": te_cost,
         }
         rows.append(row)
+        if te_cost is not None:
+            print(
+                f"sampler batch {batch:>2}, te: {te_cost['graph_shapes']} distinct fused-attention shapes over "
+                f"{outs['te'].metrics.forwards} forwards (cuDNN builds a graph per shape), "
+                f"{te_cost['copied_bytes_per_forward'] / 2**20:.2f} MiB copied per forward for TE's layout"
+            )
         print(
             f"sampler batch {batch:>2}: "
             + ", ".join(

@@ -33,10 +33,16 @@ class Choice(NamedTuple):
     reason: str
 
 
-def _te_head_dim_reason(dtype: torch.dtype, head_dim: int) -> str | None:
+def _te_reason(dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why TE's fused attention cannot train this head dim here: TE's Python guard, or no backend
+    that returns a log-sum-exp (te_fused.TEFusedKernel)."""
     api = te_fused.load_te_api()
+    if (reason := te_fused.fused_unavailable_reason(api.capability(torch.device("cuda")))) is not None:
+        return reason
     backend = api.fused_backend(True, api.te_dtype(dtype), "bshd", "causal", 2, 1, 128, 128, head_dim)
-    return None if backend is not None else f"no cuDNN fused attention for {dtype} head_dim {head_dim}"
+    if backend != api.backend_names["F16"]:
+        return f"no cuDNN fused attention with a log-sum-exp for {dtype} head_dim {head_dim}"
+    return None
 
 
 @functools.cache
@@ -56,12 +62,12 @@ def choose_attention_impl(device_type: str, dtype: torch.dtype, head_dim: int) -
         )
     te_ok, te_why = te_fused.te_status()
     if te_ok:
-        reason = _te_head_dim_reason(dtype, head_dim)
+        reason = _te_reason(dtype, head_dim)
         if reason is None:
             return Choice(
                 "te",
                 f"{te_why}: one fused (cuDNN) causal call for both streams, log-sum-exp merge "
-                "(FP8 under train.fp8 with fp8_recipe delayed)",
+                "(FP8 under train.fp8_dot_product_attention)",
             )
         te_why = reason
     fa_ok, fa_why = flash_attn.flash_status()
@@ -132,5 +138,5 @@ register_attention_impl(
     check=_check("flash_attn", lambda: flash_attn.flash_status(), flash_attn.FLASH_INSTALL),
 )
 register_step_impl("auto", auto_step_attention)
-register_step_impl("te", te_fused.te_step_attention)
+register_step_impl("te", te_fused.te_step_attention, token_major_cache=True)
 register_step_impl("flash_attn", flash_attn.flash_step_attention)

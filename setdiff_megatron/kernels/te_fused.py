@@ -13,20 +13,29 @@ needs only causal and no-mask attention plus a log-sum-exp merge, which `fused_a
     code does (cp_p2p_bwd_fused_attn), plus the analytic diagonal gradient (core/merged_attention.py);
   * inference: no-mask over the cache with key lengths ('padding', cu_seqlens_kv), merged with
     the step block and the diagonal (core.step_attention.merged_step_attention).
-FP8 (cuDNN's FP8 sub-backend; on Hopper only with DelayedScaling, head dim 128 for training): Q, K
-and V share one scale (cuDNN reads a single descale), S is scaled for P <= 1, O for |O| <= max|V|,
+FP8 attention runs only where megatron-core and TE would run it: under an fp8 autocast whose
+recipe sets fp8_dpa (train.fp8_dot_product_attention, megatron's fp8_dot_product_attention, off
+by default), with DelayedScaling, on cuDNN's FP8 sub-backend (Hopper: head dim 128 for training),
+and not where TE's own Python guards turn it off (sm120; deterministic training). Q, K and V share
+one scale (cuDNN reads a single descale), S is scaled for P <= 1, O for |O| <= max|V|,
 dO from its amax, dP and dQ/dK/dV from Cauchy-Schwarz bounds (so nothing can overflow). A core
 attention called as a function has no module to keep an amax history in, so the scales come from
 this call's amaxes: DelayedScaling's format and margin, with a history of one and no lag.
-Nothing imports TE at module import; `load_te_api` does, and tests substitute
-tests/kernels/emulation.py's `te_api()`, which has the same call signatures.
+Only TE's arbitrary-seqlen and FP8 backends return the log-sum-exp the merge needs (its max512
+backend returns the softmax itself): any other backend TE would pick is refused, and what a call
+returned is checked. `KERNEL_STATS` counts the distinct call shapes (cuDNN builds one graph per
+shape and keeps it for the process) and the bytes copied to give TE contiguous tensors, which
+benchmarks/gpu_check.py prints per decode. Nothing imports TE at module import; `load_te_api`
+does, and tests substitute tests/kernels/emulation.py's `te_api()`, which has the same call
+signatures and enforces TE's rules.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
@@ -35,7 +44,7 @@ from setdiff_megatron.core.merged_attention import merged_set_causal_attention
 from setdiff_megatron.core.step_attention import merged_step_attention
 from setdiff_megatron.errors import UserError
 
-__all__ = ["FP8Settings", "load_te_api", "te_status", "te_attention", "te_step_attention"]
+__all__ = ["FP8Settings", "KERNEL_STATS", "load_te_api", "te_status", "te_attention", "te_step_attention"]
 
 log = logging.getLogger("setdiff_megatron.kernels")
 
@@ -54,6 +63,26 @@ class FP8Settings:
     fwd_max: float
     bwd_max: float
     margin: int = 0
+    dpa: bool = False
+    """The recipe's fp8_dpa: FP8 attention asked for (megatron: fp8_dot_product_attention)."""
+
+
+@dataclass
+class KernelStats:
+    """What the TE calls of this process cost beyond their math, for benchmarks/gpu_check.py."""
+
+    shapes: set = field(default_factory=set)
+    """Distinct (batch, heads, kv heads, sq, skv, head dim, mask, dtype, layout, training, fp8): cuDNN
+    builds a graph for each new one and keeps it (te fused_attn_f16_arbitrary_seqlen.cu's cache)."""
+    copied_bytes: int = 0
+    """Bytes copied to hand TE tensors contiguous in its layout."""
+
+    def reset(self) -> None:
+        self.shapes.clear()
+        self.copied_bytes = 0
+
+
+KERNEL_STATS = KernelStats()
 
 
 @functools.cache
@@ -106,6 +135,7 @@ def load_te_api() -> SimpleNamespace:
             get_fp8_max(recipe, True),
             get_fp8_max(recipe, False),
             getattr(recipe, "margin", 0),
+            bool(getattr(recipe, "fp8_dpa", False)),
         )
 
     def make_quantizer(scale, fp8_dtype):
@@ -118,7 +148,11 @@ def load_te_api() -> SimpleNamespace:
         fused_attn_fwd=fa.fused_attn_fwd,
         fused_attn_bwd=fa.fused_attn_bwd,
         fused_backend=fused_backend,
-        backend_names={"FP8": fa.FusedAttnBackend["FP8"], "F16": fa.FusedAttnBackend["F16_arbitrary_seqlen"]},
+        backend_names={
+            "FP8": fa.FusedAttnBackend["FP8"],
+            "F16": fa.FusedAttnBackend["F16_arbitrary_seqlen"],
+            "max512": fa.FusedAttnBackend["F16_max512_seqlen"],
+        },
         te_dtype=TE_DType.__getitem__,
         fp8_settings=fp8_settings,
         capability=torch.cuda.get_device_capability,
@@ -147,7 +181,10 @@ def physical_layout(x_BHSD: torch.Tensor) -> str:
 
 
 def _to(x_BHSD: torch.Tensor, fmt: str) -> torch.Tensor:
-    return (x_BHSD.transpose(1, 2) if fmt == "bshd" else x_BHSD.permute(2, 0, 1, 3)).contiguous()
+    view = x_BHSD.transpose(1, 2) if fmt == "bshd" else x_BHSD.permute(2, 0, 1, 3)
+    if not view.is_contiguous():
+        KERNEL_STATS.copied_bytes += view.numel() * view.element_size()
+    return view.contiguous()
 
 
 def _from(x: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -156,6 +193,24 @@ def _from(x: torch.Tensor, fmt: str) -> torch.Tensor:
 
 def _window(mask: str) -> tuple[int, int]:
     return (-1, 0) if "causal" in mask else (-1, -1)
+
+
+def deterministic() -> bool:
+    """TE's own test (dot_product_attention/utils.py): NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 or torch's
+    deterministic mode."""
+    return (
+        os.environ.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "1") == "0" or torch.are_deterministic_algorithms_enabled()
+    )
+
+
+def fused_unavailable_reason(capability: tuple[int, int]) -> str | None:
+    """TE's Python-level guard on any fused attention in training (get_attention_backend, 2.9-2.11):
+    none under deterministic training on sm100 and newer."""
+    if deterministic() and capability >= (10, 0):
+        return (
+            f"Transformer Engine has no deterministic fused attention for training on sm{capability[0]}{capability[1]}"
+        )
+    return None
 
 
 def _plain(x) -> torch.Tensor:
@@ -188,7 +243,14 @@ class TEFusedKernel:
         key = (self.api.name, dtype, fmt, mask, q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3])
         if key not in _BACKENDS:
             _BACKENDS[key] = self.api.fused_backend(True, dtype, fmt, mask, *key[4:])
-        if _BACKENDS[key] is None:
+        backend = _BACKENDS[key]
+        if backend is not None and backend not in (self.api.backend_names["F16"], self.api.backend_names["FP8"]):
+            raise UserError(
+                f"{self.api.name} would run this attention on its max512 backend, which returns the softmax "
+                f"instead of its log-sum-exp ({q.shape[2]}x{k.shape[2]}, head_dim {q.shape[3]}): use a cuDNN "
+                "other than 9.10.0-9.10.1, unset NVTE_FUSED_ATTN_BACKEND, or model.attention_impl: fused"
+            )
+        if backend is None:
             what = "FP8" if fp8 else str(q.dtype).removeprefix("torch.")
             if fp8 and not self.strict:
                 log_once(
@@ -201,7 +263,7 @@ class TEFusedKernel:
                 f"{self.api.name} has no fused {what} attention for head_dim {q.shape[3]}, {q.shape[1]}/{k.shape[1]} "
                 f"heads, {q.shape[2]}x{k.shape[2]} '{mask}': use model.attention_impl: auto or fused"
             )
-        return _BACKENDS[key]
+        return backend
 
     def forward(self, q, k, v, *, scale, causal, kv_len=None):
         fmt = self.layout(k)
@@ -237,8 +299,17 @@ class TEFusedKernel:
             )
             quantized = (q8, k8, v8, s_q)
         # aux: [Stats, rng_state] (F16) or [Stats, ZInv, rng_state] (FP8; cuDNN fills Stats only)
+        stats = aux[0] if aux else None
+        if stats is None or tuple(stats.shape) != (b, q.shape[1], sq, 1) or stats.dtype != torch.float32:
+            raise UserError(
+                f"{self.api.name} returned no log-sum-exp [b, h, sq, 1] float32 for this attention (got "
+                f"{None if stats is None else (tuple(stats.shape), stats.dtype)}); use model.attention_impl: fused"
+            )
+        KERNEL_STATS.shapes.add(
+            (b, q.shape[1], k.shape[1], sq, sk, q.shape[3], mask, str(q.dtype), fmt, True, quantized is not None)
+        )
         saved = (backend, fmt, mask, cu_q, cu_kv, aux[-1], quantized)
-        return _from(_plain(out), fmt), aux[0][..., 0], saved
+        return _from(_plain(out), fmt), stats[..., 0], saved
 
     def backward(self, dout, q, k, v, out, lse, aux, *, scale, causal):
         backend, fmt, mask, cu_q, cu_kv, rng_state, quantized = aux
@@ -312,11 +383,16 @@ class TEFusedKernel:
 
 
 def fp8_unsupported_reason(capability: tuple[int, int], head_dim: int) -> str | None:
-    """Why cuDNN's FP8 attention cannot train at this head dim on this GPU, or None
-    (docs/method.md, "Fused kernels")."""
+    """Why FP8 attention cannot train at this head dim on this GPU, or None: cuDNN's rules, and TE's
+    Python guards that turn it off on sm120 and under deterministic training (docs/method.md,
+    "Fused kernels")."""
     sm = f"sm{capability[0]}{capability[1]}"
     if capability < (9, 0):
         return f"cuDNN's FP8 attention needs Hopper (sm90) or newer; this GPU is {sm}"
+    if capability[0] == 12:
+        return f"Transformer Engine turns FP8 attention off on {sm}"
+    if deterministic():
+        return "Transformer Engine has no FP8 fused attention for deterministic training"
     if capability < (10, 0) and head_dim != 128:
         return f"cuDNN's FP8 attention trains only head_dim 128 on {sm}; got {head_dim}"
     if head_dim > 128:
@@ -347,11 +423,13 @@ def require_cuda_half(q: torch.Tensor, impl: str) -> None:
 
 
 def te_kernel_for(q: torch.Tensor, api: SimpleNamespace, *, strict: bool = True) -> TEFusedKernel:
-    """The kernel for this call: FP8 when an fp8 autocast with DelayedScaling is active and the GPU
-    and head dim allow it. `strict` (forced 'te'): an FP8 request it cannot honour is a UserError;
+    """The kernel for this call: FP8 when an fp8 autocast with DelayedScaling and fp8_dpa is active
+    and the GPU and head dim allow it. `strict` (forced 'te'): an FP8 request it cannot honour is a UserError;
     otherwise ('auto') attention stays in BF16 and the reason is logged once."""
     fp8 = api.fp8_settings()
-    if fp8 is None:
+    if (reason := fused_unavailable_reason(api.capability(q.device))) is not None:
+        raise UserError(f"model.attention_impl te: {reason}; use model.attention_impl: auto or fused")
+    if fp8 is None or not fp8.dpa:  # FP8 GEMMs only: attention stays BF16, as in megatron-core
         return TEFusedKernel(api)
     if not fp8.delayed:
         log_once(
@@ -365,8 +443,8 @@ def te_kernel_for(q: torch.Tensor, api: SimpleNamespace, *, strict: bool = True)
         return TEFusedKernel(api, fp8, strict=strict)
     if strict:
         raise UserError(
-            f"FP8 attention (train.fp8 with train.fp8_recipe: delayed): {reason}; set model.head_dim: 128, "
-            "or train.fp8_recipe: tensorwise (FP8 GEMMs, BF16 attention), or model.attention_impl: auto"
+            f"FP8 attention (train.fp8_dot_product_attention): {reason}; set model.head_dim: 128, or "
+            "train.fp8_dot_product_attention: false (FP8 GEMMs, BF16 attention), or model.attention_impl: auto"
         )
     log_once(("te-fp8-shape", reason), f"attention: {reason}; set-causal attention runs in {q.dtype}")
     return TEFusedKernel(api)

@@ -281,11 +281,14 @@ class TrainSection(Section):
     """Global gradient-norm clip; 0 disables it."""
     precision: Literal["fp32", "bf16", "fp16"] = "bf16"
     fp8: Literal["e4m3", "hybrid"] | None = None
-    """FP8 GEMMs through Transformer Engine (GPU, backend 'te'). With fp8_recipe 'delayed' and
-    model.attention_impl 'te' (or 'auto' where it picks TE), set-causal attention runs in FP8 too
-    on sm90 at head dim 128 (sm100+: head dim <= 128; other shapes: an error under 'te', BF16
-    under 'auto'); otherwise attention is BF16."""
+    """FP8 GEMMs through Transformer Engine (GPU, backend 'te'): every linear layer's tokens per
+    rank must be a multiple of 8 (recipe validation says which sizes to change)."""
     fp8_recipe: Literal["delayed", "tensorwise"] = "delayed"
+    fp8_dot_product_attention: bool = False
+    """Set-causal attention in FP8 too (megatron-core's fp8_dot_product_attention, TE's fp8_dpa;
+    off as there): with fp8_recipe 'delayed' and model.attention_impl 'te' (or 'auto' where it
+    picks TE), on sm90 at head dim 128 (sm100+: head dim <= 128; elsewhere an error under 'te',
+    BF16 under 'auto')."""
     seed: NonNegativeInt = 1234
     recompute: Literal["none", "selective", "full"] = "none"
     compile: bool = False

@@ -411,6 +411,35 @@ def _train_rules(r: Recipe, has_gpu: bool) -> list[str]:
     return errors
 
 
+def _fp8_rules(r: Recipe) -> list[str]:
+    """Transformer Engine's FP8 GEMMs take an input whose leading dimensions multiply to a multiple
+    of 8 and whose last is a multiple of 16 (transformer_engine/pytorch/utils.py
+    assert_dim_for_fp8_exec, TE 2.9-2.11, asserted by Linear, LayerNormLinear and LayerNormMLP),
+    and megatron-core runs every forward under FP8 once train.fp8 is set, evaluation included.
+    The fewest tokens a layer sees on a rank are the last layer's: its query stream only."""
+    t, p, m = r.train, r.parallel, r.model
+    if t.fp8 is None:
+        return ["train.fp8_dot_product_attention: FP8 attention needs train.fp8"] if t.fp8_dot_product_attention else []
+    errors = []
+    split = p.cp * (p.tp if p.sequence_parallel else 1)
+    tokens = r.data.seq_len * p.micro_batch_size
+    if tokens % split or (tokens // split) % 8:
+        per = " / parallel.cp" + (" / parallel.tp (sequence parallel)" if p.sequence_parallel else "")
+        errors.append(
+            f"train.fp8: FP8 GEMMs take token counts that are multiples of 8; the last layer holds data.seq_len "
+            f"x parallel.micro_batch_size{per if split > 1 else ''} = {tokens / split:g} tokens per rank: make it "
+            "a multiple of 8"
+        )
+    for name, size in (
+        ("model.hidden_size", m.hidden_size),
+        ("model.intermediate_size", m.intermediate_size),
+        ("model.num_heads x model.head_dim", m.num_heads * m.head_dim),
+    ):
+        if size % 16:
+            errors.append(f"train.fp8: FP8 GEMMs take inner sizes that are multiples of 16; {name} is {size}")
+    return errors
+
+
 def _path_rules(r: Recipe, recipe_file: str | Path | None) -> list[str]:
     """The files the run reads exist; a relative one found nowhere says where it was looked for."""
     errors = []
@@ -459,6 +488,7 @@ def validate_recipe(
         + _deepspeed_rules(recipe, has_gpu, host_memory, (model_config or estimated_model_config(recipe)).num_params())
         + _method_rules(recipe)
         + _train_rules(recipe, has_gpu)
+        + _fp8_rules(recipe)
         + _supervised_rules(recipe)
         + _rl_rules(recipe, world)
         + _lora_rules(recipe)

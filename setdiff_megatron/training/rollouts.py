@@ -114,7 +114,7 @@ class Rollouts:
                 seed = _seed(self.recipe.train.seed, index, g)
                 sampler.submit(Request(key=(index, g), prompt=tuple(prompt), cfg=cfg.over({"seed": seed}), seed=seed))
         rows = {}
-        with evaluating(model):
+        with evaluating(model), self.engine.decoding():
             while not sampler.idle:
                 rows.update(dict(sampler.step()))
         return [rows[(index, g)] for index, _, _ in records for g in range(rl.group_size)]

@@ -10,12 +10,41 @@ Same call signatures and conventions as
 The math is the kernels' algorithm written out: the forward returns output and log-sum-exp; the
 backward takes output and log-sum-exp as INPUTS (P = exp(S - lse), D = rowsum(dO * O)), which is
 what the set-causal merge relies on. FP8 rounds where cuDNN's FP8 graph does (Q/K/V, P, O, dO,
-dP, dQ/dK/dV). The preconditions the real kernels impose (layout contiguity, unit last stride,
-half-precision-or-fp32 inputs) are checked, so adapter bugs fail here. Tests only: O(S^2) memory.
+dP, dQ/dK/dV). Tests only: O(S^2) memory.
+
+The real libraries' rules are enforced, so a call the GPU would refuse, or read wrongly, fails
+here too. Each rule names its source (read at the tags named; "fa" = Dao-AILab/flash-attention
+csrc/flash_attn/flash_api.cpp and flash_attn/flash_attn_interface.py at v2.8.3, the same at
+v2.7.x unless said; "te" = NVIDIA/TransformerEngine at v2.9-v2.11):
+  flash-attn   fp16/bf16 only, k/v/out/dout of q's dtype (fa mha_fwd/mha_bwd "only support fp16
+               and bf16"); head dim a multiple of 8 up to 256 for the bare forward/backward (fa
+               mha_fwd/mha_bwd), up to 256 for the cache call, which pads itself (fa
+               mha_fwd_kvcache); q/k/v/out/dout made unit-stride by maybe_contiguous, softmax_lse
+               NOT (fa _flash_attn_backward): mha_bwd reads it by its data pointer as contiguous
+               fp32 [b, h, s] (fa mha_bwd; src/flash_bwd_kernel.h), so a strided one is refused
+               here where the GPU would read wrong values; dq/dk/dv of q's dtype, unit last stride,
+               exact shape (fa mha_bwd); cache_seqlens an int32 [b] tensor or an int (fa
+               mha_fwd_kvcache "seqlens_k must have dtype int32"); window (left, right), -1
+               unbounded, bottom-right aligned, causal forcing right = 0 (fa mha_fwd); +inf as the
+               log-sum-exp of a row with no key (fa src/softmax.h).
+  TE           q/k/v bf16 or fp16 on the F16 backends, FP8 on the FP8 one (te
+               dot_product_attention/utils.py get_attention_backend: other qkv dtypes disable
+               FusedAttention); backend selection (`fused_backend`) by te
+               common/fused_attn/fused_attn.cpp nvte_get_fused_attn_backend: arbitrary seqlen on
+               sm80+ (cuDNN >= 9.7; sm80-sm99 from 8.9.3), head dim a multiple of 8 up to 128 (256
+               on sm90), sliding windows only (left >= 0, right = 0) and sq <= skv; max512 on sm80
+               and sm90 only for head dim 64, sq and skv <= 512 and multiples of 64, no GQA, chosen
+               only where arbitrary is not; FP8 on sm90+ with cuDNN >= 9.7 and head dim a
+               multiple of 16 (training: 128 below sm100, <= 128 from sm100), masks no/causal/
+               padding; max512 returns the whole softmax [b, h, sq, skv] in q's dtype as aux[0]
+               with no rng state (te fused_attn_f16_max512_seqlen.cu), arbitrary its log-sum-exp
+               [b, h, sq, 1] fp32 and the rng state; `window_size` bounds the keys a row sees.
 """
 
 from __future__ import annotations
 
+import contextvars
+import functools
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -24,6 +53,27 @@ import torch
 __all__ = ["EmulatedQuantizer", "EmulatedFloat8Tensor", "te_api", "flash_api"]
 
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+_FP32 = contextvars.ContextVar("emulation_fp32", default=False)
+"""Set by an api built with allow_fp32: fp32 tensors pass the dtype rules (tests of the adapters'
+exactness at 1e-5; the GPU libraries refuse fp32, and their real entry points never send it)."""
+
+
+def _allowing_fp32(fn):
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        token = _FP32.set(True)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _FP32.reset(token)
+
+    return call
+
+
+def _half(dtype: torch.dtype) -> bool:
+    return dtype in (torch.float16, torch.bfloat16) or (_FP32.get() and dtype == torch.float32)
+
+
 FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
 
 
@@ -149,10 +199,23 @@ def _te_inputs(qkv_layout: str, *tensors):
         data = x.data if isinstance(x, EmulatedFloat8Tensor) else x
         if not data.is_contiguous():
             raise ValueError("emulation: TE fused attention takes tensors contiguous in their layout")
-        if not isinstance(x, EmulatedFloat8Tensor) and x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            raise ValueError(f"emulation: TE fused attention got {x.dtype}")
+        if not isinstance(x, EmulatedFloat8Tensor) and not _half(x.dtype):
+            raise ValueError(f"emulation: TE fused attention takes bf16, fp16 or FP8 tensors; got {x.dtype}")
         out.append(_values(x).permute(*_PHYSICAL_TO_BHSD[fmt]))
     return fmt, out
+
+
+def _te_window(allowed: torch.Tensor, mask_type: str, window_size: tuple[int, int]) -> torch.Tensor:
+    """Keys within (left, right) of each row's diagonal (bottom-right aligned for those masks)."""
+    left, right = window_size
+    sq, sk = allowed.shape[-2:]
+    i = torch.arange(sq, device=allowed.device)[:, None] + (sk - sq if "bottom_right" in mask_type else 0)
+    j = torch.arange(sk, device=allowed.device)[None, :]
+    if left >= 0:
+        allowed = allowed & (j >= i - left)
+    if right >= 0:
+        allowed = allowed & (j <= i + right)
+    return allowed
 
 
 def _seqlens(cu_seqlens: torch.Tensor, max_len: int):
@@ -209,13 +272,14 @@ def te_fused_attn_fwd(
         _seqlens(cu_seqlens_kv, max_seqlen_kv),
         q_.device,
     )
+    allowed = _te_window(allowed, attn_mask_type, window_size)
     out, lse = attention_forward(q_, k_, v_, scale, allowed, s_quantizer.round if fp8 else None)
     # What a fully masked row holds is unspecified; use the hostile choice so callers must cope.
     lse = lse.masked_fill(~allowed.any(-1), float("inf"))
     out = out.permute(*_BHSD_TO_PHYSICAL[fmt]).contiguous()
     out = o_quantizer(out.to(fake_dtype)) if fp8 else out.to(fake_dtype)
-    if not is_training:
-        return out, None
+    if fused_attention_backend == "F16_max512_seqlen":  # the softmax itself, in q's dtype, no rng state
+        return out, [torch.zeros(*lse.shape, max_seqlen_kv, dtype=fake_dtype, device=q_.device)]
     rng_state = torch.zeros(2, dtype=torch.int64, device=q_.device)
     stats = lse[..., None].contiguous()
     return out, ([stats, torch.ones_like(stats), rng_state] if fp8 else [stats, rng_state])
@@ -270,6 +334,7 @@ def te_fused_attn_bwd(
         _seqlens(cu_seqlens_kv, max_seqlen_kv),
         q_.device,
     )
+    allowed = _te_window(allowed, attn_mask_type, window_size)
     grads = attention_backward(
         do_,
         q_,
@@ -288,23 +353,64 @@ def te_fused_attn_bwd(
     return [*grads, None, None]
 
 
-def te_api(*, capability: tuple[int, int] = (9, 0), fp8=None) -> SimpleNamespace:
+def fused_backend_rule(capability, cudnn, is_training, dtype, mask, num_heads, num_kv_heads, sq, sk, head_dim, window):
+    """nvte_get_fused_attn_backend's choice (te common/fused_attn/fused_attn.cpp, 2.9-2.11) for
+    the BSHD/SBHD layouts, no bias, no dropout, vanilla softmax: 'FP8', 'F16_arbitrary_seqlen',
+    'F16_max512_seqlen' or None."""
+    if dtype in FP8_DTYPES:
+        if capability < (9, 0) or cudnn == (9, 10, 0) or window not in ((-1, -1), (-1, 0)):
+            return None  # (a sliding window: TE's Python filter turns FP8 attention off)
+        square_128 = cudnn >= (9, 2, 1) and capability < (10, 0) and sq % 128 == 0 and sk % 128 == 0
+        if square_128 and head_dim == 128 and mask in ("no_mask", "causal"):
+            return "FP8"
+        if cudnn < (9, 7) or mask not in ("no_mask", "causal", "padding", "padding_causal") or head_dim % 16:
+            return None
+        if capability >= (10, 0):
+            return "FP8" if head_dim <= 128 else None
+        return "FP8" if (head_dim == 128 if is_training else head_dim <= 256) else None
+    if not _half(dtype):
+        return None
+    arch = capability >= (8, 0) and ((capability < (10, 0) and cudnn >= (8, 9, 3)) or cudnn >= (9, 7))
+    excluded = (9, 10) <= cudnn < (9, 10, 2)
+    long_head = capability == (9, 0) and head_dim <= 256 and (not is_training or cudnn >= (9, 5))
+    head = head_dim % 8 == 0 and (head_dim <= 128 or long_head)
+    windowed = window == (-1, -1) or (window[1] == 0 and "causal" in mask and sq <= sk)
+    bottom_right = "bottom_right" not in mask or sq <= sk
+    if arch and not excluded and head and windowed and bottom_right:
+        return "F16_arbitrary_seqlen"
+    max512 = (
+        capability in ((8, 0), (9, 0))
+        and sq <= 512
+        and sk <= 512
+        and sq % 64 == 0
+        and sk % 64 == 0
+        and head_dim == 64
+        and num_heads == num_kv_heads
+        and window in ((-1, -1), (-1, 0))
+    )
+    return "F16_max512_seqlen" if max512 else None
+
+
+def te_api(
+    *, capability: tuple[int, int] = (9, 0), cudnn: tuple[int, ...] = (9, 13, 0), fp8=None, allow_fp32: bool = False
+) -> SimpleNamespace:
     """The namespace te_fused.load_te_api() builds from Transformer Engine, on the emulation.
 
-    `fp8`: the FP8Settings an fp8 autocast would report (None: not in one)."""
+    `fp8`: the FP8Settings an fp8 autocast would report (None: not in one). `allow_fp32`: fp32
+    tensors pass (see _FP32)."""
 
     def fused_backend(is_training, dtype, layout, mask, num_heads, num_kv_heads, sq, sk, head_dim):
-        if dtype in FP8_DTYPES:  # cuDNN's FP8 rules on Hopper/Blackwell (docs/method.md, "Fused kernels")
-            ok = capability >= (9, 0) and (head_dim == 128 if capability < (10, 0) else head_dim <= 128)
-            return "FP8" if ok and mask in ("no_mask", "causal", "padding", "padding_causal") else None
-        return "F16_arbitrary_seqlen" if head_dim <= 256 else None
+        window = (-1, 0) if "causal" in mask else (-1, -1)
+        args = (is_training, dtype, mask, num_heads, num_kv_heads, sq, sk, head_dim, window)
+        return fused_backend_rule(capability, cudnn, *args)
 
+    wrap = _allowing_fp32 if allow_fp32 else (lambda fn: fn)
     return SimpleNamespace(
-        name="emulation",
-        fused_attn_fwd=te_fused_attn_fwd,
-        fused_attn_bwd=te_fused_attn_bwd,
-        fused_backend=fused_backend,
-        backend_names={"FP8": "FP8", "F16": "F16_arbitrary_seqlen"},
+        name=f"emulation sm{capability[0]}{capability[1]} cuDNN {'.'.join(map(str, cudnn))}{' fp32' * allow_fp32}",
+        fused_attn_fwd=wrap(te_fused_attn_fwd),
+        fused_attn_bwd=wrap(te_fused_attn_bwd),
+        fused_backend=wrap(fused_backend),
+        backend_names={"FP8": "FP8", "F16": "F16_arbitrary_seqlen", "max512": "F16_max512_seqlen"},
         te_dtype=lambda dtype: dtype,
         fp8_settings=lambda: fp8,
         capability=lambda device: capability,
@@ -316,18 +422,40 @@ def te_api(*, capability: tuple[int, int] = (9, 0), fp8=None) -> SimpleNamespace
 # flash-attn 2: _flash_attn_forward / _flash_attn_backward / flash_attn_with_kvcache
 
 
-def _fa_inputs(*tensors):
+def _maybe_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """flash-attn's own: a copy only where the last dim's stride is not 1."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _fa_inputs(*tensors, head_dim_multiple: int = 8):
+    """[b, s, h, d] -> [b, h, s, d], after flash-attn's dtype and head-dim checks."""
+    dtype = tensors[0].dtype
     for x in tensors:
+        if not _half(x.dtype):
+            raise RuntimeError("emulation: FlashAttention only support fp16 and bf16 data type")
+        if x.dtype != dtype:
+            raise RuntimeError("emulation: flash-attn takes q, k, v (and out, dout) of one dtype")
         if x.stride(-1) != 1:
-            raise ValueError("emulation: flash-attn needs a unit-stride last dimension")
-    return [x.transpose(1, 2) for x in tensors]  # [b, s, h, d] -> [b, h, s, d]
+            raise RuntimeError("emulation: flash-attn's kernels need a unit-stride last dimension")
+    head_dim = tensors[0].shape[-1]
+    if head_dim > 256 or head_dim % head_dim_multiple:
+        raise RuntimeError(f"emulation: flash-attn takes head dims that are multiples of 8 up to 256; got {head_dim}")
+    return [x.transpose(1, 2) for x in tensors]
 
 
 def _fa_mask(b, sq, sk, causal, window_size_left, window_size_right, device, kv_len=None):
-    if window_size_left != -1 or window_size_right not in (-1, 0):
-        raise ValueError("emulation: no sliding window")
-    # flash-attn's causal mask is aligned to the bottom-right corner.
-    return _allowed(b, sq, sk, "causal_bottom_right" if causal else "no_mask", None, kv_len, device)
+    """flash-attn's band: query i (bottom-right aligned, offset sk - sq) sees keys in
+    [i + sk - sq - left, i + sk - sq + right], -1 unbounded; causal forces right = 0."""
+    if causal:
+        window_size_right = 0
+    allowed = _allowed(b, sq, sk, "no_mask", None, kv_len, device)
+    i = torch.arange(sq, device=device)[:, None] + (sk - sq)
+    j = torch.arange(sk, device=device)[None, :]
+    if window_size_right >= 0:
+        allowed = allowed & (j <= i + window_size_right)
+    if window_size_left >= 0:
+        allowed = allowed & (j >= i - window_size_left)
+    return allowed
 
 
 def fa_flash_attn_forward(
@@ -345,7 +473,7 @@ def fa_flash_attn_forward(
 ):
     if dropout_p or softcap or alibi_slopes is not None or return_softmax:
         raise ValueError("emulation: no dropout, softcap, alibi or returned softmax")
-    q_, k_, v_ = _fa_inputs(q, k, v)
+    q_, k_, v_ = _fa_inputs(*map(_maybe_contiguous, (q, k, v)))
     allowed = _fa_mask(q_.shape[0], q_.shape[2], k_.shape[2], causal, window_size_left, window_size_right, q.device)
     out, lse = attention_forward(q_, k_, v_, softmax_scale, allowed)
     lse = lse.masked_fill(~allowed.any(-1), float("inf"))  # flash-attn 2's empty-row convention
@@ -373,8 +501,18 @@ def fa_flash_attn_backward(
     deterministic,
     rng_state=None,
 ):
-    do_, q_, k_, v_, o_ = _fa_inputs(dout, q, k, v, out)
-    allowed = _fa_mask(q_.shape[0], q_.shape[2], k_.shape[2], causal, window_size_left, window_size_right, q.device)
+    do_, q_, k_, v_, o_ = _fa_inputs(*map(_maybe_contiguous, (dout, q, k, v, out)))
+    b, h, sq = q_.shape[0], q_.shape[1], q_.shape[2]
+    if softmax_lse.shape != (b, h, sq) or not softmax_lse.is_contiguous() or softmax_lse.dtype != torch.float32:
+        raise RuntimeError(
+            "emulation: flash-attn's mha_bwd reads softmax_lse by its data pointer as contiguous fp32 "
+            f"[b, h, s] = {[b, h, sq]}; got {list(softmax_lse.shape)} {softmax_lse.dtype} strides "
+            f"{softmax_lse.stride()} (the GPU would read other rows' values)"
+        )
+    for name, target, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+        if target.dtype != like.dtype or target.stride(-1) != 1 or target.shape != like.shape:
+            raise RuntimeError(f"emulation: {name} must have q's dtype, a unit last stride and its input's shape")
+    allowed = _fa_mask(b, sq, k_.shape[2], causal, window_size_left, window_size_right, q.device)
     grads = attention_backward(do_, q_, k_, v_, o_, softmax_lse, softmax_scale, allowed)
     for target, g in zip((dq, dk, dv), grads):
         target.copy_(g.transpose(1, 2))
@@ -404,8 +542,14 @@ def fa_flash_attn_with_kvcache(
 ):
     if k is not None or v is not None or rotary_cos is not None or block_table is not None:
         raise ValueError("emulation: read-only, unrotated, unpaged cache only")
-    q_, k_, v_ = _fa_inputs(q, k_cache, v_cache)
-    kv_len = None if cache_seqlens is None else torch.as_tensor(cache_seqlens, device=q.device).expand(q.shape[0])
+    if isinstance(cache_seqlens, int):
+        cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
+    if cache_seqlens is not None and (
+        cache_seqlens.dtype != torch.int32 or cache_seqlens.shape != (q.shape[0],) or not cache_seqlens.is_contiguous()
+    ):
+        raise RuntimeError("emulation: seqlens_k must have dtype int32, shape [b] and be contiguous")
+    q_, k_, v_ = _fa_inputs(_maybe_contiguous(q), k_cache, v_cache, head_dim_multiple=1)
+    kv_len = None if cache_seqlens is None else cache_seqlens.long()
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     allowed = _fa_mask(q_.shape[0], q_.shape[2], k_.shape[2], causal, *window_size, q.device, kv_len)
     out, lse = attention_forward(q_, k_, v_, scale, allowed)
@@ -414,11 +558,13 @@ def fa_flash_attn_with_kvcache(
     return (out, lse) if return_softmax_lse else out
 
 
-def flash_api() -> SimpleNamespace:
-    """The namespace flash_attn.load_flash_api() builds from flash-attn 2, on the emulation."""
+def flash_api(*, allow_fp32: bool = False) -> SimpleNamespace:
+    """The namespace flash_attn.load_flash_api() builds from flash-attn 2, on the emulation
+    (`allow_fp32`: fp32 tensors pass, see _FP32)."""
+    wrap = _allowing_fp32 if allow_fp32 else (lambda fn: fn)
     return SimpleNamespace(
-        name="emulation",
-        forward=fa_flash_attn_forward,
-        backward=fa_flash_attn_backward,
-        with_kvcache=fa_flash_attn_with_kvcache,
+        name=f"emulation{' fp32' * allow_fp32}",
+        forward=wrap(fa_flash_attn_forward),
+        backward=wrap(fa_flash_attn_backward),
+        with_kvcache=wrap(fa_flash_attn_with_kvcache),
     )

@@ -16,8 +16,8 @@ from setdiff_megatron.kernels.te_fused import FP8Settings, te_attention
 from setdiff_megatron.models.config import ModelConfig
 from tests.kernels import emulation
 
-DELAYED = FP8Settings("DelayedScaling", True, "e4m3", "e5m2", 448.0, 57344.0)
-CURRENT = FP8Settings("Float8CurrentScaling", False, "e4m3", "e5m2", 448.0, 57344.0)
+DELAYED = FP8Settings("DelayedScaling", True, "e4m3", "e5m2", 448.0, 57344.0, dpa=True)
+CURRENT = FP8Settings("Float8CurrentScaling", False, "e4m3", "e5m2", 448.0, 57344.0, dpa=True)
 
 
 @pytest.fixture
@@ -25,6 +25,7 @@ def fresh(monkeypatch):
     """Forget cached choices and logged messages around a test."""
     choose_attention_impl.cache_clear()
     monkeypatch.setattr(te_fused, "_LOGGED", set())
+    monkeypatch.setattr(te_fused, "_BACKENDS", {})
     yield monkeypatch
     choose_attention_impl.cache_clear()
 
@@ -95,8 +96,8 @@ def test_fp8_with_a_head_dim_the_kernel_cannot_take(fresh, caplog):
     with pytest.raises(UserError) as err:
         te_attention(q, k, v, 0.125, None, api=api)
     assert str(err.value) == (
-        "FP8 attention (train.fp8 with train.fp8_recipe: delayed): cuDNN's FP8 attention trains only head_dim 128 "
-        "on sm90; got 64; set model.head_dim: 128, or train.fp8_recipe: tensorwise (FP8 GEMMs, BF16 attention), "
+        "FP8 attention (train.fp8_dot_product_attention): cuDNN's FP8 attention trains only head_dim 128 on sm90; "
+        "got 64; set model.head_dim: 128, or train.fp8_dot_product_attention: false (FP8 GEMMs, BF16 attention), "
         "or model.attention_impl: auto"
     )
     bf16 = te_attention(q, k, v, 0.125, None, api=emulation.te_api())
@@ -122,6 +123,47 @@ def test_fp8_config_cudnn_refuses(fresh):
         te_attention(q, k, v, 0.1, None, api=api)
     bf16 = te_attention(q, k, v, 0.1, None, api=emulation.te_api())
     assert torch.equal(te_attention(q, k, v, 0.1, None, api=api, strict=False), bf16)
+
+
+def test_fp8_gemms_alone_leave_attention_in_bf16_as_megatron_does(fresh):
+    """An fp8 autocast whose recipe has no fp8_dpa (megatron's default): BF16 attention."""
+    q, k, v = qkv(head_dim=128, dtype=torch.bfloat16)
+    gemms_only = FP8Settings("DelayedScaling", True, "e4m3", "e5m2", 448.0, 57344.0)
+    bf16 = te_attention(q, k, v, 0.1, None, api=emulation.te_api())
+    assert torch.equal(te_attention(q, k, v, 0.1, None, api=emulation.te_api(fp8=gemms_only)), bf16)
+    assert not torch.equal(te_attention(q, k, v, 0.1, None, api=emulation.te_api(fp8=DELAYED)), bf16)
+
+
+def test_te_python_guards_are_honoured(fresh):
+    """TE turns FP8 attention off on sm120 and under deterministic training, and every fused
+    attention off for deterministic training on sm100+ (dot_product_attention/utils.py)."""
+    q, k, v = qkv(head_dim=128, dtype=torch.bfloat16)
+    with pytest.raises(UserError, match="turns FP8 attention off on sm120"):
+        te_attention(q, k, v, 0.1, None, api=emulation.te_api(capability=(12, 0), fp8=DELAYED))
+    fresh.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
+    with pytest.raises(UserError, match="no FP8 fused attention for deterministic training"):
+        te_attention(q, k, v, 0.1, None, api=emulation.te_api(fp8=DELAYED))
+    with pytest.raises(UserError, match="no deterministic fused attention for training on sm100"):
+        te_attention(q, k, v, 0.1, None, api=emulation.te_api(capability=(10, 0)))
+    fresh.setattr(torch.cuda, "is_available", lambda: True)
+    fresh.setattr(te_fused, "te_status", lambda: (True, "emulation"))
+    fresh.setattr(te_fused, "load_te_api", lambda: emulation.te_api(capability=(10, 0)))
+    assert choose_attention_impl("cuda", torch.bfloat16, 128).impl != "te"
+
+
+def test_a_backend_without_a_log_sum_exp_is_refused(fresh):
+    """cuDNN 9.10.0-9.10.1 leave TE only its max512 backend for this shape, which returns the
+    softmax itself; and a call that returns no [b, h, sq, 1] statistics is refused too."""
+    q, k, v = qkv(heads=4, kv_heads=4, length=64, head_dim=64, dtype=torch.bfloat16)
+    q = q[:, :, 64:]  # the last layer's query rows: 4 heads on 4, 64 x 64 causal, max512's shape
+    with pytest.raises(UserError, match="max512 backend"):
+        te_attention(q, k, v, 0.1, None, api=emulation.te_api(cudnn=(9, 10, 0)))
+    api = emulation.te_api()
+    forward = api.fused_attn_fwd
+    api.fused_attn_fwd = lambda *a, **kw: (forward(*a, **kw)[0], [torch.zeros(2, 4, 64, 64, dtype=torch.bfloat16)])
+    assert te_attention(q, k, v, 0.1, None, api=emulation.te_api()).shape == q.shape  # cuDNN 9.13: arbitrary
+    with pytest.raises(UserError, match=r"returned no log-sum-exp \[b, h, sq, 1\] float32"):
+        te_attention(q, k, v, 0.1, None, api=api)
 
 
 def test_unsupported_te_config_is_a_user_error():

@@ -278,3 +278,29 @@ def test_a_relative_input_found_nowhere_says_where_it_was_looked_for(tmp_path, m
         f"setdiff: error: {TINY}: model.init_from: assets/nope does not exist (looked in the working "
         f"directory {tmp_path}, then in {TINY.parent} and each directory above it)\n"
     )
+
+
+def test_fp8_recipes_are_held_to_transformer_engines_fp8_shapes():
+    """TE's FP8 GEMMs assert token counts that are multiples of 8 and inner sizes that are
+    multiples of 16 (assert_dim_for_fp8_exec), and megatron-core runs every forward under FP8:
+    the last layer's query stream, seq_len x micro-batch tokens per rank, is the smallest."""
+    gpu = ["model.backend=te", "train.fp8=hybrid"]
+
+    def errors(*overrides):
+        return validate_recipe(load_recipe(TINY, [*gpu, *overrides]), has_gpu=True, check_paths=False)
+
+    assert errors() == []  # 128 x 8 tokens, hidden 128, intermediate 384
+    assert errors("data.seq_len=100", "parallel.micro_batch_size=2", "parallel.global_batch_size=4") == []  # 200
+    odd = errors("data.seq_len=124", "parallel.micro_batch_size=1", "parallel.global_batch_size=2")
+    assert odd == [
+        "train.fp8: FP8 GEMMs take token counts that are multiples of 8; the last layer holds data.seq_len x "
+        "parallel.micro_batch_size = 124 tokens per rank: make it a multiple of 8"
+    ]
+    split = errors("parallel.cp=2", "data.seq_len=120", "parallel.micro_batch_size=1", "parallel.global_batch_size=1")
+    assert split and "data.seq_len x parallel.micro_batch_size / parallel.cp = 60 tokens per rank" in split[0]
+    assert errors("model.intermediate_size=376") == [
+        "train.fp8: FP8 GEMMs take inner sizes that are multiples of 16; model.intermediate_size is 376"
+    ]
+    assert validate_recipe(
+        load_recipe(TINY, ["train.fp8_dot_product_attention=true"]), has_gpu=True, check_paths=False
+    ) == ["train.fp8_dot_product_attention: FP8 attention needs train.fp8"]

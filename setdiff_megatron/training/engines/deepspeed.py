@@ -173,6 +173,10 @@ class DeepSpeedEngine:
         parameters on every rank)."""
         return self.engine.module
 
+    def decoding(self) -> contextlib.AbstractContextManager:
+        """RL's rollouts decode as the model trains (this engine has no FP8)."""
+        return contextlib.nullcontext()
+
     def set_reference(self, state_dict: dict[str, torch.Tensor], model_cfg: ModelConfig) -> None:
         """A frozen copy of `state_dict`'s weights: RL's KL reference."""
         reference = SetDiffusionTransformer(model_cfg)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 
@@ -102,7 +102,11 @@ class MegatronEngine:
         )
 
         r, t = self.recipe, self.recipe.train
-        overrides = dict(fp8=t.fp8, fp8_recipe=t.fp8_recipe) if t.fp8 is not None else {}
+        overrides = (
+            dict(fp8=t.fp8, fp8_recipe=t.fp8_recipe, fp8_dot_product_attention=t.fp8_dot_product_attention)
+            if t.fp8 is not None
+            else {}
+        )
         config = transformer_config_from(
             model_cfg,
             tp=r.parallel.tp,
@@ -168,6 +172,19 @@ class MegatronEngine:
     def policy_model(self):
         """The model being trained, as the sampler's StepModel (RL runs at pp = 1: one chunk)."""
         return self.chunks[0].module
+
+    @contextlib.contextmanager
+    def decoding(self) -> Iterator[None]:
+        """RL's rollouts decode with FP8 off: megatron-core enters an fp8 autocast for any forward
+        of a model whose config sets fp8, and TE's FP8 GEMMs refuse a decode step's token counts,
+        which are not multiples of 8 (recipes/validation.py, `_fp8_rules`). The exact likelihoods
+        of the decoded tokens are computed afterwards by forwards in FP8, as training's are."""
+        config = self.chunks[0].module.config
+        fp8, config.fp8 = config.fp8, None
+        try:
+            yield
+        finally:
+            config.fp8 = fp8
 
     def set_reference(self, state_dict: dict[str, torch.Tensor], model_cfg: ModelConfig) -> None:
         """A frozen copy of `state_dict`'s weights, this rank's shard of it: RL's KL reference."""
