@@ -19,13 +19,13 @@ Shapes: B batch, L sequence length.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
 from setdiff_megatron.core.orders import OrderPolicy, sample_order, sample_record_order
 
-__all__ = ["TwoStreamBatch", "build_two_stream_batch", "document_ids", "sample_two_stream_batch"]
+__all__ = ["TwoStreamBatch", "build_two_stream_batch", "concat_batches", "document_ids", "sample_two_stream_batch"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,17 @@ class TwoStreamBatch:
     @property
     def num_targets(self) -> torch.Tensor:
         return self.loss_mask.sum()
+
+
+def concat_batches(batches: list[TwoStreamBatch]) -> TwoStreamBatch:
+    """The rows of `batches`, in order, as one batch (all of one kind: the same optional fields)."""
+
+    def cat(name: str):
+        parts = [getattr(b, name) for b in batches]
+        return None if parts[0] is None else torch.cat(parts)
+
+    tensors = {f.name: cat(f.name) for f in fields(TwoStreamBatch) if f.name != "group_within"}
+    return TwoStreamBatch(**tensors, group_within=batches[0].group_within)
 
 
 def document_ids(tokens_BL: torch.Tensor, eod_id: int) -> torch.Tensor:

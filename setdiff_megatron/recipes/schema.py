@@ -352,6 +352,8 @@ class CheckpointSection(Section):
 class EvalSection(Section):
     interval: PositiveInt = 200
     batches: PositiveInt = 8
+    """The validation set: this many global batches of held-out samples, the same samples with the
+    same orders and noise under every layout, engine and micro-batch size."""
     showcase_problems: NonNegativeInt = 250
     """Held-out problems `setdiff train` decodes at the end of a run on the built-in reasoning corpus
     for its accuracy line (evaluation/showcase.py); 250 give about +-3 points. 0: no accuracy line."""

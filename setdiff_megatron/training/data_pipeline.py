@@ -4,7 +4,9 @@ The tokenizer and the datasets (packed pretraining windows, or supervised rows) 
 `data/`; the order of each sequence comes from the recipe's order policy through `core.streams`.
 Orders are drawn from a generator seeded by (seed, data-parallel rank, consumed samples), so
 every tensor- and pipeline-parallel rank of one data-parallel replica builds the very same
-batch, and a resumed run draws the orders it would have drawn without the interruption.
+batch, and a resumed run draws the orders it would have drawn without the interruption. The
+validation set's orders and noise are drawn per sample, from its index: the validation loss
+depends on the weights alone, not on the layout, the engine or the micro-batch size.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 import torch
 
 from setdiff_megatron.core.masked_diffusion import masked_two_stream_batch, sample_masked_batch
-from setdiff_megatron.core.streams import TwoStreamBatch, sample_two_stream_batch
+from setdiff_megatron.core.streams import TwoStreamBatch, concat_batches, sample_two_stream_batch
 from setdiff_megatron.data.builtin import builtin_corpus_dir, corpus_paths, prepare_builtin_corpus
 from setdiff_megatron.data.samples import ResumableLoader, SupervisedRows, build_datasets, truncation_report
 from setdiff_megatron.data.tokenizers import SetDiffTokenizer, load_tokenizer
@@ -123,9 +125,12 @@ class DataLoaders:
     def consumed_samples(self) -> int:
         return self.train.consumed_samples
 
-    def _two_stream(self, sample: dict, generator: torch.Generator, slot: int = 0) -> TwoStreamBatch:
-        """The model's batch of `sample`; `slot` is its place among this step's micro-batches of
-        every rank (the masked-diffusion baselines' antithetic noise levels stratify over them)."""
+    def _two_stream(
+        self, sample: dict, generator: torch.Generator, slot: int = 0, world_rows: int | None = None
+    ) -> TwoStreamBatch:
+        """The model's batch of `sample`; `slot` is its place among the `world_rows` rows drawn
+        together (default: this step's micro-batches of every rank, the global batch), over which
+        the masked-diffusion baselines' antithetic noise levels stratify."""
         tokens = sample["tokens"].to(self.device)
         method = self.recipe.method
         records = None
@@ -146,7 +151,7 @@ class DataLoaders:
                 pad_mask=sample["pad_mask"].to(self.device),
                 antithetic=method.antithetic,
                 rank=slot,
-                world_rows=self.recipe.parallel.global_batch_size,
+                world_rows=world_rows or self.recipe.parallel.global_batch_size,
                 records=records,
                 generator=generator,
             )
@@ -162,8 +167,8 @@ class DataLoaders:
             generator=generator,
         )
 
-    def _generator(self, tag: int, position: int) -> torch.Generator:
-        seed = hash((self.recipe.train.seed, tag, self.dp_rank, position)) % (2**63)
+    def _generator(self, *key: int) -> torch.Generator:
+        seed = hash((self.recipe.train.seed, *key)) % (2**63)
         return torch.Generator(device=self.device).manual_seed(seed)
 
     def next_step(self) -> list[TwoStreamBatch]:
@@ -172,7 +177,7 @@ class DataLoaders:
             self._train_iter = iter(self.train)
         batches = []
         for m in range(self.num_microbatches):
-            generator = self._generator(0, self.train.consumed_samples)
+            generator = self._generator(0, self.dp_rank, self.train.consumed_samples)
             try:
                 sample = next(self._train_iter)
             except StopIteration:
@@ -181,16 +186,22 @@ class DataLoaders:
         return batches
 
     def valid_batches(self, num_batches: int) -> list[TwoStreamBatch]:
-        """The same held-out micro-batches and orders at every evaluation, so curves compare."""
+        """This rank's micro-batches of the validation set: its first num_batches x global batch
+        size samples, split evenly over the data-parallel ranks, each sample's order and noise
+        drawn from its own index. Every layout, engine and micro-batch size sees the same samples
+        with the same draws, so the loss depends on the weights only (and resumes compare)."""
         if self.data.valid is None:
             return []
-        loader = ResumableLoader(
-            self.data.valid,
-            micro_batch_size=self.recipe.parallel.micro_batch_size,
-            dp_rank=self.dp_rank,
-            dp_size=self.dp_size,
-        )
+        total = num_batches * self.recipe.parallel.global_batch_size
+        per_rank, mbs = total // self.dp_size, self.recipe.parallel.micro_batch_size
+        first = self.dp_rank * per_rank
         out = []
-        for i, sample in zip(range(num_batches), loader):
-            out.append(self._two_stream(sample, self._generator(1, i)))
+        for start in range(first, first + per_rank, mbs):
+            rows = [
+                self._two_stream(
+                    torch.utils.data.default_collate([self.data.valid[i]]), self._generator(1, i), i, total
+                )
+                for i in range(start, start + mbs)
+            ]
+            out.append(concat_batches(rows))
         return out

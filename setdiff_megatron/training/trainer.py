@@ -108,7 +108,7 @@ class _Run:
         return prepare_data(
             r,
             num_train_samples=steps * r.parallel.global_batch_size,
-            num_valid_samples=r.eval.batches * r.parallel.micro_batch_size * self.engine.dp_size,
+            num_valid_samples=r.eval.batches * r.parallel.global_batch_size,
             is_first_rank=self.first,
             barrier=runtime.barrier,
         )

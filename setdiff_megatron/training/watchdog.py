@@ -12,8 +12,8 @@ step seconds):
       and the first step after it (warm-up, first collectives)
     a training step                                            hang_timeout_s     1800 s
     an evaluation                                              eval_timeout_s     hang_timeout_s x eval.batches
-                                                                                  / a step's micro-batches on
-                                                                                  one rank (at least 1 x)
+                                                                                  (global batches, each
+                                                                                  a step's micro-batches)
     a checkpoint save (a synchronous one; of a background      save_timeout_s     4 x hang_timeout_s
       one, what the loop waits for) and a rollback's reload
 
@@ -47,7 +47,6 @@ from setdiff_megatron.distributed import runtime
 from setdiff_megatron.distributed.offspring import Offspring
 from setdiff_megatron.log import write
 from setdiff_megatron.recipes import Recipe
-from setdiff_megatron.recipes.validation import data_parallel_size
 
 __all__ = ["Watchdog", "Phase", "phase_timeouts", "EXIT_HANG", "STARTUP", "STEP", "EVALUATION", "SAVE", "ROLLBACK"]
 
@@ -74,14 +73,13 @@ SAVE = Phase("the checkpoint save of step {step}", "save_timeout_s")
 ROLLBACK = Phase("the rollback reload at step {step}", "save_timeout_s")
 
 
-def phase_timeouts(recipe: Recipe, world_size: int) -> dict[str, float]:
+def phase_timeouts(recipe: Recipe) -> dict[str, float]:
     """Seconds for each timeout key: the recipe's, or for an unset one its rule (module docstring)."""
-    t, p = recipe.train, recipe.parallel
-    step_micro_batches = max(1, p.global_batch_size // (p.micro_batch_size * data_parallel_size(recipe, world_size)))
+    t = recipe.train
     rules = {
         "hang_timeout_s": t.hang_timeout_s,
         "startup_timeout_s": LONG_PHASE_FACTOR * t.hang_timeout_s,
-        "eval_timeout_s": t.hang_timeout_s * max(1.0, recipe.eval.batches / step_micro_batches),
+        "eval_timeout_s": t.hang_timeout_s * recipe.eval.batches,
         "save_timeout_s": LONG_PHASE_FACTOR * t.hang_timeout_s,
     }
     return {key: rule if getattr(t, key) is None else getattr(t, key) for key, rule in rules.items()}
@@ -113,7 +111,7 @@ class Watchdog:
     @classmethod
     def for_run(cls, recipe: Recipe, offspring: Offspring) -> Watchdog:
         return cls(
-            phase_timeouts(recipe, runtime.world_size()),
+            phase_timeouts(recipe),
             runtime.rank(),
             Path(recipe.checkpoint.dir) / "logs",
             offspring,
