@@ -2,11 +2,11 @@
 
 The tokenizer and the datasets (packed pretraining windows, or supervised rows) come from
 `data/`; the order of each sequence comes from the recipe's order policy through `core.streams`.
-Orders are drawn from a generator seeded by (seed, data-parallel rank, consumed samples), so
-every tensor- and pipeline-parallel rank of one data-parallel replica builds the very same
-batch, and a resumed run draws the orders it would have drawn without the interruption. The
-validation set's orders and noise are drawn per sample, from its index: the validation loss
-depends on the weights alone, not on the layout, the engine or the micro-batch size.
+Each sample's order (and the baselines' noise) is drawn from a generator seeded by the sample's
+index in its dataset, so every tensor- and pipeline-parallel rank of one data-parallel replica
+builds the very same batch, a resumed run draws what it would have drawn without the
+interruption, and a step's draws do not depend on which rank or micro-batch holds a sample: the
+training and validation losses are the same under every layout, engine and micro-batch size.
 """
 
 from __future__ import annotations
@@ -93,6 +93,19 @@ def prepare_data(
     return TrainingData(tokenizer, train, valid)
 
 
+class _Indexed(torch.utils.data.Dataset):
+    """A dataset whose samples carry their index ("index"), which keys their draws."""
+
+    def __init__(self, dataset: torch.utils.data.Dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict:
+        return {**self.dataset[index], "index": index}
+
+
 class DataLoaders:
     """Per-step lists of two-stream micro-batches for one data-parallel rank."""
 
@@ -112,7 +125,7 @@ class DataLoaders:
         mbs = recipe.parallel.micro_batch_size
         self.num_microbatches = recipe.parallel.global_batch_size // (mbs * dp_size)
         self.train = ResumableLoader(
-            data.train,
+            _Indexed(data.train),
             micro_batch_size=mbs,
             consumed_samples=consumed_samples,
             dp_rank=dp_rank,
@@ -125,12 +138,19 @@ class DataLoaders:
     def consumed_samples(self) -> int:
         return self.train.consumed_samples
 
-    def _two_stream(
-        self, sample: dict, generator: torch.Generator, slot: int = 0, world_rows: int | None = None
-    ) -> TwoStreamBatch:
+    def _keyed_batch(self, sample: dict, tag: int, world_rows: int) -> TwoStreamBatch:
+        """The model's batch of `sample` (collated rows with their "index"), each row drawn from a
+        generator keyed by (tag, its index); its place among the `world_rows` rows drawn together
+        (a step's global batch, or the validation set) is its index modulo them."""
+        rows = []
+        for r, index in enumerate(sample["index"].tolist()):
+            row = {k: v[r : r + 1] for k, v in sample.items() if k != "index"}
+            rows.append(self._two_stream(row, self._generator(tag, index), index % world_rows, world_rows))
+        return concat_batches(rows)
+
+    def _two_stream(self, sample: dict, generator: torch.Generator, slot: int, world_rows: int) -> TwoStreamBatch:
         """The model's batch of `sample`; `slot` is its place among the `world_rows` rows drawn
-        together (default: this step's micro-batches of every rank, the global batch), over which
-        the masked-diffusion baselines' antithetic noise levels stratify."""
+        together, over which the masked-diffusion baselines' antithetic noise levels stratify."""
         tokens = sample["tokens"].to(self.device)
         method = self.recipe.method
         records = None
@@ -151,7 +171,7 @@ class DataLoaders:
                 pad_mask=sample["pad_mask"].to(self.device),
                 antithetic=method.antithetic,
                 rank=slot,
-                world_rows=world_rows or self.recipe.parallel.global_batch_size,
+                world_rows=world_rows,
                 records=records,
                 generator=generator,
             )
@@ -176,13 +196,12 @@ class DataLoaders:
         if self._train_iter is None:
             self._train_iter = iter(self.train)
         batches = []
-        for m in range(self.num_microbatches):
-            generator = self._generator(0, self.dp_rank, self.train.consumed_samples)
+        for _ in range(self.num_microbatches):
             try:
                 sample = next(self._train_iter)
             except StopIteration:
                 raise RuntimeError("the training dataset ran out of samples; it was built for fewer steps") from None
-            batches.append(self._two_stream(sample, generator, self.dp_rank * self.num_microbatches + m))
+            batches.append(self._keyed_batch(sample, 0, self.recipe.parallel.global_batch_size))
         return batches
 
     def valid_batches(self, num_batches: int) -> list[TwoStreamBatch]:
@@ -194,14 +213,8 @@ class DataLoaders:
             return []
         total = num_batches * self.recipe.parallel.global_batch_size
         per_rank, mbs = total // self.dp_size, self.recipe.parallel.micro_batch_size
-        first = self.dp_rank * per_rank
-        out = []
-        for start in range(first, first + per_rank, mbs):
-            rows = [
-                self._two_stream(
-                    torch.utils.data.default_collate([self.data.valid[i]]), self._generator(1, i), i, total
-                )
-                for i in range(start, start + mbs)
-            ]
-            out.append(concat_batches(rows))
-        return out
+        valid, first = _Indexed(self.data.valid), self.dp_rank * per_rank
+        return [
+            self._keyed_batch(torch.utils.data.default_collate([valid[i] for i in range(start, start + mbs)]), 1, total)
+            for start in range(first, first + per_rank, mbs)
+        ]
