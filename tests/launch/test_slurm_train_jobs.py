@@ -292,3 +292,43 @@ def test_sample_array_of_two_shards_then_merge_equals_a_local_run(reference, sha
 
     assert len(results(tmp_path / "out.jsonl")) == 5
     assert results(tmp_path / "out.jsonl") == results(tmp_path / "local.jsonl")
+
+
+@pytest.mark.slow
+def test_an_eight_rank_layout_over_two_nodes_equals_it_on_one_node(shared, tmp_path):
+    """TP2 x PP2 x DP2 as 2 nodes x 4 processes (partition `multi`, torchrun on each node, the
+    tensor- and pipeline-parallel groups across the nodes' network namespaces) against the same
+    layout in 8 processes of the local launcher: the same losses, step for step."""
+    require_two_nodes()
+    cache, env = shared
+    layout = ("parallel.tp=2", "parallel.pp=2", "parallel.micro_batch_size=4")
+    two = tmp_path / "two"
+    state, _ = completed(
+        two,
+        cache,
+        env,
+        "launch.nnodes=2",
+        "launch.nproc_per_node=4",
+        "launch.slurm.launcher=torchrun",
+        "launch.slurm.partition=multi",
+        *layout,
+    )
+    assert state["NodeList"] == "sdnode[1-2]"
+    one = tmp_path / "one"
+    out = setdiff(
+        "train",
+        str(TINY),
+        f"train.steps={STEPS}",
+        "checkpoint.interval=10",
+        "eval.interval=10",
+        "log.interval=1",
+        f"checkpoint.dir={one}",
+        f"data.cache_dir={cache}",
+        "launch.nproc_per_node=8",
+        *layout,
+        env=env,
+        timeout=900,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    expected = losses(one)
+    assert len(expected) > STEPS and losses(two) == pytest.approx(expected, abs=1e-5)
