@@ -91,6 +91,10 @@ class KVCache:
     """Each layer's commit K/V [B, G, K, D] of the step in flight, written by `advance`."""
 
     def __post_init__(self) -> None:
+        self._store_for_kernel()
+
+    def _store_for_kernel(self) -> None:
+        """Tokens-major storage for a kernel that reads only that (TOKEN_MAJOR_CACHE)."""
         if self.attention_impl in TOKEN_MAJOR_CACHE:
             self.keys, self.values = _token_major(self.keys), _token_major(self.values)
 
@@ -317,6 +321,6 @@ class KVCache:
         index = source_BC.clamp(max=self.capacity)[None, :, None, :, None].expand_as(self.keys)
         self.keys = self.keys.gather(3, index)
         self.values = self.values.gather(3, index)
-        self.__post_init__()
+        self._store_for_kernel()
         self.lengths = self.lengths - count_B
         self.ragged = True

@@ -129,10 +129,15 @@ class DirectoryLock:
         }
 
     def acquire(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        if os.environ.get(MODE_ENV, "flock") != "lease" and self._flock():
-            return
-        self._lease()
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if os.environ.get(MODE_ENV, "flock") != "lease" and self._flock():
+                return
+            self._lease()
+        except OSError as exc:  # a parent that is a file, no permission, a read-only filesystem
+            raise UserError(
+                f"cannot lock {self.path} for {self.target} ({exc.strerror}); choose another path"
+            ) from None
 
     def _flock(self) -> bool:
         """Take the flock; False where the filesystem has none. The inode is checked after locking:

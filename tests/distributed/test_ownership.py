@@ -195,3 +195,9 @@ def test_a_shard_of_an_array_job_owns_only_its_shard(tmp_path):
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_a_path_that_cannot_hold_a_lock_is_one_line(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(UserError, match=r"^cannot lock .*a-file/run.lock .*choose another path$"):
+        ownership.hold(tmp_path / "a-file" / "run")
