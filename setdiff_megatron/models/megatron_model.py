@@ -41,6 +41,7 @@ np/hn heads per TP rank and head dim, D head dim.
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -68,6 +69,7 @@ from setdiff_megatron.kernels.dispatch import context_parallel_kernel
 from setdiff_megatron.kernels.ring_attention import ring_set_causal_attention
 from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.lora import LoraSpec, Rows, add_adapters
+from setdiff_megatron.models.megatron_moe import SetDiffusionRouter, clean_rows_mask
 from setdiff_megatron.models.torch_model import LayerNorm as TorchLayerNorm
 from setdiff_megatron.models.torch_model import Rotary, cache_attention_impl
 from setdiff_megatron.models.weight_maps.megatron import check_backend, qkv_rows
@@ -271,6 +273,14 @@ def query_rows_layer_spec(spec: ModuleSpec, model_cfg: ModelConfig) -> ModuleSpe
     return spec
 
 
+def full_rows_moe_layer_spec(spec: ModuleSpec) -> ModuleSpec:
+    """The model's last layer under sequence parallelism, which runs on every row: its MoE
+    leaves the clean rows out of the router losses (models/megatron_moe.py)."""
+    spec = copy.deepcopy(spec)
+    spec.submodules.mlp.submodules.router = functools.partial(SetDiffusionRouter, query_rows_only=True)
+    return spec
+
+
 def _te_modules():
     """TE's layer spec and norm, imported only when asked for: TE needs a GPU and the te extra."""
     if not torch.cuda.is_available():
@@ -311,6 +321,8 @@ def layer_spec(model_cfg: ModelConfig, backend: str = "local", moe: bool = False
     attention = spec.submodules.self_attention
     attention.params = {"attn_mask_type": AttnMaskType.arbitrary}
     attention.submodules.core_attention = _core_attention_spec(model_cfg)
+    if moe:
+        spec.submodules.mlp.submodules.router = SetDiffusionRouter
     return spec, final_norm
 
 
@@ -358,8 +370,11 @@ class SetDiffusionGPT(LanguageModule):
         num_layers = len(specs)
         # Under sequence parallelism each TP rank holds a slice of both streams, not of the query
         # stream, so the last layer cannot drop the clean rows locally: it runs in full there.
+        self.last_layer_moe = bool(post_process and num_layers and model_cfg.moe_layers[layers[-1]])
         if post_process and num_layers and not config.sequence_parallel:
             specs[-1] = query_rows_layer_spec(specs[-1], model_cfg)
+        elif self.last_layer_moe:
+            specs[-1] = full_rows_moe_layer_spec(specs[-1])
         self.decoder = TransformerBlock(
             config=config,
             spec=TransformerBlockSubmodules(layer_specs=specs, layer_norm=final_norm),
@@ -443,10 +458,15 @@ class SetDiffusionGPT(LanguageModule):
         if self.pre_process:
             tokens = query_tokens if streams == 1 else torch.cat([clean_tokens, query_tokens], dim=1)
             hidden = self.embedding(input_ids=tokens, position_ids=None)
+        clean_rows = None
+        if self.last_layer_moe and self.config.sequence_parallel and streams == 2:
+            tp = self.tp_group
+            clean_rows = clean_rows_mask(2 * length, len(position_ids), tp.rank(), tp.size(), position_ids.device)
         hidden = self.decoder(
             hidden_states=hidden,
             attention_mask=attention_mask_slot(valid_len, document_ids, groups, group_within),
             rotary_pos_emb=self.rotary_freqs(position_ids.repeat(1, streams)),
+            padding_mask=clean_rows,
         )
         if not self.post_process:
             return hidden

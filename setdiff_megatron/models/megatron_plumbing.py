@@ -106,12 +106,17 @@ def transformer_config_from(
         # uses unbatched p2p.
         batch_p2p_comm=vpp is None,
     )
-    return TransformerConfig(**(fields | _moe_fields(model_cfg, ep) | overrides))
+    return TransformerConfig(**(fields | _moe_fields(model_cfg, ep, tp * cp) | overrides))
 
 
-def _moe_fields(cfg: ModelConfig, ep: int) -> dict:
+def _moe_fields(cfg: ModelConfig, ep: int, tp_cp: int) -> dict:
     """megatron's MoE settings for models/moe.py's mixture of experts: all-to-all dispatch over the
-    expert-parallel group, experts split over TP like dense MLPs, routers as documented there."""
+    expert-parallel group, experts split over TP like dense MLPs, routers as documented there.
+
+    megatron-core divides the z-loss coefficient by TP x CP, but each rank's z-loss is already a
+    sum over its own tokens only: the coefficient is scaled back up so that the gradient is one
+    rank's on every layout (the load-balancing loss: models/megatron_moe.py).
+    """
     if not cfg.num_experts:
         return {}
     return dict(
@@ -123,7 +128,7 @@ def _moe_fields(cfg: ModelConfig, ep: int) -> dict:
         moe_router_pre_softmax=cfg.moe_router_pre_softmax,
         moe_router_load_balancing_type="aux_loss" if cfg.moe_aux_loss_coeff else "none",
         moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
-        moe_z_loss_coeff=cfg.moe_z_loss_coeff or None,
+        moe_z_loss_coeff=cfg.moe_z_loss_coeff * tp_cp or None,
         moe_expert_capacity_factor=cfg.moe_capacity_factor,
         moe_token_drop_policy="probs",
         moe_token_dispatcher_type="alltoall",

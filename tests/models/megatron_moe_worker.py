@@ -8,6 +8,9 @@
   DDP, the schedule over 4 micro-batches, per-token loss with the router losses) at EP = 2
   against EP = 1, and three Adam steps of the distributed optimizer at EP = 2 against the plain
   one at EP = 1; with four ranks instead, TP = 2 x EP = 2 against TP = 2.
+- split: the same training path with each micro-batch's rows split over the ranks, TP = 2 with
+  sequence parallelism and CP = 2, against one rank: the router losses' shares (the last layer's
+  taken over its query rows only) must add up to one rank's.
 - sampling: greedy decodes at TP = 2 and at EP = 2 against the torch model.
 """
 
@@ -126,6 +129,25 @@ def model_parity() -> dict:
     }
 
 
+def split_parity() -> dict:
+    """TP = 2 under sequence parallelism and CP = 2 against one rank, through the training path."""
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
+    cfg = moe_config()
+    weights, data = reference_weights(cfg), batches(cfg)
+    ref_losses, ref_grads, _ = run_layout(cfg, weights, data)
+    results = {"grad_scale": max(g.abs().max().item() for g in ref_grads.values())}
+    for name, layout in {"tp2_sp": dict(tp=2, sequence_parallel=True), "cp2": dict(cp=2)}.items():
+        losses, grads, _ = run_layout(cfg, weights, data, **layout)
+        results[name] = {
+            "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+            "grad_diff": _max_diff(grads, ref_grads),
+            "router_grad_diff": _max_diff(
+                *({k: g[k] for k in g if k.endswith("mlp.gate.weight")} for g in (grads, ref_grads))
+            ),
+        }
+    return results
+
+
 def sampling(*, tp: int = 1, ep: int = 1) -> dict:
     """The sampler over the MoE megatron model at TP = 2 (experts split like the dense MLPs) or
     EP = 2 (both ranks decode the same prompts, experts exchanged by all-to-all) against the torch
@@ -178,6 +200,7 @@ def main(out: Path) -> None:
         {
             "layer": layer_parity(),
             "model": model_parity(),
+            "split": split_parity(),
             "tp2_sampling": sampling(tp=2),
             "ep2_sampling": sampling(ep=2),
         },

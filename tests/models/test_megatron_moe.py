@@ -34,6 +34,17 @@ def test_moe_model_trains_the_same_at_ep2_as_at_ep1(moe_results):
     assert r["records_loss_diff"] <= 1e-5 and r["records_grad_diff"] <= 1e-6 * max(1.0, r["grad_scale"]), r
 
 
+@pytest.mark.parametrize("layout", ["tp2_sp", "cp2"])
+def test_router_losses_split_over_ranks_add_up_to_one_ranks(moe_results, layout):
+    """A micro-batch's rows split over TP (sequence parallel) or CP ranks: every gradient, the
+    routers' included, equals one rank's, so the load-balancing and z-loss shares add up to the
+    whole and the last layer's router losses cover its query rows only, as on one rank."""
+    r = moe_results["split"]
+    assert r[layout]["loss_diff"] <= 1e-5, r
+    assert r[layout]["grad_diff"] <= 1e-6 * max(1.0, r["grad_scale"]), r
+    assert r[layout]["router_grad_diff"] <= 1e-6 * max(1.0, r["grad_scale"]), r
+
+
 def test_distributed_optimizer_at_ep2_matches_plain_optimizer_at_ep1(moe_results):
     r = moe_results["model"]
     assert r["param_change"] > 1e-2, r  # three Adam steps at lr 1e-2 did move the weights

@@ -100,7 +100,14 @@ EIGHT_RANKS = {
     ),
     "pp2-dp4": ("mdlm", "parallel.pp=2", "parallel.micro_batch_size=2"),
     "tp2-cp2-dp2": ("set_diffusion", "parallel.tp=2", "parallel.cp=2", "parallel.micro_batch_size=4"),
-    "moe-ep2-pp2-dp2": ("moe", "parallel.ep=2", "parallel.pp=2", "parallel.micro_batch_size=4"),
+    "moe-ep2-tp2-pp2-dp2": (
+        "moe",
+        "parallel.ep=2",
+        "parallel.tp=2",
+        "parallel.sequence_parallel=true",
+        "parallel.pp=2",
+        "parallel.micro_batch_size=4",
+    ),
     "zero3-dp8": ("bd3lm-deepspeed", "engine=deepspeed", "parallel.zero_stage=3", "parallel.micro_batch_size=2"),
 }
 SIXTEEN = ("parallel.tp=2", "parallel.pp=2", "parallel.cp=2", "parallel.micro_batch_size=4")

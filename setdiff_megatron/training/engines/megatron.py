@@ -436,8 +436,9 @@ class MegatronEngine:
 
 def watch_routers(chunks, model_cfg: ModelConfig, device: torch.device) -> ExpertLoad:
     """Feed every router's routing of each forward to an ExpertLoad: each TopKRouter's `routing`
-    (logits in, routing map out) is wrapped, so the logits are read, not computed again. A full
-    recompute repeats a layer's forward inside the backward; that repeat is not counted."""
+    (logits in, routing map out) is wrapped, so the logits are read, not computed again; rows
+    under megatron's padding mask (models/megatron_moe.py) are not counted. A full recompute
+    repeats a layer's forward inside the backward; that repeat is not counted."""
     from megatron.core.transformer.moe.router import TopKRouter
 
     from setdiff_megatron.models.moe import router_losses
@@ -445,12 +446,15 @@ def watch_routers(chunks, model_cfg: ModelConfig, device: torch.device) -> Exper
     load = ExpertLoad(model_cfg, device)
 
     def recorded(routing, layer: int):
-        def routing_and_record(logits, *args, **kwargs):
-            probs, routing_map = routing(logits, *args, **kwargs)
+        def routing_and_record(logits, padding_mask=None):
+            probs, routing_map = routing(logits, padding_mask=padding_mask)
             if torch._C._current_graph_task_id() == -1:  # -1: not inside a backward pass
                 with torch.no_grad():
-                    flat = logits.detach().view(-1, model_cfg.num_experts)
-                    load.add(layer, routing_map.sum(0), *router_losses(flat, model_cfg))
+                    flat, routed = logits.detach().view(-1, model_cfg.num_experts), routing_map
+                    if padding_mask is not None:
+                        kept = ~padding_mask.reshape(-1)
+                        flat, routed = flat[kept], routed[kept]
+                    load.add(layer, routed.sum(0), *router_losses(flat, model_cfg))
             return probs, routing_map
 
         return routing_and_record
