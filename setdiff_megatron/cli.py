@@ -33,6 +33,8 @@ def _train(args: argparse.Namespace) -> int:
     if "RANK" not in os.environ and recipe.launch.world_size > 1:
         # Not started by a launcher: start this recipe's processes, each running this command.
         return _launch(args)
+    if "RANK" not in os.environ:
+        _say_plan(recipe)
     from setdiff_megatron.distributed.signals import Preempted
     from setdiff_megatron.training.trainer import train
 
@@ -95,6 +97,7 @@ def _launch(args: argparse.Namespace) -> int:
 
     dry_run = getattr(args, "dry_run", False)
     recipe = _load_checked(args, launch=not dry_run)
+    _say_plan(recipe)
     if dry_run:
         return launch_local(recipe, args.recipe, args.overrides, dry_run=True)
     from setdiff_megatron.distributed.ownership import hold
@@ -102,6 +105,15 @@ def _launch(args: argparse.Namespace) -> int:
 
     hold(recipe.checkpoint.dir)  # before anything touches it; torchrun and the workers inherit it
     return supervise_launch(recipe.checkpoint.dir, lambda: launch_local(recipe, args.recipe, args.overrides))
+
+
+def _say_plan(recipe) -> None:
+    """The plan's one line for a GPU run, or its refusal (planning/door.py)."""
+    from setdiff_megatron.planning.door import launch_plan
+
+    summary = launch_plan(recipe)
+    if summary:
+        say(summary)
 
 
 def _checkpoint_inspect(args: argparse.Namespace) -> int:
@@ -348,6 +360,9 @@ def build_parser() -> argparse.ArgumentParser:
     from setdiff_megatron.serving.cli import add_parser as add_serve_parser
 
     add_serve_parser(sub)
+    from setdiff_megatron.planning.cli import add_parser as add_plan_parser
+
+    add_plan_parser(sub, _add_recipe_args)
     _add_convert_parser(sub)
 
     checkpoint = sub.add_parser("checkpoint", help="look at a run's checkpoints")

@@ -25,6 +25,7 @@ LAYERS = {
     "inference": 7,
     "evaluation": 8,
     "serving": 8,
+    "planning": 8,
     "launch": 9,
     "cli": 10,
 }
@@ -36,6 +37,7 @@ FRAMEWORKS = {
     "megatron": {
         "models/megatron_model.py",
         "models/megatron_plumbing.py",
+        "models/megatron_moe.py",
         "distributed/megatron_cpu.py",
         "distributed/runtime.py",
         "checkpoint/megatron.py",
@@ -44,12 +46,15 @@ FRAMEWORKS = {
         "training/lr_schedule.py",
         "training/engines/megatron.py",
         "training/engines/deepspeed_config.py",
+        "planning/fake_world.py",
+        "planning/measure.py",
     },
     "deepspeed": {"training/engines/deepspeed.py", "sources/deepspeed.py"},
 }
 """Where megatron-core and DeepSpeed may be imported (lazily or not): the megatron body and its
 plumbing, the runtime and its CPU layer, the megatron parts of checkpoint/ and data/,
-megatron-core's LR scheduler and optimizer defaults (both engines update alike), and each engine;
+megatron-core's LR scheduler and optimizer defaults (both engines update alike), each engine, and
+the planner's fake world (megatron-core's groups on a fake process group) and its MoE stand-in;
 DeepSpeed in its engine and in the reader of its checkpoints."""
 CORE_ALLOWED = {"torch", "setdiff_megatron"} | set(sys.stdlib_module_names)
 

@@ -26,7 +26,7 @@ from setdiff_megatron.log import say
 from setdiff_megatron.recipes.schema import BUILTIN_CORPORA, Recipe
 from setdiff_megatron.runs.terms import data_dir, is_supervised, row_format
 
-__all__ = ["TrainingData", "prepare_data", "DataLoaders"]
+__all__ = ["TrainingData", "prepare_data", "DataLoaders", "model_batch"]
 
 
 @dataclass
@@ -149,43 +149,9 @@ class DataLoaders:
         return concat_batches(rows)
 
     def _two_stream(self, sample: dict, generator: torch.Generator, slot: int, world_rows: int) -> TwoStreamBatch:
-        """The model's batch of `sample`; `slot` is its place among the `world_rows` rows drawn
-        together, over which the masked-diffusion baselines' antithetic noise levels stratify."""
-        tokens = sample["tokens"].to(self.device)
-        method = self.recipe.method
-        records = None
-        if "document_ids" in sample:  # rows that pack supervised records
-            records = (sample["document_ids"].to(self.device), sample["position_ids"].to(self.device))
-        if method.masked_diffusion:
-            block_size = method.block_size if method.family == "bd3lm" else None
-            prompt = sample["prompt_mask"].to(self.device)
-            if method.keep_clean_bos:  # the reference draws at the BOS like anywhere, then restores it
-                prompt = prompt.clone()
-                prompt[:, 0] = False
-            batch = sample_masked_batch(
-                tokens,
-                mask_token_id=self.data.tokenizer.mask_id,
-                block_size=block_size,
-                prompt_mask=prompt,
-                keep_clean_bos=method.keep_clean_bos,
-                pad_mask=sample["pad_mask"].to(self.device),
-                antithetic=method.antithetic,
-                rank=slot,
-                world_rows=world_rows,
-                records=records,
-                generator=generator,
-            )
-            return masked_two_stream_batch(batch, block_size)
-        return sample_two_stream_batch(
-            tokens,
-            self.policy,
-            mask_token_id=self.data.tokenizer.mask_id,
-            prompt_mask=sample["prompt_mask"].to(self.device),
-            pad_mask=sample["pad_mask"].to(self.device),
-            eod_id=self.data.tokenizer.eod if self.recipe.data.document_mask else None,
-            records=records,
-            generator=generator,
-        )
+        tok = self.data.tokenizer
+        eod = tok.eod if self.recipe.data.document_mask else None
+        return model_batch(self.recipe, self.policy, sample, tok.mask_id, eod, generator, slot, world_rows, self.device)
 
     def _generator(self, *key: int) -> torch.Generator:
         seed = hash((self.recipe.train.seed, *key)) % (2**63)
@@ -218,3 +184,55 @@ class DataLoaders:
             self._keyed_batch(torch.utils.data.default_collate([valid[i] for i in range(start, start + mbs)]), 1, total)
             for start in range(first, first + per_rank, mbs)
         ]
+
+
+def model_batch(
+    recipe: Recipe,
+    policy,
+    sample: dict,
+    mask_id: int,
+    eod_id: int | None,
+    generator: torch.Generator,
+    slot: int,
+    world_rows: int,
+    device: torch.device,
+) -> TwoStreamBatch:
+    """The model's batch of `sample` (tokens, prompt and pad masks, and for packed records their
+    document and position ids) under the recipe's method; `slot` is its place among the
+    `world_rows` rows drawn together, over which the masked-diffusion baselines' antithetic noise
+    levels stratify. `policy` is the set diffusion order policy (None for the baselines)."""
+    tokens = sample["tokens"].to(device)
+    method = recipe.method
+    records = None
+    if "document_ids" in sample:  # rows that pack supervised records
+        records = (sample["document_ids"].to(device), sample["position_ids"].to(device))
+    if method.masked_diffusion:
+        block_size = method.block_size if method.family == "bd3lm" else None
+        prompt = sample["prompt_mask"].to(device)
+        if method.keep_clean_bos:  # the reference draws at the BOS like anywhere, then restores it
+            prompt = prompt.clone()
+            prompt[:, 0] = False
+        batch = sample_masked_batch(
+            tokens,
+            mask_token_id=mask_id,
+            block_size=block_size,
+            prompt_mask=prompt,
+            keep_clean_bos=method.keep_clean_bos,
+            pad_mask=sample["pad_mask"].to(device),
+            antithetic=method.antithetic,
+            rank=slot,
+            world_rows=world_rows,
+            records=records,
+            generator=generator,
+        )
+        return masked_two_stream_batch(batch, block_size)
+    return sample_two_stream_batch(
+        tokens,
+        policy,
+        mask_token_id=mask_id,
+        prompt_mask=sample["prompt_mask"].to(device),
+        pad_mask=sample["pad_mask"].to(device),
+        eod_id=eod_id,
+        records=records,
+        generator=generator,
+    )

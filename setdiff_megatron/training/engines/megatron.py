@@ -85,7 +85,10 @@ class MegatronEngine:
 
     # ---- building --------------------------------------------------------------------------
 
-    def build(self, model_cfg: ModelConfig, total_steps: int) -> None:
+    def build(self, model_cfg: ModelConfig, total_steps: int, *, router_stats: bool = True, **config_overrides) -> None:
+        """The chunks, DDP buffers and optimizer; `config_overrides` change TransformerConfig fields
+        and `router_stats` off leaves the MoE routing statistics out (the planner's stand-ins,
+        planning/measure.py)."""
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,
@@ -118,6 +121,7 @@ class MegatronEngine:
             recompute=t.recompute,
             params_dtype=DTYPES[t.precision],
             **overrides,
+            **config_overrides,
         )
         config.finalize_model_grads_func = self._timed(finalize_model_grads)  # the DP gradient all-reduce
         chunks = build_model_chunks(model_cfg, config, backend=r.model.backend)
@@ -136,7 +140,9 @@ class MegatronEngine:
         self._schedule = get_forward_backward_func()
         self._forward_step = partial(forward_step, weigh=Objective.of(r))
         self._seq_length = pipeline_seq_length(r.data.seq_len, streams=1 if r.method.family == "mdlm" else 2)
-        self.expert_load = watch_routers(chunks, model_cfg, self.device) if model_cfg.num_experts else None
+        self.expert_load = (
+            watch_routers(chunks, model_cfg, self.device) if model_cfg.num_experts and router_stats else None
+        )
 
     def init_from(self, state_dict: dict[str, torch.Tensor], model_cfg: ModelConfig) -> None:
         """Each rank loads its own chunks, mapped for its (tp, pp, vpp) position, then the
@@ -403,7 +409,7 @@ class MegatronEngine:
                 "Adam moments start from zero; weights, step, LR schedule and data position are restored"
             )
         else:
-            _fill_optimizer_state(self.optimizer)
+            fill_optimizer_state(self.optimizer)
         ema = ema_to_load(resumed, self.ema)
         with torch.no_grad():
             state = self._sharded_state(self.optimizer if with_optimizer else None, is_loading=True, ema=ema)
@@ -500,7 +506,7 @@ def _adam_optimizers(optimizer) -> list:
     ]
 
 
-def _fill_optimizer_state(optimizer) -> None:
+def fill_optimizer_state(optimizer) -> None:
     """Give every parameter an Adam state (step, moments) before a sharded load: the load fills
     existing tensors in place, and megatron's own init leaves `step` out
     (docs/megatron-on-cpu.md, "Around the layer")."""

@@ -1,0 +1,125 @@
+"""`setdiff plan` checked against reality: a rank planned under fake tensors and a fake process
+group holds the bytes the same rank holds in a real training step (plan_worker.py), and the
+command answers bad input in one line."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[2]
+pytestmark = pytest.mark.multiproc
+
+
+def worker(out: Path, *args: str, nproc: int = 1) -> object:
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    argv = [*(launcher if nproc > 1 else [sys.executable]), "-m", "tests.planning.plan_worker", str(out), *args]
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def planned(tmp_path: Path, layout: str, world: int) -> list[dict]:
+    """Every rank planned, each in its own process, all at once."""
+    outs = [tmp_path / f"plan-{rank}.json" for rank in range(world)]
+    argv = [sys.executable, "-m", "tests.planning.plan_worker"]
+    procs = [
+        subprocess.Popen([*argv, str(out), layout, "fake", str(rank)], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+        for rank, out in enumerate(outs)
+    ]
+    for proc in procs:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-4000:]
+    return [json.loads(out.read_text()) for out in outs]
+
+
+@pytest.mark.parametrize("layout, world", [("one", 1), ("tp2", 2), ("pp2", 2), ("dp2", 2), ("moe-ep2", 2)])
+def test_a_planned_rank_holds_what_the_real_rank_holds(tmp_path, layout, world):
+    """Parameters, gradient buffers and optimizer state to the byte (the distributed optimizer's
+    shards at DP2), and the step's peak within 10 % (measured: within 0.01 %), on every rank."""
+    real = worker(tmp_path / "real.json", layout, "real", nproc=world)
+    plans = planned(tmp_path, layout, world)
+    assert len(real) == world
+    for rank, (measured, plan) in enumerate(zip(real, plans)):
+        for key in ("params", "grads", "optimizer", "num_params", "layers", "micro_batches"):
+            assert plan[key] == measured[key], (rank, key, plan, measured)
+        assert abs(plan["peak"] - measured["peak"]) <= 0.1 * measured["peak"], (rank, plan, measured)
+        assert plan["peak"] > plan["params"] + plan["grads"] + plan["optimizer"]  # activations were counted
+
+
+def test_plan_reports_a_paper_sized_model_without_its_hardware():
+    """Qwen3-1.7B's shape at TP2 on 8 H100s: built and stepped under fake tensors, on this CPU."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "setdiff_megatron.cli",
+            "plan",
+            "recipes/gsm8k-qwen3-1.7b.yaml",
+            "--gpus",
+            "8",
+            "--vocab-size",
+            "151936",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "1.72 B parameters" in out.stdout and "TP2 x DP4" in out.stdout
+    assert "fits with a 10% margin" in out.stdout and "tokens/s" in out.stdout and "KV cache 56.0 KiB" in out.stdout
+    # Megatron-LM's weights-and-optimizer term under the distributed optimizer, 6 + 12/DP bytes per
+    # parameter of the shard, is what the rank holds (docs/scaling.md): 1.60 + 3.21 + 2.40 GiB at DP4.
+    (stage,) = [line.split() for line in out.stdout.splitlines() if line.startswith("    0 ")]
+    params, grads, optimizer = map(float, stage[2:5])
+    assert grads == pytest.approx(2 * params, abs=0.01)  # fp32 gradients of bf16 weights: 4 + 2 bytes
+    assert optimizer == pytest.approx(params * 12 / 4 / 2, abs=0.01)  # 12 bytes over DP4, per 2 of weight
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--gpus", "8", "--gpu", "tpu-v9"], "is not a listed device"),
+        (["--gpus", "3"], "needs a multiple of tp x pp x cp = 2"),
+        (["--gpus", "6", "parallel.tp=3"], "3 must divide model.num_heads"),
+    ],
+)
+def test_bad_input_is_one_line(capsys, args, message):
+    from setdiff_megatron.cli import main
+
+    assert main(["plan", str(ROOT / "recipes" / "gsm8k-qwen3-1.7b.yaml"), *args]) != 0
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def tiny_gpu_recipe(*overrides: str):
+    from setdiff_megatron.recipes.loading import load_recipe
+
+    return load_recipe(ROOT / "recipes" / "tiny-cpu.yaml", ["launch.device=cuda", "train.precision=fp32", *overrides])
+
+
+def test_a_gpu_launch_says_its_plan_in_one_line():
+    from setdiff_megatron.planning.door import launch_plan
+
+    line = launch_plan(tiny_gpu_recipe("launch.nproc_per_node=2"), has_gpu=False)
+    assert line.startswith("plan: 2 x H100 SXM 80GB, DP2: peak ") and "fits" in line and "planned for h100-80gb" in line
+    assert launch_plan(tiny_gpu_recipe("launch.device=cpu"), has_gpu=False) is None  # nothing to plan on CPUs
+
+
+def test_a_gpu_launch_that_does_not_fit_is_refused_with_a_layout_that_does():
+    from setdiff_megatron.errors import UserError
+    from setdiff_megatron.planning.devices import DEVICES
+    from setdiff_megatron.planning.door import launch_plan
+
+    small = dataclasses.replace(DEVICES["h100-80gb"], name="small", memory_gib=0.11)  # 101 MB usable
+    recipe = tiny_gpu_recipe("launch.nproc_per_node=2")
+    with pytest.raises(UserError) as refused:
+        launch_plan(recipe, has_gpu=True, gpu=small)
+    message = str(refused.value)
+    assert "exceeds the 0.10 GiB usable on small" in message and "launch.check_memory=false" in message, message
+    assert "TP2 x DP1 fits" in message or "PP2 x DP1 fits" in message, message
+    assert launch_plan(tiny_gpu_recipe("launch.nproc_per_node=2", "launch.check_memory=false"), has_gpu=True, gpu=small)
