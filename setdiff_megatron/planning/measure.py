@@ -90,6 +90,10 @@ def _even_expert_rows() -> Iterator[None]:
 def measure_megatron_rank(recipe: Recipe, model_cfg: ModelConfig, *, fake: bool) -> RankMemory:
     """This rank's footprint over one step (a process group of the recipe's world must be up:
     `fake_rank`'s, or a real one)."""
+    # megatron-core makes a few tensors when some of its modules are first imported (class-level
+    # scales): process-wide, not the rank's, so imported before counting.
+    import megatron.core.transformer.multi_token_prediction  # noqa: F401
+
     from setdiff_megatron.training.engines.megatron import MegatronEngine, fill_optimizer_state
 
     engine = MegatronEngine(recipe)

@@ -99,7 +99,12 @@ def test_launch_slurm_trains_two_ranks_through_srun(reference):
     "signal,overrides",
     [
         pytest.param("USR1", (), id="usr1-batch-shell", marks=pytest.mark.slow),  # 50 s; the requeue path is shared
-        pytest.param("TERM", ("checkpoint.async_save=true", "checkpoint.interval=3"), id="sigterm-async-saves"),
+        pytest.param(
+            "TERM",
+            ("checkpoint.async_save=true", "checkpoint.interval=3"),
+            id="sigterm-async-saves",
+            marks=pytest.mark.slow,  # 38 s (2026-12-06); the default suite keeps the srun job
+        ),
     ],
 )
 def test_a_signal_checkpoints_requeues_and_resumes_to_the_same_losses(shared, reference, tmp_path, signal, overrides):
@@ -155,6 +160,7 @@ def completed(run_dir: Path, cache: Path, env: dict[str, str], *overrides: str) 
     return state, text
 
 
+@pytest.mark.slow  # 39 s (2026-12-06)
 def test_two_nodes_train_as_one_and_their_checkpoint_resumes_on_one_node(shared, reference, tmp_path):
     """launch.nnodes=2 on partition `multi` (tools/local_slurm.sh: two slurmds, each in its own
     network namespace with its own address and hostname), one process per node under torchrun,

@@ -1,10 +1,10 @@
-"""Worker for test_plan.py: `python -m tests.planning.plan_worker OUT LAYOUT real|fake [RANK]`.
+"""Worker for test_plan.py: `python -m tests.planning.plan_worker OUT real|fake LAYOUT [LAYOUT ...]`.
 
-real (under torchrun, or one plain process): every rank measures its real training step with
-LiveBytes and rank 0 writes all ranks' figures. fake: this process plans rank RANK of the
-layout's world under fake tensors, with the attention this machine runs (not the kernel
-stand-in), so that both count the same computation. One rank per process, as in a real job: a
-process that built one rank keeps a few bytes of megatron's process-wide state for the next.
+real (under torchrun at the layouts' world size, or one plain process for "one"): every rank
+measures a real training step of each layout in turn with LiveBytes, and rank 0 writes every
+rank's figures. fake: this one process plans every rank of each layout in turn under fake
+tensors, with the attention this machine runs (not the kernel stand-in), so that both count the
+same computation. Output: {layout: [figures of rank 0, rank 1, ...]}.
 """
 
 from __future__ import annotations
@@ -36,25 +36,41 @@ def recipe(layout: str):
     return load_recipe(Path(__file__).parents[2] / "recipes" / name, [*COMMON, *LAYOUTS[layout]])
 
 
-def main(out: Path, layout: str, mode: str, rank: str = "0") -> None:
-    r = recipe(layout)
-    cfg = plan_model_config(r, None)
-    if mode == "fake":
-        from setdiff_megatron.planning.fake_world import fake_rank
+def planned(layout: str) -> list[dict]:
+    from setdiff_megatron.planning.fake_world import fake_rank
 
-        with fake_rank(r.launch.world_size, int(rank)):
-            out.write_text(json.dumps(dataclasses.asdict(measure_megatron_rank(r, cfg, fake=True))))
+    r = recipe(layout)
+    ranks = []
+    for rank in range(r.launch.world_size):
+        with fake_rank(r.launch.world_size, rank):
+            ranks.append(dataclasses.asdict(measure_megatron_rank(r, plan_model_config(r, None), fake=True)))
+    return ranks
+
+
+def measured(layout: str) -> list[dict]:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    r = recipe(layout)
+    mine = dataclasses.asdict(measure_megatron_rank(r, plan_model_config(r, None), fake=False))
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    parallel_state.destroy_model_parallel()
+    return every
+
+
+def main(out: Path, mode: str, *layouts: str) -> None:
+    if mode == "fake":
+        out.write_text(json.dumps({layout: planned(layout) for layout in layouts}))
         return
     import torch.distributed as dist
 
     from setdiff_megatron.distributed.runtime import init_process_group
 
     init_process_group()
-    mine = dataclasses.asdict(measure_megatron_rank(r, cfg, fake=False))
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
+    results = {layout: measured(layout) for layout in layouts}
     if dist.get_rank() == 0:
-        out.write_text(json.dumps(every))
+        out.write_text(json.dumps(results))
     dist.barrier()
     dist.destroy_process_group()
 

@@ -14,6 +14,7 @@ import pytest
 from benchmarks.study.__main__ import main
 
 
+@pytest.mark.slow  # 38 s (2026-12-06)
 def test_a_smoke_run_writes_the_tables_and_plots(tmp_path):
     results = main(
         [
