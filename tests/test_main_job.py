@@ -12,7 +12,9 @@ each door starts from the policy the model carries.
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -41,15 +43,27 @@ def _setdiff(*args: str, cwd: Path = REPO, timeout: float = 900) -> subprocess.C
     return proc
 
 
+CACHE_ENV = "SETDIFF_TEST_CACHE"
+"""A directory shared by the pytest invocations of one CI run (.ci/run sets it): the main job is
+trained once for the default suite and its slow tests, not once per invocation."""
+
+
 @pytest.fixture(scope="session")
 def main_job(tmp_path_factory) -> tuple[Path, str, dict]:
     """(run directory, console output, logs/showcase.json) of the main job, as the README runs it
-    (from the repository root), with a smaller held-out problem count."""
-    run = tmp_path_factory.mktemp("main-job") / "run"
-    proc = _setdiff(
-        "train", "recipes/tiny-reasoning.yaml", f"checkpoint.dir={run}", f"eval.showcase_problems={PROBLEMS}"
-    )
-    return run, proc.stdout, json.loads((run / "logs" / "showcase.json").read_text())
+    (from the repository root), with a smaller held-out problem count; trained once per
+    $SETDIFF_TEST_CACHE where that is set, and read-only to every test."""
+    shared = os.environ.get(CACHE_ENV)
+    home = Path(shared) / "main-job" if shared else tmp_path_factory.mktemp("main-job")
+    run, console = home / "run", home / "console.txt"
+    if not console.exists():  # not trained yet, or a half-trained run of an interrupted invocation
+        shutil.rmtree(run, ignore_errors=True)
+        home.mkdir(parents=True, exist_ok=True)
+        proc = _setdiff(
+            "train", "recipes/tiny-reasoning.yaml", f"checkpoint.dir={run}", f"eval.showcase_problems={PROBLEMS}"
+        )
+        console.write_text(proc.stdout)
+    return run, console.read_text(), json.loads((run / "logs" / "showcase.json").read_text())
 
 
 def test_the_main_job_prints_its_held_out_accuracy(main_job):
