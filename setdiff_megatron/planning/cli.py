@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from pathlib import Path
 
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.log import say
@@ -40,16 +39,13 @@ def add_parser(sub, add_recipe_args) -> None:
 
 
 def plan_model_config(recipe: Recipe, vocab_size: int | None) -> ModelConfig:
-    """The model planned: the recipe's, with `vocab_size`, else its tokenizer's where it is on
-    this machine, else the recipe's."""
+    """The model planned: the recipe's, with `vocab_size`, else as preflight estimates the run's
+    (its tokenizer's vocabulary where that is on this machine, else the recipe's); MASK is the
+    last token."""
     from setdiff_megatron.recipes.validation import estimated_model_config
+    from setdiff_megatron.training.preflight import run_model_config
 
-    vocab = vocab_size
-    if vocab is None and recipe.data.tokenizer is not None and Path(recipe.data.tokenizer).exists():
-        from setdiff_megatron.data.tokenizers import load_tokenizer
-
-        vocab = load_tokenizer(recipe.data.tokenizer).vocab_size
-    cfg = estimated_model_config(recipe, vocab)
+    cfg = estimated_model_config(recipe, vocab_size) if vocab_size else run_model_config(recipe)
     return dataclasses.replace(cfg, mask_token_id=cfg.vocab_size - 1)
 
 

@@ -24,7 +24,7 @@ from setdiff_megatron.recipes import Recipe, RecipeError, validate_recipe
 from setdiff_megatron.recipes.validation import estimated_model_config
 from setdiff_megatron.training.rewards import reward_function
 
-__all__ = ["check_run", "CHECKPOINT_BYTES_PER_PARAM"]
+__all__ = ["check_run", "run_model_config", "CHECKPOINT_BYTES_PER_PARAM"]
 
 CHECKPOINT_BYTES_PER_PARAM = 16
 """Saved bytes per parameter, with margin: weights, fp32 main copy, two Adam moments."""
@@ -44,7 +44,7 @@ def check_run(
     is the recipe's launch size; `files` checks what the run reads; `checkpoint_dir` probes the
     run directory with a write (so `recipe validate` leaves it off); `resumable` is for a
     launcher, which refuses once what every process would refuse."""
-    model_config = _estimated_model_config(recipe, files)
+    model_config = run_model_config(recipe, files)
     errors = validate_recipe(
         recipe,
         world_size=world_size,
@@ -67,7 +67,7 @@ def check_run(
         _check_resumable(recipe)
 
 
-def _estimated_model_config(recipe: Recipe, files: bool) -> ModelConfig:
+def run_model_config(recipe: Recipe, files: bool = True) -> ModelConfig:
     """The run's model as far as it is known before any process starts, built once for every
     check that sizes it: with the tokenizer's vocabulary where the recipe names one (and files
     may be read)."""
