@@ -4,6 +4,9 @@ the fastest layout of the same GPUs that fits (`launch.check_memory: false` goes
 
 from __future__ import annotations
 
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.planning.devices import DEVICES, Device, device
 from setdiff_megatron.recipes.schema import Recipe
@@ -31,24 +34,32 @@ def this_device() -> tuple[Device, str]:
 
 
 def launch_plan(recipe: Recipe, *, has_gpu: bool | None = None, gpu: Device | None = None) -> str | None:
-    """The plan's summary for a GPU run of the megatron engine (None for a CPU run or DeepSpeed),
-    or a one-line refusal where the GPUs are here (`has_gpu`, detected by default) and it does
-    not fit. `gpu`: the device planned for (default `this_device()`)."""
+    """The plan's summary for a GPU run (None for a CPU run), or a one-line refusal where the GPUs
+    are here (`has_gpu`, detected by default) and it does not fit. `gpu`: the device planned for
+    (default `this_device()`). Planned in a child process: the fake world's process group, megatron's
+    groups and DeepSpeed's accelerator (its CPU one) must not stay behind in a process that trains next."""
     import torch
-
-    from setdiff_megatron.planning.cli import plan_model_config
-    from setdiff_megatron.planning.plan import GIB, make_plan, nearest_fitting, search_layouts
 
     has_gpu = torch.cuda.is_available() if has_gpu is None else has_gpu
     on_gpu = recipe.launch.device == "cuda" or (recipe.launch.device == "auto" and has_gpu)
-    if not on_gpu or recipe.engine != "megatron":
+    if not on_gpu:
         return None
     gpu, note = (gpu, "") if gpu is not None else this_device()
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as child:
+        return child.submit(_summary_or_refusal, recipe, has_gpu, gpu).result() + note
+
+
+def _summary_or_refusal(recipe: Recipe, has_gpu: bool, gpu: Device) -> str:
+    from setdiff_megatron.distributed.megatron_cpu import quiet_known_warnings
+    from setdiff_megatron.planning.cli import plan_model_config
+    from setdiff_megatron.planning.plan import GIB, make_plan, nearest_fitting, search_layouts
+
+    quiet_known_warnings()
     cfg = plan_model_config(recipe, None)
     gpus, per_node = recipe.launch.world_size, recipe.launch.nproc_per_node
     plan = make_plan(recipe, cfg, gpus, gpu, gpus_per_node=per_node)
     if plan.fits or not has_gpu or not recipe.launch.check_memory:
-        return plan.summary() + note
+        return plan.summary()
     others = [make_plan(r, cfg, gpus, gpu, gpus_per_node=per_node) for r in search_layouts(recipe, cfg, gpus)]
     best = nearest_fitting(others)
     instead = f"{best.layout} fits ({best.peak / GIB:.2f} GiB)" if best else "no layout of these GPUs fits"

@@ -3,7 +3,7 @@ would hold at least, counted the same way for real tensors (a run on this machin
 ones (the plan of a run on GPUs that are not here).
 
 Every tensor an operator returns is looked at once: its storage, if new, is counted until it is
-freed. Storages made before the tracker starts are not counted; the planner builds everything
+freed (meta tensors, shapes without memory, are not). Storages made before the tracker starts are not counted; the planner builds everything
 under it.
 """
 
@@ -31,7 +31,7 @@ class LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":  # meta tensors hold no memory
                 self._track(t)
         return out
 

@@ -70,8 +70,10 @@ class Plan:
         """Tensor parallelism's collectives in every layer (under sequence parallelism two
         all-gathers and two reduce-scatters of the layer input forward, twice that backward) over
         NVLink, and the data-parallel gradient reduce-scatter (fp32) and parameter all-gather
-        after the backward, over InfiniBand once the data-parallel group leaves the node. Not
-        overlapped with compute: the engine reduces gradients after the backward."""
+        after the backward, over InfiniBand once the data-parallel group leaves the node (ZeRO-3
+        gathers the bf16 weights again forward and backward). Not overlapped with compute: the
+        megatron engine reduces gradients after the backward (DeepSpeed overlaps some: a bound
+        all the same)."""
         r, p = self.recipe, self.recipe.parallel
         streams = 1 if r.method.family == "mdlm" else 2
         layer_input = streams * r.data.seq_len * p.micro_batch_size * self.model_cfg.hidden_size * ACTIVATION_BYTES
@@ -85,6 +87,8 @@ class Plan:
         )
         local_params = max(s.num_params for s in self.stages)
         dp_bytes = local_params * (4 + ACTIVATION_BYTES) * (dp - 1) / dp
+        if r.engine == "deepspeed" and p.zero_stage == 3:  # the weights gathered again forward and backward
+            dp_bytes += 2 * local_params * ACTIVATION_BYTES * (dp - 1) / dp
         return tp_seconds + dp_bytes / (bandwidth * 1e9)
 
     @property
@@ -121,6 +125,8 @@ class Plan:
         dp = self.gpus // (p.tp * p.pp * p.cp)
         parts = [f"TP{p.tp}" if p.tp > 1 else "", f"PP{p.pp}" if p.pp > 1 else "", f"VPP{p.vpp}" if p.vpp else ""]
         parts += [f"CP{p.cp}" if p.cp > 1 else "", f"EP{p.ep}" if p.ep > 1 else "", f"DP{dp}"]
+        if self.recipe.engine == "deepspeed":
+            parts.append(f"ZeRO-{p.zero_stage}")
         return " x ".join(x for x in parts if x)
 
     def summary(self) -> str:
@@ -186,41 +192,46 @@ def make_plan(
     recipe: Recipe, model_cfg: ModelConfig, gpus: int, device: Device, *, gpus_per_node: int = 8, margin: float = 0.1
 ) -> Plan:
     """Measure each pipeline stage's first rank (megatron orders ranks TP, CP, DP, then PP: the
-    stage's ranks hold the same shapes) and assemble the plan."""
+    stage's ranks hold the same shapes; under DeepSpeed rank 0, whose ZeRO partition is the
+    largest) and assemble the plan."""
     from setdiff_megatron.planning.attention_footprint import kernel_footprint
     from setdiff_megatron.planning.fake_world import fake_rank
     from setdiff_megatron.planning.measure import measure_megatron_rank
+    from setdiff_megatron.planning.measure_deepspeed import measure_deepspeed_rank
     from setdiff_megatron.recipes.validation import validate_recipe
 
-    if recipe.engine != "megatron":
-        raise UserError("setdiff plan measures the megatron engine; plan this recipe with engine=megatron")
     errors = validate_recipe(recipe, world_size=gpus, has_gpu=True, check_paths=False, model_config=model_cfg)
     if errors:
         raise UserError(f"{recipe.name} on {gpus} GPUs: {errors[0]}")
     planned = _for_plan(recipe, gpus)
+    measure = measure_deepspeed_rank if recipe.engine == "deepspeed" else measure_megatron_rank
     pp = recipe.parallel.pp
     stages = []
     for stage in range(pp):
         with fake_rank(gpus, stage * (gpus // pp)), kernel_footprint():
-            stages.append(measure_megatron_rank(planned, model_cfg, fake=True))
+            stages.append(measure(planned, model_cfg, fake=True))
     return Plan(recipe, model_cfg, gpus, min(gpus_per_node, gpus), device, margin, stages)
 
 
 def search_layouts(recipe: Recipe, model_cfg: ModelConfig, gpus: int) -> list[Recipe]:
-    """Every (tp, pp) layout of `gpus` GPUs that the recipe's rules allow, the recipe's cp, ep,
-    micro-batch and recompute kept; sequence parallelism on wherever tp > 1."""
+    """Every layout of `gpus` GPUs that the recipe's rules allow: for megatron each (tp, pp), the
+    recipe's cp, ep, micro-batch and recompute kept, sequence parallelism on wherever tp > 1; for
+    DeepSpeed each ZeRO stage."""
     from setdiff_megatron.recipes.validation import validate_recipe
 
-    found = []
-    for tp in _divisors(gpus):
-        for pp in _divisors(gpus // tp):
-            sequence_parallel = tp > 1
-            candidate = updated(
-                recipe, parallel={"tp": tp, "pp": pp, "vpp": None, "sequence_parallel": sequence_parallel}
-            )
-            if not validate_recipe(candidate, world_size=gpus, has_gpu=True, check_paths=False, model_config=model_cfg):
-                found.append(candidate)
-    return found
+    if recipe.engine == "deepspeed":
+        candidates = [updated(recipe, parallel={"zero_stage": stage}) for stage in range(4)]
+    else:
+        candidates = [
+            updated(recipe, parallel={"tp": tp, "pp": pp, "vpp": None, "sequence_parallel": tp > 1})
+            for tp in _divisors(gpus)
+            for pp in _divisors(gpus // tp)
+        ]
+    return [
+        c
+        for c in candidates
+        if not validate_recipe(c, world_size=gpus, has_gpu=True, check_paths=False, model_config=model_cfg)
+    ]
 
 
 def _divisors(n: int) -> list[int]:

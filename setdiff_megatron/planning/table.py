@@ -19,6 +19,19 @@ QWEN3_VOCAB, GPT2_VOCAB, BERT_VOCAB = 151936, 50258, 30522
 ROWS = {
     "gsm8k-1": ("gsm8k-qwen3-1.7b.yaml", 1, QWEN3_VOCAB, ("parallel.tp=1", "parallel.sequence_parallel=false")),
     "gsm8k-8": ("gsm8k-qwen3-1.7b.yaml", 8, QWEN3_VOCAB, ()),
+    "gsm8k-8-zero2": (
+        "gsm8k-qwen3-1.7b.yaml",
+        8,
+        QWEN3_VOCAB,
+        (
+            "engine=deepspeed",
+            "parallel.zero_stage=2",
+            "parallel.tp=1",
+            "parallel.sequence_parallel=false",
+            "parallel.distributed_optimizer=false",
+            "parallel.micro_batch_size=2",
+        ),
+    ),
     "owt-8": ("owt-110m.yaml", 8, GPT2_VOCAB, ()),
     "lm1b-1": ("lm1b.yaml", 1, BERT_VOCAB, ()),
     "sdar-64": ("sdar-30b-a3b-shaped.yaml", 64, QWEN3_VOCAB, ()),

@@ -18,7 +18,6 @@ from pathlib import Path
 warnings.filterwarnings("ignore")
 
 from setdiff_megatron.planning.cli import plan_model_config  # noqa: E402
-from setdiff_megatron.planning.measure import measure_megatron_rank  # noqa: E402
 from setdiff_megatron.recipes.loading import load_recipe  # noqa: E402
 
 LAYOUTS = {
@@ -27,13 +26,25 @@ LAYOUTS = {
     "pp2": ("launch.nproc_per_node=2", "parallel.pp=2", "parallel.micro_batch_size=4"),
     "dp2": ("launch.nproc_per_node=2", "parallel.micro_batch_size=4"),
     "moe-ep2": ("launch.nproc_per_node=2",),
+    "zero2": ("launch.nproc_per_node=2", "parallel.micro_batch_size=4"),
 }
 COMMON = ("parallel.distributed_optimizer=true", "train.precision=fp32", "model.num_layers=4")
 
 
 def recipe(layout: str):
-    name = "tiny-moe-cpu.yaml" if layout.startswith("moe") else "tiny-cpu.yaml"
-    return load_recipe(Path(__file__).parents[2] / "recipes" / name, [*COMMON, *LAYOUTS[layout]])
+    """tiny-cpu at each megatron layout (the distributed optimizer on), tiny-moe-cpu, and
+    tiny-cpu-deepspeed (ZeRO-2)."""
+    name = {"moe": "tiny-moe-cpu.yaml", "zer": "tiny-cpu-deepspeed.yaml"}.get(layout[:3], "tiny-cpu.yaml")
+    common = COMMON[1:] if layout.startswith("zero") else COMMON
+    return load_recipe(Path(__file__).parents[2] / "recipes" / name, [*common, *LAYOUTS[layout]])
+
+
+def measure(recipe, fake: bool) -> dict:
+    from setdiff_megatron.planning.measure import measure_megatron_rank
+    from setdiff_megatron.planning.measure_deepspeed import measure_deepspeed_rank
+
+    rank_of = measure_deepspeed_rank if recipe.engine == "deepspeed" else measure_megatron_rank
+    return dataclasses.asdict(rank_of(recipe, plan_model_config(recipe, None), fake=fake))
 
 
 def planned(layout: str) -> list[dict]:
@@ -43,7 +54,7 @@ def planned(layout: str) -> list[dict]:
     ranks = []
     for rank in range(r.launch.world_size):
         with fake_rank(r.launch.world_size, rank):
-            ranks.append(dataclasses.asdict(measure_megatron_rank(r, plan_model_config(r, None), fake=True)))
+            ranks.append(measure(r, fake=True))
     return ranks
 
 
@@ -52,7 +63,7 @@ def measured(layout: str) -> list[dict]:
     from megatron.core import parallel_state
 
     r = recipe(layout)
-    mine = dataclasses.asdict(measure_megatron_rank(r, plan_model_config(r, None), fake=False))
+    mine = measure(r, fake=False)
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     parallel_state.destroy_model_parallel()

@@ -14,7 +14,7 @@ ROOT = Path(__file__).parents[2]
 pytestmark = pytest.mark.multiproc
 
 
-TWO_RANKS = ["tp2", "pp2", "dp2", "moe-ep2"]
+TWO_RANKS = ["tp2", "pp2", "dp2", "moe-ep2", "zero2"]
 
 
 @pytest.fixture(scope="module")
@@ -117,3 +117,15 @@ def test_a_gpu_launch_that_does_not_fit_is_refused_with_a_layout_that_does():
     assert "exceeds the 0.10 GiB usable on small" in message and "launch.check_memory=false" in message, message
     assert "TP2 x DP1 fits" in message or "PP2 x DP1 fits" in message, message
     assert launch_plan(tiny_gpu_recipe("launch.nproc_per_node=2", "launch.check_memory=false"), has_gpu=True, gpu=small)
+
+
+def test_a_deepspeed_gpu_launch_is_planned_as_deepspeed_builds_it():
+    """ZeRO-2 over two ranks: DeepSpeed's own buffers in the peak, its reduce bucket included
+    (500M elements by default: 1.86 GiB of the 2.0 in fp32)."""
+    from setdiff_megatron.planning.door import launch_plan
+
+    recipe = tiny_gpu_recipe(
+        "engine=deepspeed", "parallel.zero_stage=2", "parallel.distributed_optimizer=false", "launch.nproc_per_node=2"
+    )
+    line = launch_plan(recipe, has_gpu=False)
+    assert line.startswith("plan: 2 x H100 SXM 80GB, DP2 x ZeRO-2: peak 2.0 GiB") and "fits" in line, line

@@ -43,24 +43,28 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
 
 
-def resumed_losses(straight: Path, run_dir: Path, data_cache: Path, *overrides: str) -> list[tuple[int, float]]:
-    """Losses of steps 5-8 resumed from `straight`'s step-4 checkpoint under `overrides`."""
-    shutil.copytree(checkpoint_of(straight, 4), checkpoint_of(run_dir, 4))
+def resumed_losses(
+    straight: Path, step: int, run_dir: Path, data_cache: Path, *overrides: str
+) -> list[tuple[int, float]]:
+    """Losses of the steps after `step`, resumed from `straight`'s checkpoint there under `overrides`."""
+    shutil.copytree(checkpoint_of(straight, step), checkpoint_of(run_dir, step))
     out = train(run_dir, data_cache, *SHORT, *overrides)
     assert "saved at tp 1 pp 1" in out.stdout, out.stdout[-2000:]
-    return losses(run_dir)
+    return [(s, v) for s, v in losses(run_dir) if s > step]
 
 
 def _continues(got: list[tuple[int, float]], expected: list[tuple[int, float]]) -> None:
     """The resumed losses are the original layout's. Another layout sums in another order, and a
     token whose top-2 router logits are nearly tied may then pick another expert: measured 3e-4
     on a loss of 4.8 (dense layouts agree to 1e-5)."""
-    assert [s for s, _ in got] == [5, 6, 7, 8]
-    assert [v for _, v in got] == pytest.approx([v for _, v in expected[4:]], abs=1e-3)
+    resumed = dict(expected)
+    assert [v for _, v in got] == pytest.approx([resumed[s] for s, _ in got], abs=1e-3)
 
 
-@pytest.mark.slow  # 90 s on 2 cores; tests/models/test_megatron_moe.py keeps EP parity in the default suite
-def test_ep2_checkpoint_resumes_at_ep1_with_the_same_losses(tmp_path, data_cache):
+@pytest.mark.slow  # 2 minutes on 2 cores; tests/models/test_megatron_moe.py keeps EP parity in the default suite
+def test_an_expert_parallel_checkpoint_resumes_at_ep1_and_back_at_ep2_with_the_same_losses(tmp_path, data_cache):
+    """EP2 trains 8 steps; its step-4 checkpoint resumes at EP1 (one process), saving at 6; that
+    checkpoint resumes at EP2 again. Both continue with the uninterrupted run's losses."""
     straight = tmp_path / "ep2"
     train(straight, data_cache, *SHORT)
     expected = losses(straight)
@@ -68,14 +72,12 @@ def test_ep2_checkpoint_resumes_at_ep1_with_the_same_losses(tmp_path, data_cache
     logged = [m for m in metrics(straight) if "train/loss" in m][-1]
     assert len(logged["moe/layer0/tokens_per_expert"]) == 8 and logged["moe/max_over_mean_load"] >= 1.0
     assert 0.9 < logged["moe/load_balancing_loss"] < 4.0
-    _continues(resumed_losses(straight, tmp_path / "ep1", data_cache, *ONE_PROCESS), expected)
-
-
-@pytest.mark.slow
-def test_ep1_checkpoint_resumes_at_ep2_with_the_same_losses(tmp_path, data_cache):
-    straight = tmp_path / "ep1"
-    train(straight, data_cache, *SHORT, *ONE_PROCESS)
-    _continues(resumed_losses(straight, tmp_path / "ep2", data_cache), losses(straight))
+    at_ep1 = resumed_losses(straight, 4, tmp_path / "ep1", data_cache, *ONE_PROCESS, "checkpoint.interval=2")
+    assert [s for s, _ in at_ep1] == [5, 6, 7, 8]
+    _continues(at_ep1, expected)
+    back_at_ep2 = resumed_losses(tmp_path / "ep1", 6, tmp_path / "ep2-again", data_cache)
+    assert [s for s, _ in back_at_ep2] == [7, 8]
+    _continues(back_at_ep2, expected)
 
 
 @pytest.mark.slow

@@ -130,10 +130,10 @@ class DeepSpeedEngine:
     name = "deepspeed"
 
     def __init__(self, recipe: Recipe):
+        self.recipe, self.objective = recipe, Objective.of(recipe)
+        self.deepspeed = import_deepspeed(recipe)  # before anything of DeepSpeed: it picks the accelerator
         from deepspeed.accelerator import get_accelerator
 
-        self.recipe, self.objective = recipe, Objective.of(recipe)
-        self.deepspeed = import_deepspeed(recipe)
         accelerator = get_accelerator()
         runtime.init_process_group()
         with _no_shared_memory_op(accelerator):
@@ -247,7 +247,20 @@ class DeepSpeedEngine:
         weights = [self.objective(b) for b in batches]
         denominator = _all_sum(sum(w.denominator for w in weights).double().reshape(1).to(engine.device))
         self.sync_seconds = time.perf_counter() - start
-        scale = len(batches) * self.dp_size / max(denominator.item(), 1.0)
+        local = self.backward_micro_batches(
+            batches, weights, len(batches) * self.dp_size / max(denominator.item(), 1.0)
+        )
+        start = time.perf_counter()
+        nll, count = _all_sum(local).cpu().tolist()
+        self.sync_seconds += time.perf_counter() - start
+        return nll, count
+
+    def backward_micro_batches(
+        self, batches: list[TwoStreamBatch], weights: list[LossWeights], scale: float
+    ) -> torch.Tensor:
+        """Forward and backward of each micro-batch, its loss times `scale`; this rank's [NLL sum,
+        denominator]. setdiff plan runs it alone (no host reads: fake tensors cannot answer them)."""
+        engine = self.engine
         local = torch.zeros(2, dtype=torch.float64, device=engine.device)
         if self.expert_load is not None:
             self.expert_load.reset()
@@ -257,10 +270,7 @@ class DeepSpeedEngine:
             nll, router_loss = self._nll(batch, w)
             engine.backward((nll + router_loss) * scale)
             local += torch.stack([nll.detach().double(), w.denominator.double()])
-        start = time.perf_counter()
-        nll, count = _all_sum(local).cpu().tolist()
-        self.sync_seconds += time.perf_counter() - start
-        return nll, count
+        return local
 
     def _stage0_grad_norm(self) -> float:
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
