@@ -149,17 +149,19 @@ def test_the_hf_export_generates_as_the_family_and_imports_back(family_runs, fam
     _setdiff("convert", "to-hf", str(run), str(tmp_path / "hf"), "--check")  # the family's logits, equal
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["family"] == family and config.get("block_size") == (4 if family == "bd3lm" else None)
-    # An export written before cache_infill_input existed: both doors read the family's own policy.
+    # An export written before cache_infill_input and align_inputs_to_blocks existed: both doors
+    # read the family's own policy.
     shutil.copytree(tmp_path / "hf", tmp_path / "old")
     generation = json.loads((tmp_path / "old" / "generation_config.json").read_text())
     assert generation.pop("cache_infill_input") is (family == "bd3lm")
+    assert generation.pop("align_inputs_to_blocks") is False  # the paper's throughput scripts' placement
     assert generation.pop("block_size") == generation.pop("window") == (4 if family == "bd3lm" else 32)
     (tmp_path / "old" / "generation_config.json").write_text(json.dumps(generation))
     policy = read_source(tmp_path / "hf", weights=False).decoding
     assert read_source(tmp_path / "old", weights=False).decoding == policy
     (tmp_path / "old" / "generation_config.json").rename(tmp_path / "generation_config.json")
     bare = read_source(tmp_path / "old", weights=False).decoding  # no generation config: the family's policy
-    keys = ("block_size", "window", "threshold", "cache_infill_input")
+    keys = ("block_size", "window", "threshold", "cache_infill_input", "align_inputs_to_blocks")
     assert [getattr(bare, k) for k in keys] == [getattr(policy, k) for k in keys]
     (tmp_path / "generation_config.json").rename(tmp_path / "old" / "generation_config.json")
     sm = load_sampling_model(run, Ranks(), device="cpu")

@@ -4,8 +4,10 @@ one step over whole groups, exact against the training rule (core/attention.py `
 A step holds T tokens per row: clean commits (a prompt prefix, or the block just decoded), whose
 K/V join the cache afterwards, then queries (the block being decoded, MASK where undecided). A
 commit sees the cache and the commits of its own and earlier groups (BD3-LM's x0 block-causal
-rows); a query sees the cache, every commit and every query of its row (its block decided
-together: BD3-LM's noisy block, or MDLM's whole window with no cache at all). Rows pad their
+rows); a query sees the cache, every commit and every query of its own and earlier groups (its
+block decided together: BD3-LM's noisy block, or MDLM's whole window with no cache at all; a
+BD3-LM window that starts at the prompt's end straddles two blocks of the model's, which the
+reference keeps block-causal). Rows pad their
 commits and queries to the step's counts; `begin_step` says which slots are real. The model
 bodies reach it through the same `attend(layer, q, k, v, num_commit=...)` and `advance()` as
 the set sampler's KVCache, so both bodies (torch, megatron over TP) decode with it unchanged.
@@ -54,8 +56,15 @@ class BlockKVCache:
         out.keys, out.values, out.lengths = self.keys[:, index], self.values[:, index], self.lengths[index]
         return out
 
-    def begin_step(self, commit_valid: torch.Tensor, commit_groups: torch.Tensor, query_valid: torch.Tensor) -> None:
-        """The next step's real slots: commit_valid/commit_groups [B, Cm], query_valid [B, Q]."""
+    def begin_step(
+        self,
+        commit_valid: torch.Tensor,
+        commit_groups: torch.Tensor,
+        query_valid: torch.Tensor,
+        query_groups: torch.Tensor | None = None,
+    ) -> None:
+        """The next step's real slots: commit_valid/commit_groups [B, Cm], query_valid/query_groups
+        [B, Q] (query_groups None: one group, every query sees every other)."""
         b, num_commit = commit_valid.shape
         t = num_commit + query_valid.shape[1]
         span = int(self.lengths.max())
@@ -65,7 +74,10 @@ class BlockKVCache:
         rows_commit = torch.cat(
             [commit_sees, torch.zeros(b, num_commit, t - num_commit, dtype=torch.bool, device=device)], 2
         )
-        rows_query = torch.cat([commit_valid, query_valid], 1)[:, None, :].expand(b, t - num_commit, t)
+        sees_query = query_valid[:, None, :].expand(b, t - num_commit, t - num_commit)
+        if query_groups is not None:
+            sees_query = sees_query & (query_groups[:, None, :] <= query_groups[:, :, None])
+        rows_query = torch.cat([commit_valid[:, None, :].expand(b, t - num_commit, num_commit), sees_query], 2)
         new = torch.cat([rows_commit, rows_query], 1)  # [B, T, T]
         new = new | torch.eye(t, dtype=torch.bool, device=device)  # a padding slot sees itself: no empty row
         self._mask = torch.cat([cached[:, None, :].expand(b, t, span), new], 2)[:, None]  # [B, 1, T, span + T]

@@ -147,6 +147,16 @@ class DecodingConfig:
     and decodes the span's blocks at positions after them, where the right context lies behind
     them. Set diffusion and MDLM see both contexts anyway: a sample job records it off for them
     (inference/job.py), as it does for prompts with nothing to infill."""
+    align_inputs_to_blocks: bool = _setting(
+        True,
+        bool,
+        "MDLM and BD3-LM generation: start the first block at the prompt's end rounded down to a multiple of "
+        "the block size (false: at the prompt's end, the whole prompt prefilled, as the paper's throughput runs)",
+    )
+    """MDLM and BD3-LM generation (core/masked_sampler.py), the reference's setting of that name:
+    true starts the first block at floor(P / S) * S, so the prompt's tail shares it; false starts
+    it at the prompt's end P, BD3-LM prefilling the whole prompt. Infilling prompts stay aligned,
+    as the reference's infilling runs are; set diffusion ignores it (a sample job records it on)."""
     tokens_per_step: int = _setting(1, int, "k: decode the k most confident queries each step", ge=1)
     threshold: float | None = _setting(
         None, float, "tau: also decode every query at least this confident", gt=0, le=1, off=True

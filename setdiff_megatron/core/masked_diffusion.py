@@ -56,11 +56,13 @@ MDLM_DECODE_BLOCK = 32
 def masked_decoding_policy(block_size: int | None) -> dict[str, Any]:
     """The default decoding settings of a BD3-LM model (its own blocks) or an MDLM (block_size
     None: blocks of MDLM_DECODE_BLOCK): the most confident masked position of the block plus
-    every one at the paper's threshold each step; BD3-LM infills with the input's whole
-    blocks cached, as the reference's does (DecodingConfig.cache_infill_input)."""
+    every one at the paper's threshold each step, the first block at the prompt's end as the
+    paper's throughput scripts start it (align_inputs_to_blocks false); BD3-LM infills with the
+    input's whole blocks cached, as the reference's does (DecodingConfig.cache_infill_input)."""
+    unaligned = {"threshold": PAPER_THRESHOLD, "align_inputs_to_blocks": False}
     if block_size is None:
-        return {"window": MDLM_DECODE_BLOCK, "block_size": MDLM_DECODE_BLOCK, "threshold": PAPER_THRESHOLD}
-    return {"window": block_size, "block_size": block_size, "threshold": PAPER_THRESHOLD, "cache_infill_input": True}
+        return {"window": MDLM_DECODE_BLOCK, "block_size": MDLM_DECODE_BLOCK} | unaligned
+    return {"window": block_size, "block_size": block_size, "cache_infill_input": True} | unaligned
 
 
 def linear_alpha(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,20 +3,26 @@ batched behind the set sampler's engine API (submit, step, cancel, progress, gen
 door (sample, eval, lm-eval, serve, the Hugging Face export) serves them as it serves set diffusion.
 
 A row is its prompt (MASK tokens in it are spans to infill) and max_new_tokens MASKs, decoded in
-blocks of S = cfg.block_size positions, left to right, the first block starting at the prompt's
-end rounded down to a multiple of S (the reference aligns blocks to the canvas), ceil(N / S)
-blocks for N new tokens (the reference's count: when the prompt length P is not a multiple of S
-the last P mod S positions lie past the blocks, stay undecided and are dropped); an infilling
-prompt's blocks are those that hold a MASK. Each step scores every position of the block and
+blocks of S = cfg.block_size positions, left to right, ceil(N / S) blocks for N new tokens (the
+reference's count). With cfg.align_inputs_to_blocks the first block starts at the prompt's end
+rounded down to a multiple of S (the reference aligns blocks to the canvas: when the prompt length
+P is not a multiple of S the last P mod S positions lie past the blocks, stay undecided and are
+dropped); without it, at the prompt's end (the paper's throughput runs). MDLM's canvas is padded
+with MASK to the context length, as the reference pads it, so its last block is decoded whole
+even past the request; the completion is cut to the N tokens asked (the reference returns them
+all), while steps and tokens per step count them, as the reference's do. An infilling prompt's
+blocks are those that hold a MASK, aligned either way (the paper's infilling runs align). Each step scores every position of the block and
 commits, among its MASK positions, the k = cfg.tokens_per_step most confident plus every one
 whose confidence (the chosen token's probability, MASK excluded) reaches cfg.threshold; decided
 positions keep their tokens. A block ends when it holds no MASK; then the row stops if an EOS or stop sequence lies in
 its completion so far (the completion is cut after it), or goes on to the next block.
 
-  bd3lm  a KV cache of clean tokens, updated once per block: the aligned prompt prefix is
-         prefilled as clean blocks (x0's block-causal attention), each step runs the block's S
-         tokens as queries that see the cache and one another, and a decided block joins the
-         cache as the first part of the next block's first step (the reference's fused cache).
+  bd3lm  a KV cache of clean tokens, updated once per block: the prompt before the first block
+         (aligned: its whole blocks; unaligned: all of it) is prefilled as clean blocks (x0's
+         block-causal attention over positions // S), each step runs the block's S tokens as
+         queries that see the cache and one another (block-causally by position // S where an
+         unaligned block straddles two, as the reference's mask does), and a decided block joins
+         the cache as the first part of the next block's first step (the reference's fused cache).
          With cfg.cache_infill_input an infilling prompt's whole blocks are prefilled instead
          (MASKs and right context included; a last partial block is not, as in the reference's)
          and the span's blocks run at positions after them (`_Row.shift`), as the reference's
@@ -56,6 +62,8 @@ class _Row:
     request: Request
     canvas: list[int]
     prompt_len: int
+    end: int
+    """The end of the canvas asked for (prompt and max_new_tokens); MDLM's may run past it."""
     blocks: list[int]
     """The start of each block left to decode."""
     block_size: int
@@ -211,22 +219,28 @@ class MaskedDiffusionSampler:
     def _new_row(self, request: Request) -> _Row:
         cfg, mask, size = request.cfg, self.mask_token_id, request.cfg.block_size
         canvas = list(request.prompt) + [mask] * cfg.max_new_tokens
+        end = len(canvas)
         masked = [i for i, t in enumerate(canvas) if t == mask]
-        if masked[0] >= len(request.prompt):  # plain generation: ceil(N / S) blocks from the aligned prompt end
-            starts = [masked[0] // size * size + j * size for j in range(-(-cfg.max_new_tokens // size))]
+        generating = masked[0] >= len(request.prompt)
+        if generating:  # ceil(N / S) blocks from the prompt's end, aligned or not
+            first = masked[0] // size * size if cfg.align_inputs_to_blocks else masked[0]
+            starts = [first + j * size for j in range(-(-cfg.max_new_tokens // size))]
+            if self.family == "mdlm":  # the last block whole, on the reference's MASK padding
+                canvas += [mask] * (min(starts[-1] + size, self.context_len) - end)
         else:  # infilling: every block that holds a MASK
             starts = sorted({i // size * size for i in masked})
         row = _Row(
             request=request,
             canvas=canvas,
             prompt_len=len(request.prompt),
+            end=end,
             blocks=[s for s in starts if s < len(canvas)],
             block_size=size,
             generator=torch.Generator().manual_seed(request.seed) if cfg.temperature > 0 else None,
             admitted_s=time.perf_counter(),
             trace=[] if self.trace else None,
         )
-        if self.family == "bd3lm":  # clean x0 blocks: the prefix before the first block, or the input's whole blocks
+        if self.family == "bd3lm":  # clean x0 blocks: the prompt before the first block, or the input's whole blocks
             cached = _cached_input(request.prompt, cfg, mask)
             row.pending = [(canvas[p], p, p // size) for p in range(row.blocks[0] if cached is None else cached)]
             row.shift = 0 if cached is None else cached - row.blocks[0]
@@ -247,8 +261,9 @@ class MaskedDiffusionSampler:
     # a step
 
     def _step_inputs(self, device) -> tuple[torch.Tensor, ...]:
-        """(tokens, positions, commit_valid, commit_groups, query_valid) [R, T] of the live rows:
-        each row's pending commits then its queries, padded; BD3-LM's cache rows in row order."""
+        """(tokens, positions, commit_valid, commit_groups, query_valid, query_groups) [R, T] of the
+        live rows: each row's pending commits then its queries, padded; BD3-LM's cache rows in row
+        order. A query's group is its model position // S (MDLM: one group)."""
         mask = self.mask_token_id
         commits = [r.pending for r in self.rows]
         if self.family == "mdlm":  # the whole canvas, padded with MASKs to the context length
@@ -261,14 +276,16 @@ class MaskedDiffusionSampler:
             ]
         num_commit = max((len(c) for c in commits), default=0)
         num_query = max(len(q) for q in queries)
-        tokens, positions, commit_valid, commit_groups, query_valid = [], [], [], [], []
-        for c, q, qp in zip(commits, queries, query_pos):
+        tokens, positions, commit_valid, commit_groups, query_valid, query_groups = [], [], [], [], [], []
+        for r, c, q, qp in zip(self.rows, commits, queries, query_pos):
             pad_c, pad_q = num_commit - len(c), num_query - len(q)
             tokens.append([t for t, _, _ in c] + [mask] * pad_c + q + [mask] * pad_q)
             positions.append([p for _, p, _ in c] + [0] * pad_c + qp + [0] * pad_q)
             commit_valid.append([True] * len(c) + [False] * pad_c)
             commit_groups.append([g for _, _, g in c] + [0] * pad_c)
             query_valid.append([True] * len(q) + [False] * pad_q)
+            groups = [p // r.block_size for p in qp] if self.family == "bd3lm" else [0] * len(qp)
+            query_groups.append(groups + [0] * pad_q)
 
         def tensor(values, dtype=torch.long):
             return torch.tensor(values, dtype=dtype, device=device).view(len(self.rows), -1)
@@ -279,6 +296,7 @@ class MaskedDiffusionSampler:
             tensor(commit_valid, torch.bool),
             tensor(commit_groups),
             tensor(query_valid, torch.bool),
+            tensor(query_groups),
         )
 
     @torch.inference_mode()
@@ -290,10 +308,10 @@ class MaskedDiffusionSampler:
             return finished
         t0 = time.perf_counter()
         device = next(iter(self.model.parameters())).device
-        tokens, positions, commit_valid, commit_groups, query_valid = self._step_inputs(device)
+        tokens, positions, commit_valid, commit_groups, query_valid, query_groups = self._step_inputs(device)
         num_commit = commit_valid.shape[1]
         cache = self._cache if self.family == "bd3lm" else BlockKVCache(self.model.cache_spec(), len(self.rows), 0)
-        cache.begin_step(commit_valid, commit_groups, query_valid)
+        cache.begin_step(commit_valid, commit_groups, query_valid, query_groups)
         t_model = time.perf_counter()
         logits = self.model.step(tokens, positions, cache, num_commit, commit_valid)  # advances the cache
         self.metrics.forward_s += time.perf_counter() - t_model
@@ -364,7 +382,7 @@ class MaskedDiffusionSampler:
     def _block_done(self, r: _Row) -> None:
         start, end = r.block
         r.blocks.pop(0)
-        r.stop_end = _stop_end(r.canvas, r.prompt_len, end, r.request.cfg)
+        r.stop_end = _stop_end(r.canvas, r.prompt_len, min(end, r.end), r.request.cfg)
         while r.blocks and self.mask_token_id not in r.canvas[slice(*r.block)]:  # nothing to decode there
             r.blocks.pop(0)
         if self.family == "bd3lm" and r.blocks and r.stop_end is None:
@@ -380,7 +398,7 @@ class MaskedDiffusionSampler:
         for r in self.rows:
             if keys is not None and r.request.key not in keys:
                 continue
-            tail = r.canvas[r.prompt_len :]
+            tail = r.canvas[r.prompt_len : r.end]
             upto = next((i for i, t in enumerate(tail) if t == self.mask_token_id), len(tail))
             if upto > r.reported:
                 out.append(Progress(r.request.key, tail[r.reported : upto]))
@@ -394,7 +412,7 @@ class MaskedDiffusionSampler:
         for i in index:
             r = self.rows[i]
             self._cancelled.discard(r.request.key)
-            end = r.stop_end if r.stop_end is not None else len(r.canvas)
+            end = r.stop_end if r.stop_end is not None else r.end
             kept = [t for t in r.canvas[:end] if t != self.mask_token_id]  # undecided positions dropped
             finish = reason if reason == "cancelled" else ("stop" if r.stop_end is not None else "length")
             out.append(

@@ -134,6 +134,8 @@ def _auto_name(given: dict[str, Any]) -> str:
             parts.append("fill" if value else "span")
         elif key == "cache_infill_input":
             parts.append("cache" if value else "nocache")
+        elif key == "align_inputs_to_blocks":
+            parts.append("aligned" if value else "unaligned")
         else:
             parts.append(f"{short[key]}{'off' if value is None else format(value, 'g')}")
     name = "-".join(parts) or "default"

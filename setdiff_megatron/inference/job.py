@@ -122,6 +122,11 @@ def run_sample_job(job: SampleJob) -> DecodingConfig:
         # Not BD3-LM, or nothing to infill: the setting cannot act, so the job records it off and
         # matches jobs of the same prompts and model saved without it (BD3-LM's policy holds it on).
         decoding = replace(decoding, cache_infill_input=False)
+    if not decoding.align_inputs_to_blocks and (
+        sm.family not in ("mdlm", "bd3lm") or all(sm.tokenizer.mask_id in ids for ids in encoded)
+    ):
+        # Set diffusion, or infilling only: the baselines' block placement cannot act, recorded on.
+        decoding = replace(decoding, align_inputs_to_blocks=True)
     for record, ids in zip(records, encoded):
         problem = sampler.request_problem(ids, decoding)
         if problem:

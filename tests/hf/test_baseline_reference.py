@@ -72,26 +72,32 @@ def test_training_rows_as_the_reference_computes_them(release):
     assert abs(rows.mean().item() - losses["train"]["loss"]) < 1e-5
 
 
+def _follows(sampler, decode: dict) -> None:
+    """Our greedy decode under the fixture's settings: the reference's tokens (cut to the request
+    where the reference's MDLM decodes its last block whole), the positions decided at every
+    step, its NFE, backbone forwards (the prefill included) and tokens per step."""
+    kwargs = decode["generation_config"]["kwargs"]
+    cfg = DecodingConfig(
+        block_size=kwargs["block_size"],
+        window=kwargs["block_size"],
+        threshold=None if decode["threshold"] >= 1 else decode["threshold"],
+        max_new_tokens=decode["max_new_tokens"],
+        align_inputs_to_blocks=kwargs["align_inputs_to_blocks"],
+    )
+    row = sampler.generate([decode["prompt"]], cfg, trace=True).rows[0]
+    assert row.tokens == decode["tokens"][: len(decode["prompt"]) + decode["max_new_tokens"]]
+    assert [[list(p) for p in s.decoded] for s in row.trace] == [s["decoded"] for s in decode["steps"]]
+    assert (row.steps, row.nfe) == (decode["nfe"], decode["backbone_forwards"])
+    assert row.tokens_per_step == pytest.approx(decode["parallelism_factor"])
+
+
 def test_greedy_decodes_follow_the_reference_traces(release):
     family, ref, sm = release
     sampler = sm.sampler()
     fitting = [d for d in ref["decode"] if len(d["prompt"]) + d["max_new_tokens"] <= sm.trained_length]
     assert len(fitting) == 2
     for decode in fitting:
-        kwargs = decode["generation_config"]["kwargs"]
-        threshold = None if decode["threshold"] >= 1 else decode["threshold"]
-        cfg = DecodingConfig(
-            block_size=kwargs["block_size"],
-            window=kwargs["block_size"],
-            threshold=threshold,
-            max_new_tokens=decode["max_new_tokens"],
-        )
-        row = sampler.generate([decode["prompt"]], cfg, trace=True).rows[0]
-        assert row.tokens == decode["tokens"]
-        assert [[list(p) for p in s.decoded] for s in row.trace] == [s["decoded"] for s in decode["steps"]]
-        # the reference's NFE counts decode steps; its backbone forwards include the prefill
-        assert (row.steps, row.nfe) == (decode["nfe"], decode["backbone_forwards"])
-        assert row.tokens_per_step == pytest.approx(decode["parallelism_factor"])
+        _follows(sampler, decode)
     long = next(d for d in ref["decode"] if d not in fitting)
     assert "longer than the context" in sampler.request_problem(
         long["prompt"], DecodingConfig(block_size=4, max_new_tokens=long["max_new_tokens"])
@@ -117,3 +123,16 @@ def test_bd3lm_infills_follow_the_reference_traces():
             [infill["prompt"]], DecodingConfig(block_size=4, window=4, threshold=threshold, max_new_tokens=0)
         )
         assert plain.rows[0].tokens != row.tokens  # without the cache the right context is never seen
+
+
+def test_unaligned_decodes_follow_the_reference_traces(release):
+    """align_inputs_to_blocks false, as the paper's throughput scripts decode: the first block at
+    the prompt's end (P = 5, not a multiple of either family's block; P = 8, one), BD3-LM with the
+    whole prompt prefilled and its blocks straddling two of the model's, and a request that is not
+    a whole number of blocks (18 new tokens: MDLM's reference decodes 24 and returns them all)."""
+    family, ref, sm = release
+    sampler = sm.sampler()
+    assert len(ref["decode_unaligned"]) == 6
+    for decode in ref["decode_unaligned"]:
+        assert decode["generation_config"]["kwargs"]["align_inputs_to_blocks"] is False
+        _follows(sampler, decode)
