@@ -54,10 +54,17 @@ class Rotary(nn.Module):
 
 
 def apply_rotary(x_BSHD: torch.Tensor, cos_BSd: torch.Tensor, sin_BSd: torch.Tensor) -> torch.Tensor:
-    """Rotate-half convention (HF Llama): pairs are (i, i + D/2)."""
-    x1, x2 = x_BSHD.float().chunk(2, dim=-1)
-    cos, sin = cos_BSd[:, :, None], sin_BSd[:, :, None]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x_BSHD)
+    """Rotate-half convention (HF Llama): pairs are (i, i + D/2), in float32."""
+    x1, x2 = _as_float32(x_BSHD).chunk(2, dim=-1)
+    cos, sin = cos_BSd.unsqueeze(2), sin_BSd.unsqueeze(2)
+    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return out if out.dtype == x_BSHD.dtype else out.to(x_BSHD.dtype)
+
+
+def _as_float32(x: torch.Tensor) -> torch.Tensor:
+    """x in float32, without a cast where it already is one (a decode step at batch 1 is mostly
+    the dispatch of small ops: benchmarks/PERFORMANCE.md, "Against the reference")."""
+    return x if x.dtype == torch.float32 else x.float()
 
 
 class LayerNorm(nn.LayerNorm):
@@ -68,7 +75,8 @@ class LayerNorm(nn.LayerNorm):
         super().__init__(hidden_size, eps=eps, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x.float(), self.normalized_shape, self.weight.float(), None, self.eps).type_as(x)
+        out = F.layer_norm(_as_float32(x), self.normalized_shape, _as_float32(self.weight), None, self.eps)
+        return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
@@ -103,12 +111,15 @@ class Attention(nn.Module):
         """Outputs of tokens first_row.. only; every token still contributes its key and value."""
         b, s, _ = x_BSE.shape
         rows = s - first_row
-        q = self.q_proj(x_BSE[:, first_row:]).view(b, rows, self.num_heads, self.head_dim)
+        q = self.q_proj(x_BSE[:, first_row:] if first_row else x_BSE).view(b, rows, self.num_heads, self.head_dim)
         k = self.k_proj(x_BSE).view(b, s, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x_BSE).view(b, s, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos[:, first_row:], sin[:, first_row:]), apply_rotary(k, cos, sin)
+        if first_row == 0:  # one rotation of q and k side by side (the same positions): half the small ops
+            q, k = apply_rotary(torch.cat([q, k], 2), cos, sin).split([self.num_heads, self.num_kv_heads], 2)
+        else:
+            q, k = apply_rotary(q, cos[:, first_row:], sin[:, first_row:]), apply_rotary(k, cos, sin)
         out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.o_proj(out.transpose(1, 2).reshape(b, rows, -1))
 
@@ -127,7 +138,9 @@ class Block(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend, first_row: int = 0
     ) -> torch.Tensor:
         """The hidden states of tokens first_row.. (the last layer skips the rows nobody reads)."""
-        x = x[:, first_row:] + self.self_attn(self.input_layernorm(x), cos, sin, attend, first_row)
+        x = (x[:, first_row:] if first_row else x) + self.self_attn(
+            self.input_layernorm(x), cos, sin, attend, first_row
+        )
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

@@ -180,11 +180,12 @@ def test_the_baselines_run_through_the_pipeline(tmp_path):
     assert "| BD3-LM (block 4) | b4-t0.9 | - | 0.9 |" in text and "measured in one invocation" in text
 
 
-@pytest.mark.slow  # 2 to 3 minutes on 2 shared cores (2026-12-05): six models trained and infilled
+@pytest.mark.slow  # about a minute on 2 cores: six models trained and infilled, one seed (the seeds' handling
+# is test_over_seeds_every_model_trains_per_seed_and_reports_mean_and_spread's)
 def test_the_infill_setting_runs_through_the_pipeline(tmp_path):
     """Every infill model trains on the chains, infills them with its context, and the rules'
     figures, per-level scores and speeds reach the results."""
-    argv = ["--setting", "infill", "--steps", "2", "--infill-per-level", "2", "--seeds", "1,2"]
+    argv = ["--setting", "infill", "--steps", "2", "--infill-per-level", "2", "--seeds", "1"]
     results = main([*argv, "--out", str(tmp_path / "runs"), "--results", str(tmp_path / "results")])
     assert results["infill_baselines"]["right_context"] == 1.0 and results["infill_baselines"]["examples"] == 10
     contexts = {name: m["infill_chains"]["context"] for name, m in results["models"].items()}
@@ -197,7 +198,7 @@ def test_the_infill_setting_runs_through_the_pipeline(tmp_path):
         and bd3lm["infill_chains_blocks"]["context"] == "blocks"
     )
     for r in [m["infill_chains"] for m in results["models"].values()] + [bd3lm["infill_chains_blocks"]]:
-        assert r["examples"] == 10 and len(r["exact_match_by_seed"]) == 2 and r["tokens_per_s"] > 0
+        assert r["examples"] == 10 and len(r["exact_match_by_seed"]) == 1 and r["tokens_per_s"] > 0
         assert set(r["levels"]) == set(results["infill_baselines"]["by_level"])
     text = (tmp_path / "results" / "results.md").read_text()
     assert "| BD3-LM (block 4) | both, input cached |" in text and "| BD3-LM (block 4), blocks | blocks |" in text
