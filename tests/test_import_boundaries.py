@@ -49,13 +49,14 @@ FRAMEWORKS = {
         "planning/fake_world.py",
         "planning/measure.py",
     },
-    "deepspeed": {"training/engines/deepspeed.py", "sources/deepspeed.py"},
+    "deepspeed": {"training/engines/deepspeed.py", "sources/deepspeed.py", "planning/measure_deepspeed.py"},
 }
 """Where megatron-core and DeepSpeed may be imported (lazily or not): the megatron body and its
 plumbing, the runtime and its CPU layer, the megatron parts of checkpoint/ and data/,
 megatron-core's LR scheduler and optimizer defaults (both engines update alike), each engine, and
 the planner's fake world (megatron-core's groups on a fake process group) and its MoE stand-in;
-DeepSpeed in its engine and in the reader of its checkpoints."""
+DeepSpeed in its engine, in the reader of its checkpoints, and in the planner's stand-ins for
+what fake tensors cannot run in it (its world group, ZeRO-3's host-side check)."""
 CORE_ALLOWED = {"torch", "setdiff_megatron"} | set(sys.stdlib_module_names)
 
 
