@@ -4,10 +4,12 @@ flat buffers, partitions and optimizer state as in training, and the step's micr
 forward and backward through DeepSpeed's gradient hooks (ZeRO-2's reduce bucket, ZeRO-3's
 parameter gathers), all under `LiveBytes`; the optimizer's update is left out, as there.
 
-Two things are stood in for under fake tensors: torch moves a fake parameter by swapping tensors,
-which fake tensors refuse (the fake mode holds weak references to them), so a parameter's data is
-set instead (what torch does for real ones); and the step's loss is scaled by 1 instead of by the
-global batch's token count, which is data (the scale moves no memory).
+What does not run under fake tensors is stood in for: torch moves a fake parameter by swapping
+tensors, which fake tensors refuse (the fake mode holds weak references to them), so a
+parameter's data is set instead (what torch does for real ones); the step's loss is scaled by 1
+instead of by the global batch's token count, which is data (the scale moves no memory); ZeRO-3's
+check that every rank traced the same parameters, which reads ids on the host, passes; and
+DeepSpeed's cached copy of the world group is made again in each fake world.
 """
 
 from __future__ import annotations
@@ -94,8 +96,8 @@ def _fill_state(optimizer: torch.optim.Optimizer) -> None:
 def measure_deepspeed_rank(recipe: Recipe, model_cfg: ModelConfig, *, fake: bool) -> RankMemory:
     """This rank's footprint over one step (a process group of the recipe's world must be up).
     params: the module's parameters as ZeRO holds them on this rank; optimizer: the rest of what
-    `deepspeed.initialize` keeps (fp32 partitions, moments); grads: what the backward leaves
-    (ZeRO's gradient partitions and reduce bucket, or the accumulated gradients)."""
+    `deepspeed.initialize` keeps (fp32 partitions, moments; ZeRO-3's buffers); grads: what the
+    backward leaves (ZeRO's fp32 gradient partition, or whole gradients at ZeRO-0)."""
     from setdiff_megatron.training.engines.deepspeed import DeepSpeedEngine
 
     if recipe.parallel.offload_optimizer:

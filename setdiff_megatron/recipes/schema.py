@@ -417,8 +417,8 @@ class LaunchSection(Section):
     """torchrun restarts of the whole job after a process dies or the hang watchdog ends it; the
     restarted processes resume from the newest complete checkpoint (checkpoint.resume: auto)."""
     check_memory: bool = True
-    """On GPUs, a megatron run whose plan (`setdiff plan`, docs/scaling.md) does not fit the
-    device's memory is refused before any process starts; false launches it anyway."""
+    """On GPUs, a run whose plan (`setdiff plan`, docs/scaling.md; either engine) does not fit
+    the device's memory is refused before any process starts; false launches it anyway."""
     slurm: SlurmSection = Field(default_factory=SlurmSection)
 
     @property
