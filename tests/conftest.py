@@ -1,5 +1,6 @@
 """Shared fixtures: tiny models that build in milliseconds on a CPU, nothing downloaded."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +30,13 @@ def randomized(state_dict: dict[str, torch.Tensor], seed: int = 0) -> dict[str, 
         k: v + 0.1 * torch.randn(v.shape, generator=gen, dtype=v.dtype) if v.dim() == 1 else v
         for k, v in state_dict.items()
     }
+
+
+@pytest.fixture(scope="session", autouse=True)
+def machine_records_in_a_temporary_directory(tmp_path_factory) -> None:
+    """What the code records on the machine (core/step_compiler.py's compile costs) goes to a
+    directory of the test session, for every process the tests start, not to the user's home."""
+    os.environ["SETDIFF_CACHE_DIR"] = str(tmp_path_factory.mktemp("setdiff-cache"))
 
 
 @pytest.fixture

@@ -10,7 +10,10 @@ each replay, which a cache kept at fixed addresses would avoid.
 
 When: compiling costs seconds per bucket on a CPU, so `auto` compiles a bucket only once the
 eager steps of that bucket have taken as long as a compile is expected to take (rent until the
-rent paid equals the price), and a short job never compiles; a bucket whose first JUDGE_AFTER
+rent paid equals the price), and a short job never compiles. The price is measured: the longest
+compile of this process, else the median of the compiles recorded on this machine for this kind
+of device (the last RECORDED of them, in compile_seconds.json under SETDIFF_CACHE_DIR, default
+~/.cache/setdiff_megatron), else COMPILE_COST_S until one is measured; a bucket whose first JUDGE_AFTER
 compiled steps turn out no faster on average than its eager steps goes back to eager steps (a
 bucket compiled before any eager step, under `on` or a warm-up, is kept). `on` compiles every bucket at its
 first step (or ahead: SetSampler.warm_up); `off` never compiles. Compiled graphs live for the process.
@@ -18,10 +21,14 @@ first step (or ahead: SetSampler.warm_up); `off` never compiles. Compiled graphs
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable, Hashable
+from pathlib import Path
 
 import torch
 
@@ -30,7 +37,10 @@ __all__ = ["COMPILE_MODES", "StepCompiler"]
 COMPILE_MODES = ("off", "auto", "on")
 
 COMPILE_COST_S = {"cpu": 10.0, "cuda": 5.0}
-"""What `auto` expects one bucket's compile to cost before it has measured one (seconds)."""
+"""What `auto` expects one bucket's compile to cost before one is measured on the machine (seconds)."""
+
+RECORDED = 16
+"""Compiles of a device kind remembered on the machine: their median is the price `auto` expects."""
 
 JUDGE_AFTER = 8
 """Compiled steps of a bucket after which `auto` compares them with the bucket's eager steps."""
@@ -65,7 +75,10 @@ class StepCompiler:
 
     def expected_cost(self) -> float:
         measured = list(self.compile_s.values())
-        return max(measured) if measured else COMPILE_COST_S.get(self.device.type, 10.0)
+        if measured:
+            return max(measured)
+        recorded = _recorded_costs().get(_device_kind(self.device))
+        return statistics.median(recorded) if recorded else COMPILE_COST_S.get(self.device.type, 10.0)
 
     def wants(self, key: Hashable) -> bool:
         """Whether a step of bucket `key` should run compiled."""
@@ -102,6 +115,7 @@ class StepCompiler:
         if first:
             self.compiled.add(key)
             self.compile_s[key] = time.perf_counter() - start
+            _record_cost(_device_kind(self.device), self.compile_s[key])
             if self.progress is not None:
                 self.progress(
                     f"compiled decode step {len(self.compiled)} (rows, commits, queries, span, capacity "
@@ -129,3 +143,42 @@ class StepCompiler:
             "slower_than_eager": len(self.slower),
             "failed": self.failed,
         }
+
+
+def _costs_file() -> Path:
+    root = os.environ.get("SETDIFF_CACHE_DIR") or Path.home() / ".cache" / "setdiff_megatron"
+    return Path(root) / "compile_seconds.json"
+
+
+def _device_kind(device: torch.device) -> str:
+    """The kind a compile's cost is recorded for: the CPU, or the GPU's name."""
+    return f"cuda:{torch.cuda.get_device_name(device)}" if device.type == "cuda" else device.type
+
+
+def _recorded_costs() -> dict[str, list[float]]:
+    try:
+        costs = json.loads(_costs_file().read_text())
+    except (OSError, ValueError):  # none recorded yet, or unreadable: the assumed cost stands
+        return {}
+    if not isinstance(costs, dict):
+        return {}
+    return {
+        kind: [float(x) for x in times]
+        for kind, times in costs.items()
+        if isinstance(times, list) and all(isinstance(x, int | float) and x >= 0 for x in times)
+    }
+
+
+def _record_cost(kind: str, seconds: float) -> None:
+    """Add a measured compile to the machine's record (written whole, then renamed into place);
+    a cache directory that cannot be written leaves `auto` on its in-process measurements."""
+    costs = _recorded_costs()
+    costs[kind] = [*costs.get(kind, []), round(seconds, 3)][-RECORDED:]
+    path = _costs_file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        partial.write_text(json.dumps(costs, indent=1) + "\n")
+        partial.replace(path)
+    except OSError as error:
+        _log.info("could not record the compile's cost in %s: %s", path, error)

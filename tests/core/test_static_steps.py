@@ -1,5 +1,8 @@
 """Static-shape decoding: packed and bucketed step layouts, compiled steps against eager ones."""
 
+import json
+import time
+
 import pytest
 import torch
 
@@ -7,7 +10,7 @@ from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.core.kv_cache import KVCache
 from setdiff_megatron.core.sample_request import Request
 from setdiff_megatron.core.sampler import SetSampler
-from setdiff_megatron.core.step_compiler import JUDGE_AFTER, StepCompiler
+from setdiff_megatron.core.step_compiler import COMPILE_COST_S, JUDGE_AFTER, StepCompiler
 from setdiff_megatron.core.step_layout import StepLayout, bucket, pack
 from tests.core.test_sampler import MASK, eager_static, random_prompts
 
@@ -116,6 +119,25 @@ def test_auto_compiles_a_bucket_once_its_eager_steps_have_paid_for_it(debug_mode
     assert not compiler.wants(key) and compiler.summary()["slower_than_eager"] == 1
     with pytest.raises(ValueError, match="compile must be one of off, auto, on"):
         StepCompiler(debug_model, "always", torch.device("cpu"))
+
+
+def test_auto_expects_the_compile_cost_measured_on_this_machine(debug_model, monkeypatch, tmp_path):
+    """A compile's seconds are recorded on the machine; a later process's `auto` expects their
+    median before it has compiled anything itself. An unreadable record is the assumed cost."""
+    monkeypatch.setenv("SETDIFF_CACHE_DIR", str(tmp_path))
+    cpu = torch.device("cpu")
+    assert StepCompiler(debug_model, "auto", cpu).expected_cost() == COMPILE_COST_S["cpu"]
+    for pause in (0.02, 0.3, 0.1):  # three processes, each compiling one bucket
+
+        def compiled(self, pause=pause):
+            return lambda *args: time.sleep(pause) or torch.zeros(1)
+
+        monkeypatch.setattr(StepCompiler, "_compile", compiled)
+        StepCompiler(debug_model, "on", cpu).step((1, 1, 4, 64, 64))
+    recorded = json.loads((tmp_path / "compile_seconds.json").read_text())["cpu"]
+    assert len(recorded) == 3 and StepCompiler(debug_model, "auto", cpu).expected_cost() == sorted(recorded)[1]
+    (tmp_path / "compile_seconds.json").write_text('{"cpu": ["fast"]}')
+    assert StepCompiler(debug_model, "auto", cpu).expected_cost() == COMPILE_COST_S["cpu"]
 
 
 def test_a_model_that_does_not_compile_decodes_eagerly(debug_model, monkeypatch):
