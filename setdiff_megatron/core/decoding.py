@@ -68,6 +68,9 @@ class Setting:
     kind: type
     """int, float or bool."""
     help: str
+    short: str | tuple[str, str]
+    """Its part of a sweep point's name: a prefix for the value ('w' makes 'w4', 'toff'), or a
+    bool's two words (true, false)."""
     ge: float | None = None
     gt: float | None = None
     le: float | None = None
@@ -77,6 +80,12 @@ class Setting:
     """What a special value means, said after the range in errors, e.g. '0 = greedy'."""
     openai: str | None = None
     """The OpenAI request field that carries it to the server, when OpenAI has one."""
+
+    def point_name(self, value: Any) -> str:
+        """This setting's part of a sweep point's name for `value`: 'w4', 'toff', 'fill', 'span'."""
+        if self.kind is bool:
+            return self.short[0] if value else self.short[1]
+        return f"{self.short}{'off' if value is None else format(value, 'g')}"
 
     def allowed(self) -> str:
         """The range in words: '>= 1', 'in (0, 1], or None for off', '> 0 (1 = off)'."""
@@ -122,16 +131,20 @@ class DecodingConfig:
         "W: queries come from the masked positions in [leftmost masked, leftmost masked + W); 1 is "
         "autoregressive decoding",
         ge=1,
+        short="w",
     )
     """W >= 1: queries are the masked positions in [leftmost masked, leftmost masked + W) (the
     reference's position span, which out-of-order decoding can shrink to one query)."""
-    fill_window: bool = _setting(False, bool, "offer the W leftmost masked positions, so every step scores W queries")
+    fill_window: bool = _setting(
+        False, bool, "offer the W leftmost masked positions, so every step scores W queries", short=("fill", "span")
+    )
     block_size: int | None = _setting(
         None,
         int,
         "block diffusion decoding: queries stay in the block of S positions holding the leftmost masked one",
         ge=1,
         off=True,
+        short="b",
     )
     """Block diffusion (BD3-LM) decoding: queries never pass the end of the block (positions
     [j*S, (j+1)*S), counted from the canvas start) that holds the leftmost masked position, so a
@@ -141,6 +154,7 @@ class DecodingConfig:
         bool,
         "BD3-LM infilling as the reference's: cache the input's whole blocks (right context and MASKs too) and "
         "decode the span's blocks after them",
+        short=("cache", "nocache"),
     )
     """BD3-LM only (core/masked_sampler.py): its blocks never see later ones, so the reference's
     infill caches the input's whole blocks of S (MASKs and right context included) as clean blocks
@@ -152,24 +166,41 @@ class DecodingConfig:
         bool,
         "MDLM and BD3-LM generation: start the first block at the prompt's end rounded down to a multiple of "
         "the block size (false: at the prompt's end, the whole prompt prefilled, as the paper's throughput runs)",
+        short=("aligned", "unaligned"),
     )
     """MDLM and BD3-LM generation (core/masked_sampler.py), the reference's setting of that name:
     true starts the first block at floor(P / S) * S, so the prompt's tail shares it; false starts
     it at the prompt's end P, BD3-LM prefilling the whole prompt. Infilling prompts stay aligned,
     as the reference's infilling runs are; set diffusion ignores it (a sample job records it on)."""
-    tokens_per_step: int = _setting(1, int, "k: decode the k most confident queries each step", ge=1)
+    tokens_per_step: int = _setting(1, int, "k: decode the k most confident queries each step", ge=1, short="k")
     threshold: float | None = _setting(
-        None, float, "tau: also decode every query at least this confident", gt=0, le=1, off=True
+        None, float, "tau: also decode every query at least this confident", gt=0, le=1, off=True, short="t"
     )
     """tau in (0, 1]: also decode every query whose confidence is >= tau. None: off (the
     reference's 1e6)."""
-    temperature: float = _setting(0.0, float, "0: greedy; > 0 samples", ge=0, note="0 = greedy", openai="temperature")
-    top_k: int | None = _setting(None, int, "keep only the k most probable tokens of each query", ge=1, off=True)
+    temperature: float = _setting(
+        0.0, float, "0: greedy; > 0 samples", ge=0, note="0 = greedy", openai="temperature", short="temp"
+    )
+    top_k: int | None = _setting(
+        None, int, "keep only the k most probable tokens of each query", ge=1, off=True, short="topk"
+    )
     top_p: float | None = _setting(
-        None, float, "nucleus: keep the most probable tokens up to this mass", gt=0, le=1, off=True, openai="top_p"
+        None,
+        float,
+        "nucleus: keep the most probable tokens up to this mass",
+        gt=0,
+        le=1,
+        off=True,
+        openai="top_p",
+        short="topp",
     )
     repetition_penalty: float = _setting(
-        1.0, float, "divide positive logits of tokens already in the row by it (HF rule)", gt=0, note="1 = off"
+        1.0,
+        float,
+        "divide positive logits of tokens already in the row by it (HF rule)",
+        gt=0,
+        note="1 = off",
+        short="rep",
     )
     """> 0; HF rule: logits of tokens present in the row (prompt, right context and decoded
     tokens) are divided by it where positive and multiplied where negative. 1: off."""
@@ -177,9 +208,9 @@ class DecodingConfig:
     stop_sequences: tuple[tuple[int, ...], ...] = ()
     """Token-id sequences that end a completion (matched in the generated tail only)."""
     max_new_tokens: int = _setting(
-        128, int, "generated tail per prompt (0: infill the prompt's masks only)", ge=0, openai="max_tokens"
+        128, int, "generated tail per prompt (0: infill the prompt's masks only)", ge=0, openai="max_tokens", short="n"
     )
-    seed: int = _setting(0, int, "seeds sampled decoding (greedy decoding draws nothing)", openai="seed")
+    seed: int = _setting(0, int, "seeds sampled decoding (greedy decoding draws nothing)", openai="seed", short="seed")
 
     def __post_init__(self) -> None:
         for setting in SETTINGS.values():

@@ -31,6 +31,7 @@ from pydantic import (
     ValidationError,
 )
 
+from setdiff_megatron.core.decoding import SETTINGS
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.evaluation.records import WandbConfig, check_wandb, log_to_wandb, write_jsonl
 from setdiff_megatron.evaluation.tasks import GenerateJob, read_tasks, run_generate_job
@@ -116,29 +117,9 @@ def load_spec(path: str | Path) -> SweepSpec:
 
 
 def _auto_name(given: dict[str, Any]) -> str:
-    short = {
-        "window": "w",
-        "block_size": "b",
-        "tokens_per_step": "k",
-        "threshold": "t",
-        "temperature": "temp",
-        "top_k": "topk",
-        "top_p": "topp",
-        "repetition_penalty": "rep",
-        "max_new_tokens": "n",
-        "seed": "seed",
-    }
-    parts = []
-    for key, value in given.items():
-        if key == "fill_window":
-            parts.append("fill" if value else "span")
-        elif key == "cache_infill_input":
-            parts.append("cache" if value else "nocache")
-        elif key == "align_inputs_to_blocks":
-            parts.append("aligned" if value else "unaligned")
-        else:
-            parts.append(f"{short[key]}{'off' if value is None else format(value, 'g')}")
-    name = "-".join(parts) or "default"
+    """A point's name from its settings' short names (core/decoding.py `Setting.short`): 'w4-t0.9';
+    AR decoding's window of 1 reads 'ar'."""
+    name = "-".join(SETTINGS[key].point_name(value) for key, value in given.items()) or "default"
     return "ar" + name[2:] if name == "w1" or name.startswith("w1-") else name
 
 

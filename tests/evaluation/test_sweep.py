@@ -102,6 +102,22 @@ def test_pareto_front():
     assert pareto_front(speed, score) == [0, 1, 2]  # 3 is beaten by 1, 4 by 0
 
 
+def test_a_grid_over_every_setting_names_each_point_by_its_settings():
+    """Each decoding setting names its part of a point (core/decoding.py `Setting.short`): a
+    setting added there is named in sweeps too, and no two points share a name."""
+    from setdiff_megatron.core.decoding import SETTINGS, DecodingConfig
+    from setdiff_megatron.evaluation.sweep import SweepSpec, expand_points
+
+    default = DecodingConfig()
+    other = {bool: lambda v: not v, int: lambda v: 2 if v != 2 else 3, float: lambda v: 0.5 if v != 0.5 else 0.25}
+    grid = {key: [getattr(default, key), other[s.kind](getattr(default, key))] for key, s in SETTINGS.items()}
+    names = [p.name for p in expand_points(SweepSpec.model_validate({**BASE, "points": [], "grid": grid}))]
+    assert len(names) == len(set(names)) == 2 ** len(SETTINGS)
+    assert {"w16", "toff", "fill", "span", "unaligned", "aligned", "cache", "nocache"} <= set(
+        "-".join(names).split("-")
+    )
+
+
 def test_the_example_spec_loads():
     spec = load_spec(EXAMPLE)
     assert spec.metric == "rouge" and (EXAMPLE.parents[2] / spec.task).is_file()
