@@ -60,6 +60,8 @@ def _points(rows: list[dict]) -> list[dict]:
             "window": r["decoding"]["window"],
             "threshold": r["decoding"]["threshold"],
             "block_size": r["decoding"]["block_size"],
+            # A point scored before the setting existed was decoded aligned.
+            "align_inputs_to_blocks": r["decoding"].get("align_inputs_to_blocks", True),
             "accuracy": r["score"],
             "tokens_per_step": r["tokens_per_step"],
             "tokens_per_s": r["tokens_per_s"],

@@ -193,6 +193,7 @@ def _math_rows(setting: str, results: dict | None) -> list[Row]:
                 why = f"these results hold no {' and no '.join(absent)} model"
                 rows.append(_unmeasured(claim, MATH_PAPER, here, "not run yet", why))
                 continue
+            here += "; " + _protocol(models, families)
             sd, base = best_point(models, SET_DIFFUSION, floor), best_point(models, families, floor)
             if sd is None or base is None:
                 missing = "set diffusion" if sd is None else name
@@ -213,6 +214,22 @@ def _math_rows(setting: str, results: dict | None) -> list[Row]:
                 )
             )
     return rows
+
+
+def _protocol(models: dict, families: tuple[str, ...]) -> str:
+    """How the baselines' blocks were placed (DecodingConfig.align_inputs_to_blocks, recorded with
+    each point): a point that does not record it was decoded before the setting existed, aligned."""
+    unaligned = {
+        p.get("align_inputs_to_blocks") is False
+        for m in models.values()
+        if m["family"] in families
+        for p in m["points"]
+    }
+    if unaligned == {True}:
+        return "baseline blocks from the prompt's end (unaligned, as the paper's throughput scripts)"
+    if unaligned == {False}:
+        return "baseline blocks aligned to multiples of the block size (not the paper's unaligned throughput protocol)"
+    return "baseline blocks aligned and unaligned (each point's protocol in the setting's results)"
 
 
 NOT_TESTED = (

@@ -129,7 +129,19 @@ def test_the_claims_table_of_made_up_settings():
     falling = claim_rows({"budget": _budget(0.95, 0.80, losses=(0.09, 0.064))})[-1]  # as d = 4 at 1,600
     assert falling.verdict == "inconclusive" and "still fell 29% over its last quarter" in falling.why
     assert "0.700 ± 0.010 (d=4, w4-t0.9, 2.60 tokens/step, 260 tokens/s)" in rows[0].measured
-    assert rows[0].here.endswith("best at >= 1.5 tokens/step of d=4, MDLM")  # the models compared, no others
+    # the models compared, no others, and how the baselines' blocks were placed (recorded with no point here)
+    assert rows[0].here.endswith(
+        "best at >= 1.5 tokens/step of d=4, MDLM; baseline blocks aligned to multiples of the "
+        "block size (not the paper's unaligned throughput protocol)"
+    )
+    unaligned = {
+        **MATH,
+        "models": {
+            k: {**m, "points": [p | {"align_inputs_to_blocks": False} for p in m["points"]]}
+            for k, m in MATH["models"].items()
+        },
+    }
+    assert claim_rows({"supervised": unaligned})[0].here.endswith("(unaligned, as the paper's throughput scripts)")
 
 
 def test_the_stronger_of_bd3lm_s_infill_contexts_is_the_baseline():
