@@ -5,6 +5,7 @@ the fastest layout of the same GPUs that fits (`launch.check_memory: false` goes
 from __future__ import annotations
 
 import multiprocessing
+import os
 from concurrent.futures import ProcessPoolExecutor
 
 from setdiff_megatron.errors import UserError
@@ -37,7 +38,8 @@ def launch_plan(recipe: Recipe, *, has_gpu: bool | None = None, gpu: Device | No
     """The plan's summary for a GPU run (None for a CPU run), or a one-line refusal where the GPUs
     are here (`has_gpu`, detected by default) and it does not fit. `gpu`: the device planned for
     (default `this_device()`). Planned in a child process: the fake world's process group, megatron's
-    groups and DeepSpeed's accelerator (its CPU one) must not stay behind in a process that trains next."""
+    groups and DeepSpeed's accelerator (its CPU one) must not stay behind in a process that trains next;
+    the child exits with this process, however that one ends."""
     import torch
 
     has_gpu = torch.cuda.is_available() if has_gpu is None else has_gpu
@@ -45,7 +47,10 @@ def launch_plan(recipe: Recipe, *, has_gpu: bool | None = None, gpu: Device | No
     if not on_gpu:
         return None
     gpu, note = (gpu, "") if gpu is not None else this_device()
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as child:
+    from setdiff_megatron.distributed.offspring import exit_with_parent
+
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(1, mp_context=spawn, initializer=exit_with_parent, initargs=(os.getpid(),)) as child:
         return child.submit(_summary_or_refusal, recipe, has_gpu, gpu).result() + note
 
 

@@ -4,10 +4,14 @@ command answers bad input in one line."""
 
 import dataclasses
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 ROOT = Path(__file__).parents[2]
@@ -129,3 +133,28 @@ def test_a_deepspeed_gpu_launch_is_planned_as_deepspeed_builds_it():
     )
     line = launch_plan(recipe, has_gpu=False)
     assert line.startswith("plan: 2 x H100 SXM 80GB, DP2 x ZeRO-2: peak 2.0 GiB") and "fits" in line, line
+
+
+DOOR = """
+from setdiff_megatron.planning.door import launch_plan
+from tests.planning.test_plan import tiny_gpu_recipe
+
+if __name__ == "__main__":
+    print(launch_plan(tiny_gpu_recipe("model.num_layers=48", "model.hidden_size=512"), has_gpu=False))
+"""
+
+
+@pytest.mark.slow  # about 15 s: a planning child process started, its parent SIGKILLed
+def test_the_planning_child_ends_with_a_killed_parent(tmp_path):
+    script = tmp_path / "door.py"
+    script.write_text(DOOR)
+    parent = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    deadline = time.monotonic() + 120
+    while not (children := psutil.Process(parent.pid).children()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert children, "the door started no planning process"
+    time.sleep(2)  # the child is planning
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    gone, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, [p.cmdline() for p in alive]
