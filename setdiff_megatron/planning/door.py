@@ -8,6 +8,7 @@ import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
 
+from setdiff_megatron.distributed.offspring import exit_with_parent
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.planning.devices import DEVICES, Device, device
 from setdiff_megatron.recipes.schema import Recipe
@@ -47,8 +48,6 @@ def launch_plan(recipe: Recipe, *, has_gpu: bool | None = None, gpu: Device | No
     if not on_gpu:
         return None
     gpu, note = (gpu, "") if gpu is not None else this_device()
-    from setdiff_megatron.distributed.offspring import exit_with_parent
-
     spawn = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(1, mp_context=spawn, initializer=exit_with_parent, initargs=(os.getpid(),)) as child:
         return child.submit(_summary_or_refusal, recipe, has_gpu, gpu).result() + note

@@ -3,8 +3,8 @@ would hold at least, counted the same way for real tensors (a run on this machin
 ones (the plan of a run on GPUs that are not here).
 
 Every tensor an operator returns is looked at once: its storage, if new, is counted until it is
-freed (meta tensors, shapes without memory, are not). Storages made before the tracker starts are not counted; the planner builds everything
-under it.
+freed (meta tensors, shapes without memory, are not). Storages made before the tracker starts are
+not counted; the planner builds everything under it.
 """
 
 from __future__ import annotations

@@ -78,26 +78,12 @@ def _torch_optimizer(optimizer) -> torch.optim.Optimizer:
     return optimizer
 
 
-def _fill_state(optimizer: torch.optim.Optimizer) -> None:
-    """The state the first update would create (DeepSpeed creates it at ZeRO 1-3; torch's
-    optimizers on their first step): Adam's moments, SGD's momentum."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            state = optimizer.state[p]
-            if state:
-                continue
-            if isinstance(optimizer, torch.optim.SGD):
-                if group["momentum"]:
-                    state["momentum_buffer"] = torch.zeros_like(p)
-            else:
-                state.update(step=torch.zeros(()), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
-
-
 def measure_deepspeed_rank(recipe: Recipe, model_cfg: ModelConfig, *, fake: bool) -> RankMemory:
     """This rank's footprint over one step (a process group of the recipe's world must be up).
     params: the module's parameters as ZeRO holds them on this rank; optimizer: the rest of what
     `deepspeed.initialize` keeps (fp32 partitions, moments; ZeRO-3's buffers); grads: what the
     backward leaves (ZeRO's fp32 gradient partition, or whole gradients at ZeRO-0)."""
+    from setdiff_megatron.training.engines.base import fill_torch_optimizer_state
     from setdiff_megatron.training.engines.deepspeed import DeepSpeedEngine
 
     if recipe.parallel.offload_optimizer:
@@ -115,7 +101,7 @@ def measure_deepspeed_rank(recipe: Recipe, model_cfg: ModelConfig, *, fake: bool
             batch = _held_as_fake(batch, mode)
         engine.build(model_cfg, total_steps=1)
         wrapped = engine.engine  # deepspeed.initialize
-        _fill_state(_torch_optimizer(wrapped.optimizer))
+        fill_torch_optimizer_state(_torch_optimizer(wrapped.optimizer))  # DeepSpeed fills it at ZeRO 1-3
         # ZeRO-1/2 parameters are views of one flat buffer; ZeRO-3 keeps each one's shard in ds_tensor.
         held = [getattr(p, "ds_tensor", p).untyped_storage() for p in wrapped.module.parameters()]
         params = sum({id(s): s.nbytes() for s in held}.values())

@@ -20,7 +20,7 @@ from setdiff_megatron.checkpoint.resolve import Resumed
 from setdiff_megatron.core.streams import TwoStreamBatch
 from setdiff_megatron.models.config import ModelConfig
 
-__all__ = ["Engine", "StepOutcome", "evaluating"]
+__all__ = ["Engine", "StepOutcome", "evaluating", "fill_torch_optimizer_state"]
 
 
 @contextmanager
@@ -105,3 +105,19 @@ class Engine(Protocol):
     def load(self, resumed: Resumed) -> None:
         """Collective: restore weights, optimizer, scheduler, RNG and the average of the weights,
         or refuse with the reason."""
+
+
+def fill_torch_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """The state a torch optimizer's first update would create, for every parameter that lacks
+    it: Adam's step and moments, SGD's momentum. A sharded load fills existing tensors in place
+    (megatron engine), and setdiff plan counts the state before any update (planning/)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if isinstance(optimizer, torch.optim.SGD):
+                if group["momentum"] and "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p.data)
+            elif "exp_avg" not in state:
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p.data)
+                state["exp_avg_sq"] = torch.zeros_like(p.data)

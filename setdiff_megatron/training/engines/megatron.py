@@ -46,7 +46,7 @@ from setdiff_megatron.models.lora import is_adapter_key, load_weights
 from setdiff_megatron.recipes import Recipe
 from setdiff_megatron.training import lr_schedule
 from setdiff_megatron.training.ema import Share, WeightAverage, ema_to_load
-from setdiff_megatron.training.engines.base import StepOutcome, evaluating
+from setdiff_megatron.training.engines.base import StepOutcome, evaluating, fill_torch_optimizer_state
 from setdiff_megatron.training.engines.rng import host_rng_state, set_host_rng_state
 from setdiff_megatron.training.expert_load import ExpertLoad
 from setdiff_megatron.training.objective import Objective
@@ -511,14 +511,7 @@ def fill_optimizer_state(optimizer) -> None:
     existing tensors in place, and megatron's own init leaves `step` out
     (docs/megatron-on-cpu.md, "Around the layer")."""
     for opt in _adam_optimizers(optimizer):
-        inner = opt.optimizer
-        for group in inner.param_groups:
-            for p in group["params"]:
-                st = inner.state[p]
-                if "exp_avg" not in st:
-                    st["step"] = torch.zeros((), dtype=torch.float32)
-                    st["exp_avg"] = torch.zeros_like(p.data)
-                    st["exp_avg_sq"] = torch.zeros_like(p.data)
+        fill_torch_optimizer_state(opt.optimizer)
 
 
 def _restore_adam_steps(optimizer) -> None:
