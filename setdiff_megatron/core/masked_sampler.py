@@ -260,10 +260,11 @@ class MaskedDiffusionSampler:
     # ----------------------------------------------------------------------------------------
     # a step
 
-    def _step_inputs(self, device) -> tuple[torch.Tensor, ...]:
+    def _step_inputs(self, device) -> tuple[torch.Tensor | None, ...]:
         """(tokens, positions, commit_valid, commit_groups, query_valid, query_groups) [R, T] of the
         live rows: each row's pending commits then its queries, padded; BD3-LM's cache rows in row
-        order. A query's group is its model position // S (MDLM: one group)."""
+        order. A query's group is its model position // S (BD3-LM); MDLM's window is one group
+        (None: no group mask to build over its whole canvas)."""
         mask = self.mask_token_id
         commits = [r.pending for r in self.rows]
         if self.family == "mdlm":  # the whole canvas, padded with MASKs to the context length
@@ -284,8 +285,7 @@ class MaskedDiffusionSampler:
             commit_valid.append([True] * len(c) + [False] * pad_c)
             commit_groups.append([g for _, _, g in c] + [0] * pad_c)
             query_valid.append([True] * len(q) + [False] * pad_q)
-            groups = [p // r.block_size for p in qp] if self.family == "bd3lm" else [0] * len(qp)
-            query_groups.append(groups + [0] * pad_q)
+            query_groups.append([p // r.block_size for p in qp] + [0] * pad_q)
 
         def tensor(values, dtype=torch.long):
             return torch.tensor(values, dtype=dtype, device=device).view(len(self.rows), -1)
@@ -296,7 +296,7 @@ class MaskedDiffusionSampler:
             tensor(commit_valid, torch.bool),
             tensor(commit_groups),
             tensor(query_valid, torch.bool),
-            tensor(query_groups),
+            tensor(query_groups) if self.family == "bd3lm" else None,
         )
 
     @torch.inference_mode()
