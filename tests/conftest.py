@@ -23,11 +23,12 @@ def dit_config(**changes) -> ModelConfig:
 
 
 def randomized(state_dict: dict[str, torch.Tensor], seed: int = 0) -> dict[str, torch.Tensor]:
-    """`state_dict` with its 1-D tensors (norm weights, biases) drawn at random: a fresh model's
-    ones and zeros would hide a bias or norm mapped to the wrong place."""
+    """`state_dict` with its 1-D tensors (norm weights, biases) and its all-zero ones (adaLN's
+    modulations) drawn at random: a fresh model's ones and zeros would hide a bias, norm or
+    modulation mapped to the wrong place."""
     gen = torch.Generator().manual_seed(seed)
     return {
-        k: v + 0.1 * torch.randn(v.shape, generator=gen, dtype=v.dtype) if v.dim() == 1 else v
+        k: v + 0.1 * torch.randn(v.shape, generator=gen, dtype=v.dtype) if v.dim() == 1 or not v.any() else v
         for k, v in state_dict.items()
     }
 

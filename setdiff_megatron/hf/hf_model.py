@@ -39,6 +39,7 @@ from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.core.sample_output import SampleOutput
 from setdiff_megatron.core.samplers import sampler_for
 from setdiff_megatron.hf.configuration_setdiff import SetDiffConfig
+from setdiff_megatron.models.adaln import Modulation, TimestepEmbedding
 from setdiff_megatron.models.torch_model import Rotary, SetDiffusionTransformer
 from setdiff_megatron.sources.hf_config import (
     decoding_config_from_generation,
@@ -71,6 +72,8 @@ class SetDiffPreTrainedModel(PreTrainedModel):
         cfg = model_config_from_hf_config(self.config.to_dict())
         if isinstance(module, Rotary):  # a non-persistent buffer: recomputed, never loaded
             module.inv_freq.copy_(Rotary(cfg.head_dim, cfg.rope_theta).inv_freq)
+        elif isinstance(module, (Modulation, TimestepEmbedding)):  # adaLN's own initialisation
+            module.reset_parameters()
         elif isinstance(module, (nn.Linear, nn.Embedding)):
             module.weight.normal_(0.0, cfg.init_std)
             if getattr(module, "bias", None) is not None:

@@ -65,9 +65,13 @@ def import_from_hf(
         ]
         if source.recipe is not None:
             m = source.recipe.method
+            if m.family == "set_diffusion":
+                method = f"staggered order d = {m.d}, m = {m.m}"
+            else:
+                method = m.family + (f" in blocks of {m.block_size}" if m.block_size else "")
             report.lines.append(
                 f"evaluation settings recorded in its recipe: L = {source.recipe.data.seq_len}, "
-                f"staggered order d = {m.d}, m = {m.m}, clean BOS {m.keep_clean_bos}"
+                f"{method}, clean BOS {m.keep_clean_bos}"
             )
         report.lines += source.notes + [c.line() for c in comparisons]
         if check and not report.ok:

@@ -68,6 +68,12 @@ class ModelConfig:
     tie_embeddings: bool = True
     output_bias: bool = False
     """A bias on the output layer, which must then be untied (the DiT's)."""
+    adaln: bool = False
+    """The reference DiT's adaLN (its LM1B MDLM and BD3-LM): a learned shift and scale after every
+    norm and a gate on every residual branch, computed from the timestep embedding of t = 0 that
+    the reference always passes (models/adaln.py; docs/dit.md)."""
+    adaln_cond_dim: int = 128
+    """Width of the adaLN conditioning vector (the reference DiT's cond_dim)."""
     attention_impl: str = "fused"
     """Set-causal attention: 'fused' (default; the decomposition on PyTorch's flash kernels), 'auto'
     (the best this machine has per device and dtype, logged once), 'te' (Transformer Engine cuDNN,
@@ -137,6 +143,11 @@ class ModelConfig:
             raise ValueError(f"mask_token_id must lie in [0, vocab_size={self.vocab_size}); got {self.mask_token_id}")
         if self.attention_impl not in ATTENTION_IMPL_NAMES:
             raise ValueError(f"attention_impl must be one of {list(ATTENTION_IMPL_NAMES)}; got {self.attention_impl!r}")
+        if self.adaln and (self.num_experts or self.norm != "layernorm" or self.adaln_cond_dim < 1):
+            raise ValueError(
+                "adaln is the reference DiT's: it needs norm: layernorm, a dense model (num_experts: 0) "
+                "and adaln_cond_dim >= 1"
+            )
         self._check_moe()
 
     def _check_moe(self) -> None:
@@ -203,6 +214,9 @@ class ModelConfig:
         biases = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim if self.qkv_bias else 0
         embed = self.vocab_size * h * (1 if self.tie_embeddings else 2) + (self.vocab_size if self.output_bias else 0)
         total = self.num_layers * (attn + norms + biases) + embed + h
+        if self.adaln:  # the conditioning MLP, 6 modulations per layer and the final norm's 2
+            c = self.adaln_cond_dim
+            total += (256 + c + 2) * c + (6 * self.num_layers + 2) * (c + 1) * h
         projections = 3 if self.mlp == "swiglu" else 2
         for moe in self.moe_layers:
             if moe:

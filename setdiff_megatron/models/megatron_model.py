@@ -15,7 +15,8 @@ rotary, SwiGLU or GELU MLP from the TransformerConfig) with these slots swapped:
                   megatron's one `add_bias_linear` would put a bias on the attention projection
                   too, which the DiT does not have
 
-An MoE layer (ModelConfig.moe_layers) takes the MoE variant of the same spec: megatron-core's
+With adaLN (the reference DiT's, models/adaln.py) the layers and the final norm modulate
+(models/megatron_adaln.py). An MoE layer (ModelConfig.moe_layers) takes the MoE variant of the same spec: megatron-core's
 router, all-to-all token dispatcher over the expert-parallel group, and SequentialMLP experts
 (grouped GEMM under TE), computing what models/moe.py computes.
 
@@ -41,6 +42,7 @@ np/hn heads per TP rank and head dim, D head dim.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -69,13 +71,14 @@ from setdiff_megatron.kernels.dispatch import context_parallel_kernel
 from setdiff_megatron.kernels.ring_attention import ring_set_causal_attention
 from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.lora import LoraSpec, Rows, add_adapters
+from setdiff_megatron.models.megatron_adaln import AdaLNFinalNorm, AdaLNTransformerLayer, time_embedding
 from setdiff_megatron.models.megatron_moe import SetDiffusionRouter, clean_rows_mask
 from setdiff_megatron.models.torch_model import LayerNorm as TorchLayerNorm
 from setdiff_megatron.models.torch_model import Rotary, cache_attention_impl
 from setdiff_megatron.models.weight_maps.megatron import check_backend, qkv_rows
 from setdiff_megatron.models.weight_maps.parallel import padded_vocab_size, stage_layers
 
-__all__ = ["SetCausalCoreAttention", "adapt_megatron_model", "layer_spec"]
+__all__ = ["SetCausalCoreAttention", "adapt_megatron_model", "adaln_specs", "layer_spec"]
 
 
 class _SequenceParallelNorm:
@@ -281,6 +284,20 @@ def full_rows_moe_layer_spec(spec: ModuleSpec) -> ModuleSpec:
     return spec
 
 
+def adaln_specs(
+    specs: list[ModuleSpec], embedding: torch.nn.Module, cond_dim: int
+) -> tuple[list[ModuleSpec], ModuleSpec]:
+    """(layer specs, final norm spec) of a model with adaLN (models/megatron_adaln.py): the same
+    submodules in a layer that modulates, every one reading `embedding`'s conditioning vector."""
+
+    def condition() -> torch.Tensor:
+        return embedding()
+
+    params = {"condition": condition, "cond_dim": cond_dim}
+    layers = [dataclasses.replace(s, module=AdaLNTransformerLayer, params={**s.params, **params}) for s in specs]
+    return layers, ModuleSpec(module=AdaLNFinalNorm, params=params)
+
+
 def _te_modules():
     """TE's layer spec and norm, imported only when asked for: TE needs a GPU and the te extra."""
     if not torch.cuda.is_available():
@@ -375,6 +392,10 @@ class SetDiffusionGPT(LanguageModule):
             specs[-1] = query_rows_layer_spec(specs[-1], model_cfg)
         elif self.last_layer_moe:
             specs[-1] = full_rows_moe_layer_spec(specs[-1])
+        if model_cfg.adaln:
+            first_chunk = self.pp_group.rank() == 0 and not vp_stage
+            self.time_embedding = time_embedding(config, model_cfg.adaln_cond_dim, first_chunk=first_chunk)
+            specs, final_norm = adaln_specs(specs, self.time_embedding, model_cfg.adaln_cond_dim)
         self.decoder = TransformerBlock(
             config=config,
             spec=TransformerBlockSubmodules(layer_specs=specs, layer_norm=final_norm),
@@ -406,6 +427,17 @@ class SetDiffusionGPT(LanguageModule):
             )
         if pre_process or post_process:
             self.setup_embeddings_and_output_layer()
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        """megatron's, with the time embedding's copies told apart: each pipeline chunk holds
+        one, and only the first chunk's is the main replica that a checkpoint saves."""
+        state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        if self.model_cfg.adaln:
+            chunk = self.pp_group.rank() + self.pp_group.size() * (self.vp_stage or 0)
+            for key, tensor in state.items():
+                if key.startswith(f"{prefix}time_embedding."):
+                    tensor.replica_id = (chunk, *tensor.replica_id[1:])
+        return state
 
     def set_input_tensor(self, input_tensor: torch.Tensor | list[torch.Tensor]) -> None:
         """Pipeline schedules hand a non-first stage its input here."""

@@ -31,6 +31,7 @@ from setdiff_megatron.core.loss import LossOutput, set_diffusion_loss
 from setdiff_megatron.core.orders import OrderPolicy
 from setdiff_megatron.core.streams import sample_two_stream_batch
 from setdiff_megatron.kernels import choose_attention_impl
+from setdiff_megatron.models.adaln import Modulation, TimestepEmbedding, modulate
 from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.moe import MLP, MoE, RouterStats
 
@@ -133,15 +134,27 @@ class Block(nn.Module):
         self.mlp = (
             MoE(cfg) if moe else MLP(cfg.hidden_size, cfg.intermediate_size, gelu=cfg.mlp == "gelu", bias=cfg.mlp_bias)
         )
+        self.adaln_modulation = Modulation(cfg.adaln_cond_dim, cfg.hidden_size, 6) if cfg.adaln else None
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend, first_row: int = 0
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attend: Attend,
+        first_row: int = 0,
+        condition: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The hidden states of tokens first_row.. (the last layer skips the rows nobody reads)."""
-        x = (x[:, first_row:] if first_row else x) + self.self_attn(
-            self.input_layernorm(x), cos, sin, attend, first_row
-        )
-        return x + self.mlp(self.post_attention_layernorm(x))
+        """The hidden states of tokens first_row.. (the last layer skips the rows nobody reads);
+        with adaLN, `condition` [C] modulates both norms and gates both branches."""
+        residual = x[:, first_row:] if first_row else x
+        if self.adaln_modulation is None:
+            x = residual + self.self_attn(self.input_layernorm(x), cos, sin, attend, first_row)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = self.adaln_modulation(condition)
+        h = modulate(self.input_layernorm(x), shift_a, scale_a)
+        x = residual + gate_a * self.self_attn(h, cos, sin, attend, first_row)
+        return x + gate_m * self.mlp(modulate(self.post_attention_layernorm(x), shift_m, scale_m))
 
 
 class SetDiffusionTransformer(nn.Module):
@@ -152,6 +165,8 @@ class SetDiffusionTransformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, moe) for moe in cfg.moe_layers)
         self.norm = make_norm(cfg)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=cfg.output_bias)
+        self.time_embedding = TimestepEmbedding(cfg.adaln_cond_dim) if cfg.adaln else None
+        self.norm_modulation = Modulation(cfg.adaln_cond_dim, cfg.hidden_size, 2) if cfg.adaln else None
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
         self._attention = resolve_attention_impl(cfg.attention_impl)
         self._scale = 1.0 / math.sqrt(cfg.head_dim)
@@ -159,7 +174,8 @@ class SetDiffusionTransformer(nn.Module):
 
     def reset_parameters(self) -> None:
         """Normal(0, init_std) weights; residual output projections scaled by 1/sqrt(2 * layers)
-        so the residual stream's variance does not grow with depth (GPT-2)."""
+        so the residual stream's variance does not grow with depth (GPT-2); adaLN's modules as the
+        reference initialises them (models/adaln.py)."""
         std = self.config.init_std
         for name, p in self.named_parameters():
             if name.endswith(".bias"):
@@ -170,6 +186,13 @@ class SetDiffusionTransformer(nn.Module):
                 nn.init.normal_(p, std=std / math.sqrt(2 * self.config.num_layers))
             else:
                 nn.init.normal_(p, std=std)
+        for module in self.modules():
+            if isinstance(module, (TimestepEmbedding, Modulation)):
+                module.reset_parameters()
+
+    def condition(self) -> torch.Tensor | None:
+        """adaLN's conditioning vector [C], None without adaLN."""
+        return None if self.time_embedding is None else self.time_embedding()
 
     def router_stats(self) -> dict[int, RouterStats]:
         """Each MoE layer's routing in the last forward, by layer index (empty for dense models)."""
@@ -185,6 +208,8 @@ class SetDiffusionTransformer(nn.Module):
 
     def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         hidden = self.norm(hidden)
+        if self.norm_modulation is not None:
+            hidden = modulate(hidden, *self.norm_modulation(self.condition()))
         return F.linear(hidden, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(hidden)
 
     def forward(
@@ -259,10 +284,11 @@ class SetDiffusionTransformer(nn.Module):
                 document_ids=document_ids,
                 within=group_within,
             )
+        condition = self.condition()
         for layer in self.layers[:-1]:
-            x = layer(x, cos, sin, attend)
+            x = layer(x, cos, sin, attend, condition=condition)
         first_row = 0 if clean_rows or clean_tokens is None else length
-        return self.layers[-1](x, cos, sin, attend, first_row=first_row)
+        return self.layers[-1](x, cos, sin, attend, first_row=first_row, condition=condition)
 
     def loss(
         self,
@@ -325,8 +351,10 @@ class SetDiffusionTransformer(nn.Module):
             )
         x = self.embed_tokens(tokens)
         cos, sin = self.rotary(position_ids)
+        condition = self.condition()
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, partial(cache.attend, i, num_commit=num_commit, commit_valid=commit_valid))
+            attend = partial(cache.attend, i, num_commit=num_commit, commit_valid=commit_valid)
+            x = layer(x, cos, sin, attend, condition=condition)
         logits = self.output_logits(x[:, num_commit:])
         cache.advance()  # after the logits: a compiled step ends its graph here
         return logits

@@ -15,9 +15,9 @@ docs/dit.md).
 A .pt is a pickle, read by safe_pickle.py: tensors and plain containers come out, no code of the
 file runs.
 
-Refused with the reason: adaLN (time conditioning, which set diffusion models do not have),
-causal attention (the reference's autoregressive baseline), rotary frequencies other than theta
-10000's. The tokenizer's MASK must be a row of the checkpoint's embedding; token ids beyond its
+With adaln: true (the LM1B MDLM and BD3-LM backbones) its time embedding and modulations come
+too (models/adaln.py). Refused with the reason: causal attention (the reference's autoregressive
+baseline), rotary frequencies other than theta 10000's. The tokenizer's MASK must be a row of the checkpoint's embedding; token ids beyond its
 rows (tokens the tokenizer loader adds) get mean rows, as Llama/Qwen imports do (ar_import.py).
 """
 
@@ -53,11 +53,9 @@ def is_dit_config(config: Mapping[str, Any]) -> bool:
 
 
 def _model_config(backbone: Mapping[str, Any], where: Path, mask_token_id: int) -> ModelConfig:
-    if backbone.get("adaln"):
-        raise UserError(
-            f"{where}: adaln: true (time conditioning) is not part of set diffusion models; the paper's "
-            "set diffusion DiTs have adaln: false"
-        )
+    adaln = bool(backbone.get("adaln"))
+    if adaln and backbone.get("cond_dim") is None:
+        raise UserError(f"{where}: adaln: true without its cond_dim; the DiT's config.json holds both")
     if backbone.get("causal_attention"):
         raise UserError(
             f"{where}: causal_attention: true is the reference's autoregressive baseline, not a set diffusion model"
@@ -70,6 +68,8 @@ def _model_config(backbone: Mapping[str, Any], where: Path, mask_token_id: int) 
             num_layers=int(backbone["num_layers"]),
             num_heads=int(backbone["n_heads"]),
             max_seq_len=int(backbone["length"]),
+            adaln=adaln,
+            **({"adaln_cond_dim": int(backbone["cond_dim"])} if adaln else {}),
             **DIT_BODY,
         )
     except (TypeError, ValueError) as exc:

@@ -3,7 +3,8 @@
 One table each, used by the exporter (writing config.json and generation_config.json), by the
 importer (reading Llama/Qwen configs) and, bundled into the export's modeling file, by the
 Hugging Face model itself. A mixture of experts adds the MOE_CONFIG_KEYS, which a dense model's
-config.json leaves out (their values would describe experts it does not have). Imports only the
+config.json leaves out (their values would describe experts it does not have), and the reference
+DiT's adaLN the ADALN_CONFIG_KEYS. Imports only the
 package's config dataclasses and the baselines' decoding policy, so the bundle stays torch +
 transformers.
 """
@@ -66,6 +67,12 @@ MOE_CONFIG_KEYS: dict[str, str] = {
     "moe_capacity_factor": "moe_capacity_factor",
 }
 
+ADALN_CONFIG_KEYS: dict[str, str] = {
+    # Hugging Face config key -> ModelConfig field, models with the reference DiT's adaLN only
+    "adaln": "adaln",
+    "adaln_cond_dim": "adaln_cond_dim",
+}
+
 GENERATION_KEYS: dict[str, str] = {
     **{name: name for name in SETTINGS if name != "temperature"},
     "stop_token_sequences": "stop_sequences",
@@ -82,13 +89,13 @@ def rope_theta_of(config: Mapping[str, Any]) -> float | None:
 
 def hf_config_from_model_config(cfg: ModelConfig) -> dict[str, Any]:
     values = dataclasses.asdict(cfg)
-    keys = HF_CONFIG_KEYS | (MOE_CONFIG_KEYS if cfg.num_experts else {})
+    keys = HF_CONFIG_KEYS | (MOE_CONFIG_KEYS if cfg.num_experts else {}) | (ADALN_CONFIG_KEYS if cfg.adaln else {})
     return {key: values[name] for key, name in keys.items()}
 
 
 def model_config_from_hf_config(config: Mapping[str, Any]) -> ModelConfig:
     """ModelConfig from a config.json (ours, or a Llama/Qwen one already checked by the importer)."""
-    keys = HF_CONFIG_KEYS | MOE_CONFIG_KEYS
+    keys = HF_CONFIG_KEYS | MOE_CONFIG_KEYS | ADALN_CONFIG_KEYS
     values = {name: config[key] for key, name in keys.items() if config.get(key) is not None}
     theta = rope_theta_of(config)
     if theta is not None:

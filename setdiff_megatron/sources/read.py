@@ -54,6 +54,8 @@ __all__ = ["Source", "read_source", "read_hf_dir", "fit_source", "AR_KINDS"]
 
 AR_KINDS = tuple(SUPPORTED)
 RUN_KINDS = ("megatron", "deepspeed")
+_RELEASE_FAMILIES = {"set_diffusion": "SetDLM", "mdlm": "MDLM", "bd3lm": "BD3-LM"}
+"""How a reference release names its denoiser, by the family its recipe records."""
 
 
 @dataclass
@@ -123,7 +125,7 @@ class Source:
             "deepspeed": "DeepSpeed checkpoint",
             "setdiff": "set diffusion Hugging Face export",
             DIT_KIND: "reference DiT checkpoint",
-            RELEASE_KIND: "reference SetDLM release",
+            RELEASE_KIND: f"reference {_RELEASE_FAMILIES[self.recipe.method.family] if self.recipe else 'SetDLM'} release",
         }.get(self.kind, f"{self.kind} causal LM")
         extra = f", step {self.step}" if self.step is not None else ""
         if self.layout and self.kind == "megatron":

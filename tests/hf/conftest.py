@@ -126,10 +126,11 @@ def moe_export_dir(tmp_path_factory) -> tuple[Path, Source]:
 @pytest.fixture(scope="session")
 def dit_export_dir(tmp_path_factory) -> tuple[Path, Source]:
     """An export in the reference DiT's layout (LayerNorm, GELU MLP with biases, untied output
-    layer with a bias; its norms and biases random; fp32) and its source."""
+    layer with a bias) with its LM1B models' adaLN (norms, biases and modulations random; fp32),
+    and its source."""
     base = tmp_path_factory.mktemp("dit_export")
     body = {k: v for k, v in DIT_BODY.items() if k != "tie_embeddings"}
-    source = random_setdiff_source(base, tie=False, seed=2, **body)
+    source = random_setdiff_source(base, tie=False, seed=2, adaln=True, adaln_cond_dim=16, **body)
     source.state_dict = randomized(source.state_dict)
     return _export(base, source)
 

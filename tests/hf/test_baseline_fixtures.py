@@ -15,34 +15,51 @@ import torch
 from tests.hf.conftest import ROOT
 
 FIXTURES = ROOT / "tests" / "fixtures" / "baselines"
-RELEASES = {"mdlm": "tiny-qwen3-mdlm", "bd3lm": "tiny-qwen3-bd3lm-s4"}
+RELEASES = {
+    "mdlm": "tiny-qwen3-mdlm",
+    "bd3lm": "tiny-qwen3-bd3lm-s4",
+    "dit-mdlm": "tiny-dit-adaln-mdlm",
+    "dit-bd3lm": "tiny-dit-adaln-bd3lm-s4",
+}
+"""The fixtures' names and their release folders: the families over Qwen3, then over the DiT
+with adaLN (the LM1B recipes' backbone)."""
 BASE = json.loads((ROOT / "tests" / "fixtures" / "setdlm" / "tiny-qwen3-base" / "config.json").read_text())
 
 
-def _reference(family: str) -> dict:
-    return json.loads((FIXTURES / f"{family}-reference.json").read_text())
+def _reference(name: str) -> dict:
+    return json.loads((FIXTURES / f"{name}-reference.json").read_text())
 
 
-@pytest.mark.parametrize("family", list(RELEASES))
-def test_the_release_folder_is_the_family_on_the_base(family):
-    ref = _reference(family)
-    folder = FIXTURES / ref["release"]
+@pytest.mark.parametrize("name", list(RELEASES))
+def test_the_release_folder_is_the_family_on_its_backbone(name):
+    ref = _reference(name)
+    family, folder = ref["family"], FIXTURES / ref["release"]
     config = json.loads((folder / "config.json").read_text())
     ids = {key: config[f"{key}_token_id"] for key in ("eos", "bos", "pad", "mask")}
-    assert ref["release"] == RELEASES[family] and config["model_type"] == family
+    assert ref["release"] == RELEASES[name] and config["model_type"] == family == name.removeprefix("dit-")
     assert ids == {key: ref["settings"][key] for key in ids}
     assert config["length"] == ref["settings"]["length"] and config.get("block_size") == ref["settings"]["block_size"]
     assert config["keep_clean_bos"] is False and config["noise_config"]["_target_"].endswith("LinearNoise")
     weights = torch.load(folder / "pytorch_model.bin", weights_only=True)
-    layers = {int(key.split(".")[4]) for key in weights if ".layers." in key}
-    assert layers == set(range(config["backbone_config"]["num_layers"]))
-    embedding = weights["backbone.model.model.embed_tokens.weight"]
-    assert embedding.shape == (BASE["vocab_size"], BASE["hidden_size"]) and (folder / "tokenizer.json").is_file()
+    backbone = config["backbone_config"]
+    if name.startswith("dit-"):  # the LM1B scripts' DiT: adaLN on, no dropout (a reproducible loss)
+        assert backbone["adaln"] is True and backbone["dropout"] == 0 and backbone["_target_"] == "backbone_dit.DIT"
+        layers = {int(key.split(".")[2]) for key in weights if ".blocks." in key}
+        embedding = weights["backbone.vocab_embed.embedding"]
+        shape = (backbone["vocab_size"], backbone["hidden_size"])
+        assert weights["backbone.blocks.0.adaLN_modulation.weight"].shape == (6 * shape[1], backbone["cond_dim"])
+    else:
+        layers = {int(key.split(".")[4]) for key in weights if ".layers." in key}
+        embedding = weights["backbone.model.model.embed_tokens.weight"]
+        shape = (BASE["vocab_size"], BASE["hidden_size"])
+    assert layers == set(range(backbone["num_layers"]))
+    assert embedding.shape == shape and (folder / "tokenizer.json").is_file()
 
 
-@pytest.mark.parametrize("family", list(RELEASES))
-def test_the_loss_rows_follow_the_masking_and_the_loss_formulas(family):
-    losses, mask = _reference(family)["losses"], _reference(family)["settings"]["mask"]
+@pytest.mark.parametrize("name", list(RELEASES))
+def test_the_loss_rows_follow_the_masking_and_the_loss_formulas(name):
+    family = _reference(name)["family"]
+    losses, mask = _reference(name)["losses"], _reference(name)["settings"]["mask"]
     x0, t = torch.tensor(losses["input_ids"]), torch.tensor(losses["t"])
     targets = torch.tensor(losses["attention_mask"]).bool() & ~torch.tensor(losses["context_mask"]).bool()
     assert t.shape == ((3,) if family == "mdlm" else (3, 32))
@@ -68,9 +85,10 @@ def test_the_loss_rows_follow_the_masking_and_the_loss_formulas(family):
         assert train.view(3, 8, 4).any(-1)[free].all()
 
 
-@pytest.mark.parametrize("family", list(RELEASES))
-def test_the_decode_traces_add_up(family):
-    for decode in _reference(family)["decode"]:
+@pytest.mark.parametrize("name", list(RELEASES))
+def test_the_decode_traces_add_up(name):
+    family = _reference(name)["family"]
+    for decode in _reference(name)["decode"]:
         steps, prompt = decode["steps"], decode["prompt"]
         committed = [pair for step in steps for pair in step["decoded"]]
         positions = [p for p, _ in committed]

@@ -1,8 +1,9 @@
 """The DiT layout end to end on a CPU (slow: each test trains first). recipes/tiny-dit-cpu.yaml
-trains through the megatron engine and through the DeepSpeed engine with its loss falling; the
-megatron run exports to Hugging Face format (--check: transformers loads the generated modeling
-file), imports back (--check: the megatron body on the check batch) and samples, the export's
-generate() decoding what the imported checkpoint's torch model decodes."""
+with the LM1B models' adaLN trains through the megatron engine and through the DeepSpeed engine
+with its loss falling and its modulations moving off their zero start; the megatron run exports
+to Hugging Face format (--check: transformers loads the generated modeling file), imports back
+(--check: the megatron body on the check batch) and samples, the export's generate() decoding
+what the imported checkpoint's torch model decodes."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ SHORT = (
     "eval.interval=1000",
     f"checkpoint.interval={STEPS}",
     "log.tensorboard=false",
+    "model.adaln=true",
 )
 DECODING = dict(max_new_tokens=8, window=4, threshold=0.3)
 PROMPTS = ("def main():\n    ", "import os\n")
@@ -45,7 +47,8 @@ def data_cache(tmp_path_factory) -> Path:
 
 
 def train(run: Path, data_cache: Path, *overrides: str) -> Path:
-    """`setdiff train` of the recipe for STEPS steps; its loss must fall by half a nat."""
+    """`setdiff train` of the recipe for STEPS steps; its loss must fall by half a nat and every
+    adaLN modulation must have left zero."""
     proc = subprocess.run(
         [
             sys.executable,
@@ -67,6 +70,9 @@ def train(run: Path, data_cache: Path, *overrides: str) -> Path:
     lines = (run / "logs" / "metrics.jsonl").read_text().splitlines()
     losses = [m["train/loss"] for m in map(json.loads, lines) if "train/loss" in m]
     assert len(losses) == STEPS and sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5, losses
+    state = read_source(run).state_dict
+    modulations = [k for k in state if "modulation" in k]
+    assert len(modulations) == 2 * 4 + 2 and all(state[k].abs().max() > 1e-4 for k in modulations)
     return run
 
 
@@ -86,7 +92,12 @@ def test_megatron_run_trains_exports_imports_back_and_samples(tmp_path, data_cac
 
     run = train(tmp_path / "megatron", data_cache)
     source = read_source(run)
-    assert (source.config.norm, source.config.mlp, source.config.output_bias) == ("layernorm", "gelu", True)
+    assert (source.config.norm, source.config.mlp, source.config.output_bias, source.config.adaln) == (
+        "layernorm",
+        "gelu",
+        True,
+        True,
+    )
     export = tmp_path / "hf"
     assert main(["convert", "to-hf", str(run), str(export), "--dtype", "fp32", "--check"]) == 0
     back = tmp_path / "back"

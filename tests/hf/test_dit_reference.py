@@ -172,11 +172,13 @@ def _edited_hub(tmp_path: Path, config: dict | None = None, weights: dict | None
 @pytest.mark.parametrize(
     "config,weights,message",
     [
-        (dict(adaln=True), None, "adaln: true"),
+        (dict(adaln=True), None, "missing ['layers.0.adaln_modulation.bias'"),
+        ({"adaln": True, "cond_dim": None}, None, "adaln: true without its cond_dim"),
         (dict(causal_attention=True), None, "autoregressive baseline"),
         (dict(vocab_size=60), None, "is not one of the checkpoint's 60 rows"),
         (None, {"rotary_emb.inv_freq": torch.ones(3)}, "rotary frequencies"),
-        (None, {"sigma_map.mlp.0.weight": torch.zeros(2, 2)}, "not mapped: ['sigma_map.mlp.0.weight']"),
+        (None, {"sigma_map.mlp.0.weight": torch.zeros(2, 2)}, "unexpected ['time_embedding.linear_1.weight']"),
+        (None, {"sigma_map.mlp.1.weight": torch.zeros(2, 2)}, "not mapped: ['sigma_map.mlp.1.weight']"),
         (dict(num_layers=3), None, "missing ['layers.2.input_layernorm.weight'"),
     ],
 )

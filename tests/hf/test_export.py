@@ -107,6 +107,7 @@ def test_config_json_holds_every_moe_field(export_dir, moe_export_dir):
     assert {k: config[k] for k in MOE_CONFIG_KEYS} == {k: getattr(source.config, f) for k, f in MOE_CONFIG_KEYS.items()}
     assert config["moe_layer_freq"] == [0, 1] and "Mixture of experts in layers [1]" in (out / "README.md").read_text()
     assert not set(MOE_CONFIG_KEYS) & set(json.loads((export_dir[0] / "config.json").read_text()))
+    assert "adaln" not in json.loads((export_dir[0] / "config.json").read_text())
 
 
 def test_config_json_holds_the_dit_layout(dit_export_dir):
@@ -119,9 +120,11 @@ def test_config_json_holds_the_dit_layout(dit_export_dir):
         True,
     )
     assert config["hidden_act"] == "gelu_pytorch_tanh" and config["rms_norm_eps"] == source.config.norm_eps
+    assert (config["adaln"], config["adaln_cond_dim"]) == (True, 16)
     weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     assert {"lm_head.bias", "model.layers.0.mlp.up_proj.bias", "model.layers.0.mlp.down_proj.bias"} <= set(weight_map)
-    assert "model.layers.0.mlp.gate_proj.weight" not in weight_map
+    assert {"model.time_embedding.linear_1.weight", "model.layers.1.adaln_modulation.bias"} <= set(weight_map)
+    assert "model.norm_modulation.weight" in weight_map and "model.layers.0.mlp.gate_proj.weight" not in weight_map
 
 
 @pytest.mark.parametrize("export", EXPORTS)

@@ -179,6 +179,35 @@ def test_ours_to_a_release_and_back_is_bitwise(kind, tmp_path):
         )
 
 
+def test_an_adaln_dit_release_goes_to_a_release_and_back_bitwise(tmp_path):
+    """The LM1B backbone's adaLN (models/adaln.py): a release with it reads (its time embedding and
+    modulations under the reference's names, cond_dim from its config), modulates the logits, and
+    is written back under the same names, bit for bit."""
+    backbone = json.loads((RELEASES["dit"] / "config.json").read_text())["backbone_config"]
+    folder = _copy("dit", tmp_path, {"backbone_config": backbone | {"adaln": True, "cond_dim": 8}})
+    weights = torch.load(folder / "pytorch_model.bin", weights_only=True)
+    e, gen = backbone["hidden_size"], torch.Generator().manual_seed(0)
+    shapes = {"sigma_map.mlp.0": (8, 256), "sigma_map.mlp.2": (8, 8), "output_layer.adaLN_modulation": (2 * e, 8)}
+    shapes |= {f"blocks.{i}.adaLN_modulation": (6 * e, 8) for i in range(backbone["num_layers"])}
+    for name, (rows, cols) in shapes.items():
+        weights[f"backbone.{name}.weight"] = 0.1 * torch.randn(rows, cols, generator=gen)
+        weights[f"backbone.{name}.bias"] = 0.1 * torch.randn(rows, generator=gen)
+    torch.save(weights, folder / "pytorch_model.bin")
+    source, plain = _read("dit", folder), _read("dit")
+    assert source.config == plain.config.replace(adaln=True, adaln_cond_dim=8)
+    tokens = torch.tensor([REFERENCE["dit"]["batch"][0]])
+    positions = torch.arange(tokens.shape[1])[None]
+    logits = [_model(s)(tokens, torch.full_like(tokens, 63), positions) for s in (source, plain)]
+    assert (logits[0] - logits[1]).abs().max() > 0.1
+    out = tmp_path / "release"
+    export_release(source.path, out)
+    back = read_source(out)
+    assert back.config == source.config
+    assert all(torch.equal(back.state_dict[k], source.state_dict[k]) for k in source.state_dict)
+    written = torch.load(out / "pytorch_model.bin", weights_only=True)
+    assert {f"backbone.{name}.{p}" for name in shapes for p in ("weight", "bias")} <= written.keys()
+
+
 UNFLATTENED = {
     "backbone_dit.DIT": "src.backbone.dit.DIT",
     "backbone_automodel.AutoModelFromPreTrained": "src.backbone.automodel.AutoModelFromPreTrained",

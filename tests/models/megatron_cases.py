@@ -50,8 +50,8 @@ def moe_config(**changes) -> ModelConfig:
 
 def dit_parallel_config(**changes) -> ModelConfig:
     """parallel_config's shape in the reference DiT's layout (LayerNorm, GELU MLP with biases,
-    output bias, multi-head attention)."""
-    return dit_config(num_layers=4, **changes)
+    output bias, multi-head attention) with its LM1B models' adaLN."""
+    return dit_config(num_layers=4, adaln=True, adaln_cond_dim=16, **changes)
 
 
 def reference_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:

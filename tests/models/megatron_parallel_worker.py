@@ -204,7 +204,14 @@ RECORD_LAYOUTS = {
     "cp2_records": dict(cp=2),
 }
 """Layouts checked on supervised records against one rank (test_parallel_parity)."""
-DIT_LAYOUTS = {"dit_tp2": dict(tp=2), "dit_tp2_sp": dict(tp=2, sequence_parallel=True), "dit_pp2": dict(pp=2)}
+"""The reference DiT's layout (LayerNorm, GELU MLP with biases, output bias) with adaLN against one
+rank: the pipeline layouts sum the time embedding's gradients over the stages (each holds a copy)."""
+DIT_LAYOUTS = {
+    "dit_tp2": dict(tp=2),
+    "dit_tp2_sp": dict(tp=2, sequence_parallel=True),
+    "dit_pp2": dict(pp=2),
+    "dit_pp2_vpp2": dict(pp=2, vpp=2),
+}
 FAMILY_LAYOUTS = {
     "bd3lm_tp2_sp": ("bd3lm", dict(tp=2, sequence_parallel=True)),
     "bd3lm_pp2": ("bd3lm", dict(pp=2)),
@@ -214,7 +221,6 @@ FAMILY_LAYOUTS = {
     "mdlm_records_pp2": ("mdlm_records", dict(pp=2)),
 }
 """The masked-diffusion baselines' batches (grouped attention; MDLM's one stream) against one rank."""
-"""The reference DiT's layout (LayerNorm, GELU MLP with biases, output bias) against one rank."""
 FOUR_RANK_LAYOUTS = {"cp2_tp2_sp": dict(cp=2, tp=2, sequence_parallel=True), "cp2_pp2": dict(cp=2, pp=2)}
 """Context parallelism composed with TP (and SP) or PP: four ranks (test_parallel_parity, slow)."""
 

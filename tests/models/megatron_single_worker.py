@@ -162,7 +162,7 @@ def torch_parity() -> dict:
         "documents_fused": {},
         "documents_gqa1_sdpa_recompute": dict(num_kv_heads=1, attention_impl="sdpa"),
         "dit_fused": DIT_BODY | dict(num_kv_heads=None),
-        "dit_sdpa_recompute": DIT_BODY | dict(attention_impl="sdpa"),
+        "dit_adaln_sdpa_recompute": DIT_BODY | dict(attention_impl="sdpa", adaln=True, adaln_cond_dim=16),
         "bd3lm_tied": {},
         "mdlm_gqa1_recompute": dict(num_kv_heads=1),
         "bd3lm_records_recompute": {},
@@ -170,7 +170,7 @@ def torch_parity() -> dict:
     }
     recompute = {
         "documents_gqa1_sdpa_recompute": dict(recompute="full"),
-        "dit_sdpa_recompute": dict(recompute="full"),
+        "dit_adaln_sdpa_recompute": dict(recompute="full"),
         "mdlm_gqa1_recompute": dict(recompute="full"),
         "bd3lm_records_recompute": dict(recompute="full"),
         "replay_steps_recompute": dict(recompute="full"),

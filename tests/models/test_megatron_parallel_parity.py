@@ -61,10 +61,12 @@ def test_masked_diffusion_baselines_match_single_rank(parallel_results, layout):
     assert r["num_losses"] == 4 and r["loss_diff"] <= LOSS_TOL and r["grad_diff"] <= GRAD_TOL, r
 
 
-@pytest.mark.parametrize("layout", ["dit_tp2", "dit_tp2_sp", "dit_pp2"])
+@pytest.mark.parametrize("layout", ["dit_tp2", "dit_tp2_sp", "dit_pp2", "dit_pp2_vpp2"])
 def test_dit_layouts_match_single_rank(parallel_results, layout):
-    """The reference DiT's layout (LayerNorm, GELU MLP with biases, output bias) at TP = 2 (also
-    with SP, whose norm weights and fc2 biases are reduced over TP) and PP = 2 equals one rank."""
+    """The reference DiT's layout (LayerNorm, GELU MLP with biases, output bias) with adaLN at
+    TP = 2 (also with SP, whose norm weights, fc2 biases and adaLN parameters are reduced over TP)
+    and PP = 2 (also interleaved: every chunk's copy of the time embedding takes the gradient of
+    all layers) equals one rank."""
     r = parallel_results[layout]
     assert r["num_losses"] == 4 and r["loss_diff"] <= LOSS_TOL and r["grad_diff"] <= GRAD_TOL, r
     assert r["grad_scale"] > 1e-2

@@ -15,9 +15,9 @@ VARIANTS = [
     "documents_fused",
     "documents_gqa1_sdpa_recompute",
     # the reference DiT's layout (LayerNorm, GELU MLP with biases, output bias); the second
-    # with GQA, SDPA and full recompute
+    # with GQA, SDPA, full recompute and the LM1B models' adaLN
     "dit_fused",
-    "dit_sdpa_recompute",
+    "dit_adaln_sdpa_recompute",
     # the masked-diffusion baselines' grouped attention: BD3-LM's x0 (+) xt in blocks of 4, MDLM's
     # query stream alone (GQA, through full recompute, which saves the groups in the mask slot)
     "bd3lm_tied",

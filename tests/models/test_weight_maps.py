@@ -47,13 +47,22 @@ def test_round_trip_is_exact(tie, qk_norm, backend, tp, pp, vp):
     assert all(torch.equal(back[k], sd[k]) for k in sd)
 
 
+@pytest.mark.parametrize("adaln", [False, True])
 @pytest.mark.parametrize("tp,pp,vp", [(1, 1, None), (2, 1, None), (2, 2, None), (2, 2, 2)])
-def test_dit_round_trip_covers_every_bias_and_norm(tp, pp, vp):
-    cfg = dit_config(num_layers=4)
+def test_dit_round_trip_covers_every_bias_and_norm(tp, pp, vp, adaln):
+    cfg = dit_config(num_layers=4, adaln=adaln, adaln_cond_dim=8)
     torch.manual_seed(0)
     sd = randomized(SetDiffusionTransformer(cfg).state_dict())
     back = megatron_to_torch(merge_megatron_shards(_split(sd, cfg, tp, pp, vp), cfg), cfg)
     assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
+    if adaln:  # every pipeline chunk holds the time embedding; the final norm's modulation is the last's
+        chunks = [torch_to_megatron(sd, cfg, tp_rank=1, tp_size=2, pp_rank=r, pp_size=2) for r in (0, 1)]
+        assert all(torch.equal(c["time_embedding.linear_2.bias"], sd["time_embedding.linear_2.bias"]) for c in chunks)
+        assert torch.equal(chunks[1]["decoder.final_layernorm.modulation.weight"], sd["norm_modulation.weight"])
+        assert torch.equal(
+            chunks[1]["decoder.layers.1.adaln_modulation.weight"], sd["layers.3.adaln_modulation.weight"]
+        )
+        assert "decoder.final_layernorm.modulation.weight" not in chunks[0]
     # A GELU MLP's fc1 is up alone, split over TP with its bias; fc2's bias is whole on every
     # rank; the output bias is padded and split like the output layer's rows.
     last = torch_to_megatron(sd, cfg, tp_rank=1, tp_size=2, pp_rank=1, pp_size=2)

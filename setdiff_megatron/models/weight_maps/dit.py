@@ -1,7 +1,8 @@
 """The weight map between the reference's DiT checkpoints and the torch model: blocks.{i} are
 layers.{i}, its fused attn_qkv holds [q ; k ; v] rows (each heads x head dim), its MLP is mlp.0
-(up) and mlp.2 (down), its output layer output_layer.linear beside output_layer.norm_final
-(docs/dit.md).
+(up) and mlp.2 (down), its output layer output_layer.linear beside output_layer.norm_final;
+with adaLN, sigma_map's MLP (mlp.0, mlp.2) and the adaLN_modulation of each block and of the
+output layer (docs/dit.md).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import torch
 
 from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.weight_maps.torch_layout import (
+    ADALN_GLOBAL,
+    ADALN_LAYER,
     EMBED,
     FINAL_NORM,
     OUTPUT,
@@ -34,6 +37,8 @@ _DIT_LAYER = {
     "mlp.0.bias": "mlp.up_proj.bias",
     "mlp.2.weight": "mlp.down_proj.weight",
     "mlp.2.bias": "mlp.down_proj.bias",
+    "adaLN_modulation.weight": ADALN_LAYER[0],
+    "adaLN_modulation.bias": ADALN_LAYER[1],
 }
 _DIT_QKV = "attn_qkv.weight"
 _DIT_GLOBAL = {
@@ -41,6 +46,19 @@ _DIT_GLOBAL = {
     "output_layer.norm_final.weight": FINAL_NORM,
     "output_layer.linear.weight": OUTPUT,
     "output_layer.linear.bias": OUTPUT_BIAS,
+    **dict(
+        zip(
+            (
+                "sigma_map.mlp.0.weight",
+                "sigma_map.mlp.0.bias",
+                "sigma_map.mlp.2.weight",
+                "sigma_map.mlp.2.bias",
+                "output_layer.adaLN_modulation.weight",
+                "output_layer.adaLN_modulation.bias",
+            ),
+            ADALN_GLOBAL,
+        )
+    ),
 }
 DIT_ROTARY = ROTARY_BUFFER
 """The reference DiT's stored rotary frequencies: no weight (its importer checks them against rope_theta)."""

@@ -22,6 +22,9 @@ not one-to-one with the torch names:
 
 The `te` backend fuses the pre-attention and pre-MLP norms into the following linear layer
 (layer_norm_weight) and adds `_extra_state` entries, which carry no weights and are skipped.
+adaLN (the reference DiT's, models/adaln.py) adds layer-local adaln_modulation linears and the
+final norm's modulation (decoder.final_layernorm.modulation), replicated over TP, and the
+conditioning MLP (time_embedding), of which every pipeline chunk holds a copy.
 Optional q/k/v biases (Qwen2) follow the fused QKV rows into megatron's linear_qkv.bias. The
 `te` backend holds the RMSNorm body without MLP biases only (`check_backend`).
 
@@ -43,6 +46,8 @@ from setdiff_megatron.models.weight_maps.parallel import (
     tp_shard,
 )
 from setdiff_megatron.models.weight_maps.torch_layout import (
+    ADALN_GLOBAL,
+    ADALN_LAYER,
     DOWN,
     EMBED,
     FINAL_NORM,
@@ -68,6 +73,8 @@ _LAYER_PLAIN: dict[str, tuple[str, int | None]] = {
     "self_attn.o_proj.weight": ("self_attention.linear_proj.weight", 1),
     "self_attn.q_norm.weight": ("self_attention.q_layernorm.weight", None),
     "self_attn.k_norm.weight": ("self_attention.k_layernorm.weight", None),
+    ADALN_LAYER[0]: (ADALN_LAYER[0], None),
+    ADALN_LAYER[1]: (ADALN_LAYER[1], None),
 }
 _LAYER_NORMS: dict[str, dict[str, str]] = {
     "local": {
@@ -89,6 +96,9 @@ _GLOBAL = {
     OUTPUT: "output_layer.weight",
     OUTPUT_BIAS: "output_layer.bias",
 }
+_TIME_EMBEDDING = ADALN_GLOBAL[:4]
+"""The conditioning MLP, the same names in both models: every pipeline chunk holds a copy."""
+_NORM_MODULATION = {t: "decoder.final_layernorm.modulation." + t.rsplit(".", 1)[1] for t in ADALN_GLOBAL[4:]}
 
 
 def check_backend(cfg: ModelConfig, backend: str) -> None:
@@ -115,6 +125,8 @@ def _layer_plain(cfg: ModelConfig, backend: str, moe: bool) -> dict[str, tuple[s
         plain[ROUTER] = (_ROUTER, None)
     if not cfg.qk_norm:
         plain = {t: v for t, v in plain.items() if "_norm." not in t}
+    if not cfg.adaln:
+        plain = {t: v for t, v in plain.items() if t not in ADALN_LAYER}
     return plain
 
 
@@ -210,6 +222,10 @@ def torch_to_megatron(
             ).clone()
         if cfg.tie_embeddings and not first:
             out[_GLOBAL[OUTPUT]] = embed.clone()
+        if cfg.adaln:
+            out |= {m: state_dict[t].clone() for t, m in _NORM_MODULATION.items()}
+    if cfg.adaln:
+        out |= {name: state_dict[name].clone() for name in _TIME_EMBEDDING}
     return out
 
 
@@ -250,6 +266,9 @@ def megatron_to_torch(state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig, 
         out[OUTPUT] = take(_GLOBAL[OUTPUT])[: cfg.vocab_size].clone()
     if cfg.output_bias:
         out[OUTPUT_BIAS] = take(_GLOBAL[OUTPUT_BIAS])[: cfg.vocab_size].clone()
+    if cfg.adaln:
+        out |= {t: take(m).clone() for t, m in _NORM_MODULATION.items()}
+        out |= {name: take(name).clone() for name in _TIME_EMBEDDING}
     if unused:
         raise KeyError(f"megatron weights not mapped: {sorted(unused)}")
     check_shapes(out, cfg)

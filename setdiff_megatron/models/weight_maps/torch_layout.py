@@ -11,9 +11,12 @@ from collections.abc import Mapping
 
 import torch
 
+from setdiff_megatron.models.adaln import FREQUENCIES
 from setdiff_megatron.models.config import ModelConfig
 
 __all__ = [
+    "ADALN_GLOBAL",
+    "ADALN_LAYER",
     "DOWN",
     "EMBED",
     "FINAL_NORM",
@@ -46,6 +49,17 @@ ROUTER = "mlp.gate.weight"
 _MLP_IN = {"swiglu": ("gate_proj", "up_proj"), "gelu": ("up_proj",)}
 """The input projections of an MLP, in the row order megatron's linear_fc1 fuses them."""
 DOWN = "down_proj"
+ADALN_LAYER = ("adaln_modulation.weight", "adaln_modulation.bias")
+"""A layer's adaLN modulation (models/adaln.py): shift, scale, gate of attention, then of the MLP."""
+ADALN_GLOBAL = (
+    "time_embedding.linear_1.weight",
+    "time_embedding.linear_1.bias",
+    "time_embedding.linear_2.weight",
+    "time_embedding.linear_2.bias",
+    "norm_modulation.weight",
+    "norm_modulation.bias",
+)
+"""adaLN outside the layers: the conditioning MLP and the final norm's shift and scale."""
 ROTARY_BUFFER = "rotary_emb.inv_freq"
 """Rotary frequencies that older Hugging Face checkpoints and the reference's DiT store beside the
 weights: recomputed from rope_theta, never read as a weight."""
@@ -84,6 +98,8 @@ def torch_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes |= {f"{prefix}{n}.bias": (width,) for n in mlp_inputs(cfg, moe)} | {f"{prefix}{DOWN}.bias": (e,)}
         return shapes
 
+    if cfg.adaln:
+        layer |= dict(zip(ADALN_LAYER, ((6 * e, cfg.adaln_cond_dim), (6 * e,))))
     dense = layer | mlp("mlp.", cfg.intermediate_size, moe=False)
     moe = dict(layer)
     if cfg.num_experts:
@@ -102,6 +118,9 @@ def torch_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[OUTPUT] = (cfg.vocab_size, e)
     if cfg.output_bias:
         shapes[OUTPUT_BIAS] = (cfg.vocab_size,)
+    if cfg.adaln:
+        c = cfg.adaln_cond_dim
+        shapes |= dict(zip(ADALN_GLOBAL, ((c, FREQUENCIES), (c,), (c, c), (c,), (2 * e, c), (2 * e,))))
     return shapes
 
 
