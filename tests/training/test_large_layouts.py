@@ -1,9 +1,10 @@
 """Layouts the size of a real job, 8 and 16 ranks with every kind of parallelism at once, each
 equal to the one-rank run, and checkpoints that move between them (docs/parallelism.md, "Tested
 compositions"). Every run is `setdiff train` with the layout as recipe overrides, started from
-the same weights (the shipped AR base, or a seed checkpoint for the MoE model: megatron-core's
-initialisation depends on the layout, as torchtitan's does for pipeline stages), so the losses of
-every step and the validation losses must agree within the tolerance of the other parity tests.
+the same weights (the shipped AR base, or a seed checkpoint for the MoE model and the adaLN DiT:
+megatron-core's initialisation depends on the layout, as torchtitan's does for pipeline stages),
+so the losses of every step and the validation losses must agree within the tolerance of the
+other parity tests.
 
 Slow: about 10 minutes on 2 cores. Peak memory of the 16-rank run: see docs/parallelism.md.
 """
@@ -19,6 +20,7 @@ import pytest
 ROOT = Path(__file__).parents[2]
 REASONING = str(ROOT / "recipes" / "tiny-reasoning.yaml")
 MOE = str(ROOT / "recipes" / "tiny-moe-cpu.yaml")
+DIT = str(ROOT / "recipes" / "tiny-dit-cpu.yaml")
 QUIET = ("log.interval=1", "log.tensorboard=false", "eval.interval=2", "eval.batches=1", "eval.showcase_problems=0")
 STEPS = ("train.steps=4", "checkpoint.interval=2", "checkpoint.keep_last_n=10", "parallel.global_batch_size=16")
 TOLERANCE = 1e-4
@@ -50,41 +52,58 @@ def data(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("layouts-data")
 
 
-@pytest.fixture(scope="module")
-def moe_seed(tmp_path_factory, data) -> str:
-    """The MoE model's starting weights, made once by one process (weights only are read)."""
-    run = tmp_path_factory.mktemp("moe-seed") / "run"
-    train(run, data, MOE, "launch.nproc_per_node=1", "parallel.ep=1", "train.steps=1", "checkpoint.interval=1")
-    return str(run)
-
-
 FAMILIES = {
-    "set_diffusion": (REASONING, ()),
+    "set_diffusion": (REASONING, ("model.init_from=assets/reasoning-ar-base",)),
     "mdlm": (str(ROOT / "recipes" / "study" / "adapted" / "mdlm.yaml"), ("model.init_from=assets/reasoning-ar-base",)),
     "bd3lm": (
         str(ROOT / "recipes" / "study" / "adapted" / "bd3lm-b4.yaml"),
         ("model.init_from=assets/reasoning-ar-base",),
     ),
+    "moe": (MOE, ("parallel.ep=1",)),
+    # MDLM over the DiT with adaLN, as the LM1B baselines: every pipeline stage's time embedding
+    "dit-adaln-mdlm": (DIT, ("method.family=mdlm", "model.adaln=true")),
 }
+"""Each family's recipe and overrides; a family without model.init_from starts from a seed
+checkpoint (`starts`)."""
 
 
 @pytest.fixture(scope="module")
-def one_rank(tmp_path_factory, data, moe_seed):
+def starts(tmp_path_factory, data):
+    """A family's starting weights as model.init_from: the shipped AR base, or a seed checkpoint
+    made once by one process (weights only are read)."""
+    cache: dict[str, str] = {}
+
+    def start(family: str) -> str:
+        recipe, extra = FAMILIES[family]
+        given = [o for o in extra if o.startswith("model.init_from=")]
+        if given:
+            return given[0]
+        if family not in cache:
+            run = tmp_path_factory.mktemp(f"{family}-seed") / "run"
+            train(run, data, recipe, *extra, "launch.nproc_per_node=1", "train.steps=1", "checkpoint.interval=1")
+            cache[family] = f"model.init_from={run}"
+        return cache[family]
+
+    return start
+
+
+def family_overrides(family: str, start: str) -> tuple[str, ...]:
+    """The family's overrides with its starting weights."""
+    return (*(o for o in FAMILIES[family][1] if not o.startswith("model.init_from=")), start)
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory, data, starts):
     """The one-process runs every layout is held to, by family (and engine for ZeRO)."""
     cache: dict[str, list] = {}
 
     def reference(name: str) -> list:
         if name not in cache:
             run = tmp_path_factory.mktemp(f"one-rank-{name}") / "run"
-            if name == "moe":
-                cache[name] = train(
-                    run, data, MOE, "launch.nproc_per_node=1", "parallel.ep=1", f"model.init_from={moe_seed}"
-                )
-            else:
-                family = name.removesuffix("-deepspeed")
-                recipe, extra = FAMILIES[family]
-                engine = ("engine=deepspeed",) if name.endswith("-deepspeed") else ()
-                cache[name] = train(run, data, recipe, *extra, *engine, "launch.nproc_per_node=1")
+            family = name.removesuffix("-deepspeed")
+            engine = ("engine=deepspeed",) if name.endswith("-deepspeed") else ()
+            overrides = family_overrides(family, starts(family))
+            cache[name] = train(run, data, FAMILIES[family][0], *overrides, *engine, "launch.nproc_per_node=1")
         return cache[name]
 
     return reference
@@ -98,7 +117,7 @@ EIGHT_RANKS = {
         "parallel.vpp=2",
         "parallel.micro_batch_size=4",
     ),
-    "pp2-dp4": ("mdlm", "parallel.pp=2", "parallel.micro_batch_size=2"),
+    "pp2-dp4": ("dit-adaln-mdlm", "parallel.pp=2", "parallel.micro_batch_size=2"),
     "tp2-cp2-dp2": ("set_diffusion", "parallel.tp=2", "parallel.cp=2", "parallel.micro_batch_size=4"),
     "moe-ep2-tp2-pp2-dp2": (
         "moe",
@@ -114,25 +133,21 @@ SIXTEEN = ("parallel.tp=2", "parallel.pp=2", "parallel.cp=2", "parallel.micro_ba
 
 
 @pytest.fixture(scope="module")
-def layout_runs(tmp_path_factory, data, moe_seed):
+def layout_runs(tmp_path_factory, data, starts):
     """Each layout's run (8 or 16 processes), made once: (run directory, records)."""
     cache: dict[str, tuple[Path, list]] = {}
 
     def run(name: str) -> tuple[Path, list]:
         if name not in cache:
             family, *overrides = EIGHT_RANKS[name] if name in EIGHT_RANKS else ("set_diffusion", *SIXTEEN)
+            family = family.removesuffix("-deepspeed")
             nproc = 16 if name == "sixteen" else 8
-            recipe, extra = (
-                (MOE, (f"model.init_from={moe_seed}",))
-                if family == "moe"
-                else FAMILIES[family.removesuffix("-deepspeed")]
-            )
             directory = tmp_path_factory.mktemp(name) / "run"
             records = train(
                 directory,
                 data,
-                recipe,
-                *extra,
+                FAMILIES[family][0],
+                *family_overrides(family, starts(family)),
                 f"launch.nproc_per_node={nproc}",
                 "parallel.distributed_optimizer=true",
                 *overrides,
