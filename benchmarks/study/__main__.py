@@ -1,7 +1,8 @@
 """`python -m benchmarks.study [--setting supervised|packed|adapted|infill|budget] [--seeds 1,2,3]
 [--quick]`: train the study's models, evaluate them, report. `--report-only` draws results.md and
 the plots again from the setting's existing results.json, training and evaluating nothing;
-`--claims` writes the table of the paper's claims from every setting's results.json.
+`--claims` writes the table of the paper's claims from every setting's results.json; `--merge`
+decodes the models of `--models` into the setting's existing results.json.
 
 See benchmarks/study/__init__.py for what is measured and docs/study.md for how long each setting
 takes. --quick trains set diffusion d = 4 of the setting as the full run trains it and decodes it
@@ -107,6 +108,43 @@ def _claims(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
     return by_setting
 
 
+def _merged(
+    results_dir: Path,
+    args: argparse.Namespace,
+    models: dict,
+    started: str,
+    invocation: str,
+    load_start: float,
+    start: float,
+    argv: list[str] | None,
+) -> dict:
+    """--merge: the setting's results.json with `models`' entries put in (replacing theirs), and
+    this invocation recorded under "merges" beside the one that made the file."""
+    path = results_dir / "results.json"
+    if not path.is_file():
+        raise SystemExit(f"study: --merge: no {path} to merge into; run the setting first")
+    results = json.loads(path.read_text(encoding="utf-8"))
+    if results["setting"] != args.setting or results["seeds"]["training"] != (
+        args.seeds or results["seeds"]["training"]
+    ):
+        raise SystemExit(
+            f"study: --merge: {path} holds the {results['setting']} setting over seeds {results['seeds']['training']}; "
+            "merge the same setting and seeds"
+        )
+    results["models"] |= models
+    results.setdefault("merges", []).append(
+        {
+            "models": list(models),
+            "started": started,
+            "invocation": invocation,
+            "load_average": {"start": load_start, "end": os.getloadavg()[0]},
+            "wall_minutes": (time.perf_counter() - start) / 60,
+            "command": "python -m benchmarks.study" + "".join(f" {shlex.quote(a)}" for a in (argv or sys.argv[1:])),
+        }
+    )
+    return results
+
+
 def _ignored(args: argparse.Namespace) -> list[str]:
     """Flags that train or evaluate, given to a mode that does neither."""
     return [
@@ -182,6 +220,13 @@ def _parser() -> argparse.ArgumentParser:
         "sessions, then decode every model in one invocation, so that its speeds are measured together",
     )
     parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="with --models: put those models' entries into the results.json already in --results, "
+        "keeping the others as they were measured (each figure names its invocation), e.g. to "
+        "decode the baselines again under another protocol without training every model again",
+    )
+    parser.add_argument(
         "--report-only",
         action="store_true",
         help="train and evaluate nothing: draw results.md and the plots again from the results.json "
@@ -207,6 +252,8 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("--quick runs the supervised or the adapted setting")
     if args.budgets and args.setting != "budget":
         parser.error("--budgets belongs to --setting budget")
+    if args.merge and (not args.models or args.train_only or args.report_only or args.claims):
+        parser.error("--merge needs --models (the entries it replaces) and trains and evaluates them")
     if args.claims:
         return _claims(parser, args)
     quick = "study-quick" if args.quick else "study"
@@ -271,6 +318,12 @@ def main(argv: list[str] | None = None) -> dict:
             "points": [],
         }
 
+    if args.merge:
+        results = _merged(results_dir, args, models, started, invocation, load_start, start, argv)
+        report.write(results, results_dir)
+        print(report.markdown(results))
+        print(f"study: {', '.join(models)} merged into {results_dir}", flush=True)
+        return results
     results = {
         "mode": "quick" if args.quick else "full",
         "setting": args.setting,

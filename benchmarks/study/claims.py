@@ -99,11 +99,21 @@ def _has(models: dict, families: tuple[str, ...]) -> bool:
     return any(m["family"] in families for m in models.values())
 
 
-def best_point(models: dict, families: tuple[str, ...], floor: float) -> Side | None:
+def aligned(point: dict) -> bool:
+    """Whether a point's baseline blocks were aligned (DecodingConfig.align_inputs_to_blocks, recorded
+    with each point): one that does not record it was decoded before the setting existed, aligned."""
+    return point.get("align_inputs_to_blocks", True)
+
+
+def best_point(models: dict, families: tuple[str, ...], floor: float, placement: bool | None = None) -> Side | None:
     """The most accurate decoding point at or above `floor` tokens per step among `models` of
-    `families` (results.json entries), or None."""
+    `families` (results.json entries), of the block `placement` (`aligned`) where given, or None."""
     candidates = [
-        (m, p) for m in models.values() if m["family"] in families for p in m["points"] if p["tokens_per_step"] >= floor
+        (m, p)
+        for m in models.values()
+        if m["family"] in families
+        for p in m["points"]
+        if p["tokens_per_step"] >= floor and placement in (None, aligned(p))
     ]
     if not candidates:
         return None
@@ -193,43 +203,36 @@ def _math_rows(setting: str, results: dict | None) -> list[Row]:
                 why = f"these results hold no {' and no '.join(absent)} model"
                 rows.append(_unmeasured(claim, MATH_PAPER, here, "not run yet", why))
                 continue
-            here += "; " + _protocol(models, families)
-            sd, base = best_point(models, SET_DIFFUSION, floor), best_point(models, families, floor)
-            if sd is None or base is None:
-                missing = "set diffusion" if sd is None else name
+            for placement in _placements(models, families):
                 rows.append(
-                    _unmeasured(claim, MATH_PAPER, here, "not tested here", f"{missing} has no point at >= {floor}")
+                    _math_row(claim, here + "; " + PLACEMENTS[placement], models, (name, families), floor, placement)
                 )
-                continue
-            v = verdict(sd, base)
-            rows.append(
-                Row(
-                    claim,
-                    MATH_PAPER,
-                    here,
-                    f"set diffusion {sd.text()}; {name} {base.text()}",
-                    v.text(),
-                    v.verdict,
-                    v.why,
-                )
-            )
     return rows
 
 
-def _protocol(models: dict, families: tuple[str, ...]) -> str:
-    """How the baselines' blocks were placed (DecodingConfig.align_inputs_to_blocks, recorded with
-    each point): a point that does not record it was decoded before the setting existed, aligned."""
-    unaligned = {
-        p.get("align_inputs_to_blocks") is False
-        for m in models.values()
-        if m["family"] in families
-        for p in m["points"]
-    }
-    if unaligned == {True}:
-        return "baseline blocks from the prompt's end (unaligned, as the paper's throughput scripts)"
-    if unaligned == {False}:
-        return "baseline blocks aligned to multiples of the block size (not the paper's unaligned throughput protocol)"
-    return "baseline blocks aligned and unaligned (each point's protocol in the setting's results)"
+def _math_row(
+    claim: str, here: str, models: dict, baseline: tuple[str, tuple[str, ...]], floor: float, placement: bool
+) -> Row:
+    name, families = baseline
+    sd, base = best_point(models, SET_DIFFUSION, floor), best_point(models, families, floor, placement)
+    if sd is None or base is None:
+        missing = "set diffusion" if sd is None else name
+        return _unmeasured(claim, MATH_PAPER, here, "not tested here", f"{missing} has no point at >= {floor}")
+    v = verdict(sd, base)
+    return Row(claim, MATH_PAPER, here, f"set diffusion {sd.text()}; {name} {base.text()}", v.text(), v.verdict, v.why)
+
+
+PLACEMENTS = {
+    False: "baseline blocks from the prompt's end (unaligned, as the paper's throughput scripts)",
+    True: "baseline blocks aligned to multiples of the block size (not the paper's unaligned throughput protocol)",
+}
+"""How a row's baseline points placed their blocks (`aligned`): a setting whose baselines were
+decoded both ways has a row for each, the paper's first."""
+
+
+def _placements(models: dict, families: tuple[str, ...]) -> list[bool]:
+    """The block placements among the baselines' points, the paper's (unaligned) first."""
+    return sorted({aligned(p) for m in models.values() if m["family"] in families for p in m["points"]})
 
 
 NOT_TESTED = (

@@ -35,6 +35,11 @@ W = 8 at 0.9. Runs of 2026-12-04 and before decoded the middle three only."""
 BASELINE_THRESHOLDS = (None, 0.99, 0.9, 0.7, 0.5)
 """MDLM's and BD3-LM's sweep over their blocks: None decodes one token per step (the reference's
 1e6), 0.9 is their paper default."""
+BASELINE_PROTOCOLS = (("", False), ("-aligned", True))
+"""Where MDLM's and BD3-LM's blocks start (DecodingConfig.align_inputs_to_blocks), by point-name
+suffix: every baseline point is decoded both ways. The paper's throughput scripts start the first
+block at the prompt's end (False, the families' policy); True starts blocks at multiples of the
+block size, the prompt's tail in the first one, as the study decoded before 2026-12-07."""
 MDLM_BLOCK = 32
 """MDLM's paper default block (the reference decodes GSM8K in semi-autoregressive blocks of 32):
 a completion of 30 to 50 characters spans two blocks."""
@@ -106,7 +111,8 @@ class Model:
         """(explicit points, grid) of this model's sweep. AR has the one point W = 1; set diffusion
         decodes at W = 1 too (left to right, one token per step), which tells the quality of the
         model apart from what parallel, any-order decoding costs it; MDLM and BD3-LM sweep the
-        threshold over their blocks, from one token per step (`toff`) to 0.5."""
+        threshold over their blocks, from one token per step (`toff`) to 0.5, under both block
+        placements (BASELINE_PROTOCOLS)."""
         if self.family == "ar":
             return [{"name": "ar", "window": 1}], {}
         if self.family in ("mdlm", "bd3lm"):
@@ -114,7 +120,12 @@ class Model:
             points = [{"name": f"b{block}-t{_t(t)}", "threshold": t} for t in BASELINE_THRESHOLDS]
             if self.family == "mdlm":
                 points.append({"name": f"b{MDLM_SMALL_BLOCK}-t0.9", "block_size": MDLM_SMALL_BLOCK, "threshold": 0.9})
-            return points, {}
+            placed = [
+                p | {"name": p["name"] + suffix, "align_inputs_to_blocks": align}
+                for suffix, align in BASELINE_PROTOCOLS
+                for p in points
+            ]
+            return placed, {}
         one = {"name": "w1", "window": 1}
         if quick:
             return [one, dict(QUICK_POINT)], {}

@@ -245,7 +245,18 @@ def _header(results: dict) -> list[str]:
         "minutes (a rerun skips the models and points already done). "
         f"Command: `{results['command']}`. Seeds: {results['seeds']}.",
         "",
+        *_merges_text(results),
         *_speeds_text(results),
+    ]
+
+
+def _merges_text(results: dict) -> list[str]:
+    """The invocations that put some models' entries in later (`--merge`)."""
+    return [
+        f"Merged in later: {', '.join(m['models'])}, by `{m['command']}` (started {m['started']}, "
+        f"{m['wall_minutes']:.1f} minutes, load average {m['load_average']['start']:.1f} to "
+        f"{m['load_average']['end']:.1f}); their figures replace those of the invocation above.\n"
+        for m in results.get("merges", [])
     ]
 
 

@@ -144,6 +144,27 @@ def test_the_claims_table_of_made_up_settings():
     assert claim_rows({"supervised": unaligned})[0].here.endswith("(unaligned, as the paper's throughput scripts)")
 
 
+def test_baselines_decoded_both_ways_give_a_row_for_each_placement():
+    """A row per block placement, the paper's (unaligned) first, each reading its own points."""
+    mdlm = MATH["models"]["mdlm"]
+    both = {
+        **mdlm,
+        "points": [p | {"align_inputs_to_blocks": True} for p in mdlm["points"]]
+        + [
+            p | {"point": p["point"], "accuracy": p["accuracy"] - 0.2, "align_inputs_to_blocks": False}
+            for p in mdlm["points"]
+        ],
+    }
+    rows = [
+        r for r in claim_rows({"supervised": {**MATH, "models": MATH["models"] | {"mdlm": both}}}) if "MDLM" in r.claim
+    ]
+    supervised = [r for r in rows if r.here.startswith("supervised")]
+    assert len(supervised) == 4  # two speed floors, two placements each
+    first, second = supervised[:2]
+    assert "(unaligned, as the paper's" in first.here and "aligned to multiples" in second.here
+    assert "MDLM 0.300" in first.measured and "MDLM 0.500" in second.measured
+
+
 def test_the_stronger_of_bd3lm_s_infill_contexts_is_the_baseline():
     models = INFILL["models"] | {
         "bd3lm-b4": INFILL["models"]["bd3lm-b4"] | {"infill_chains_blocks": _infill(0.38, 0.02)}

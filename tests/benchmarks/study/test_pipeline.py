@@ -98,13 +98,13 @@ def test_the_adapted_setting_starts_every_model_from_the_shipped_base():
         recipe = load_recipe(model.recipe)
         assert recipe.model.init_from == "assets/reasoning-ar-base" and recipe.train.steps == plan.ADAPTED_STEPS
         points, grid = model.grid(False)
-        assert not grid and len(points) == {"ar": 1, "mdlm": 6, "bd3lm": 5}.get(model.family, 6)
+        assert not grid and len(points) == {"ar": 1, "mdlm": 12, "bd3lm": 10}.get(model.family, 6)
 
 
 def test_the_baselines_are_the_papers_families_under_the_settings_budget():
     """MDLM and BD3-LM train as `method.family` says, with the same data, steps and optimizer as
     the setting's set diffusion models; they sweep the threshold over their blocks, their paper
-    default (threshold 0.9) among the points."""
+    default (threshold 0.9) among the points, with their blocks placed both ways."""
     from benchmarks.study import plan
     from setdiff_megatron.recipes import load_recipe
 
@@ -120,6 +120,10 @@ def test_the_baselines_are_the_papers_families_under_the_settings_budget():
             points, _ = models[name].grid(False)
             block = block or plan.MDLM_BLOCK
             assert {p["name"] for p in points} >= {f"b{block}-toff", f"b{block}-t0.9", f"b{block}-t0.5"}
+            # every point under both block placements, the paper's (unaligned) unsuffixed
+            placements = {p["name"]: p["align_inputs_to_blocks"] for p in points}
+            assert placements[f"b{block}-t0.9"] is False and placements[f"b{block}-t0.9-aligned"] is True
+            assert sorted(placements.values()).count(True) == len(points) // 2
             assert models[name].decoding_defaults() == {"block_size": block}
     assert not {m.name for m in plan.models(False, "packed")[0]} & set(plan.BASELINES)
 
@@ -161,10 +165,11 @@ def test_the_budget_setting_reuses_the_adapted_runs_at_their_budget():
     assert overrides(Path("out"), longer, 3)[-2:] == ["train.steps=3", "checkpoint.interval=3"]  # a smoke run's
 
 
-@pytest.mark.slow  # 6 minutes on 2 cores shared with other work (2026-12-05); MDLM decodes its whole canvas each step
+@pytest.mark.slow  # 80 s on 2 cores (2026-12-07): every baseline point under both block placements
 def test_the_baselines_run_through_the_pipeline(tmp_path):
     """MDLM and BD3-LM train through their recipes and decode every point of their sweeps, each
-    point's speed with the invocation that measured it."""
+    point's speed with the invocation that measured it, their blocks placed both ways; --merge
+    puts one model's entry into the results again, recording the invocation that did."""
     argv = ["--models", "mdlm,bd3lm-b4", "--steps", "2", "--per-level", "1", "--out", str(tmp_path / "runs")]
     trained = main([*argv, "--train-only", "--results", str(tmp_path / "results")])
     assert trained == {"trained": ["mdlm", "bd3lm-b4"]} and not (tmp_path / "results").exists()
@@ -175,9 +180,17 @@ def test_the_baselines_run_through_the_pipeline(tmp_path):
         assert [p["point"] for p in points][:5] == [f"b{block}-t{t}" for t in ("off", "0.99", "0.9", "0.7", "0.5")]
         assert {p["block_size"] for p in points[:5]} == {block} and all(p["examples"] == 5 for p in points)
         assert {p["invocation"] for p in points} == {results["invocation"]} and all(p["tokens_per_s"] for p in points)
+        assert [p["align_inputs_to_blocks"] for p in points] == [p["point"].endswith("-aligned") for p in points]
+        assert len(points) == 2 * (6 if name == "mdlm" else 5)
     assert results["models"]["mdlm"]["points"][5]["block_size"] == 8
     text = (tmp_path / "results" / "results.md").read_text()
     assert "| BD3-LM (block 4) | b4-t0.9 | - | 0.9 |" in text and "measured in one invocation" in text
+    merged = main([*argv, "--merge", "--models", "bd3lm-b4", "--results", str(tmp_path / "results")])
+    assert list(merged["models"]) == ["mdlm", "bd3lm-b4"] and merged["invocation"] == results["invocation"]
+    assert [m["models"] for m in merged["merges"]] == [["bd3lm-b4"]]
+    assert "Merged in later: bd3lm-b4" in (tmp_path / "results" / "results.md").read_text()
+    with pytest.raises(SystemExit):
+        main([*argv, "--merge", "--models", "mdlm", "--results", str(tmp_path / "elsewhere")])
 
 
 @pytest.mark.slow  # about a minute on 2 cores: six models trained and infilled, one seed (the seeds' handling
