@@ -1,21 +1,10 @@
 """adaLN (models/adaln.py) on megatron-core: a transformer layer and a final norm that modulate.
 
-megatron's TransformerLayer has no slot for a modulation of its norms or a gate on its residual
-branches, so a layer with adaLN runs its own short forward over the same submodules (norms,
-self-attention, MLP), and the final norm is the DiT's LayerNorm followed by its shift and scale.
-Both read the conditioning vector from the model chunk's time embedding through `condition`, a
-plain function: a module reference would be copied with the layer specs, and the embedding must
-stay one module per chunk.
-
-The time embedding is shared by every layer, so every pipeline chunk holds a copy. Its parameters
-are tagged `pipeline_parallel` and the config `has_cond_embedder`, megatron-core's own protocol
-for diffusion models' embedders: finalize_model_grads sums their gradients over the pipeline
-stages. That sum comes after the data-parallel reduce-scatter of the distributed optimizer, which
-leaves each rank's own shard of a gradient reduced and the rest not: the parameters are also tagged
-`shared_embedding`, which gives each its own bucket (as megatron does for the tied embedding), so
-that every stage shards them alike and the sum adds reduced shards only. The gradient norm
-counts one copy: the others are tagged `shared`, as the last stage's tied output layer is. Under sequence parallelism each TP rank sees a slice of the tokens, so every adaLN
-parameter is also tagged `sequence_parallel`, like the norms' weights.
+megatron's TransformerLayer has no slot for modulated norms or gated residuals, so an adaLN layer
+runs a short forward of its own over megatron's submodules. Layers and final norm read the
+conditioning vector through `condition`, a plain function (a module would be copied with the
+specs). Every pipeline chunk holds a copy of the time embedding; docs/dit.md ("adaLN") says how
+its gradients are summed over the stages and counted once in the gradient norm.
 """
 
 from __future__ import annotations
@@ -40,8 +29,10 @@ def _tag(module: torch.nn.Module, config: TransformerConfig) -> None:
 
 
 def time_embedding(config: TransformerConfig, cond_dim: int, *, first_chunk: bool) -> TimestepEmbedding:
-    """This chunk's copy of the conditioning MLP, its gradients summed over pipeline stages; the
-    copies beyond the first chunk's are left out of the gradient norm (`shared`)."""
+    """This chunk's copy of the conditioning MLP, tagged for megatron-core: `pipeline_parallel`
+    (with the config's `has_cond_embedder`, finalize_model_grads sums its gradients over the
+    stages), `shared_embedding` (a bucket per parameter: the distributed optimizer shards it alike
+    on every stage before that sum) and, past the first chunk, `shared` (one copy in the norm)."""
     module = TimestepEmbedding(cond_dim, dtype=config.params_dtype)
     _tag(module, config)
     for p in module.parameters():

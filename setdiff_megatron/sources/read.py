@@ -54,8 +54,8 @@ __all__ = ["Source", "read_source", "read_hf_dir", "fit_source", "AR_KINDS"]
 
 AR_KINDS = tuple(SUPPORTED)
 RUN_KINDS = ("megatron", "deepspeed")
-_RELEASE_FAMILIES = {"set_diffusion": "SetDLM", "mdlm": "MDLM", "bd3lm": "BD3-LM"}
-"""How a reference release names its denoiser, by the family its recipe records."""
+_RELEASE_FAMILIES = {"set_diffusion": "SetDLM", "mdlm": "MDLM", "bd3lm": "BD3LM"}
+"""A reference release's architecture, by the family its recipe records."""
 
 
 @dataclass

@@ -145,7 +145,8 @@ class Release:
                 f"{self.where}: backbone_config._target_ {backbone.get('_target_')!r} is not a released "
                 f"backbone ({QWEN3_TARGET} on Qwen3, or {DIT_TARGET})"
             )
-        self.family = next((f for a, f in BASELINES.items() if a in config.get("architectures", ())), "set_diffusion")
+        self.architecture = next((a for a in BASELINES if a in config.get("architectures", ())), "SetDLM")
+        self.family = BASELINES.get(self.architecture, "set_diffusion")
         noise_target = _unflattened(str(noise.get("_target_")))
         expected = STAGGERED_TARGET if self.family == "set_diffusion" else LINEAR_TARGET
         if noise_target != expected:
@@ -194,7 +195,7 @@ class Release:
     def recipe(self, model: ModelConfig) -> Recipe:
         return Recipe(
             name=f"release-{self.directory.name}",
-            description=f"the reference's SetDLM release {self.directory}",
+            description=f"the reference's {self.architecture} release {self.directory}",
             model=ModelSection(**asdict(model)),
             method=self.method(),
             data=DataSection(tokenizer=str(self.directory), seq_len=self.length),
