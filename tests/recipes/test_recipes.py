@@ -96,6 +96,7 @@ MALFORMED = [
     (None, ["model.attention_impl=flash9"], "attention_impl must be one of"),
     (None, ["model.norm=batchnorm"], "norm must be one of ['rmsnorm', 'layernorm']"),
     (None, ["model.output_bias=true"], "output_bias needs tie_embeddings: false"),
+    (None, ["model.adaln=true"], "adaln is the reference DiT's: it needs norm: layernorm, a dense model"),
     (None, ["model.norm=layernorm", "model.backend=te"], "model.backend: the 'te' backend holds norm: rmsnorm"),
     (None, ["train.decay_fraction=1.5"], "train.decay_fraction"),
     (None, ["parallel.tp=3"], "parallel.tp: 3 must divide model.num_heads"),
