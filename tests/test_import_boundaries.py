@@ -38,6 +38,7 @@ FRAMEWORKS = {
         "models/megatron_model.py",
         "models/megatron_plumbing.py",
         "models/megatron_moe.py",
+        "models/megatron_adaln.py",
         "distributed/megatron_cpu.py",
         "distributed/runtime.py",
         "checkpoint/megatron.py",
@@ -51,8 +52,8 @@ FRAMEWORKS = {
     },
     "deepspeed": {"training/engines/deepspeed.py", "sources/deepspeed.py", "planning/measure_deepspeed.py"},
 }
-"""Where megatron-core and DeepSpeed may be imported (lazily or not): the megatron body and its
-plumbing, the runtime and its CPU layer, the megatron parts of checkpoint/ and data/,
+"""Where megatron-core and DeepSpeed may be imported (lazily or not): the megatron body (its MoE
+and adaLN layers included) and its plumbing, the runtime and its CPU layer, the megatron parts of checkpoint/ and data/,
 megatron-core's LR scheduler and optimizer defaults (both engines update alike), each engine, and
 the planner's fake world (megatron-core's groups on a fake process group) and its MoE stand-in;
 DeepSpeed in its engine, in the reader of its checkpoints, and in the planner's stand-ins for
