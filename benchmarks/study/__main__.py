@@ -108,16 +108,18 @@ def _claims(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
     return by_setting
 
 
-def _merged(
-    results_dir: Path,
-    args: argparse.Namespace,
-    models: dict,
-    started: str,
-    invocation: str,
-    load_start: float,
-    start: float,
-    argv: list[str] | None,
-) -> dict:
+def _invocation_record(started: str, invocation: str, load_start: float, start: float, argv: list[str] | None) -> dict:
+    """When this invocation ran, how long, under what load, and its command line."""
+    return {
+        "started": started,
+        "invocation": invocation,
+        "load_average": {"start": load_start, "end": os.getloadavg()[0]},
+        "wall_minutes": (time.perf_counter() - start) / 60,
+        "command": "python -m benchmarks.study" + "".join(f" {shlex.quote(a)}" for a in (argv or sys.argv[1:])),
+    }
+
+
+def _merged(results_dir: Path, args: argparse.Namespace, models: dict, record: dict) -> dict:
     """--merge: the setting's results.json with `models`' entries put in (replacing theirs), and
     this invocation recorded under "merges" beside the one that made the file."""
     path = results_dir / "results.json"
@@ -132,16 +134,7 @@ def _merged(
             "merge the same setting and seeds"
         )
     results["models"] |= models
-    results.setdefault("merges", []).append(
-        {
-            "models": list(models),
-            "started": started,
-            "invocation": invocation,
-            "load_average": {"start": load_start, "end": os.getloadavg()[0]},
-            "wall_minutes": (time.perf_counter() - start) / 60,
-            "command": "python -m benchmarks.study" + "".join(f" {shlex.quote(a)}" for a in (argv or sys.argv[1:])),
-        }
-    )
+    results.setdefault("merges", []).append({"models": list(models), **record})
     return results
 
 
@@ -318,8 +311,9 @@ def main(argv: list[str] | None = None) -> dict:
             "points": [],
         }
 
+    record = _invocation_record(started, invocation, load_start, start, argv)
     if args.merge:
-        results = _merged(results_dir, args, models, started, invocation, load_start, start, argv)
+        results = _merged(results_dir, args, models, record)
         report.write(results, results_dir)
         print(report.markdown(results))
         print(f"study: {', '.join(models)} merged into {results_dir}", flush=True)
@@ -327,12 +321,8 @@ def main(argv: list[str] | None = None) -> dict:
     results = {
         "mode": "quick" if args.quick else "full",
         "setting": args.setting,
-        "started": started,
-        "invocation": invocation,
-        "load_average": {"start": load_start, "end": os.getloadavg()[0]},
+        **record,
         "machine": machine_info(),
-        "wall_minutes": (time.perf_counter() - start) / 60,
-        "command": "python -m benchmarks.study" + "".join(f" {shlex.quote(a)}" for a in (argv or sys.argv[1:])),
         "seeds": {"corpus": 0, "training": args.seeds or "recipe train.seed (1234)", "decoding": "greedy"},
         **facts,
         "models": models,

@@ -206,10 +206,12 @@ class SetDiffusionTransformer(nn.Module):
         """The last forward's router losses, weighted per routed token: add to the NLL sum."""
         return sum(s.weighted_loss for s in self.router_stats().values())
 
-    def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def output_logits(self, hidden: torch.Tensor, condition: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of the last layer's output; with adaLN `condition` is the step's conditioning
+        vector where the caller has it (else computed here)."""
         hidden = self.norm(hidden)
         if self.norm_modulation is not None:
-            hidden = modulate(hidden, *self.norm_modulation(self.condition()))
+            hidden = modulate(hidden, *self.norm_modulation(self.condition() if condition is None else condition))
         return F.linear(hidden, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(hidden)
 
     def forward(
@@ -355,6 +357,6 @@ class SetDiffusionTransformer(nn.Module):
         for i, layer in enumerate(self.layers):
             attend = partial(cache.attend, i, num_commit=num_commit, commit_valid=commit_valid)
             x = layer(x, cos, sin, attend, condition=condition)
-        logits = self.output_logits(x[:, num_commit:])
+        logits = self.output_logits(x[:, num_commit:], condition)
         cache.advance()  # after the logits: a compiled step ends its graph here
         return logits
