@@ -174,13 +174,20 @@ def _rl(run: Path, out: Path, steps: int, *extra: str) -> list[dict]:
     return [r for r in rows if "rl/reward" in r]
 
 
+@pytest.fixture(scope="module")
+def rl_one_process(main_job, tmp_path_factory) -> list[dict]:
+    """Three GRPO steps of one megatron process, two epochs over each step's rollouts: what a
+    resumed run and the other layouts are held to."""
+    return _rl(main_job[0], tmp_path_factory.mktemp("rl") / "one", 3, "rl.epochs=2")
+
+
 @pytest.mark.slow
-def test_rl_from_the_main_job_logs_its_rollouts_and_resumes_exactly(main_job, tmp_path):
+def test_rl_from_the_main_job_logs_its_rollouts_and_resumes_exactly(main_job, rl_one_process, tmp_path):
     """GRPO from the main job's model (recipes/rl-reasoning.yaml, one process): each step logs its
     rollouts' reward, accuracy, tokens per step, KL and clip fraction; a run stopped after step 2
     and resumed decodes and updates at step 3 exactly as the uninterrupted run."""
     run, _, _ = main_job
-    whole = _rl(run, tmp_path / "whole", 3, "rl.epochs=2")
+    whole = rl_one_process
     assert [r["step"] for r in whole] == [1, 2, 3]
     for r in whole:
         assert 0 <= r["rl/accuracy"] <= 1 and r["rl/tokens_per_step"] >= 1 and r["rl/kl"] >= 0
@@ -223,11 +230,6 @@ each; each of two TP ranks samples with its half of every layer; DeepSpeed's eng
 scores with the plain torch body."""
 
 
-@pytest.fixture(scope="module")
-def rl_one_process(main_job, tmp_path_factory) -> list[dict]:
-    return _rl(main_job[0], tmp_path_factory.mktemp("rl") / "one", 2)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", RL_LAYOUTS)
 def test_rl_decodes_and_updates_alike_under_data_and_tensor_parallelism_and_deepspeed(
@@ -236,7 +238,7 @@ def test_rl_decodes_and_updates_alike_under_data_and_tensor_parallelism_and_deep
     """GRPO under another layout against one megatron process, over two steps: the same rollouts
     (reward, accuracy, tokens per step: every rank draws the same tokens) and the same update
     (gradient norm, and so the next step's KL to the reference) to float tolerance."""
-    other = _rl(main_job[0], tmp_path / layout, 2, *RL_LAYOUTS[layout])
+    other = _rl(main_job[0], tmp_path / layout, 2, "rl.epochs=2", *RL_LAYOUTS[layout])
     assert [r["step"] for r in other] == [1, 2]
     rollout = ("rl/reward", "rl/accuracy", "rl/tokens_per_step")
     for a, b in zip(rl_one_process, other):
