@@ -1,6 +1,6 @@
 """The names of a run directory: where checkpoints live and what their files are called.
 
-<run>/checkpoints/step_00000300/     a published checkpoint (see the package docstring)
+<run>/checkpoints/step_00000300/     a published checkpoint (docs/training.md, "Training and checkpoints")
 <run>/checkpoints/step_00000300.tmp  a save in progress, or one a crash interrupted
 <run>/checkpoints/step_00000150.aside-<time>   a checkpoint moved aside, never deleted
 <run>/checkpoints/latest             the name of the newest published checkpoint

@@ -1,21 +1,10 @@
 """Publishing a checkpoint: written aside, hashed, renamed into place, then `latest`; and retention.
 
-Every engine writes its files through `publish` (collective: every rank calls it):
-  1. preemption signals are blocked, so a save is never cut half-way by SIGTERM/SIGUSR1;
-  2. rank 0 clears interrupted saves (`step_*.tmp`: never published, never valid) and makes
-     `step_N.tmp` (`begin_publication`); every rank writes its files there (`write(tmp)`);
-  3. the ranks hash the files (a share each) into the manifest;
-  4. rank 0 renames it to `step_N` (atomic on one filesystem) and only then moves `latest`
-     (`finish_publication`, steps 3 and 4).
-A crash at any point leaves every published checkpoint as it was. An asynchronous save (the
-trainer's checkpointer.py) runs the same two halves with the engine's files written in between,
-while training goes on: step 4 happens only once every rank's files are on disk.
-
-What is already saved is never lost: a published directory of the same step (a resumed run
-reaching a step saved before, or another run's checkpoint) is moved aside (`names.aside_name`),
-never deleted or overwritten, and reported. Retention (`keep_last_n`, `keep_every_n_steps`)
-removes only this run's own checkpoints (train_state.json `run_id`), only valid ones, and only
-those older than the newest valid one.
+Every engine writes its files through `publish`, a collective call, and a crash at any point leaves
+every published checkpoint as it was. What is already saved is never lost: a published directory
+of the same step (a resumed run reaching a step saved before, or another run's checkpoint) is moved
+aside, never deleted or overwritten, and reported; retention removes only this run's own valid
+checkpoints older than the newest valid one (docs/training.md, "Training and checkpoints").
 """
 
 from __future__ import annotations
@@ -93,9 +82,18 @@ def apply_retention(root: Path, run_id: str, retention: Retention) -> list[Path]
 def publish(
     root: Path, step: int, write: Callable[[Path], None], *, run_id: str | None, retention: Retention = Retention()
 ) -> Path:
-    """Collective: publish the checkpoint of `step` that `write(tmp)` writes on every rank (see
-    the module docstring). Returns the published directory. `run_id` None: no training run
-    wrote it (an import), so no run's retention applies."""
+    """Collective: publish the checkpoint of `step` that `write(tmp)` writes on every rank, and
+    return the published directory.
+      1. preemption signals are blocked, so a save is never cut half-way by SIGTERM/SIGUSR1;
+      2. rank 0 clears interrupted saves (`step_*.tmp`: never published, never valid) and makes
+         `step_N.tmp` (`begin_publication`); every rank writes its files there (`write(tmp)`);
+      3. the ranks hash the files (a share each) into the manifest;
+      4. rank 0 renames it to `step_N` (atomic on one filesystem) and only then moves `latest`
+         (`finish_publication`, steps 3 and 4).
+    An asynchronous save (training/checkpointer.py) runs the same two halves with the engine's
+    files written in between, while training goes on: step 4 happens only once every rank's files
+    are on disk. `run_id` None: no training run wrote it (an import), so no run's retention
+    applies."""
     with blocked():
         tmp = begin_publication(root, step)
         write(tmp)

@@ -1,22 +1,11 @@
-"""Set-causal attention over the two-stream sequence for training: the dense reference, SDPA, and
-the registry that resolves an implementation by name.
+"""Set-causal attention over the two-stream sequence for training, and the registry of its implementations.
 
-The 2L tokens are [clean stream ; query stream], both in rank order (the sampled order). The
-rule (docs/method.md, "Set-causal attention"): clean rank r sees clean ranks <= r; query rank r
-sees clean ranks < r and itself, never another query. Three implementations here, selected by
-name, give the same outputs and gradients:
-
-  dense  a boolean 2L x 2L mask and an explicit softmax; the readable reference (tests only)
-  sdpa   the same mask through F.scaled_dot_product_attention
-  fused  ONE causal kernel call for both streams with a log-sum-exp merge of the diagonal, on
-         PyTorch's flash kernels (core/merged_attention.py); setdiff_megatron/kernels adds
-         Transformer Engine's and flash-attn's low-level calls ('te', 'flash_attn') and 'auto'.
-
-Padding rows (beyond `valid_len`) give zero outputs (core/attention_shapes.py). With
-`document_ids` no row attends across documents (core/document_attention.py). Query rows only: q
-may hold just the query stream (L rows against the 2L keys). The model's last layer asks for that,
-since nothing reads its clean-stream outputs; every implementation then skips the clean rows'
-attention. One sampling step with a KV cache is core/step_attention.py.
+The 2L tokens are [clean stream ; query stream], both in rank order. Clean rank r sees clean ranks
+<= r; query rank r sees clean ranks < r and itself, never another query (docs/method.md, "Set-causal
+attention"). Every implementation gives the same outputs and gradients: `dense` and `sdpa` (the mask,
+materialised) and `fused` here, `te`, `flash_attn` and `auto` from setdiff_megatron/kernels. Padding
+rows give zero outputs, and q may hold the query rows only. A sampling step against a KV cache is
+core/step_attention.py, not this module.
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
-"""Token-selection policies of the set sampler: pure functions, vectorised over the batch, each
-row with its own policy.
+"""Token selection for the set sampler: pure functions over a batch whose rows each have their own policy.
 
-One sampling step offers each row a set of query positions (the window), turns the model's
-query logits into one candidate token and a confidence per query, and keeps a subset of them:
-the k most confident, plus every query at or above the threshold tau (docs/method.md, "Decoding";
-`predict_and_noise`: k = 1 and tau = 1e6 there mean one token per step). The policies compose:
-window W x {span, fill, blocks} x k x tau x {greedy, temperature, top-k, top-p} x repetition
-penalty. AR decoding is W = 1. Stop sequences (EOS is a stop sequence of one token) are matched
-on token ids around the newly decoded positions, so checking them every step costs a few small
-tensor ops and no detokenisation.
-
-Rows of one batch may decode under different `DecodingConfig`s (a server's requests do):
-`RowPolicy` holds each field as a [B] tensor, plus host-side flags that let a step skip what no
-row uses. Every function gives a row what it would give that row alone.
-
-Nothing here knows about the model or the cache; `sampler.py` and `commit_rules.py` drive these
-functions.
+A step offers each row its window of query positions, turns the query logits into one candidate token
+and a confidence per query, and keeps the k most confident plus every query at or above the threshold
+tau (docs/method.md, "Decoding"). Every function gives a row what it would give that row alone.
+Nothing here knows about the model or the cache; `sampler.py` and `commit_rules.py` drive it.
 
 Shapes: B rows, L canvas positions (plus one scratch column), Q query slots, V vocabulary,
 S stop sequences, M longest stop sequence.
@@ -121,6 +109,9 @@ def _setting(default: Any, kind: type, help: str, **declared: Any) -> Any:
 @dataclass(frozen=True, kw_only=True)
 class DecodingConfig:
     """How the sampler picks tokens. Every field is checked when the config is built.
+
+    The settings compose: window W x {span, fill, blocks} x k x tau x {greedy, temperature, top-k,
+    top-p} x repetition penalty. AR decoding is W = 1.
 
     A model carries its own policy (`Source.decoding`: its recipe's order, or what its export
     says); the defaults here are only what a caller gets who names neither."""
@@ -470,8 +461,9 @@ def stop_ends(
     """[B] leftmost end position of a stop sequence completed by this step's tokens (L if none).
 
     Only windows that contain a newly decoded position can hold a new match, so the check is
-    O(B Q M^2 S) whatever the canvas length. A match must lie in [region_start, scratch); the
-    MASK left at undecoded positions never matches (the sampler rejects stops containing MASK).
+    O(B Q M^2 S) whatever the canvas length: a few small tensor ops a step, on token ids, with no
+    detokenisation. A match must lie in [region_start, scratch); the MASK left at undecoded
+    positions never matches (the sampler rejects stops containing MASK).
     """
     scratch, width = canvas_BL.shape[1] - 1, stops_BSM.shape[2]
     offsets_M = torch.arange(width, device=canvas_BL.device)

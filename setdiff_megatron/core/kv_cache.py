@@ -1,32 +1,10 @@
-"""A preallocated KV cache of committed clean tokens, for the sampler.
+"""A preallocated KV cache of committed clean tokens, for the sampler (docs/method.md, "KV cache").
 
-Only clean tokens enter the cache; query (MASK) tokens are scored against it and forgotten. A
-step's commits become visible to later steps once the model calls `advance` after its last
-layer, which writes every layer's commits at once, so every layer of one step sees the same
-cache.
-
-Layout: padded, with per-row lengths. Row b holds its entries in slots [0, lengths[b]), in
-commit order; `length` is a host-side bound on every row's length (no device sync needed), and
-attention masks each row's unused tail. One more slot per row, past `capacity`, takes the
-writes of dummy commits (rows that commit fewer tokens than the step's commit slots, padding
-rows and slots of a static step), so no dummy lands in any row's entries. The sampler admits
-rows into a running batch (`with_rows`, `with_capacity`), retires finished ones (`select_rows`)
-and drops entries from the middle of rows that outgrow the context (`drop`).
-
-A step's layout (core/step_layout.py, `plan`) says how the model's tokens map to B rows of K
-commit and Q query slots, packed or padded. Attention then reads the cache one of two ways. An
-eager step stages its K/V in the slots behind `length` and attends the cache in place; a static
-step (a fixed `span`, compiled by core/step_compiler.py) writes nothing during the forward and
-attends the first `span` slots with its own K/V appended, because a compiled graph that
-mutates its inputs copies them.
-
-Attention: masked SDPA with a dense step mask (the default), or, when `attention_impl` names a
-kernel step (core.step_attention.STEP_IMPLS: 'te', 'flash_attn'), a fused kernel reading the
-cache with per-row lengths instead of a mask (docs/method.md, "KV cache"). The kernel reads the
-whole buffer, capacity and dummy slot included, with each row's length: its shapes stay the same
-from step to step (cuDNN builds a graph per new shape), and for a kernel that takes only
-tokens-before-heads storage (Transformer Engine; core.step_attention.TOKEN_MAJOR_CACHE) the buffer
-is stored that way, so the kernel reads it in place instead of a copy per layer and step.
+Only clean tokens enter the cache; query (MASK) tokens are scored against it and forgotten. Row b
+holds its entries in slots [0, lengths[b]), in commit order. A step's commits become visible only
+when the model calls `advance` after its last layer, so every layer of one step sees the same cache.
+One extra slot per row, past `capacity`, takes the writes of dummy commits, so no dummy lands in a
+row's entries. The attention rule itself is core/step_attention.py's.
 
 Shapes: N layers, B batch, G key/value heads, C capacity, D head dim, T step tokens.
 """
@@ -70,12 +48,14 @@ class CacheSpec:
 
 @dataclass
 class KVCache:
-    keys: torch.Tensor  # [N, B, G, C + 1, D]; the last slot takes dummy writes
+    keys: torch.Tensor  # [N, B, G, C + 1, D]; the last slot takes dummy writes (rows that commit
+    # fewer tokens than the step's commit slots, padding rows and slots of a static step)
     values: torch.Tensor  # [N, B, G, C + 1, D]
     lengths: torch.Tensor  # [B] long: entries held by each row
     length: int = 0
-    """Host-side bound: no row has an entry at slot `length` or beyond. Each step raises it by the
-    step's commit slots; a caller that knows lengths.max() (the sampler) may lower it."""
+    """Host-side bound, read without a device sync: no row has an entry at slot `length` or beyond
+    (attention masks each row's unused tail). Each step raises it by the step's commit slots; a
+    caller that knows lengths.max() (the sampler) may lower it."""
     ragged: bool = False
     """Set once rows may differ in length; until then an eager step needs no key mask, and its
     staged commits already sit at every row's end."""
@@ -94,7 +74,8 @@ class KVCache:
         self._store_for_kernel()
 
     def _store_for_kernel(self) -> None:
-        """Tokens-major storage for a kernel that reads only that (TOKEN_MAJOR_CACHE)."""
+        """Tokens-major storage for a kernel that reads only that (TOKEN_MAJOR_CACHE: Transformer
+        Engine), so the kernel reads the buffer in place instead of a copy per layer and step."""
         if self.attention_impl in TOKEN_MAJOR_CACHE:
             self.keys, self.values = _token_major(self.keys), _token_major(self.values)
 
@@ -201,10 +182,15 @@ class KVCache:
         num_commit: int,
         commit_valid: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Attention of one layer's step tokens (in the model's layout; module docstring).
+        """Attention of one layer's step tokens, in the model's layout (core/step_layout.py `plan`:
+        B rows of K commit and Q query slots, packed or padded).
 
-        On the kernel path the cache part is the first `span` slots with each row's real entries
-        a prefix of lengths[b], and the step's commits a prefix of the layout's commit counts.
+        An eager step stages its K/V in the slots behind `length` and attends the cache in place; a
+        static step (a fixed `span`, compiled by core/step_compiler.py) writes nothing during the
+        forward and attends the first `span` slots with its own K/V appended, because a compiled
+        graph that mutates its inputs copies them. On the kernel path the cache part is the first
+        `span` slots with each row's real entries a prefix of lengths[b], and the step's commits a
+        prefix of the layout's commit counts.
         """
         layout = self._start_step(q_BHTD, k_BGTD.shape[2], num_commit, commit_valid) if layer == 0 else self._layout
         q, k, v = layout.to_padded(q_BHTD), layout.to_padded(k_BGTD), layout.to_padded(v_BGTD)
@@ -219,6 +205,8 @@ class KVCache:
             k_cache, v_cache = keys[:, :, : layout.span], values[:, :, : layout.span]
             staged_k, staged_v = torch.cat([k_cache, k], 2), torch.cat([v_cache, v], 2)
         if self._mask is None:  # the kernel: the whole buffer, each row's entries by its length
+            # (capacity and dummy slot included, so its shapes stay the same from step to step:
+            # cuDNN builds a graph per new shape)
             out = set_causal_step_attention(
                 q,
                 k,

@@ -1,22 +1,9 @@
-"""Masked diffusion, the paper's baselines as the reference trains them: MDLM (one noise level per
-row, bidirectional attention over the noisy sequence) and BD3-LM (one noise level per block of S
-positions, the clean sequence x0 and the noisy one xt side by side with the block-diffusion
-mask). docs/method.md, "The baselines", says what they train and how they decode.
+"""Training batches of the paper's masked-diffusion baselines, MDLM and BD3-LM, drawn as the reference draws them.
 
-Training a row:
-  t        one level per row (MDLM) or per block (BD3-LM): t = (1 - eps) u + eps, u ~ U[0, 1),
-           eps = 1e-3; with `antithetic` the rows of the global batch share one stratified draw
-  xt       each position masked with probability 1 - alpha(t) (the linear schedule: alpha = 1 - t),
-           never the prompt, the padding or a BOS kept clean; BD3-LM then gives every block that
-           has no mask, no prompt and no padding a uniform random subset of 1..S masks
-  loss     the NLL of x0 at the masked positions (SUBS: MASK is never predicted, an unmasked token
-           is its own prediction and costs nothing), summed per row and divided by the row's
-           masked count, then averaged over rows: no ELBO weight in training, as the reference
-
-The evaluation NELBO weighs each masked token by -alpha'/(1 - alpha) = 1/t of its row or block.
-
-Every draw goes through the caller's generator, in the reference's order (the masking uniforms,
-then BD3-LM's subset sizes and their uniforms), so forced levels and draws reproduce its batches.
+MDLM has one noise level per row and attends bidirectionally over the noisy sequence xt; BD3-LM has
+one per block of S positions and puts the clean sequence x0 beside xt under the block-diffusion
+mask. The model never sees t, and the training loss has no ELBO weight. What they train and how
+they decode: docs/method.md, "The baselines".
 
 Shapes: B rows, L positions, S block size, N blocks.
 """
@@ -67,7 +54,8 @@ def masked_decoding_policy(block_size: int | None) -> dict[str, Any]:
 
 def linear_alpha(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(alpha_t, alpha'_t) of the linear schedule, alpha = 1 - t, in float32 as the reference
-    computes them (the masking probability is then 1 - alpha, not t itself)."""
+    computes them (the masking probability is then 1 - alpha, not t itself). The evaluation NELBO
+    weighs each masked token by -alpha'/(1 - alpha) = 1/t of its row or block."""
     t = t.float()
     return 1 - t.clamp(0, 1), -torch.ones_like(t)
 
@@ -178,6 +166,9 @@ def sample_masked_batch(
 ) -> MaskedDiffusionBatch:
     """Noise levels (unless `t` is given), masks, and for BD3-LM (`block_size`) the masked-block
     rule: the reference's training batch, draw for draw. Padding must come last in each row.
+
+    Every draw goes through `generator`, in the reference's order (the masking uniforms, then
+    BD3-LM's subset sizes and their uniforms), so forced levels and draws reproduce its batches.
 
     `records` = (document ids, position ids) [B, L] marks rows that pack supervised records:
     each record (each of its blocks, for BD3-LM) gets its own noise level and masked-block rule,

@@ -1,42 +1,11 @@
-"""The paper's baselines decoding as the reference decodes them (docs/method.md, "The baselines"),
-batched behind the set sampler's engine API (submit, step, cancel, progress, generate), so every
-door (sample, eval, lm-eval, serve, the Hugging Face export) serves them as it serves set diffusion.
+"""Decoding of the paper's masked-diffusion baselines, MDLM and BD3-LM, as the reference decodes them.
 
-A row is its prompt (MASK tokens in it are spans to infill) and max_new_tokens MASKs, decoded in
-blocks of S = cfg.block_size positions, left to right, ceil(N / S) blocks for N new tokens (the
-reference's count). With cfg.align_inputs_to_blocks the first block starts at the prompt's end
-rounded down to a multiple of S (the reference aligns blocks to the canvas: when the prompt length
-P is not a multiple of S the last P mod S positions lie past the blocks, stay undecided and are
-dropped); without it, at the prompt's end (the paper's throughput runs). MDLM's canvas is padded
-with MASK to the context length, as the reference pads it, so its last block is decoded whole
-even past the request; the completion is cut to the N tokens asked (the reference returns them
-all), while steps and tokens per step count them, as the reference's do. An infilling prompt's
-blocks are those that hold a MASK, aligned either way (the paper's infilling runs align). Each step scores every position of the block and
-commits, among its MASK positions, the k = cfg.tokens_per_step most confident plus every one
-whose confidence (the chosen token's probability, MASK excluded) reaches cfg.threshold; decided
-positions keep their tokens. A block ends when it holds no MASK; then the row stops if an EOS or stop sequence lies in
-its completion so far (the completion is cut after it), or goes on to the next block.
-
-  bd3lm  a KV cache of clean tokens, updated once per block: the prompt before the first block
-         (aligned: its whole blocks; unaligned: all of it) is prefilled as clean blocks (x0's
-         block-causal attention over positions // S), each step runs the block's S tokens as
-         queries that see the cache and one another (block-causally by position // S where an
-         unaligned block straddles two, as the reference's mask does), and a decided block joins
-         the cache as the first part of the next block's first step (the reference's fused cache).
-         With cfg.cache_infill_input an infilling prompt's whole blocks are prefilled instead
-         (MASKs and right context included; a last partial block is not, as in the reference's)
-         and the span's blocks run at positions after them (`_Row.shift`), as the reference's
-         BD3-LM infills: a block sees only earlier positions, so this is how the right context
-         reaches it. A block cut short by the
-         prompt's end runs without the MASK padding the reference gives it. With several spans
-         (the reference infills one) the blocks between them follow the span's blocks too, so the
-         copy after the input runs from the first span's block to the last one's as the input does
-  mdlm   no cache: each step runs the whole canvas (padded with MASKs to the context length, as
-         the reference pads it) as one bidirectional group, and reads the block's positions
-
-Rows pad their commits and queries to the step's counts (core/block_cache.py). Steps are the
-forwards that decide tokens; the prefill forward counts in NFE only. A row decodes token for
-token as it would alone.
+It serves the set sampler's engine API (submit, step, cancel, progress, generate), so every door
+(sample, eval, lm-eval, serve, the Hugging Face export) runs the baselines as it runs set diffusion.
+Rows decode in blocks of cfg.block_size positions, left to right: BD3-LM over a KV cache of clean
+blocks, updated once per block; MDLM without a cache, running its whole canvas every step. A row
+decodes token for token as it would alone. Block placement, infilling and what counts as a step:
+docs/method.md, "The baselines".
 """
 
 from __future__ import annotations
@@ -86,6 +55,8 @@ class _Row:
 
     @property
     def block(self) -> tuple[int, int]:
+        """(start, end) of the block being decoded; a block cut short by the prompt's end runs without
+        the MASK padding the reference gives it."""
         start = self.blocks[0]
         return start, min(start + self.block_size, len(self.canvas))
 

@@ -1,30 +1,11 @@
-"""The cached any-order set sampler (docs/method.md, "Decoding") as a continuous-batching engine.
+"""The cached set sampler (docs/method.md, "Decoding") as a continuous-batching engine.
 
-Each step is ONE forward pass: it commits the tokens the previous step decoded to the KV cache
-(clean tokens, causal among themselves in position order) and scores the current window's MASK
-queries against cache + commits (commit-in-next-forward). Every query is scored as the next
-rank after everything committed, so a step's logits equal a from-scratch training forward whose
-clean prefix is the commit order.
-
-Requests (core/sample_request.py): every visible token, left AND right of the MASK spans, is
-prefilled first, causally in position order (the reference's cache_full_infill_context);
-prefix-only caching, which ignores the right context, is not offered.
-
-Continuous batching: requests join and leave between steps. A joining row's prefill is a step of
-commits only (its own forward, shared with the other rows' decode steps), in chunks of
-`prefill_chunk` tokens when set; its queries start at the next step, as alone. Finished rows
-retire at once (compacted out by one index select) and waiting requests take their place, so a
-long job keeps its batch full. A row's logits depend only on its own entries, and its sampled
-tokens on its own generator, so every row decodes exactly as it would alone: whatever else
-shares the batch, and whenever it joined.
-
-The parts: the rows' host and device state (core/row_state.py, core/batch_state.py), the cache's
-size, buckets and eviction (core/cache_room.py), the model's forward in a padded, packed or
-compiled layout (core/step_runner.py), and what the next forward commits (core/commit_rules.py).
-This module admits, steps and retires rows.
-
-Host syncs: one small transfer per step (step sizes, each row's commit and query counts, finished
-rows, each row's decoded prefix), plus the tokens of retired rows; a trace adds one per step.
+Each step is one forward pass that commits the tokens the previous step decided to the KV cache
+and scores the current window's MASK queries against cache and commits. Requests join and leave
+between steps; a row's logits depend only on its own cache entries and its sampled tokens on its
+own generator, so every row decodes exactly as it would alone, whatever shares the batch and
+whenever it joined. This module admits, steps and retires rows; the parts it drives are listed in
+docs/architecture.md, "The sampler inside core/".
 """
 
 from __future__ import annotations
@@ -276,7 +257,8 @@ class SetSampler:
         if self.trace:
             record_traces(self.rows, b.query_pos, query_valid, new, tok, conf, prefilling)
         b.query_pos, b.query_valid = window_queries(b.todo, self.policy)
-        # The one sync of the step: the next step's sizes, who finished, and each row's decided prefix.
+        # The one sync of the step: the next step's sizes, who finished, and each row's decided prefix
+        # (a trace adds one more per step; retiring rows copies their tokens to the host).
         (num_commit, num_query, max_len), self._num_commits, queries_of, self._firsts = b.sync(
             cache.lengths[: len(self.rows)]
         )

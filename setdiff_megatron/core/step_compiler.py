@@ -1,22 +1,11 @@
-"""Compiled decode steps at static shapes, one graph per bucket, and when they pay.
+"""Compiled decode steps at static shapes, one graph per bucket, and the rule for when to compile.
 
 A decode step whose rows, commit slots, query slots and cache span are rounded up to a bucket
-(core/step_layout.py) has the same shapes as every other step of that bucket, so one compiled
-graph serves them all: `torch.compile(dynamic=False)` with inductor's C++ wrapper on the CPU,
-and on CUDA the same graphs captured as CUDA graphs (`mode="reduce-overhead"`). The CUDA path
-is GPU-unverified until benchmarks/gpu_check.sh has run it on a device; there the cache, a graph
-input that rows joining and leaving reallocate, is copied into the graph's static buffers at
-each replay, which a cache kept at fixed addresses would avoid.
-
-When: compiling costs seconds per bucket on a CPU, so `auto` compiles a bucket only once the
-eager steps of that bucket have taken as long as a compile is expected to take (rent until the
-rent paid equals the price), and a short job never compiles. The price is measured: the longest
-compile of this process, else the median of the compiles recorded on this machine for this kind
-of device (the last RECORDED of them, in compile_seconds.json under SETDIFF_CACHE_DIR, default
-~/.cache/setdiff_megatron), else COMPILE_COST_S until one is measured; a bucket whose first JUDGE_AFTER
-compiled steps turn out no faster on average than its eager steps goes back to eager steps (a
-bucket compiled before any eager step, under `on` or a warm-up, is kept). `on` compiles every bucket at its
-first step (or ahead: SetSampler.warm_up); `off` never compiles. Compiled graphs live for the process.
+(core/step_layout.py) has the shapes of every other step of that bucket, so one graph serves them all.
+`on` compiles a bucket at its first step and `off` never; `auto` compiles a bucket once its eager
+steps have taken as long as a compile is expected to, and goes back to eager steps for a bucket whose
+first compiled steps are no faster. Graphs live for the process. The CUDA path (CUDA graphs) has not
+run on a GPU yet: docs/sampling.md, "Compiled decode steps".
 """
 
 from __future__ import annotations
@@ -74,6 +63,9 @@ class StepCompiler:
         return self.mode != "off" and self.failed is None
 
     def expected_cost(self) -> float:
+        """The seconds `auto` expects a compile to take: the longest compile of this process, else the
+        median of the last RECORDED compiles on this machine for this device kind (compile_seconds.json
+        under SETDIFF_CACHE_DIR, default ~/.cache/setdiff_megatron), else COMPILE_COST_S."""
         measured = list(self.compile_s.values())
         if measured:
             return max(measured)
@@ -91,7 +83,9 @@ class StepCompiler:
         self.eager_n[key] += 1
 
     def note_compiled(self, key: Hashable, seconds: float) -> None:
-        """A compiled step of `key` after its first (which compiled it) took `seconds`."""
+        """A compiled step of `key` after its first (which compiled it) took `seconds`. Under `auto`, a
+        bucket whose first JUDGE_AFTER compiled steps are no faster on average than its eager steps
+        goes back to eager steps; a bucket compiled before any eager step (`on`, a warm-up) is kept."""
         self.compiled_s[key] += seconds
         self.compiled_n[key] += 1
         n, eager = self.compiled_n[key], self.eager_n[key]
@@ -129,6 +123,8 @@ class StepCompiler:
         # One graph per bucket: more buckets than dynamo's default recompile limit of 8.
         dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 256)
         if self.device.type == "cuda":
+            # CUDA graphs: the cache, which rows joining and leaving reallocate, is copied into the
+            # graph's static buffers at each replay (docs/sampling.md, "Compiled decode steps").
             return torch.compile(self._model.step, dynamic=False, mode="reduce-overhead")
         # The C++ wrapper calls a graph's kernels without Python in between: a decode step's
         # kernels are small enough for that to matter (benchmarks/PERFORMANCE.md, "Sampling").

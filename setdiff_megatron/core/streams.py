@@ -1,18 +1,9 @@
 """The two-stream batch of set diffusion training (docs/method.md, "Two streams").
 
-Given tokens and an order perm (perm[b, j] = position revealed at rank j), both streams are laid
-out in rank order and carry the ORIGINAL positions as rotary position ids: the clean stream is
-x[perm], the query stream is MASK everywhere. Targets and the loss mask are in rank order too, so
-the loss is right whatever the order does with prompt and padding tokens (the reference keeps its
-loss mask in position order, which is only right while those tokens form a leading/trailing run).
-
-Packed windows hold several documents; with document masking (recipes' data.document_mask) the
-batch carries each rank's document id, so attention stays within documents (core/document_attention.py).
-Rows that pack several supervised records carry their own document ids and per-record position
-ids: each record is ordered, positioned and attended to as if it were alone in a padded row.
-
-The query stream is MASK even at prompt and padding ranks: nothing attends to a query token but
-the query itself, and those ranks are excluded from the loss, so their input value is irrelevant.
+Given tokens and an order perm (perm[b, j] = position revealed at rank j), both streams are laid out
+in rank order and carry the ORIGINAL positions as rotary position ids: the clean stream is x[perm],
+the query stream is MASK everywhere. Targets and the loss mask are in rank order too. With document
+ids (packed windows, or rows of packed supervised records) attention stays within documents.
 
 Shapes: B batch, L sequence length.
 """
@@ -114,9 +105,14 @@ def build_two_stream_batch(
     clean_BL = tokens_BL.gather(1, perm_BL)
     return TwoStreamBatch(
         clean_tokens=clean_BL,
+        # MASK at prompt and padding ranks too: only the query itself attends to a query token, and
+        # those ranks carry no loss.
         query_tokens=torch.full_like(clean_BL, mask_token_id),
         position_ids=perm_BL if position_ids_BL is None else position_ids_BL.gather(1, perm_BL),
         targets=clean_BL,
+        # In rank order, so it is right wherever the order puts prompt and padding tokens (the
+        # reference keeps its loss mask in position order, right only while they form a
+        # leading/trailing run).
         loss_mask=~not_target_BL.gather(1, perm_BL),
         valid_len=valid_len_B,
         document_ids=None if document_ids_BL is None else document_ids_BL.gather(1, perm_BL),

@@ -1,28 +1,11 @@
 """A built-in infilling corpus: running sums whose masked line only the right side gives away.
 
 A chain is the worked solution of a reasoning-corpus problem over + and - alone (reasoning.py),
-without its expression line, so that every line starts from the result of the line above:
-
-    47+8=55
-    55-19=36
-    36+7=43
-    #### 43
-
-The infill task (`tasks/infill-test.jsonl`) masks one line after the first. Its first operand is
-the result above it (the left side); its result is the first operand of the line below it, or
-the final answer (the right side); its operator and second operand follow from those two. So
-the right side decides the line (`right_context_fill` fills every example; a line whose second
-operand is 0, where +0 and -0 both fit, is never masked), and the left side leaves the operator,
-the operand and the result open (`LeftOnlyRule`, the most common line of the training chains
-with the same left-side facts and span length, is the best a left-only guess can do).
-`rule_baselines` measures both on the task, with the trivial baseline (the test set's most common
-line). The study's infill setting (benchmarks/study) pretrains every model on packed windows of
-the training chains, as the paper pretrains its models on OpenWebText, and infills these lines
-at their true length, as the paper infills ROCStories.
-
-`prepare_chains_corpus` writes, deterministically by seed: `raw/{train,valid}.jsonl` documents
-and their indexed datasets, and `tasks/infill-test.jsonl` ({"left", "middle", "right", "level",
-"line"}, the levels in turn). No test or valid problem occurs in the training split.
+without its expression line, so that every line starts from the result of the line above. The
+infill task masks one line after the first: the right side decides it (`right_context_fill`),
+the left side leaves it open (`LeftOnlyRule` is the best a left-only guess can do), and
+`rule_baselines` measures both. No test or valid problem occurs in the training split. The task
+and its baselines: docs/study.md ("The infill task").
 """
 
 from __future__ import annotations
@@ -70,7 +53,8 @@ def chain_problems(seed: int, level: Level, exclude: frozenset[str] = frozenset(
 
 
 def _maskable(lines: list[str]) -> list[int]:
-    """The lines of a chain the task may mask: after the first, before the answer, operand not 0."""
+    """The lines of a chain the task may mask: after the first, before the answer, second operand
+    not 0 (where +0 and -0 both fit, so the right side would not decide the line)."""
     return [k for k in range(1, len(lines) - 1) if int(_STEP.match(lines[k]).group(3)) != 0]
 
 
@@ -92,7 +76,9 @@ def infill_record(problem: Problem, rng: random.Random) -> dict | None:
 
 
 def right_context_fill(left: str, right: str) -> str:
-    """The masked line from the result above it and the number below it (the module docstring)."""
+    """The masked line from the result above it and the number below it: its first operand is the
+    result above (the left side), its result the first operand of the line below or the final
+    answer (the right side), and its operator and second operand follow from those two."""
     start = int(left.rstrip("\n").rsplit("\n", 1)[-1].rsplit("=", 1)[1])
     below = right.lstrip("\n").split("\n", 1)[0]
     result = int(below.removeprefix("#### ")) if below.startswith("#### ") else int(_STEP.match(below).group(1))
@@ -154,8 +140,10 @@ def prepare_chains_corpus(
     workers: int = 1,
     progress: bool = True,
 ) -> ReasoningCorpus:
-    """Generate the chains, their tokenizer, indexed datasets and infill task (module docstring);
-    a rerun with the same arguments finds everything in place."""
+    """Generate the chains, their tokenizer, indexed datasets and infill task, deterministically by
+    seed: `raw/{train,valid}.jsonl` documents and their indexed datasets, and
+    `tasks/infill-test.jsonl` ({"left", "middle", "right", "level", "line"}, the levels in turn).
+    A rerun with the same arguments finds everything in place."""
     out_dir = Path(out_dir)
     record = {
         "format": FORMAT_VERSION,

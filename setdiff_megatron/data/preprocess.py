@@ -1,23 +1,11 @@
 """Preprocessing: raw corpora in, megatron-core indexed datasets (`.bin/.idx` + manifest) out.
 
-The Megatron-LM `tools/preprocess_data.py` job for set diffusion. Each input becomes one dataset
-`<output_dir>/<input name>` whose documents are the input's documents, tokenized as text with EOS
-appended. The tokenizer, with its resolved MASK/BOS/EOS/PAD ids, is saved to
-`<output_dir>/tokenizer/`, so training and sampling load exactly what produced the tokens.
-
-How it scales: the main process streams raw records (`sources.read_batches`) to a pool of worker
-processes that parse and tokenize them, and writes the results in input order through
-`IndexedWriter`. At most `2 * workers` batches of about 1 MiB are in flight, so memory does not
-grow with the corpus, except that megatron's builder keeps a Python int per document for the
-index (about 40 bytes a document). Workers are spawned, not forked: the parent may hold torch,
-megatron and tokenizer thread pools, which a fork copies mid-flight.
-
-Supervised records (`options.supervised`, data/supervised.py) are written the same way, each
-document as two sequences, its prompt and its response (EOS included), with the records' input
-lines beside them; the manifest says `"kind": "supervised"`.
-
-A rerun skips every output whose manifest matches the input's sha256, the tokenizer and the
-options; anything else is rebuilt under temporary names (see `indexed.py`).
+Megatron-LM's `tools/preprocess_data.py` job for set diffusion: each input becomes one dataset
+`<output_dir>/<input name>` of its documents tokenized with EOS appended (a supervised record as
+two sequences, prompt and response), and the tokenizer goes to `<output_dir>/tokenizer/`, so
+training and sampling load exactly what produced the tokens. Workers parse and tokenize; the
+main process writes in input order, with bounded memory. A rerun skips every output whose
+manifest matches the input's sha256, the tokenizer and the options. docs/data.md ("Preprocessing").
 """
 
 from __future__ import annotations
@@ -289,6 +277,8 @@ def _encoded_batches(
     if options.workers == 1:
         yield from map(_Encoder(tokenizer, options.text_field, options.supervised), batches)
         return
+    # Spawned, not forked: the parent may hold torch, megatron and tokenizer thread pools, which a
+    # fork would copy mid-flight.
     context = multiprocessing.get_context("spawn")
     init = (tokenizer_dir, options.text_field, options.supervised)
     with ProcessPoolExecutor(options.workers, context, initializer=_init_worker, initargs=init) as pool:

@@ -2,33 +2,10 @@
 
 Every machine can generate it, so the study (`python -m benchmarks.study`) and the main job can
 train models that learn something measurable with no download. A problem is an expression of
-2-4 operations; its worked solution has one equation per line (products first, then left to
-right, as precedence requires) and ends with GSM8K's `#### answer`:
-
-    47+8*3-19=
-    8*3=24
-    47+24=71
-    71-19=52
-    #### 52
-
-Difficulty has two knobs (`Level`): the number of operations and the digits of the operands.
-Multiplications take a one-digit right operand and never follow one another, and every
-intermediate result stays >= 0, so results stay short and the solutions need no signs. Text is
-ASCII and meant for character tokens (`char_tokenizer`).
-
-Measured with the study's 4 x 128 model (AR, batch 32, benchmarks/study): greedy test accuracy
-9 % after 1,000 steps and 32 % after 1,500; a chain-of-rewrites format (`=47+24-19`, `=71-19`,
-...) was no faster to learn (5 % after 1,000 steps).
-
-`prepare_reasoning_corpus` writes, deterministically by seed:
-- `raw/{train,valid}.jsonl` documents and their indexed datasets (through `preprocess`);
-- the same problems as supervised records, `raw/{train,valid}-supervised.jsonl` (prompt: the
-  expression line; response: the solution) and their indexed datasets (`--supervised`);
-- `tasks/test-<level>.jsonl`: `setdiff eval generate` task files (prompt: the expression line;
-  reference: the whole solution, scored by the GSM8K metric on its final answer);
-- `tasks/infill-test.jsonl`: one or two solution lines of test problems to infill (never the
-  last, which the answer gives away), with the question, the other lines and the answer visible.
-No test, infill or valid problem's expression occurs in the training split.
+2-4 operations; its worked solution has one equation per line and ends with GSM8K's `#### answer`.
+Text is ASCII, for character tokens (`char_tokenizer`). No test, infill or valid problem's
+expression occurs in the training split. The format and what a small model learns from it:
+docs/data.md ("The built-in reasoning corpus").
 """
 
 from __future__ import annotations
@@ -131,7 +108,11 @@ def _solve(numbers: list[int], ops: list[str]) -> list[str] | None:
 
 
 def make_problem(rng: random.Random, level: Level, operators: str = "+-*") -> Problem:
-    """One problem of `level` over `operators`, drawn from `rng` (rejection keeps every step >= 0)."""
+    """One problem of `level` over `operators`, drawn from `rng` (rejection keeps every step >= 0).
+
+    Multiplications take a one-digit right operand and never follow one another, and every
+    intermediate result stays >= 0, so results stay short and the solutions need no signs.
+    """
     while True:
         ops = [rng.choice(operators) for _ in range(level.num_ops)]
         if "**" in "".join(ops):
@@ -241,7 +222,15 @@ def prepare_reasoning_corpus(
     workers: int = 1,
     progress: bool = True,
 ) -> ReasoningCorpus:
-    """Generate the corpus, its tokenizer, indexed datasets and task files (module docstring).
+    """Generate the corpus, its tokenizer, indexed datasets and task files, deterministically by seed:
+
+    - `raw/{train,valid}.jsonl` documents and their indexed datasets (through `preprocess`);
+    - the same problems as supervised records, `raw/{train,valid}-supervised.jsonl` (prompt: the
+      expression line; response: the solution) and their indexed datasets (`--supervised`);
+    - `tasks/test-<level>.jsonl`: `setdiff eval generate` task files (prompt: the expression line;
+      reference: the whole solution, scored by the GSM8K metric on its final answer);
+    - `tasks/infill-test.jsonl`: one or two solution lines of test problems to infill (never the
+      last, which the answer gives away), with the question, the other lines and the answer visible.
 
     Test, infill and valid problems are drawn first and excluded from training. A rerun with the
     same arguments finds everything in place and returns at once.

@@ -1,31 +1,11 @@
 """Training samples for set diffusion, built on megatron-core's GPTDataset and blending.
 
-Pretraining samples come from megatron-core unchanged in substance: `BlendedMegatronDatasetBuilder`
-splits each preprocessed dataset into train/valid/test by document ranges (`split="969,30,1"`),
-`GPTDataset` shuffles documents with `seed`, packs them into windows of exactly the requested
-length, and `BlendedDataset` mixes several datasets by weight. Its index files are cached under
-`cache_dir` (pass the run directory), and everything works without torch.distributed.
-
-Packing, as documented for users: a sample is a window of the stream of shuffled documents, each
-document followed by its EOS. Windows cross document boundaries (EOS marks them; nothing is reset
-or padded), so a sample may begin and end mid-document. Set diffusion sees the whole window.
-
-What set diffusion adds on top (the `PackedSamples` view):
-- no labels: the targets are the clean tokens themselves, so megatron's shifted labels, loss mask
-  and pad-id rewriting are dropped (`add_extra_token_to_sequence=False`, windows of exactly L);
-- `prepend_bos`: position 0 holds BOS and the packed content is one token shorter; BOS is marked
-  in `prompt_mask`, so the order policy pins it as clean context and the loss skips it;
-- every sample is a dict of `tokens [L]` int64, `prompt_mask [L]` bool, `pad_mask [L]` bool.
-
-Supervised adaptation data (`supervised=`, from `setdiff preprocess --supervised` datasets): the
-same builder splits and blends the records (`packing.SupervisedDataset`). Prompt tokens become
-pinned context (`prompt_mask`), the response plus EOS is the target, and the row's padding is
-marked in `pad_mask` (padding goes last in every order and carries no loss). Padded rows hold
-one record; packed rows several, with `document_ids` and per-record `position_ids`, so each
-record is attended to and positioned as if alone.
-
-Resumption is exact: `ResumableLoader` hands out micro-batches in the global sample order of
-Megatron-LM's pretraining sampler and its `state_dict()` counts the samples actually delivered.
+`build_datasets` splits, shuffles and blends preprocessed datasets through megatron-core's
+`BlendedMegatronDatasetBuilder`, unchanged in substance, into packed pretraining windows
+(`PackedSamples`) or supervised rows (`packing.SupervisedDataset`). A sample is a dict of
+`tokens [L]` int64, `prompt_mask [L]` bool and `pad_mask [L]` bool, with no labels: the targets
+are the clean tokens themselves. Nothing here needs torch.distributed. How rows are made, split,
+blended and resumed: docs/data.md ("Samples, splits, blends and epochs").
 """
 
 from __future__ import annotations
@@ -47,7 +27,14 @@ Sample = dict[str, torch.Tensor]
 
 
 class PackedSamples(torch.utils.data.Dataset):
-    """A megatron-core dataset (GPTDataset or BlendedDataset) seen as set diffusion samples."""
+    """A megatron-core dataset (GPTDataset or BlendedDataset) seen as set diffusion samples.
+
+    A sample is a window of the stream of shuffled documents, each followed by its EOS; windows
+    cross document boundaries (EOS marks them; nothing is reset or padded), so a sample may begin
+    and end mid-document, and set diffusion sees the whole window. With `bos_id`, position 0 holds
+    BOS and the packed content is one token shorter; BOS is marked in `prompt_mask`, so the order
+    policy pins it as clean context and the loss skips it.
+    """
 
     def __init__(self, megatron_dataset: Any, *, bos_id: int | None):
         self.megatron_dataset = megatron_dataset
@@ -91,6 +78,7 @@ def build_datasets(
     """Train/valid/test samples from preprocessed dataset prefixes: packed pretraining windows
     (`PackedSamples`), or supervised rows when `supervised` is given.
 
+    megatron-core caches its index files under `cache_dir` (pass the run directory).
     `num_samples` is the number of samples wanted per split (None: one epoch); a weighted blend
     of several prefixes needs a number for every split, as megatron-core requires. A split whose
     share in `split` is zero comes back as None. `prepend_bos` applies to packed windows; a
@@ -135,6 +123,8 @@ def build_datasets(
         )
     else:
         cls = packing.PackedTokenDataset
+        # No labels: the targets are the clean tokens themselves, so megatron's shifted labels, loss
+        # mask and pad-id rewriting are dropped, and windows are exactly L tokens long.
         config = packing.GPTDatasetConfig(
             sequence_length=sequence_length - int(prepend_bos),
             reset_position_ids=False,

@@ -1,23 +1,11 @@
 """Input corpora for preprocessing: find a file's format, stream its documents, checksum it.
 
-Formats, one dataset per input:
-- JSONL (`.jsonl`, `.json` as Megatron-LM uses it, `.ndjson`; optionally `.gz`): one JSON object
-  per line, the document in a configurable text field. Blank lines are ignored.
-- Plain text (`.txt`, optionally `.gz`): documents are paragraphs separated by blank (or
-  whitespace-only) lines (`text_unit="paragraph"`), or one document per non-blank line
-  (`text_unit="line"`). A document's text is its lines without the final newline, so a
-  paragraph cannot itself contain a blank line.
-- Parquet (`.parquet`): the text column, read one record batch at a time.
-- A `datasets` dataset saved with `save_to_disk` (a directory): the text column, memory-mapped.
-
-A record is read for one field (a pretraining document's text) or several (a supervised
-record's prompt and response, or its chat `messages`); columnar formats then read just those
-columns.
-
+One dataset per input: JSONL (`.jsonl`, `.json`, `.ndjson`, optionally `.gz`), plain text
+(`.txt`, optionally `.gz`), Parquet, or a `datasets` directory saved with `save_to_disk`.
 Everything streams: the reader holds one batch of about `batch_bytes` of raw records, never a
-whole file. Parsing (JSON, UTF-8) happens in `record_text`, which preprocessing runs in its
-worker processes; a record that cannot be parsed raises `BadRecord` with the reason, and the
-caller reports it with the file and line (or row).
+whole file. Parsing (JSON, UTF-8) happens in `record_text` and `record_fields`, which
+preprocessing runs in its worker processes; a record that cannot be parsed raises `BadRecord`,
+and the caller reports it with the file and line (or row). docs/data.md ("Preprocessing").
 """
 
 from __future__ import annotations
@@ -133,7 +121,8 @@ def read_batches(source: Source, *, fields: tuple[str, ...], text_unit: str, bat
 
 def record_fields(kind: str, payload: Any, fields: tuple[str, ...]) -> dict[str, Any]:
     """The named fields of one raw JSONL or columnar record, or BadRecord saying why there are
-    none (plain text records have no fields: see `record_text`)."""
+    none (plain text records have no fields: see `record_text`). A pretraining document reads one
+    field, its text; a supervised record several, its prompt and response or its chat messages."""
     if kind == "jsonl":
         try:
             obj = json.loads(payload)

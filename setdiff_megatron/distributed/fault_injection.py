@@ -1,23 +1,10 @@
 """Faults on purpose, for fire drills and tests: SETDIFF_INJECT names what to break and where.
 
 A recovery path that never ran is a guess; this lets a test (or an operator before a long job)
-break a run the way large jobs break and watch it recover. Comma-separated faults:
-
-    kill:rank=1:step=25                SIGKILL the rank at the start of step 25 (a dead process)
-    hang:rank=1:step=25:seconds=300    sleep there, before the step's collectives (a hung rank)
-    hang:rank=0:step=20:seconds=8:at=save
-                                       sleep inside the checkpoint save of step 20, before it
-                                       is published (a slow or a hung save; none if no save)
-    kill:rank=1:step=20:at=save        SIGKILL the rank there (a rank lost during a save)
-    slow:rank=1:seconds=0.2            sleep after every step's forward-backward (a straggler)
-    spike:step=25:factor=50            multiply step 25's loss as the spike policy sees it
-    spike:step=25:factor=50:always     ... every time step 25 runs, rollbacks included
-    kill:rank=0:step=30:attempt=1      in the first restart (attempt 1) instead of the first run
-
-kill, hang and spike fire once, in one attempt (0 unless `attempt=`; the attempt is
-TORCHELASTIC_RESTART_COUNT + SLURM_RESTART_COUNT), unless `always`: a restarted run then meets
-what a transient fault leaves behind, `always` what a deterministic one does. A fault without
-`rank=` fires on every rank.
+break a run the way large jobs break and watch it recover. SETDIFF_INJECT holds comma-separated
+faults, each `KIND:key=value:...` with KIND one of kill, hang, slow, spike, e.g.
+`kill:rank=1:step=25,hang:rank=1:step=30:seconds=300:attempt=1`. The whole grammar (every kind,
+every key, when each fault fires): docs/fault-tolerance.md ("Drills: SETDIFF_INJECT").
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 """The processes a rank starts, ended with it: checkpoint writers, their workers, helper managers.
 
-megatron-core's checkpoint save starts processes of its own: a manager (a spawned interpreter)
-that holds the write-results queue, a forked writer per background save and forked workers per
-file. A rank that ends without running Python's exit handlers leaves them behind: the hang
-watchdog's `os._exit` (code 76) runs none, a SIGKILL (the OOM killer, torchrun stopping a job, a
-`kill` drill) runs nothing. Re-parented to PID 1 they live on, and each torchrun restart adds
-more. Three things end them:
-
-  - every process forked from a rank once `Offspring` exists, and every manager `start_manager`
-    spawns, exits by itself when its parent is gone (a thread watches `os.getppid()`, as torch's
-    DataLoader workers do), so even a SIGKILLed rank leaves nothing running;
-  - `Offspring.end`, on every way out of training that runs Python (the end, an error, a
-    preemption), stops the writers (a save's block SIGTERM, so one still in flight gets a
-    bounded wait to finish), shuts the managers down and kills whatever is left;
-  - `Offspring.kill`, the watchdog's last act before `os._exit`, kills them at once.
-
-Only processes started after `Offspring()` count: a caller's own earlier children are not the
-run's to end. multiprocessing's resource tracker is left alone: it exits by itself once the last
-process holding its pipe is gone.
+megatron-core's checkpoint save starts processes of its own (a spawned manager, forked writers
+and workers), which a rank that ends without Python's exit handlers (the watchdog's `os._exit`, a
+SIGKILL) would leave running, re-parented to PID 1, one more set per torchrun restart. So every
+process forked once `Offspring` exists, and every manager `start_manager` spawns, exits when its
+parent is gone; `Offspring.end` stops them on every way out that runs Python, and
+`Offspring.kill` is the watchdog's last act. docs/fault-tolerance.md ("What survives what").
 """
 
 from __future__ import annotations
@@ -50,9 +38,10 @@ _pid_before_fork = 0
 
 def exit_with_parent(parent: int, *, grace_s: float = 0.0) -> None:
     """End this process (exit code 1) once `parent` is no longer its parent: a daemon thread polls
-    `os.getppid()`, which changes the moment the parent dies and the process is re-parented. With
-    `grace_s` it first sends itself SIGTERM, the signal a run stops on with a checkpoint (and
-    torchrun on by stopping its workers), and exits only if that has not ended it in time."""
+    `os.getppid()` (as torch's DataLoader workers do), which changes the moment the parent dies and
+    the process is re-parented. With `grace_s` it first sends itself SIGTERM, the signal a run
+    stops on with a checkpoint (and torchrun on by stopping its workers), and exits only if that
+    has not ended it in time."""
 
     def watch() -> None:
         while os.getppid() == parent:
@@ -149,7 +138,8 @@ def _signal(procs: list[psutil.Process], sig: int) -> None:
 
 
 class Offspring:
-    """The processes this one starts from now on, children and theirs."""
+    """The processes this one starts from now on, children and theirs: a caller's own earlier
+    children are not the run's to end."""
 
     def __init__(self) -> None:
         self._me = psutil.Process()
@@ -157,7 +147,8 @@ class Offspring:
         _watch_forks()
 
     def alive(self) -> list[psutil.Process]:
-        """Every process started since, still running, but the resource tracker."""
+        """Every process started since, still running, but multiprocessing's resource tracker,
+        which exits by itself once the last process holding its pipe is gone."""
         found = []
         for p in self._me.children(recursive=True):
             try:
@@ -182,5 +173,6 @@ class Offspring:
         self.kill()
 
     def kill(self) -> None:
-        """SIGKILL every process started since, at once (the watchdog's way out: nothing waits)."""
+        """SIGKILL every process started since, at once (the watchdog's last act before `os._exit`:
+        nothing waits)."""
         _signal(self.alive(), signal.SIGKILL)

@@ -1,24 +1,11 @@
 """One owner per output: a run directory, an eval folder, a results file, an export.
 
 A job that writes into PATH first takes PATH.lock, a file beside it, and holds it for its whole
-life; a second job on PATH is refused in one line that names the holder (command, pid, host,
-since when). How the lock holds, by filesystem (docs/fault-tolerance.md, "One owner per run"):
-
-  flock (default)  an exclusive `flock` on PATH.lock. The kernel drops it when the last process
-                   holding the file closes it, so a crashed job leaves nothing to clean up. Local
-                   disks; NFS (Linux clients turn flock into NFS byte-range locks, coherent across
-                   clients; a lost client's lock lasts until the server's lease ends, about 90 s
-                   on NFSv4); Lustre mounted with `-o flock`.
-  lease            where flock is refused (Lustre's default `noflock`: ENOSYS; some FUSE mounts),
-                   or forced by SETDIFF_LOCK=lease (Lustre `-o localflock`, whose locks are
-                   node-local): the holder rewrites a heartbeat counter in PATH.lock every
-                   HEARTBEAT_S. A holder on this host is gone when its pid is; on another host,
-                   when its counter stays still for LEASE_S (no clocks compared).
-
-Either way a SLURM requeue of the holder's own job (same SLURM_JOB_ID, another restart count)
-takes the lock over at once: SLURM ended the old incarnation. A launcher passes the lock on to
-the processes it starts (the flock's file descriptor, and OWNED_ENV naming path and token), so
-its workers find it theirs; a worker started by plain torchrun or srun leaves it to rank 0.
+life; a second job on PATH is refused in one line that names the holder. The lock is an exclusive
+flock where the filesystem has one, else (or with SETDIFF_LOCK=lease) a heartbeat lease in the
+file. A SLURM requeue of the holder's own job takes the lock over at once; a launcher passes the
+lock on to the processes it starts (OWNED_ENV). How it holds on each filesystem:
+docs/fault-tolerance.md ("One owner per run").
 """
 
 from __future__ import annotations
@@ -45,8 +32,12 @@ __all__ = ["OWNED_ENV", "DirectoryLock", "hold", "owned", "release_all", "held_f
 OWNED_ENV = "SETDIFF_OWNED"
 """JSON {lock path: token} of the locks an ancestor holds for this process."""
 MODE_ENV = "SETDIFF_LOCK"
+"""`lease` forces the heartbeat lock where flock is node-local (Lustre `-o localflock`)."""
 HEARTBEAT_S = 5.0
+"""How often a lease's holder rewrites the heartbeat counter in PATH.lock."""
 LEASE_S = float(os.environ.get("SETDIFF_LOCK_LEASE_S", "30"))
+"""A lease's holder on another host is gone once its counter has stood still this long (no clocks
+are compared); on this host, once its pid is gone."""
 _NO_FLOCK = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
 
 _held: dict[Path, DirectoryLock] = {}

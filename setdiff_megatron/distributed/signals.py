@@ -1,30 +1,11 @@
 """Preemption: SIGTERM or SIGUSR1 -> a checkpoint at the next step boundary -> exit code 75.
 
-Schedulers warn before they stop a job: SLURM sends SIGUSR1 ahead of a time limit when asked
-(`#SBATCH --signal=USR1@120`) and SIGTERM on preemption or `scancel`; Kubernetes sends SIGTERM.
-The handler only records the signal. At every step boundary the training loop asks `agreed()`,
-an all-reduce (MAX) of that record over the world, so every rank saves the same step even when
-the signal reached one process only; then all ranks exit with EXIT_REQUEUE.
-
-EXIT_REQUEUE = 75 is EX_TEMPFAIL of sysexits.h ("a temporary failure; retry later"): the run is
-intact and resumes from the checkpoint it just wrote. A SLURM script requeues on it:
-
-    setdiff train recipe.yaml; code=$?
-    [ "$code" -eq 75 ] && scontrol requeue "$SLURM_JOB_ID"
-
-A second signal during the save only sets the record again, and once training stopped for a
-preemption the signals are ignored until the process exits, so its teardown ends in 75 rather
-than in death by signal. Saves also run with the signals
-blocked in the main thread (`blocked`): the helper processes that megatron's checkpoint writer
-starts (a spawned queue manager, forked writers) inherit the mask, so a signal sent to the whole
-process group cannot kill them half-way through a save. The main process still sees the signal,
-through another thread or when the mask is lifted.
-
-`setdiff train` with several local processes runs them under torchrun, which turns any failed
-worker into exit code 1; `supervise_launch` gives the launcher's caller 75 back when the workers
-stopped for a preemption (they leave PREEMPTED_FILE in the run directory). torchrun SIGKILLs its
-workers a while after forwarding a signal (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s by default, 300 s
-under `supervise_launch`); a save cut short that way leaves the previous checkpoint in place.
+The handler only records the signal. At every step boundary the loop asks `agreed()`, an
+all-reduce (MAX) over the world, so every rank saves the same step even when the signal reached
+one process only. EXIT_REQUEUE = 75 is EX_TEMPFAIL of sysexits.h: the run is intact and resumes
+from the checkpoint it just wrote. Saves run with the signals `blocked`, so the processes a save
+starts cannot be killed half-way through it. How this meets SLURM, Kubernetes and torchrun:
+docs/fault-tolerance.md ("Preemption").
 """
 
 from __future__ import annotations
@@ -97,7 +78,13 @@ class PreemptionHandler:
 
 @contextlib.contextmanager
 def blocked() -> Iterator[None]:
-    """Block the preemption signals in this thread (and in processes it starts) for a while."""
+    """Block the preemption signals in this thread (and in processes it starts) for a while.
+
+    Saves run inside it: the helper processes that megatron's checkpoint writer starts (a spawned
+    queue manager, forked writers) inherit the mask, so a signal sent to the whole process group
+    cannot kill them half-way through a save. The main process still sees the signal, through
+    another thread or when the mask is lifted.
+    """
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, PREEMPTION_SIGNALS)
     try:
         yield
@@ -109,7 +96,11 @@ def supervise_launch(run_dir: str | Path, launch: Callable[[], int]) -> int:
     """Run a local launcher (torchrun) that may be preempted; EXIT_REQUEUE if its workers were.
 
     The launcher's parent ignores the signals while it waits: torchrun forwards them to the
-    workers (SIGUSR1 too, once named in TORCHELASTIC_SIGNALS_TO_HANDLE) and the workers save."""
+    workers (SIGUSR1 too, once named in TORCHELASTIC_SIGNALS_TO_HANDLE) and the workers save.
+    torchrun turns any failed worker into exit code 1, so workers that stopped for a preemption
+    leave PREEMPTED_FILE in the run directory and this gives 75 back. torchrun SIGKILLs its
+    workers a while after forwarding a signal (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s by default,
+    300 s here); a save cut short that way leaves the previous checkpoint in place."""
     os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "300")  # time for the workers' save
     record = Path(run_dir) / PREEMPTED_FILE

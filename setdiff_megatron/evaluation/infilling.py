@@ -1,27 +1,11 @@
 """`setdiff eval infill`: mask the middle of a text, let the model fill it, score the fill.
 
-Three tasks:
-  rocstories  the paper's infilling benchmark: a five-sentence story (the cloze set's four
-              sentences and its right ending) with its middle sentence (--targets 1) or middle
-              three sentences (--targets 3) masked; ROUGE against the original.
-  code        a function body of a held-out file of the built-in corpus (the stdlib files the
-              tiny recipes never train on) masked between its signature and the code after it;
-              exact match and ROUGE.
-  jsonl       your own examples: --data FILE with {"left", "middle", "right"} per line (other
-              keys, e.g. an "id", travel to the samples); e.g. the reasoning corpus's
-              tasks/infill-test.jsonl (data/reasoning.py).
-Spans get the oracle length (the original's token count) and both contexts are prefilled, as in
-the paper (docs/method.md, "Infilling"; its decoding there: --window 32 --repetition-penalty 1.2,
-greedy).
-`--context` gives a model only the context its training order lets it use: `left` drops the
-right context (an autoregressive model), `blocks` keeps the right context up to the end of the
-span's last block of --block-size positions (a model trained with a block order, which sees later
-blocks only once it has decoded them). A BD3-LM model sees the right context through its cache
-(its policy's cache_infill_input, the reference's infill: core/masked_sampler.py).
-The job writes the prompts once (`prompts.jsonl`, a reference per line), decodes them through
-the sampling job (sharded, resumable: `samples.jsonl`) and scores the merged samples
-(`metrics.json`). A rerun into the same --out resumes that job and refuses any other, before it
-writes anything. Examples longer than the model's context are skipped and counted.
+Tasks: `rocstories` (the paper's benchmark: ROUGE), `code` (function bodies of held-out files of
+the built-in corpus: exact match and ROUGE) and `jsonl` (your own {"left", "middle", "right"}
+examples). Spans get the original's token count and both contexts are prefilled, as in the paper;
+`--context` hides the context a model's training order would not let it use. Decoding goes
+through the sharded, resumable sample job. docs/method.md ("Infilling") says how spans are
+decoded, docs/evaluation.md what the job writes.
 """
 
 from __future__ import annotations
@@ -69,7 +53,8 @@ class InfillExample:
 
 
 def rocstories_examples(path: str | Path, targets: int = 1, max_examples: int | None = None) -> list[InfillExample]:
-    """Stories of the ROCStories cloze CSV with their middle sentence(s) as the span."""
+    """Five-sentence stories of the ROCStories cloze CSV (its four sentences and the right ending)
+    with their middle sentence (`targets` 1) or middle three sentences (3) as the span."""
     if targets not in (1, 3):
         raise UserError(f"--targets must be 1 or 3 (middle sentences masked); got {targets}")
     path = Path(path)
@@ -121,7 +106,8 @@ def _function_bodies(text: str) -> list[tuple[int, int]]:
 
 
 def code_examples(max_examples: int | None = None, *, context_lines: int = 6) -> list[InfillExample]:
-    """Function bodies of held-out stdlib files, with `context_lines` lines of code on each side."""
+    """Function bodies of held-out stdlib files (those the tiny recipes never train on), with
+    `context_lines` lines of code on each side."""
     from setdiff_megatron.data.corpus import is_heldout, stdlib_documents
 
     examples = []
@@ -177,8 +163,8 @@ class InfillJob:
     placement: Placement = field(default_factory=Placement)
     add_bos: bool | None = None
     context: str = "both"
-    """both | left | blocks (module docstring); blocks reads the block size from the decoding's
-    block_size (a block-order model's policy has it)."""
+    """both | left | blocks: the context the model's training order lets it use (`_visible_right`);
+    blocks reads the block size from the decoding's block_size (a block-order model's policy has it)."""
 
     def check(self) -> None:
         if self.context not in CONTEXTS:
@@ -223,7 +209,11 @@ def _fit_code_context(ex: InfillExample, tokenizer, budget: int) -> InfillExampl
 
 
 def _visible_right(ex: InfillExample, tokenizer, context: str, block_size: int | None, bos: bool) -> str:
-    """The right context a model may see (module docstring): all, none, or up to its span's block end."""
+    """The right context a model may see: all (`both`), none (`left`: an autoregressive model), or
+    up to the end of the span's last block of `block_size` positions (`blocks`: a model trained
+    with a block order, which sees later blocks only once it has decoded them). A BD3-LM model
+    sees the right context through its cache (its policy's cache_infill_input, as the reference
+    infills; core/masked_sampler.py)."""
     if context == "both":
         return ex.right
     if context == "left":

@@ -1,35 +1,11 @@
 """Our models inside EleutherAI's lm-evaluation-harness (lm-eval 0.4.x) as the model type "setdiff".
 
-lm-eval finds models only in its own registry, and its command line imports no plugins, so the
-registration happens when this module is imported. Run the harness through it:
-
-    python -m setdiff_megatron.evaluation.lm_eval_adapter --model setdiff \\
-        --model_args pretrained=runs/tiny-cpu,window=4,threshold=0.9 --tasks mytask --include_path tasks/
-    setdiff eval lm-eval --model setdiff ...              # the same
-    torchrun --nproc_per_node 8 -m setdiff_megatron.evaluation.lm_eval_adapter ...   # data parallel
-
-or from Python: `import setdiff_megatron.evaluation.lm_eval_adapter` then
-`lm_eval.simple_evaluate(model="setdiff", ...)`. Local task YAML + JSONL files (dataset_path:
-json, dataset_kwargs.data_files) need no hub.
-
-  loglikelihood          exact autoregressive scoring: under the left-to-right order the query
-                         at rank r sees exactly the clean tokens before r, so one training forward
-                         of the two streams (core/orders.py, core/streams.py) gives every
-                         log p(x_r | x_<r) of a batch. MASK is excluded from the softmax, as in
-                         training and sampling.
-  loglikelihood_rolling  the same over windows of max_seq_len, each token scored once.
-  generate_until         the cached set sampler with the model's own decoding policy (its recipe's,
-                         or its export's generation config), any decoding setting given in
-                         model_args over it (window=1 is one token per step, threshold=none turns
-                         the threshold off); `until` strings stop decoding (their tokens, best
-                         effort) and cut the text (exact); gen_kwargs may set max_gen_toks,
-                         do_sample, temperature, top_k, top_p.
-
-Decoding speed (tokens/s, tokens per step, NFE of generate_until) and the decoding policy used
-are added to the results' "config" section. Model arguments: pretrained (required), every
-decoding setting of core/decoding.py SETTINGS by name (window, threshold, tokens_per_step, ...),
-max_gen_toks (lm-eval's name for max_new_tokens), dtype, add_bos, context_len; batch size and
-device come from lm-eval's --batch_size and --device. One process holds the whole model (no TP).
+lm-eval finds models only in its own registry and its command line imports no plugins, so
+importing this module registers the model, and running it (`python -m
+setdiff_megatron.evaluation.lm_eval_adapter`, or `setdiff eval lm-eval`) runs lm-eval's own
+command line. loglikelihood is exact autoregressive scoring; generate_until runs the set sampler
+with the model's own decoding policy. One process holds the whole model (no tensor parallelism);
+under torchrun the processes run data parallel. Usage: docs/evaluation.md.
 """
 
 from __future__ import annotations
@@ -72,6 +48,13 @@ def _batch_size(value: Any) -> int:
 
 @register_model("setdiff")
 class SetDiffLM(LM):
+    """The model type "setdiff". Model arguments: pretrained (required), every decoding setting of
+    core/decoding.py SETTINGS by name (window, threshold, tokens_per_step, ...; window=1 is one
+    token per step, threshold=none turns the threshold off), max_gen_toks (lm-eval's name for
+    max_new_tokens), dtype, add_bos, context_len. Batch size and device come from lm-eval's
+    --batch_size and --device. Decoding speed (tokens/s, tokens per step, NFE of generate_until)
+    and the decoding policy used go to the results' "config" section (`get_model_info`)."""
+
     def __init__(
         self,
         pretrained: str,
@@ -131,7 +114,12 @@ class SetDiffLM(LM):
     @torch.no_grad()
     def _score_batch(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
         """Sum of log p(continuation token | everything before it) and whether greedy decoding
-        gives the continuation, for (context, continuation) pairs, in one left-to-right forward."""
+        gives the continuation, for (context, continuation) pairs, in one left-to-right forward.
+
+        Exact: under the left-to-right order the query at rank r sees exactly the clean tokens
+        before r, so one training forward of the two streams (core/orders.py, core/streams.py)
+        gives every log p(x_r | x_<r) of the batch. MASK is excluded from the softmax, as in
+        training and sampling."""
         seqs, scored = [], []
         for ctx, cont in pairs:
             seq = (ctx + cont)[-self.max_length :]  # the oldest context goes first when too long
@@ -239,7 +227,9 @@ class SetDiffLM(LM):
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Every request through one continuous-batching engine of batch_size rows, each with the
-        policy of its own gen_kwargs; request n samples with seed + n."""
+        policy of its own gen_kwargs (max_gen_toks, do_sample, temperature, top_k, top_p); request
+        n samples with seed + n. `until` strings stop decoding (their tokens, best effort) and cut
+        the text (exact)."""
         from setdiff_megatron.core.sample_request import Request
         from setdiff_megatron.evaluation.tasks import cut_at_stop
         from setdiff_megatron.progress import progress_bar

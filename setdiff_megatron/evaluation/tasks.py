@@ -1,21 +1,11 @@
 """`setdiff eval generate`: a generation task (prompt/reference pairs) decoded and scored.
 
-A task file holds one JSON object per line: a "prompt" (or a chat's "messages", rendered with
-the model's chat template as its supervised chat records were) and a "reference" (a string, or a
-list of strings: an example scores its best reference). Prompts are formatted as the model's
-training rows began (inference/prompts.py). Other keys travel to the results. The
-prompts go through the sample job (inference/job.py), so generation is sharded over processes
-and SLURM array tasks, resumed and merged exactly as `setdiff sample` does, into
-OUT/generations.jsonl. The process that merges then scores every completion (cut at the first
---stop string) with exact match, ROUGE-1/2/L or GSM8K answer accuracy (scoring.py) into
-OUT/scored.jsonl, and writes OUT/metrics.json: quality, speed and the settings that produced
-them. A rerun whose metrics.json was written under the same settings does nothing; a rerun
-with another metric re-scores the stored generations without generating again.
-
-Speed is per model replica: tokens/s is the decoded tokens over the time the engine spent on
-them (each step's time shared among the rows in it, prefill included), so it does not change
-with the number of processes; tokens per step excludes the prefill, NFE includes it
-(docs/method.md, "NFE and tokens per step").
+Decode a task file's prompts through the sample job (sharded, resumed and merged as `setdiff
+sample` does) into OUT/generations.jsonl, then score each completion, cut at the first --stop
+string, with exact match, ROUGE-1/2/L or GSM8K answer accuracy into OUT/scored.jsonl and
+OUT/metrics.json (quality, speed and the settings that produced them). A rerun under the same
+settings does nothing; one with another metric re-scores the stored generations without
+generating again. The task format and how speed is measured: docs/evaluation.md.
 """
 
 from __future__ import annotations
@@ -114,7 +104,12 @@ def _example(record: Any, where: str, index: int, line: int) -> TaskExample:
 
 
 def read_tasks(path: str | Path) -> list[TaskExample]:
-    """The examples of a task file, checked line by line (errors name file:line)."""
+    """The examples of a task file, checked line by line (errors name file:line).
+
+    A line is one JSON object: a "prompt" (or a chat's "messages", rendered with the model's chat
+    template as its supervised chat records were; inference/prompts.py) and a "reference" (a
+    string, or a list of strings: an example scores its best reference). Other keys travel to
+    the results."""
     examples = []
     for number, where, record in jsonl_records(path, "task file"):
         examples.append(_example(record, where, len(examples), number))

@@ -1,30 +1,13 @@
 """Generate the self-contained `modeling_setdiff.py` of a Hugging Face export from the package's
 own modules, so that the exported model and sampler are the trained ones, never a hand copy.
 
-Starting from the root modules (the HF wrapper `hf/hf_model.py`, which imports
-models/torch_model.py and core/sampler.py), the bundler follows every `setdiff_megatron.*`
-import, orders the modules so that each comes after those it imports at module level, and
-concatenates their sources with the package imports removed (an `import a as b` leaves `b = a`).
-What may remain is what `trust_remote_code` loading allows: the standard library, torch,
-transformers, and relative imports of sibling files of the export (configuration_setdiff.py).
-
-Optional GPU libraries (the kernels/ modules behind attention_impl 'te', 'flash_attn', 'auto'):
-the package imports transformer_engine and flash_attn only inside functions, and so does the
-bundle, which keeps those kernels: on a GPU machine that has them the exported model can use
-them, elsewhere 'fused'/'sdpa' run as in the package. Hugging Face's `check_imports` would demand
-every import it sees outside a `try` block, so each such function-level import of a library
-other than torch/transformers/stdlib is wrapped in `try: ... except ImportError: raise` (same
-behaviour, marked optional). At module level such an import is an error. A package module
-imported lazily whose own module-level imports cannot be bundled is left out, and that import
-becomes `raise ImportError(...)`, which a caller guarding it with `try/except ImportError`
-handles as a missing library. A package module imported as an object (`from pkg.kernels import
-te_fused`; `te_fused.te_status()`) becomes a small view whose attributes read the names that
-module defined in the bundle.
-
-Top-level names defined by two bundled modules (torch_model.Block and orders.Block) are renamed
-`<module>_<name>` in their modules and wherever they are imported. Renaming is token based, so a
-renamed name used inside an f-string, or bound by an unsupported import form, is an error, never
-a silently broken file.
+From the root modules (`MODELING_ROOTS`) the bundler follows every `setdiff_megatron.*` import,
+orders the modules so that each comes after those it imports at module level, and concatenates
+their sources with the package imports removed. What may remain is what `trust_remote_code`
+loading allows: the standard library, torch, transformers, relative imports of sibling files, and
+optional GPU libraries imported inside functions, in try blocks (docs/huggingface.md, "Hugging
+Face").
+What cannot be bundled safely is a BundleError, never a silently broken file.
 """
 
 from __future__ import annotations
@@ -162,7 +145,10 @@ class _Bundler:
             self._include(root, via=None)
 
     def _bundleable(self, name: str, seen: frozenset[str] = frozenset()) -> str | None:
-        """Why module `name` (and its module-level package imports) cannot be bundled, or None."""
+        """Why module `name` (and its module-level package imports) cannot be bundled, or None.
+        A lazily imported module that cannot be is left out, and its import becomes
+        `raise ImportError(...)`, which a caller guarding it with `try/except ImportError` handles
+        as a missing library."""
         if name in self.modules or name in seen or name in self.siblings:
             return None
         try:
@@ -208,7 +194,9 @@ class _Bundler:
 
     # -- ordering and renaming -----------------------------------------------------------------
     def view(self, target: str, renames: Mapping[str, str]) -> str:
-        """The expression standing for package module `target` used as an object."""
+        """The expression standing for package module `target` used as an object (`from
+        pkg.kernels import te_fused`; `te_fused.te_status()`): a `_BundledModule` whose attributes
+        read the names that module defined in the bundle."""
         module = self.modules[target]
         names = {n for n, _ in _top_level_bindings(module)}
         names |= {
@@ -242,7 +230,9 @@ class _Bundler:
         return [self.modules[n] for n in done]
 
     def renames(self) -> dict[str, dict[str, str]]:
-        """{module: {old: new}} for top-level names that two bundled modules bind differently."""
+        """{module: {old: new}} for top-level names that two bundled modules bind differently
+        (torch_model.Block and orders.Block): each becomes `<module>_<name>` in its module and
+        wherever it is imported; two different external imports under one name are a BundleError."""
         bindings: dict[str, dict[tuple, list[str]]] = {}
         for module in self.modules.values():
             for name, identity in _top_level_bindings(module):
@@ -312,7 +302,9 @@ def _targets(imp: _Import) -> list[str]:
 
 
 def _rename_tokens(module: _Module, renames: Mapping[str, str]) -> str:
-    """`module`'s source with every reference to the renamed top-level names renamed."""
+    """`module`'s source with every reference to the renamed top-level names renamed. Renaming is
+    token based, so a renamed name used inside an f-string is a BundleError, never a silently
+    broken file."""
     for node in ast.walk(module.tree):
         if isinstance(node, ast.JoinedStr) and any(isinstance(n, ast.Name) and n.id in renames for n in ast.walk(node)):
             raise BundleError(f"{module.path}:{node.lineno}: cannot rename {sorted(renames)} inside an f-string")
@@ -356,6 +348,9 @@ def _statement_lines(lines: list[str], node: ast.stmt, path: Path) -> tuple[int,
 
 
 def _transform(module: _Module, bundler: _Bundler, renames: Mapping[str, Mapping[str, str]], keep_all: bool) -> str:
+    """`module`'s source as it goes into the bundle: its names renamed, package imports removed
+    (a `from m import a as b` leaves `b = a`), sibling imports made relative, optional imports
+    wrapped in try blocks, and `__all__` dropped unless `keep_all`."""
     own = renames.get(module.name, {})
     source = _rename_tokens(module, own) if own else module.source
     renamed = _Module(module.name, module.path, source)

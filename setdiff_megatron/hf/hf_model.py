@@ -4,26 +4,8 @@ models/torch_model.py whose `generate` runs its family's sampler (core/samplers.
 hf/bundle.py puts this module last in an export's modeling_setdiff.py, after every package
 module it needs, so it may import only the standard library, torch, transformers and the package
 (whose imports the bundler removes). Weight names are Llama/Qwen's: the body under `model.`, an
-untied output layer beside it as `lm_head`.
-
-Calling conventions (they are not a causal LM's):
-  model(input_ids, position_ids=None, query_ids=None, valid_len=None, attention_mask=None).logits
-      input_ids is the clean stream in rank order, query_ids the query stream (default all MASK),
-      position_ids the original positions (default 0..L-1, i.e. left to right); logits [B, L, V]
-      are the query stream's: logits[:, r] predicts the token at position_ids[:, r] from the clean
-      tokens of ranks < r. Padding comes last: valid_len [B], or a right-padded attention_mask.
-  For the paper's baselines (config.json `family`): an MDLM's input_ids is the noisy sequence,
-      attended bidirectionally (query_ids unused); a BD3-LM's input_ids is x0 and query_ids xt,
-      attended block by block (config.json `block_size`), position_ids 0..L-1.
-  model.generate(input_ids, attention_mask=None, **decoding)
-      prompts are the unpadded rows (MASK tokens inside a prompt are infilled); decoding policies
-      come from generation_config.json (window, tokens_per_step, threshold, do_sample/temperature,
-      top_k, top_p, repetition_penalty, eos_token_id, stop_token_sequences, max_new_tokens, seed),
-      or a generation_config argument, overridden by keyword arguments; a baseline's policy keys
-      they lack come from its family (with_family_policy: MDLM's blocks of 32, BD3-LM's own
-      blocks and cached infill), the others from the sampler's defaults. Returns prompt +
-      completion rows padded with pad_token_id, or with return_dict_in_generate=True the
-      sampler's SampleOutput (per-row tokens, steps, NFE).
+untied output layer beside it as `lm_head`. The calling conventions are not a causal LM's
+(`SetDiffModel.forward`, `SetDiffModel.generate`).
 """
 
 from __future__ import annotations
@@ -113,6 +95,13 @@ class SetDiffModel(SetDiffPreTrainedModel):
         return_dict: bool | None = None,
         **kwargs,
     ) -> SetDiffOutput | tuple:
+        """Query-stream logits [B, L, V]: logits[:, r] predicts the token at position_ids[:, r]
+        from the clean tokens of ranks < r. input_ids is the clean stream in rank order, query_ids
+        the query stream (default all MASK), position_ids the original positions (default 0..L-1,
+        i.e. left to right). Padding comes last: valid_len [B], or a right-padded attention_mask.
+        For the paper's baselines (config.json `family`): an MDLM's input_ids is the noisy
+        sequence, attended bidirectionally (query_ids unused); a BD3-LM's input_ids is x0 and
+        query_ids xt, attended block by block (config.json `block_size`), position_ids 0..L-1."""
         unknown = sorted(k for k, v in kwargs.items() if v is not None and v is not False)
         if unknown:
             raise TypeError(f"SetDiffModel.forward() does not take {unknown}")
@@ -154,6 +143,15 @@ class SetDiffModel(SetDiffPreTrainedModel):
         return_dict_in_generate: bool = False,
         **kwargs,
     ) -> torch.Tensor | SampleOutput:
+        """Complete the prompts, the unpadded rows of input_ids (MASK tokens inside a prompt are
+        infilled). The decoding policy comes from generation_config.json (window, tokens_per_step,
+        threshold, do_sample/temperature, top_k, top_p, repetition_penalty, eos_token_id,
+        stop_token_sequences, max_new_tokens, seed), or a generation_config argument, overridden by
+        keyword arguments; a baseline's policy keys they lack come from its family
+        (with_family_policy: MDLM's blocks of 32, BD3-LM's own blocks and cached infill), the
+        others from the sampler's defaults. Returns prompt + completion rows padded with
+        pad_token_id, or with return_dict_in_generate=True the sampler's SampleOutput (per-row
+        tokens, steps, NFE)."""
         if input_ids is None:
             raise ValueError("generate() needs input_ids: a [batch, length] tensor or a list of token-id lists")
         decoding = self.decoding_config(generation_config, **kwargs)

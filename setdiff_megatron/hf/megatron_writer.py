@@ -1,20 +1,11 @@
 """Converted weights as step 0 of a megatron-engine run, published like a training checkpoint.
 
-One megatron chunk at TP = PP = 1 (models/megatron_model.py, local backend) takes the weights in
-this process, in a process group of one (distributed/runtime.py), and saves them through
-dist_checkpointing like the engine does (checkpoint/megatron.py). Without a GPU that switches
-megatron's CPU mode on for the rest of the process's life, so it is the work of a process of its
-own (the `setdiff convert from-hf` command); with one, the chunk lives on it. dist_checkpointing
-stores every tensor at its global shape, so the engine resumes the checkpoint at any layout (it
-reshards on load) and `model.init_from` reads it whole. The files go through
-checkpoint/publish.py, as training checkpoints do: <run>/checkpoints/step_00000000/ (shards,
-train_state.json, recipe.yaml, tokenizer/, the sha256 manifest), then <run>/checkpoints/latest.
-
-It holds weights only: train_state.json says `weights_only: true` and its layout
-`distributed_optimizer: null`, which the engine's load reads as no optimizer state (the Adam
-moments start fresh) and no scheduler state (the run's own schedule starts at step 0). No run
-wrote the checkpoint, so it records no run id. The chunk then runs the verification batch, so the import's
-check covers the megatron body and its weight map, not only the files.
+One megatron chunk at TP = PP = 1 (local backend) takes the weights in this process and saves them
+through dist_checkpointing as the engine does, every tensor at its global shape, so the engine
+resumes the checkpoint at any layout. Without a GPU that switches megatron's CPU mode on for the
+rest of the process's life, so it is the work of a process of its own (`setdiff convert
+from-hf`). The checkpoint holds weights only (`_train_state`). The chunk then runs the
+verification batch, so the import's check covers the megatron body and its weight map too.
 """
 
 from __future__ import annotations
@@ -104,6 +95,10 @@ def _write_step(tmp: Path, chunk, source: Source, recipe: Recipe) -> None:
 
 
 def _train_state(source: Source) -> TrainState:
+    """Weights only: `weights_only: true` and a layout with `distributed_optimizer: null`, which
+    the engine's load reads as no optimizer state (the Adam moments start fresh) and no scheduler
+    state (the run's own schedule starts at step 0). No run wrote the checkpoint, so it records no
+    run id."""
     tokenizer = source.tokenizer
     return TrainState(
         progress=Progress(),

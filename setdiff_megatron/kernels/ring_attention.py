@@ -1,26 +1,13 @@
 """Set-causal ring attention: context parallelism over the rank-ordered sequence.
 
-Each of the `cp` ranks of a context-parallel group holds two of the 2·cp equal chunks of each
-stream, chunk r and chunk 2·cp-1-r ("zigzag"), laid out [clean chunks ; query chunks]; with the
-causal pattern every rank then does the same work. Only the clean stream's keys and values are
-ever read by other ranks (a query's own key, the diagonal, is local), so the clean K/V blocks
-pass around the ring by P2P, each step's transfer overlapping the step's kernel calls where the
-backend runs sends in the background (gloo, NCCL). Per pair of chunks (a rows, b keys):
+Each of the `cp` ranks holds two of the 2·cp equal chunks of each stream, chunk r and chunk
+2·cp-1-r ("zigzag"), so every rank does the same causal work. Only the clean stream's keys and
+values travel around the ring (a query's own key is local). Partial results merge by log-sum-exp,
+then the diagonal (docs/method.md, "Fused kernels"): exact against single-rank attention.
 
-  a > b   every row sees every key                   one non-causal kernel call
-  a == b  clean rows: causal; query rows: strictly    one causal call each; the query rows are
-          causal (keys < row)                         rotated by one slot
-  a < b   nothing
-
-and the partial results merge by log-sum-exp, then the query rows' diagonal as in
-core/merged_attention.py's fused implementation (docs/method.md, "Fused kernels"). The backward
-runs the ring again with the kernel backward fed the MERGED output and log-sum-exp (exact, as in
-ring attention); each visiting block's dK/dV travel with it and reach their owner after the last
-step.
-
-Shapes: B batch, H query heads, G key/value heads, C ranks per chunk, D head dim; a rank's
-local stream holds 2C ranks, so q/k/v are [B, heads, 4C, D] (q: [B, H, 2C, D] with the query
-rows only).
+Shapes: B batch, H query heads, G key/value heads, C ranks per chunk, D head dim; q/k/v are
+[B, heads, 4C, D], the clean stream's 2C local ranks then the query stream's (q: [B, H, 2C, D]
+with the query rows only).
 """
 
 from __future__ import annotations
@@ -96,7 +83,11 @@ def _unrotated(x: torch.Tensor, first: float = 0.0) -> torch.Tensor:
 
 
 def _blocks(row_chunks: tuple[int, int], key_chunks: tuple[int, int], size: int):
-    """(row slice, key slice, kind) of every pair with work: kind 'full' or 'diagonal'."""
+    """(row slice, key slice, kind) of every pair with work: kind 'full' or 'diagonal'.
+
+    For row chunk a and key chunk b: a > b, every row sees every key (one non-causal call); a == b,
+    clean rows are causal and query rows strictly causal (one causal call each, the query rows
+    rotated by one slot); a < b, nothing."""
     for i, a in enumerate(row_chunks):
         for j, b in enumerate(key_chunks):
             if a >= b:
@@ -204,6 +195,8 @@ class _RingSetCausal(torch.autograd.Function):
         block = [k[:, :, :local].contiguous(), v[:, :, :local].contiguous()]
         auxes = {}  # (step, row chunk, key chunk, stream) -> the kernel's aux, for the backward
         for step in range(ring.size):
+            # The next block's transfer overlaps this step's kernel calls where the backend runs
+            # sends in the background (gloo, NCCL).
             pending = ring.pass_on(block) if step + 1 < ring.size else None
             source = ring.source(step)
             theirs = zigzag_ranks(length, ring.size, source, device=q.device)
@@ -231,6 +224,8 @@ class _RingSetCausal(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
+        # The ring again, the kernel backward fed the MERGED output and log-sum-exp (exact, as in
+        # ring attention); each visiting block's dK/dV travel with it back to its owner.
         q, k, v, out, lse = ctx.saved_tensors
         ring, blocks, length, scale = ctx.ring, ctx.blocks, ctx.length, ctx.blocks.scale
         local = k.shape[2] // 2

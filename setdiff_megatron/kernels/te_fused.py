@@ -1,33 +1,10 @@
 """Set-causal attention on Transformer Engine's low-level fused (cuDNN) attention, BF16 and FP8.
 
-TE's DotProductAttention module cannot run the set-causal mask fused: arbitrary masks fall to its
-unfused path, FP8 attention takes only no-mask/causal/padding masks, and it returns no
-log-sum-exp (docs/method.md, "Fused kernels"). The decomposition of core/merged_attention.py
-needs only causal and no-mask attention plus a log-sum-exp merge, which `fused_attn_fwd` /
-`fused_attn_bwd` provide:
-  * forward: ONE causal call over L for the clean heads and the rotated query heads (extra heads
-    sharing K/V); softmaxStats [b, h, sq, 1] is the natural-log log-sum-exp of the scaled scores
-    (TE's own return_max_logit path rebuilds it as max + log(sum exp), and its context-parallel
-    code merges it exactly like flash-attn's softmax_lse);
-  * backward: ONE fused_attn_bwd fed the MERGED output and statistics, as TE's context-parallel
-    code does (cp_p2p_bwd_fused_attn), plus the analytic diagonal gradient (core/merged_attention.py);
-  * inference: no-mask over the cache with key lengths ('padding', cu_seqlens_kv), merged with
-    the step block and the diagonal (core.step_attention.merged_step_attention).
-FP8 attention runs only where megatron-core and TE would run it: under an fp8 autocast whose
-recipe sets fp8_dpa (train.fp8_dot_product_attention, megatron's fp8_dot_product_attention, off
-by default), with DelayedScaling, on cuDNN's FP8 sub-backend (Hopper: head dim 128 for training),
-and not where TE's own Python guards turn it off (sm120; deterministic training). Q, K and V share
-one scale (cuDNN reads a single descale), S is scaled for P <= 1, O for |O| <= max|V|,
-dO from its amax, dP and dQ/dK/dV from Cauchy-Schwarz bounds (so nothing can overflow). A core
-attention called as a function has no module to keep an amax history in, so the scales come from
-this call's amaxes: DelayedScaling's format and margin, with a history of one and no lag.
-Only TE's arbitrary-seqlen and FP8 backends return the log-sum-exp the merge needs (its max512
-backend returns the softmax itself): any other backend TE would pick is refused, and what a call
-returned is checked. `KERNEL_STATS` counts the distinct call shapes (cuDNN builds one graph per
-shape and keeps it for the process) and the bytes copied to give TE contiguous tensors, which
-benchmarks/gpu_check.py prints per decode. Nothing imports TE at module import; `load_te_api`
-does, and tests substitute tests/kernels/emulation.py's `te_api()`, which has the same call
-signatures and enforces TE's rules.
+TE's DotProductAttention module cannot run the set-causal mask fused, so this calls `fused_attn_fwd`
+and `fused_attn_bwd` for the causal and no-mask pieces of core/merged_attention.py's decomposition,
+merged by log-sum-exp (docs/method.md, "Fused kernels"). FP8 attention runs only where megatron-core
+and TE would run it. Nothing imports TE at module import: `load_te_api` does, and tests substitute
+tests/kernels/emulation.py's `te_api()`, which has the same call signatures and enforces TE's rules.
 """
 
 from __future__ import annotations
@@ -223,7 +200,11 @@ def _row_norm_max(x: torch.Tensor) -> torch.Tensor:
 
 
 def _scale(fp8_max: float, bound: torch.Tensor, margin: int) -> torch.Tensor:
-    """Delayed-scaling scale fp8_max / amax / 2^margin, as a [1] float32 device tensor."""
+    """Delayed-scaling scale fp8_max / amax / 2^margin, as a [1] float32 device tensor.
+
+    A core attention called as a function has no module to keep an amax history in, so the scales
+    come from this call's amaxes (or bounds): DelayedScaling's format and margin, with a history of
+    one and no lag."""
     return (fp8_max / 2.0**margin / bound.float().clamp(min=1e-12)).reshape(1)
 
 
@@ -240,6 +221,9 @@ class TEFusedKernel:
         return physical_layout(k)
 
     def _backend(self, dtype, fmt, mask, q, k, *, fp8: bool = False):
+        """The backend TE picks for this call. Only its arbitrary-seqlen and FP8 backends return the
+        log-sum-exp the merge needs (its max512 backend returns the softmax itself): any other is
+        refused, and `forward` checks what a call returned."""
         key = (self.api.name, dtype, fmt, mask, q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3])
         if key not in _BACKENDS:
             _BACKENDS[key] = self.api.fused_backend(True, dtype, fmt, mask, *key[4:])
@@ -285,6 +269,7 @@ class TEFusedKernel:
             out, aux = self.api.fused_attn_fwd(True, sq, sk, cu_q, cu_kv, qp, kp, vp, q.dtype, backend, **call)
             quantized = None
         else:
+            # Q, K and V share one scale: cuDNN reads a single descale for them.
             amax_qkv = torch.stack([x.abs().amax().float() for x in (qp, kp, vp)]).amax()
             qkv_q = self.api.make_quantizer(_scale(fp8.fwd_max, amax_qkv, fp8.margin), fp8.fwd_dtype)
             s_q = self.api.make_quantizer(
@@ -298,7 +283,10 @@ class TEFusedKernel:
                 True, sq, sk, cu_q, cu_kv, q8, k8, v8, q.dtype, backend, s_quantizer=s_q, o_quantizer=o_q, **call
             )
             quantized = (q8, k8, v8, s_q)
-        # aux: [Stats, rng_state] (F16) or [Stats, ZInv, rng_state] (FP8; cuDNN fills Stats only)
+        # aux: [Stats, rng_state] (F16) or [Stats, ZInv, rng_state] (FP8; cuDNN fills Stats only).
+        # Stats [b, h, sq, 1] is the natural-log log-sum-exp of the scaled scores: TE's own
+        # return_max_logit path rebuilds it as max + log(sum exp), and its context-parallel code
+        # merges it exactly like flash-attn's softmax_lse.
         stats = aux[0] if aux else None
         if stats is None or tuple(stats.shape) != (b, q.shape[1], sq, 1) or stats.dtype != torch.float32:
             raise UserError(
@@ -312,6 +300,9 @@ class TEFusedKernel:
         return _from(_plain(out), fmt), stats[..., 0], saved
 
     def backward(self, dout, q, k, v, out, lse, aux, *, scale, causal):
+        """One fused_attn_bwd fed the MERGED output and log-sum-exp, as TE's context-parallel code
+        does (cp_p2p_bwd_fused_attn); the caller adds the diagonal's gradient. Under FP8, dO is
+        scaled from its amax, and dP and dQ/dK/dV from Cauchy-Schwarz bounds, so nothing can overflow."""
         backend, fmt, mask, cu_q, cu_kv, rng_state, quantized = aux
         sq, sk = q.shape[2], k.shape[2]
         dop, op = _to(dout, fmt), _to(out, fmt)
@@ -424,7 +415,9 @@ def require_cuda_half(q: torch.Tensor, impl: str) -> None:
 
 def te_kernel_for(q: torch.Tensor, api: SimpleNamespace, *, strict: bool = True) -> TEFusedKernel:
     """The kernel for this call: FP8 when an fp8 autocast with DelayedScaling and fp8_dpa is active
-    and the GPU and head dim allow it. `strict` (forced 'te'): an FP8 request it cannot honour is a UserError;
+    (train.fp8_dot_product_attention, megatron's fp8_dot_product_attention, off by default) and the
+    GPU and head dim allow it (cuDNN's FP8 sub-backend; TE's own guards: not on sm120, not under
+    deterministic training). `strict` (forced 'te'): an FP8 request it cannot honour is a UserError;
     otherwise ('auto') attention stays in BF16 and the reason is logged once."""
     fp8 = api.fp8_settings()
     if (reason := fused_unavailable_reason(api.capability(q.device))) is not None:
@@ -471,7 +464,9 @@ def te_step_attention(
     scale=None,
     api: SimpleNamespace | None = None,
 ):
-    """The 'te' sampling step (BF16/FP16; sampling needs no FP8)."""
+    """The 'te' sampling step (BF16/FP16; sampling needs no FP8): no-mask attention over the cache
+    with per-row key lengths ('padding', cu_seqlens_kv), merged with the step block and each
+    query's diagonal (core.step_attention.merged_step_attention)."""
     if api is None:
         require_cuda_half(q, "te")
         api = load_te_api()

@@ -2,18 +2,10 @@
 
 A pre-norm decoder with rotary embeddings, grouped-query attention with optional q/k norm and a
 tied or untied output layer, whose attention is set-causal and whose rotary position ids are the
-ORIGINAL positions of tokens laid out in a sampled order. The MASK token is an ordinary row of the
-embedding. Two layouts of the body, picked by `norm`, `mlp` and the bias fields:
-
-  Llama/Qwen (the defaults)  RMSNorm, SwiGLU MLP, no biases but optional q/k/v ones (Qwen2)
-  the reference's DiT        LayerNorm with a weight and no bias (float32), MLP of ratio 4 with
-                             biases and tanh-GELU, untied output layer with a bias (`DIT_BODY`;
-                             docs/dit.md)
-
-With `num_experts > 0` the MLP of every `moe_layer_freq`-th layer is a mixture of experts in
-megatron-core's form (Qwen3-MoE's, plus optional DeepSeek-style shared experts): a linear router,
-top-k on its logits, softmax over the k chosen (Qwen3's norm_topk_prob), SwiGLU experts. Both
-streams' tokens are routed one by one.
+ORIGINAL positions of tokens laid out in a sampled order; MASK is an ordinary row of the embedding.
+Two layouts, picked by `norm`, `mlp` and the bias fields: Llama/Qwen's (the defaults) and the
+reference's DiT (`DIT_BODY`; docs/dit.md, "The layout"). With `num_experts > 0` some layers' MLPs
+are mixtures of experts (docs/parallelism.md, "Mixture of experts").
 """
 
 from __future__ import annotations

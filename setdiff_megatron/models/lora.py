@@ -1,25 +1,11 @@
 """LoRA: low-rank adapters on a frozen model's linear layers, the same under both bodies.
 
-An adapted linear computes W0 x + (alpha / rank) B A x, i.e. W = W0 + (alpha / rank) B @ A, with
-W0 frozen, A [rank, in] drawn like a linear layer's weight (Kaiming-uniform) and B [out, rank]
-zero, so a fresh adapter leaves the model's outputs unchanged. Only adapters are trained.
-
-A target names one input shared by several projections, which one adapter (one A) serves:
-
-  qkv               q_proj, k_proj, v_proj (megatron's fused linear_qkv)
-  attention_output  o_proj (linear_proj)
-  mlp_input         gate_proj and up_proj, or up_proj alone for a GELU MLP (linear_fc1)
-  mlp_output        down_proj (linear_fc2)
-
-B's rows are the torch body's, in the order of `torch_linears` ([q ; k ; v], [gate ; up]), under
-either body: megatron's linear_qkv interleaves the rows by KV group, and its adapter reads B
-through that row order (weight_maps/megatron.py `qkv_rows`). So an adapter's tensors are one
-thing whichever engine trained them, named `layers.{i}.lora_<target>.{A,B}` (megatron prefixes
-`decoder.`), drawn from one seed in one order (layers, then TARGETS), and `merge_adapters` folds
-them into torch weights for every reader (sources/read.py).
-
-Each adapter is a child module of its transformer layer, added to the layer's projections by
-forward hooks, so neither body's code changes; megatron's linears return (output, bias) tuples.
+An adapted linear computes W0 x + (alpha / rank) B A x with B zero at the start, so a fresh adapter
+leaves the model's outputs unchanged; only adapters are trained. One adapter (one A) serves each
+target, the projections that share one input (`torch_linears`). B's rows are the torch body's
+under either body, so an adapter's tensors, `layers.{i}.lora_<target>.{A,B}` (megatron prefixes
+`decoder.`), are the same whichever engine trained them. Each adapter is a child module of its
+layer, added to the projections' outputs by forward hooks, so neither body's code changes.
 """
 
 from __future__ import annotations
@@ -101,9 +87,10 @@ def add_adapters(
     seed: int,
 ) -> None:
     """Freeze `model` and give each of its (global index, layer) an adapter per target of `spec`
-    on the linears `sites(layer, target)` names (each with its rows of B). A is drawn from `seed`
-    layer by layer in TARGETS order, so both bodies draw the same adapters (every layer must be
-    given: one pipeline stage would draw another stage's adapters)."""
+    on the linears `sites(layer, target)` names (each with its rows of B). A is drawn like a
+    linear layer's weight (Kaiming-uniform) from `seed`, layer by layer in TARGETS order, so both
+    bodies draw the same adapters (every layer must be given: one pipeline stage would draw
+    another stage's adapters)."""
     model.requires_grad_(False)
     generator = torch.Generator().manual_seed(seed)
     for _, layer in sorted(layers, key=lambda pair: pair[0]):
@@ -120,7 +107,10 @@ def add_adapters(
 
 
 def torch_linears(cfg: ModelConfig, target: str) -> tuple[str, ...]:
-    """The torch body's linears (layer-local names) under `target`, in B's row order."""
+    """The torch body's linears (layer-local names) under `target`, in B's row order: q, k, v
+    (megatron's fused linear_qkv, whose adapter reads B through weight_maps/megatron.py `qkv_rows`),
+    o_proj (linear_proj), gate and up or up alone for a GELU MLP (linear_fc1), down_proj
+    (linear_fc2)."""
     return {
         "qkv": tuple(n.removesuffix(".weight") for n in QKV),
         "attention_output": ("self_attn.o_proj",),

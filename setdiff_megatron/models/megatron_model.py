@@ -1,39 +1,11 @@
 """The set diffusion transformer on megatron-core: tensor, sequence and pipeline parallel.
 
-The same model family as models/torch_model.py, assembled from megatron-core ModuleSpecs. The
-GPT layer spec is reused as is (column-parallel QKV, row-parallel projection, GQA, q/k norm before
-rotary, SwiGLU or GELU MLP from the TransformerConfig) with these slots swapped:
-
-  core_attention  SetCausalCoreAttention: core/attention.py's set-causal attention over the
-                  [clean ; query] sequence, heads split across TP ranks
-  norms           RMSNorm, or the DiT's LayerNorm (a weight, no bias, float32), whose weight is
-                  tagged `.sequence_parallel`, so that sequence parallelism works (megatron's stock
-                  torch norm refuses it, and its local LayerNorms, torch's and Apex's, always
-                  carry a bias)
-  final norm      the same norm
-  MLP linears     with `mlp_bias`, the column- and row-parallel linears with their bias on:
-                  megatron's one `add_bias_linear` would put a bias on the attention projection
-                  too, which the DiT does not have
-
-With adaLN (the reference DiT's, models/adaln.py) the layers and the final norm modulate
-(models/megatron_adaln.py). An MoE layer (ModelConfig.moe_layers) takes the MoE variant of the same spec: megatron-core's
-router, all-to-all token dispatcher over the expert-parallel group, and SequentialMLP experts
-(grouped GEMM under TE), computing what models/moe.py computes.
-
-The model's last layer runs its core attention, output projection and MLP on the query rows
-only (nothing reads the clean stream after it), with the residual cut to match; under sequence
-parallelism it runs in full, since a TP rank's slice of the sequence is not a slice of one stream.
-
-Around the layers: a vocabulary-parallel embedding of the 2L tokens (MASK is an ordinary row),
-rotary frequencies gathered per token from the ORIGINAL positions (megatron's own `rope` ignores
-position ids), the output layer (tied to the embedding across pipeline stages like GPTModel) on
-the QUERY half only, and a vocabulary-parallel cross-entropy with the MASK logit (and vocabulary
-padding) excluded. Padding ranks are described by `valid_len` [b], carried to the core attention
-in megatron's attention-mask slot; under document masking that slot carries the document ids
-instead (`attention_mask_slot`).
-
-The TransformerConfig of a layout, this rank's chunks and the schedule's forward_step and loss
-are built around this body in models/megatron_plumbing.py.
+megatron-core's GPT layer spec with the set-causal core attention, norms that allow sequence
+parallelism and, as the model asks, MLP biases, MoE layers and adaLN (why these are not megatron's
+stock ones: docs/dit.md, "Training it"; docs/megatron-on-cpu.md, "Around the layer"); it computes
+what models/torch_model.py computes. The last layer runs on the query rows only, except under
+sequence parallelism. The TransformerConfig, this rank's chunks and forward_step are in
+models/megatron_plumbing.py.
 
 Shapes: b micro-batch, L ranks per stream, S = 2L tokens, E hidden, V vocabulary (Vp padded),
 np/hn heads per TP rank and head dim, D head dim.
@@ -312,10 +284,11 @@ def _te_modules():
 
 
 def layer_spec(model_cfg: ModelConfig, backend: str = "local", moe: bool = False) -> tuple[ModuleSpec, type]:
-    """(transformer layer spec, final norm class) for a backend: megatron's GPT layer (with its
-    MoE MLP when `moe`: SequentialMLP experts locally, grouped GEMM under TE) with the set-causal
-    core attention; the local backend also gets SP-capable norms of the model's kind and, with
-    mlp_bias, MLP linears with biases."""
+    """(transformer layer spec, final norm class) for a backend: megatron's GPT layer as it is
+    (column-parallel QKV, row-parallel projection, GQA, q/k norm before rotary, the MLP the
+    TransformerConfig asks for; its MoE MLP when `moe`: SequentialMLP experts locally, grouped
+    GEMM under TE) with the set-causal core attention; the local backend also gets SP-capable
+    norms of the model's kind and, with mlp_bias, MLP linears with biases."""
     try:
         check_backend(model_cfg, backend)
     except ValueError as exc:
@@ -365,7 +338,7 @@ class SetDiffusionGPT(LanguageModule):
         tp_size, tp_rank = self.tp_group.size(), self.tp_group.rank()
         self.vocab_size = padded_vocab_size(model_cfg.vocab_size, tp_size)
 
-        if pre_process:
+        if pre_process:  # a vocabulary-parallel embedding of the streams' tokens; MASK is an ordinary row
             self.embedding = LanguageModelEmbedding(
                 config=config,
                 vocab_size=self.vocab_size,
@@ -425,7 +398,7 @@ class SetDiffusionGPT(LanguageModule):
             self.register_buffer(
                 "excluded_vocab", (ids == model_cfg.mask_token_id) | (ids >= model_cfg.vocab_size), persistent=False
             )
-        if pre_process or post_process:
+        if pre_process or post_process:  # ties the output layer to the embedding across stages, as GPTModel does
             self.setup_embeddings_and_output_layer()
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
@@ -446,8 +419,9 @@ class SetDiffusionGPT(LanguageModule):
         self.decoder.set_input_tensor(input_tensor)
 
     def rotary_freqs(self, position_ids: torch.Tensor) -> torch.Tensor:
-        """[S, b, 1, D] rotary angles of tokens [b, S] at their original positions; megatron's
-        rotate-half application of [angles, angles] equals the torch model's."""
+        """[S, b, 1, D] rotary angles of tokens [b, S] at their original positions (megatron's own
+        `rope` ignores position ids); megatron's rotate-half application of [angles, angles]
+        equals the torch model's."""
         if self.inv_freq.device != position_ids.device:
             self.inv_freq = self.inv_freq.to(position_ids.device)
         angles = position_ids[..., None].float() * self.inv_freq

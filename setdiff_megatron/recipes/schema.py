@@ -309,8 +309,8 @@ class TrainSection(Section):
     """The same for a checkpoint save (a synchronous one, or the part of a background one the loop
     waits for) and a spike rollback's reload; unset: 4 x hang_timeout_s. 0: unwatched."""
     eval_timeout_s: NonNegativeFloat | None = None
-    """The same for an evaluation; unset: hang_timeout_s x eval.batches / the micro-batches of a
-    training step on one rank (at least 1 x). 0: unwatched."""
+    """The same for an evaluation; unset: hang_timeout_s x eval.batches (each a global batch, a
+    step's micro-batches run forward only). 0: unwatched."""
     startup_timeout_s: NonNegativeFloat | None = None
     """The same for the start-up (process groups, data, model build, resume) and the first step
     after it (warm-up, compilation, first collectives); unset: 4 x hang_timeout_s. 0: unwatched."""

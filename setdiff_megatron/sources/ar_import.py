@@ -2,21 +2,10 @@
 weights of the set diffusion model family.
 
 Under the left-to-right order the clean stream of our model computes exactly what the AR model
-computes (same layers, causal attention over the positions so far), so the AR weights carry over
-one to one: q/k/v/o, gate/up/down, norms, q/k norms (Qwen3), q/k/v biases (Qwen2), rope theta,
-tied or untied embeddings, and Qwen3-MoE's routers and experts (its routing is models/moe.py's:
-norm_topk_prob is a softmax over the k chosen logits, without it moe_router_pre_softmax; its
-decoder_sparse_step and mlp_only_layers become a moe_layer_freq list). Experts are read stored
-one tensor per expert and projection, as save_pretrained writes them, or fused, as transformers 5
-holds them in memory. What the family cannot represent is refused with the reason: other
-architectures (Qwen2-MoE's sigmoid-gated shared expert among them), rope scaling
-(llama3/yarn/...), partial rotary, sliding windows, MLP or output-projection biases, activations
-other than SiLU.
-
-MASK: the tokenizer's MASK role (data/tokenizers.py) reuses `<|fim_middle|>` on Qwen tokenizers,
-as the paper does with Qwen3, whose embedding row is pretrained; elsewhere a `<|mask|>` token is
-added. A token id beyond the embedding gets a new row initialised to the mean of the embedding
-rows (and of the output rows when untied): an "average token" whose scale matches the others.
+computes (same layers, causal attention over the positions so far), so the weights carry over one
+to one; what the family cannot represent is refused with the reason (`ar_model_config`). Token ids
+beyond the embedding, MASK among them where the tokenizer adds it, get new rows (`ar_state_dict`).
+docs/huggingface.md, "Hugging Face", lists what maps and what is refused.
 """
 
 from __future__ import annotations
@@ -112,8 +101,11 @@ def ar_model_config(config: Mapping[str, Any], path: Path, *, vocab_size: int, m
 
 
 def _qwen3_moe_fields(config: Mapping[str, Any], path: Path) -> dict[str, Any]:
-    """ModelConfig's mixture-of-experts fields for a Qwen3-MoE config.json; transformers' defaults
-    stand for the keys that change what it computes when they are missing, as they do there."""
+    """ModelConfig's mixture-of-experts fields for a Qwen3-MoE config.json (its routing is
+    models/moe.py's: norm_topk_prob is a softmax over the k chosen logits, without it
+    moe_router_pre_softmax; decoder_sparse_step and mlp_only_layers become a moe_layer_freq list);
+    transformers' defaults stand for the keys that change what it computes when they are missing,
+    as they do there."""
     step = config.get("decoder_sparse_step", 1)
     if step < 1:
         raise UserError(f"{path / 'config.json'}: decoder_sparse_step must be >= 1; got {step}")

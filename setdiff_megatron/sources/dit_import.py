@@ -1,24 +1,11 @@
 """The reference implementation's DiT checkpoints (the paper's OpenWebText and LM1B models) as
-weights of the set diffusion model family in its DiT layout (models/config.py `DIT_BODY`;
-docs/dit.md).
+weights of the set diffusion model family in its DiT layout (models/config.py `DIT_BODY`).
 
-  hub directory  config.json holding the backbone's constructor arguments (hidden_size, n_heads,
-                 num_layers, vocab_size, length, adaln, causal_attention, ...), as its
-                 PyTorchModelHubMixin writes them, model.safetensors (read by hf_files.py, never
-                 pickle), and the tokenizer beside them
-  composer .pt   a training checkpoint: state.model holds the denoiser's backbone under
-                 model.backbone. (with _orig_mod. when compiled), and state.integrations.huggingface
-                 the denoiser's config (its backbone_config) and the tokenizer's files, as
-                 composer's HuggingFaceModel records them; a config.json and a tokenizer beside the
-                 file stand in for what it lacks
-
-A .pt is a pickle, read by safe_pickle.py: tensors and plain containers come out, no code of the
-file runs.
-
-With adaln: true (the LM1B MDLM and BD3-LM backbones) its time embedding and modulations come
-too (models/adaln.py). Refused with the reason: causal attention (the reference's autoregressive
-baseline), rotary frequencies other than theta 10000's. The tokenizer's MASK must be a row of the checkpoint's embedding; token ids beyond its
-rows (tokens the tokenizer loader adds) get mean rows, as Llama/Qwen imports do (ar_import.py).
+Two forms: its Hub directory (config.json of the backbone's constructor arguments,
+model.safetensors read by hf_files.py, the tokenizer) and a composer .pt training checkpoint, a
+pickle read by safe_pickle.py so that no code of the file runs. With adaln: true the time
+embedding and modulations come too. docs/dit.md, "Importing the released checkpoints", describes
+both forms and what is refused.
 """
 
 from __future__ import annotations
@@ -79,7 +66,9 @@ def _model_config(backbone: Mapping[str, Any], where: Path, mask_token_id: int) 
 def dit_state_dict(
     weights: Mapping[str, torch.Tensor], backbone: Mapping[str, Any], tokenizer: SetDiffTokenizer, where: Path
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """The ModelConfig and torch weights of a DiT's backbone weights (its own names) and config."""
+    """The ModelConfig and torch weights of a DiT's backbone weights (its own names) and config.
+    The tokenizer's MASK must be a row of the checkpoint's embedding; token ids beyond its rows
+    (tokens the tokenizer loader adds) get mean rows, as the Llama/Qwen imports do."""
     rows = int(backbone["vocab_size"])
     if not 0 <= tokenizer.mask_id < rows:
         raise UserError(

@@ -1,20 +1,11 @@
 """`read_source(path)`: weights, config and tokenizer from anything a model can be read from.
 
-  megatron   a run directory or step directory of the megatron engine, any TP/PP layout
-  deepspeed  a run directory or step directory of the DeepSpeed engine, any ZeRO stage
-             (either engine's: the average of the weights where the run kept one, train.ema_decay;
-             a LoRA run's adapters merged into its model.init_from weights, models/lora.py)
-  setdiff    a Hugging Face export of ours (model_type setdiff)
-  llama, qwen2, qwen3, qwen3_moe   a Hugging Face causal LM to adapt (ar_import.py)
-  dit        the reference implementation's DiT (dit_import.py): its PyTorchModelHubMixin
-             directory, or a composer .pt checkpoint of its training
-  setdlm     the reference's released models (setdlm_release.py): a SetDLM folder with
-             pytorch_model.bin, on a Qwen3 (whose base model's config.json `base` names) or a DiT
-
+Our run directories of either engine at any layout, our Hugging Face exports, Llama/Qwen causal
+LMs to adapt, and the reference's DiT checkpoints and SetDLM releases (`read_source` lists them).
 Sampling, the evaluation jobs (infilling included), `setdiff convert`, `model.init_from` and the
-lm-eval adapter all read through it, so a new source format is one reader here. A run directory
-takes its newest valid checkpoint (`latest` first). `fit_source` is the rule for starting a model
-from a source's weights (`model.init_from`): the same tokenizer, the same architecture.
+lm-eval adapter all read through it, so a new source format is one reader here. `fit_source` is
+the rule for starting a model from a source's weights (`model.init_from`): the same tokenizer,
+the same architecture.
 """
 
 from __future__ import annotations
@@ -273,8 +264,20 @@ def _export_method(config: dict) -> MethodSection | None:
 
 
 def read_source(path: str | Path, *, weights: bool = True, base: str | Path | None = None) -> Source:
-    """Weights (unless not `weights`), config and tokenizer from any source in the module docstring
-    (`base`: see read_hf_dir)."""
+    """Weights (unless not `weights`), config and tokenizer from any of these (`base`: see
+    read_hf_dir):
+
+      megatron   a run directory (its newest valid checkpoint, `latest` first) or step directory
+                 of the megatron engine, any TP/PP layout
+      deepspeed  a run directory or step directory of the DeepSpeed engine, any ZeRO stage
+                 (either engine's: the average of the weights where the run kept one,
+                 train.ema_decay; a LoRA run's adapters merged into its model.init_from weights)
+      setdiff    a Hugging Face export of ours (model_type setdiff)
+      llama, qwen2, qwen3, qwen3_moe   a Hugging Face causal LM to adapt (ar_import.py)
+      dit        the reference's DiT (dit_import.py): its PyTorchModelHubMixin directory, or a
+                 composer .pt checkpoint of its training
+      setdlm     the reference's released models (setdlm_release.py): a SetDLM folder, on a Qwen3
+                 (whose base model's config.json `base` names) or a DiT"""
     path = Path(path)
     if not path.exists():
         raise UserError(f"model source {path} does not exist")

@@ -1,32 +1,12 @@
 """The reference implementation's released models, read as they are published: a SetDLM folder
-written by its `save_pretrained_or_push_to_hub` (kuleshov-group/setdlms, src/utils.py).
+written by its `save_pretrained_or_push_to_hub` (kuleshov-group/setdlms, src/utils.py), or by a
+plain `save_pretrained`.
 
-  config.json        architectures ["SetDLM"], model_type "bd3lm"; at the top level the sequence
-                     length L, keep_clean_bos, the token ids (also in tokenization_config); a
-                     `backbone_config` with a flattened `_target_` and a `noise_config`
-                     (StaggeredNoise: desired_block_size d, max_block_size m, block_size, length)
-  pytorch_model.bin  the denoiser's state dict: `backbone.` + the backbone's own names, and the
-                     derived buffers `static_attention_mask` (2L x 2L) and, for the DiT,
-                     `backbone.rotary_emb.inv_freq`; read with torch.load(weights_only=True) only
-  tokenizer files    beside them; the python sources beside them are never executed
-
-The same model saved by a plain `save_pretrained` (the reference's denoiser, without that
-function's changes) reads the same way: `_target_`s as written (src.backbone.dit.DIT), weights in
-model.safetensors (or an index and its shards), a tied Qwen3 output layer stored once, buffers
-kept (transformers reads both layouts).
-
-Two backbones. `backbone_automodel.AutoModelFromPreTrained` (GSM8K and CNN/DM) is a Qwen3 built
-from the base model its config names (`pretrained_model_name_or_path`), cut to `num_layers`, with
-the config's own architecture keys over the base's (CNN/DM re-initialises a smaller shape): its
-architecture numbers are not in the folder, so the base's config.json is read from `base` (there
-is no hub here), unless the config re-initialises the model and names every number itself (as
-`setdiff convert to-hf --layout setdlm` writes it). `backbone_dit.DIT` (OpenWebText, LM1B) holds its numbers itself.
-
-The evaluation settings are those of the reference's loader (scripts/eval/model_loading.py): L,
-the order law (d, m, and k or b where given; an m equal to the block size means 2d, capped at the
-block size) and a clean BOS, which that loader always keeps for SetDLM folders. They become the
-`method` and `data.seq_len` of the Source's recipe, so sampling, evaluation and `convert from-hf`
-use them.
+pytorch_model.bin is read with torch.load(weights_only=True) only; the python sources beside it
+are never executed. A Qwen3 backbone's architecture numbers come from its base model's config.json
+(`base`; there is no hub here) unless its config re-initialises the model and names them all. The evaluation settings (L, the
+order law, a clean BOS) are those of the reference's loader (scripts/eval/model_loading.py) and
+become the Source's recipe (docs/huggingface.md, "The reference's releases").
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """The training loop's checkpoint saves: synchronous, or in the background, one at a time.
 
-A save is checkpoint/publish.py's two halves around the files: `begin_publication` makes
-`step_N.tmp`; the engine writes its files and rank 0 train_state.json, the recipe and the
-tokenizer; `finish_publication` hashes them, verifies, renames to `step_N`, moves `latest` and
-applies retention. Synchronously all of it happens at the step boundary. With
-`checkpoint.async_save` the engine's shards are written by megatron-core's forked writer while
-training goes on, and the second half runs at the first step boundary where every rank's writer
-is done (`poll`, collective, every step), so `latest` never names a checkpoint whose files are
-not all on disk. At most one save is in flight: one that comes due while the previous one is
-still writing waits for it, and the log says how long.
-
-Each save logs `checkpoint/blocked_s` (how long the step loop stood still for it, the wait for
-an earlier save included) and `checkpoint/write_s` (from its start to its publication).
-
-Whatever the loop waits for here (a synchronous save; a background save's start, the wait for it
-and its publication) is the hang watchdog's save phase, with its own timeout; the `at=save`
-drills of SETDIFF_INJECT fire inside it, before the save is published.
+A save wraps the engine's files in checkpoint/publish.py's two halves: `begin_publication` makes
+`step_N.tmp`; `finish_publication` hashes, verifies and renames it to `step_N`, then moves
+`latest`. A background save (`checkpoint.async_save`) is published at the first step boundary
+where every rank's writer is done (`poll`), so `latest` never names a checkpoint whose files are
+not all on disk. Whatever the loop waits for here is the hang watchdog's save phase.
+docs/training.md ("Training and checkpoints") has the rest.
 """
 
 from __future__ import annotations
@@ -106,7 +96,10 @@ class Checkpointer:
 
     def save(self, progress: Progress, *, background: bool) -> None:
         """Collective: save the state at `progress`, in the background if asked (after waiting for
-        a save still in flight) or now."""
+        a save still in flight) or now. Logs `checkpoint/blocked_s` (how long the step loop stood
+        still for it, the wait for an earlier save included) and `checkpoint/write_s` (from its
+        start to its publication). SETDIFF_INJECT's `at=save` drills fire inside it, before the
+        save is published."""
         start = time.perf_counter()
         if self._in_flight is not None:
             self.wait(because=f"the save of step {progress.step} came due")

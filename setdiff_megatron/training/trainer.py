@@ -1,28 +1,11 @@
 """The training loop: one for both engines, so every recipe field means the same under each.
 
-    recipe -> checks (preflight.py) -> engine (process groups) -> data -> model -> resume or init_from
-           -> [forward/backward, NaN policy, optimizer step, metrics, validation, checkpoint,
-               preemption] x steps -> the last checkpoint
+    recipe -> checks (preflight.py) -> engine -> data -> model -> resume or init_from
+           -> [forward/backward, optimizer step, metrics, validation, checkpoint] x steps
 
-What the loop decides, whatever the engine:
-  NaN policy    a non-finite loss, or gradients the engine finds non-finite before applying them:
-                `stop` raises (the last checkpoint is intact), `skip` drops the step and counts it
-  spike policy  a loss far above its recent window (spikes.py): `warn`, `skip` the update, or
-                `rollback` to the newest checkpoint with the data moved past the bad batch
-  faults        the hang watchdog told what the rank is doing: start-up, each step, evaluations,
-                saves, rollbacks (watchdog.py); per-rank forward-backward times and a straggler
-                warning (stragglers.py); the drills SETDIFF_INJECT asks for
-                (distributed/fault_injection.py); and the processes a rank starts ended with it,
-                however it ends (distributed/offspring.py)
-  logging       metrics.jsonl, TensorBoard, wandb and the console (metrics.py) on rank 0
-  validation    the same held-out micro-batches and orders at every `eval.interval`
-  checkpoints   every `checkpoint.interval`, at the end, and at a preemption signal's step
-                boundary (exit code 75), published through checkpoint/publish.py
-  ownership     the run directory's lock (distributed/ownership.py), held from before the first
-                write to the end: a second run on it is refused
-  resume        `checkpoint.resume` through checkpoint/resolve.py; a resumed run keeps its run id
-  init_from     any source sources/read.py reads, fitted to the recipe's model; with model.lora
-                the frozen base under the adapters, read again on every resume
+The loop decides the NaN and spike policies, fault handling, logging, validation, checkpoints,
+preemption, the run directory's lock, resume and init_from; an engine owns only its model,
+optimizer and steps (docs/training.md ("Training and checkpoints"), docs/fault-tolerance.md).
 """
 
 from __future__ import annotations

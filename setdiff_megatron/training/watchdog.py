@@ -1,34 +1,10 @@
-"""What each rank is doing, with a timeout per phase, and a thread that ends the process when a
-phase outlasts its timeout.
+"""A hang watchdog: each phase of the training loop has a timeout, and a rank stuck past it exits.
 
-A hung rank (a peer lost mid-collective, a deadlocked data worker, a stuck filesystem) holds every
-other rank in its next collective until the process-group timeout, 30 minutes by default, and then
-fails without saying who or where. So the training loop says what the rank is doing, and each
-phase gets the time that kind of work needs (a synchronous save of a large model takes minutes, a
-step seconds):
-
-    phase                                                      key (train.*)      unset
-    the start-up (process groups, data, model build, resume)   startup_timeout_s  4 x hang_timeout_s
-      and the first step after it (warm-up, first collectives)
-    a training step                                            hang_timeout_s     1800 s
-    an evaluation                                              eval_timeout_s     hang_timeout_s x eval.batches
-                                                                                  (global batches, each
-                                                                                  a step's micro-batches)
-    a checkpoint save (a synchronous one; of a background      save_timeout_s     4 x hang_timeout_s
-      one, what the loop waits for) and a rollback's reload
-
-An evaluation runs forward passes only, so its micro-batches take less than a step's. The factor 4
-is a margin, not a measurement: a save writes the weights and the optimizer state, several times
-the weights' bytes, and a model whose save takes longer than four step timeouts sets its own key.
-
-When a phase outlasts its timeout, this thread prints one line naming the rank, the phase with its
-step, the key and the frame the main thread is stuck in, writes every thread's stack to
-`logs/hang-rank<N>.txt`, kills the processes the rank started (a save's writers and managers,
-distributed/offspring.py) and exits with EXIT_HANG, on which torchrun (`launch.max_restarts`)
-restarts the job from its newest checkpoint. It cannot save a checkpoint: that takes collectives
-the hung rank will not join; the last published checkpoint is intact, and metrics.jsonl is flushed
-line by line. A timeout of 0 leaves its phase unwatched; `hang_timeout_s: 0` turns off every
-phase whose own key is unset.
+A hung rank holds every other rank in its next collective until the process-group timeout (30
+minutes by default), then fails without saying who or where. Here a thread ends the process with
+EXIT_HANG instead, naming the rank, the phase and the stuck frame, and torchrun restarts the job
+from its newest checkpoint. It never saves a checkpoint: that takes collectives the hung rank
+will not join. Phases, keys and defaults: docs/fault-tolerance.md ("Settings").
 """
 
 from __future__ import annotations
@@ -54,7 +30,9 @@ EXIT_HANG = 76
 """The exit code of a process the watchdog ended (75, EXIT_REQUEUE, is a preemption's)."""
 
 LONG_PHASE_FACTOR = 4
-"""An unset save or start-up timeout is this many step timeouts."""
+"""An unset save or start-up timeout is this many step timeouts. A margin, not a measurement: a
+save writes the weights and the optimizer state, several times the weights' bytes, and a model
+whose save takes longer than four step timeouts sets its own key."""
 
 
 @dataclass(frozen=True)
@@ -74,7 +52,9 @@ ROLLBACK = Phase("the rollback reload at step {step}", "save_timeout_s")
 
 
 def phase_timeouts(recipe: Recipe) -> dict[str, float]:
-    """Seconds for each timeout key: the recipe's, or for an unset one its rule (module docstring)."""
+    """Seconds for each timeout key: the recipe's, or for an unset one its rule: start-up and save
+    LONG_PHASE_FACTOR x hang_timeout_s; an evaluation hang_timeout_s x eval.batches (global
+    batches, each of a step's micro-batches, which run forward only and so take less than a step's)."""
     t = recipe.train
     rules = {
         "hang_timeout_s": t.hang_timeout_s,

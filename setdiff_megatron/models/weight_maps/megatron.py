@@ -2,31 +2,9 @@
 chunk of any TP/PP/EP split (sliced as parallel.py says), `megatron_to_torch` reads a whole
 (unsplit) model.
 
-Names are megatron-core GPT's, written as `{}` templates over the layer index. Five things are
-not one-to-one with the torch names:
-
-  fused QKV    megatron's linear_qkv holds, per KV group g, [q heads of g ; k_g ; v_g] (rows), and
-               each TP rank holds a contiguous run of groups
-  fused fc1    megatron's linear_fc1 holds [gate ; up] of its own TP shard of the MLP width (a
-               gelu MLP: up alone), its bias likewise; linear_fc2's bias is whole on every rank
-  vocab        megatron's embedding and output layer are padded to `padded_vocab_size` rows;
-               the padding is zero here (an output bias's too) and is masked out of the logits
-  tied output  with tied embeddings the last pipeline stage holds a copy of the embedding as
-               output_layer.weight (pp > 1); pp == 1 has no output_layer.weight at all
-  experts      an MoE layer's router is mlp.router (torch: Qwen3-MoE's mlp.gate); expert e lives on
-               expert-parallel rank e // (N / ep) as local expert e % (N / ep), each one an MLP
-               with fused fc1 split over TP like the dense MLP; the shared experts are one such
-               MLP (torch: DeepSeek's mlp.shared_experts). The `te` backend's grouped GEMM holds
-               local expert j as linear_fc1.weight{j}, and its MoE layers keep their own
-               pre_mlp_layernorm (the router reads the normalised input)
-
-The `te` backend fuses the pre-attention and pre-MLP norms into the following linear layer
-(layer_norm_weight) and adds `_extra_state` entries, which carry no weights and are skipped.
-adaLN (the reference DiT's, models/adaln.py) adds layer-local adaln_modulation linears and the
-final norm's modulation (decoder.final_layernorm.modulation), replicated over TP, and the
-conditioning MLP (time_embedding), of which every pipeline chunk holds a copy.
-Optional q/k/v biases (Qwen2) follow the fused QKV rows into megatron's linear_qkv.bias. The
-`te` backend holds the RMSNorm body without MLP biases only (`check_backend`).
+Names are megatron-core GPT's, written as `{}` templates over the layer index. The fused QKV and
+fc1, the padded vocabulary, the tied output layer, the experts and the `te` backend's fused norms
+are not one to one with the torch names (docs/parallelism.md, "How the weights are split").
 
 Shapes: E hidden, H heads, G key/value heads, D head dim.
 """

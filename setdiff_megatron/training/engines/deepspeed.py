@@ -1,25 +1,11 @@
 """The DeepSpeed engine: the torch model under ZeRO stage 0-3, trained from the same recipes.
 
-What it builds, in order:
-  group       distributed.runtime's process group, adopted by DeepSpeed (gloo on CPUs with
-              DS_ACCELERATOR=cpu, NCCL on GPUs), one data-parallel rank per process
-  model       models/torch_model with train.seed's weights, activation checkpointing per
-              train.recompute, optionally torch.compile'd, wrapped by deepspeed.initialize with
-              deepspeed_config.py's config (ZeRO stage, optimizer offload, precision,
-              accumulation, clipping)
-  step        the micro-batches of one global batch with the loss of the whole global batch,
-              normalised per target token or per row (as megatron), one optimizer step,
-              megatron-core's LR scheduler
-With train.ema_decay each rank averages its share of the optimizer's fp32 weights after every
-step (training/ema.py); ZeRO-3 is refused there (recipes/validation.py).
-Checkpoints: DeepSpeed's own format under `deepspeed/` (sources/deepspeed.py reads it whole)
-plus each rank's RNG states and the average, whole, in `ema.pt`. DeepSpeed loads partitioned
-optimizer state only on the ZeRO stage and data-parallel size it was saved with, so a resume on
-another layout is refused; its consolidated weights start a new run (`model.init_from`).
-
-Not here: tensor and pipeline parallelism (the megatron engine's), and building a model too big
-for one device under deepspeed.zero.Init: every rank builds the full model, which ZeRO-3 then
-partitions.
+It adopts the run's process group (gloo on CPUs, NCCL on GPUs), wraps models/torch_model in
+deepspeed.initialize with deepspeed_config.py's config, and steps with the megatron engine's
+update rule, loss normalisation and weight average. Checkpoints are DeepSpeed's own format,
+resumable only on the ZeRO stage and data-parallel size they were saved with. Not here: tensor
+and pipeline parallelism (the megatron engine's), and deepspeed.zero.Init: every rank builds the
+full model, which ZeRO-3 then partitions. docs/training.md ("DeepSpeed engine").
 """
 
 from __future__ import annotations

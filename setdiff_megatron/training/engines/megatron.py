@@ -1,23 +1,11 @@
 """The megatron-core engine: the set-causal model as megatron ModuleSpecs under TP, PP, CP, EP and DP.
 
-What it builds, in order:
-  groups      distributed.runtime from the recipe's layout (tp, pp, vpp); gloo on a CPU through
-              the compatibility layer, NCCL on GPUs
-  model       models/megatron_plumbing: this rank's chunks of the models/megatron_model body,
-              wrapped in megatron DDP
-  optimizer   get_megatron_optimizer (distributed optimizer when asked) + megatron-core's LR
-              scheduler (lr_schedule.py)
-  step        get_forward_backward_func() (1F1B / interleaved) over the micro-batches of one
-              global batch, the loss normalised by training/objective.py; the update through
-              megatron's own pieces (prepare_grads, get_grad_norm, clipping,
-              step_with_ready_grads) with a finiteness check of the gradient norm before anything
-              is applied, so the NaN policy means what it means under the DeepSpeed engine; then
-              the average of the weights (train.ema_decay) of each rank's main-parameter shards
-Checkpoints: dist_checkpointing shards of model and optimizer (checkpoint/megatron.py; the
-distributed optimizer in megatron's `fully_reshardable` format, so both reshard over TP, PP and
-DP; only switching `parallel.distributed_optimizer` itself restarts the Adam moments, with a
-warning), the average's shards beside the model's, plus each rank's RNG states, restored on an
-unchanged layout only.
+It builds the process groups (gloo on a CPU through the compatibility layer, NCCL on GPUs), this
+rank's model chunks in megatron DDP, megatron's optimizer and LR scheduler, and a step through
+get_forward_backward_func() over one global batch's micro-batches. The update uses megatron's own
+pieces with the gradient norm checked for finiteness before anything is applied, so the NaN
+policy means what it means under the DeepSpeed engine. Checkpoints are dist_checkpointing shards
+that reshard over TP, PP and DP. docs/training.md ("Training and checkpoints").
 """
 
 from __future__ import annotations
@@ -397,6 +385,12 @@ class MegatronEngine:
         torch.save(rng, directory / RNG_FILE.format(rank=dist.get_rank()))
 
     def load(self, resumed: Resumed) -> None:
+        """Resume from dist_checkpointing shards (checkpoint/megatron.py) on this or another layout.
+
+        Model, optimizer (the distributed optimizer in megatron's `fully_reshardable` format) and
+        weight-average shards all reshard over TP, PP and DP; only switching
+        `parallel.distributed_optimizer` itself restarts the Adam moments, with a warning. Each
+        rank's RNG states are restored on an unchanged layout only."""
         from megatron.core import tensor_parallel
 
         saved, here = resumed.state.layout, self.layout_record()
