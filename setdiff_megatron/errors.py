@@ -1,15 +1,10 @@
-"""User-facing errors.
+"""User-facing errors: anything a user can fix raises `UserError`, which is reported on one line.
 
-Anything a user can fix (a wrong path, a malformed recipe, a missing extra) raises `UserError`;
-the `setdiff` command prints its message on one line and exits with code 2, without a traceback.
-Programming errors keep their tracebacks. A command line that does not parse gets one line too,
-from `ArgumentParser`, with the same exit code.
-
-Under the local launcher every rank may meet the same error (a collective check refuses on all of
-them), so the workers hand their message to the launcher instead of printing it: each writes it
-to a file of its rank in the directory ERROR_DIR_ENV names, and the launcher prints the lowest
-rank's message once (`handed_over`). The other ranks may then fail in a collective that lost a
-peer; that failure is a consequence, and it stays quiet too (`run_reporting`).
+The `setdiff` command prints a UserError's message without a traceback and exits with code 2; a
+command line that does not parse gets one line and the same code (`ArgumentParser`). Programming
+errors keep their tracebacks. Under the local launcher each worker hands its message over in a
+file of its rank (`report`), the launcher prints the lowest rank's once (`handed_over`), and a
+peer's failure that follows stays quiet (`run_reporting`; see the top of docs/training.md).
 """
 
 import argparse
@@ -23,6 +18,8 @@ from typing import NoReturn
 from setdiff_megatron.log import say
 
 EXIT_USER_ERROR = 2
+# Where the local launcher's workers leave their UserError messages, one file a rank: every rank
+# may meet the same error (a collective check refuses on all of them), and one line is shown.
 ERROR_DIR_ENV = "SETDIFF_ERROR_DIR"
 
 

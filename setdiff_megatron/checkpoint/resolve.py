@@ -1,15 +1,9 @@
-"""Which checkpoint a job uses: the one a training run resumes from, the one a reader reads, and
-what `setdiff checkpoint inspect` shows.
+"""Which checkpoint a job uses: the one a training run resumes from, or the one a reader reads.
 
-`checkpoint.resume`:
-  auto   the newest checkpoint that is complete (manifest), readable (train_state.json) and of
-         this model; every one skipped is reported on the console with the reason. When the run
-         directory holds checkpoints but none of them can be resumed, training stops with one
-         line per checkpoint saying why (exit code 2): an hour of training is not silently
-         started over beside them, and a repaired file can still save them.
-  none   start over; the checkpoints already there are moved aside first (`*.aside-<time>`,
-         never deleted), so a later `auto` does not mistake them for this run's.
-  PATH   exactly that checkpoint, or an error saying why it cannot be used.
+`resume_target` applies `checkpoint.resume` (auto, none or a path; its docstring says how),
+`resolve_step_dir` finds the step directory a reader names (`latest` first, then the newest
+valid one), and `describe` writes the lines of `setdiff checkpoint inspect`. Nothing here deletes
+a checkpoint: `none` moves the old ones aside (docs/training.md, "Training and checkpoints").
 """
 
 from __future__ import annotations
@@ -53,8 +47,18 @@ def usable_problem(directory: Path, identity: dict | None, *, collective: bool =
 
 
 def resume_target(run_dir: Path, choice: str, identity: dict | None) -> Resumed | None:
-    """Collective: the checkpoint `choice` (auto | none | a path) selects for a run of model
-    `identity` (None when the recipe allows a model change), per the module docstring."""
+    """Collective: the checkpoint `choice` (`checkpoint.resume`) selects for a run of model
+    `identity` (None when the recipe allows a model change).
+
+    auto   the newest checkpoint that is complete (manifest), readable (train_state.json) and of
+           this model; every one skipped is reported on the console with the reason. When the run
+           directory holds checkpoints but none of them can be resumed, training stops with one
+           line per checkpoint saying why (exit code 2): an hour of training is not silently
+           started over beside them, and a repaired file can still save them.
+    none   start over; the checkpoints already there are moved aside first (`*.aside-<time>`,
+           never deleted), so a later `auto` does not mistake them for this run's.
+    PATH   exactly that checkpoint, or an error saying why it cannot be used.
+    """
     root = Path(run_dir) / CHECKPOINTS
     if choice == "none":
         if rank() == 0:

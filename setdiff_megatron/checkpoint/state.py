@@ -1,16 +1,8 @@
 """`train_state.json`: what a checkpoint holds besides its weights, with one reader and one writer.
 
-step, consumed_samples, skipped_steps   where training stands (`Progress`)
-scheduler     the LR scheduler's state_dict (megatron-core's OptimizerParamScheduler)
-layout        the parallel layout it was saved from; the DeepSpeed engine adds its own keys
-model         the model's identity (identity.py): what a resume and a reader must agree on
-tokenizer     vocabulary size and MASK id
-run_id        the training run that wrote it: a resume continues that run, a fresh start is
-              a new one; only a run's own checkpoints are ever replaced or removed by it
-weights_only  true for checkpoints with no optimizer state (imports, conversions)
-ema           {"decay": d} when the checkpoint also holds an average of the weights
-              (train.ema_decay), which evaluation, sampling and export then read
-source        where converted weights came from (conversions only)
+The file is one JSON object: `Progress`'s fields at the top level, then every other field of
+`TrainState` under its own name (each described where it is declared), None values left out.
+`read_train_state` turns a missing or damaged file into a one-line UserError.
 """
 
 from __future__ import annotations
@@ -37,15 +29,28 @@ class Progress:
 
 @dataclass
 class TrainState:
+    """A checkpoint's train_state.json."""
+
     progress: Progress
+    """step, consumed_samples, skipped_steps: where training stands (top-level keys)."""
     scheduler: dict[str, Any]
+    """The LR scheduler's state_dict (megatron-core's OptimizerParamScheduler)."""
     layout: dict[str, Any]
+    """The parallel layout it was saved from; the DeepSpeed engine adds its own keys."""
     model: dict[str, Any]
+    """The model's identity (identity.py): what a resume and a reader must agree on."""
     tokenizer: dict[str, int]
+    """Vocabulary size and MASK id."""
     run_id: str | None = None
+    """The training run that wrote it: a resume continues that run, a fresh start is a new one;
+    only a run's own checkpoints are ever replaced or removed by it."""
     weights_only: bool = False
+    """True for checkpoints with no optimizer state (imports, conversions)."""
     source: dict[str, Any] | None = field(default=None)
+    """Where converted weights came from (conversions only)."""
     ema: dict[str, float] | None = None
+    """{"decay": d} when the checkpoint also holds an average of the weights (train.ema_decay),
+    which evaluation, sampling and export then read."""
 
     def to_json(self) -> dict[str, Any]:
         out = {**asdict(self.progress), **{f.name: getattr(self, f.name) for f in fields(self) if f.name != "progress"}}

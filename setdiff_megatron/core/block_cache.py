@@ -1,18 +1,11 @@
-"""The KV cache of the masked-diffusion baselines' decoders (core/masked_sampler.py): attention of
-one step over whole groups, exact against the training rule (core/attention.py `grouped_mask`).
+"""The KV cache of the masked-diffusion baselines' decoders (core/masked_sampler.py).
 
-A step holds T tokens per row: clean commits (a prompt prefix, or the block just decoded), whose
-K/V join the cache afterwards, then queries (the block being decoded, MASK where undecided). A
-commit sees the cache and the commits of its own and earlier groups (BD3-LM's x0 block-causal
-rows); a query sees the cache, every commit and every query of its own and earlier groups (its
-block decided together: BD3-LM's noisy block, or MDLM's whole window with no cache at all; a
-BD3-LM window that starts at the prompt's end straddles two blocks of the model's, which the
-reference keeps block-causal). Rows pad their
-commits and queries to the step's counts; `begin_step` says which slots are real. The model
-bodies reach it through the same `attend(layer, q, k, v, num_commit=...)` and `advance()` as
-the set sampler's KVCache, so both bodies (torch, megatron over TP) decode with it unchanged.
+A step holds, per row, clean commits (whose K/V join the cache after it) then queries, each
+seeing what core/attention.py `grouped_mask` lets it see in training (`begin_step`). It has the
+set sampler's KVCache interface (`attend(layer, q, k, v, num_commit=...)`, `advance()`), so both
+model bodies (torch, megatron over TP) decode with it unchanged.
 
-Shapes: B rows, G key/value heads, C cache capacity, T step tokens (Cm commits, Q queries), D head dim.
+Shapes: B rows, H query heads, G key/value heads, T step tokens (Cm commits, Q queries), D head dim.
 """
 
 from __future__ import annotations
@@ -64,7 +57,15 @@ class BlockKVCache:
         query_groups: torch.Tensor | None = None,
     ) -> None:
         """The next step's real slots: commit_valid/commit_groups [B, Cm], query_valid/query_groups
-        [B, Q] (query_groups None: one group, every query sees every other)."""
+        [B, Q] (query_groups None: one group, every query sees every other); rows pad their commits
+        and queries to the step's counts.
+
+        A commit sees the cache and the real commits of its own and earlier groups (BD3-LM's x0
+        block-causal rows); a query sees the cache, every real commit and the real queries of its
+        own and earlier groups (its block decided together: BD3-LM's noisy block, or MDLM's whole
+        window with no cache at all). A BD3-LM window that starts at the prompt's end straddles two
+        of the model's blocks, so its queries get two groups, as the reference keeps them
+        block-causal (docs/method.md, "The baselines")."""
         b, num_commit = commit_valid.shape
         t = num_commit + query_valid.shape[1]
         span = int(self.lengths.max())

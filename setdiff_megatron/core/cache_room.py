@@ -1,17 +1,10 @@
 """How big the sampler's KV cache is, and what a row loses when it outgrows the context.
 
-The cache is padded with per-row lengths (core/kv_cache.py): B rows x a capacity that holds the
-longest row plus one step's staged tokens (`RequestLimits.reserve`). Once decode steps may run
-compiled, B and the capacity round up to powers of two (core/step_layout.py `bucket`), so that
-few graphs serve every step, and kv_budget (rows x capacity, slots per layer) counts the padding
-rows. A request that does not fit waits for rows to retire; one that could never fit is refused
-when submitted (`RequestLimits.problem`).
-
-Long outputs: a row's cache never holds more than context_len - 1 entries; when a step would
-overflow a row, the row keeps its sink (every prefilled token) and drops its OLDEST generated
-entries, at least what the step needs and at least 1/8 of the room after the sink. Positions
-keep their true values; dropped tokens stay in the output, and from then on the row's steps no
-longer equal a training forward of its cache.
+The cache (core/kv_cache.py) holds B rows x a capacity for the longest row plus one step's staged
+tokens (`RequestLimits.reserve`), both rounded up to powers of two (`bucket`) once decode steps may
+run compiled; kv_budget counts the padding rows. A request that does not fit waits for rows to
+retire; one that could never fit is refused when submitted (`RequestLimits.problem`). A row that
+outgrows the context loses its oldest generated entries (`evict`).
 """
 
 from __future__ import annotations
@@ -67,7 +60,12 @@ class CacheRoom:
         return (cache.with_rows(extra) if extra > 0 else cache).with_capacity(self.capacity_for(rows))
 
     def evict(self, cache: KVCache, batch: BatchState, num_commit: int) -> None:
-        """Drop the oldest generated entries of rows this step would overflow (module docstring)."""
+        """Drop the oldest generated entries of rows this step would overflow.
+
+        A row's cache never holds more than context_len - 1 entries: the row keeps its sink (every
+        prefilled token) and drops at least what the step needs and at least 1/8 of the room after
+        the sink. Positions keep their true values and dropped tokens stay in the output
+        (docs/method.md, "KV cache")."""
         budget = self.limits.context_len - 1
         if cache.length + num_commit <= budget:
             return

@@ -1,13 +1,8 @@
 """The set diffusion loss: cross-entropy of the query stream against the clean tokens.
 
-Each query at rank j predicts x[perm[j]] from the clean tokens at ranks < j, so the per-token
-mean over targets is a one-sample Monte Carlo estimate of the NELBO under the order policy
-(docs/method.md, "Objective"). There is no time weighting. The MASK token is never a valid
-prediction, so its logit is removed before the softmax, as in the reference.
-
-Training reduces the token NLLs per token (megatron's) or per row (the reference's: each row's
-mean, then the mean over rows) through `loss_weights`, which any family's loss can reuse with its
-own count per row (MDLM and BD3-LM count masked tokens).
+The query at rank j predicts x[perm[j]] from the clean tokens at ranks < j; the mean over targets
+is a one-sample Monte Carlo estimate of the NELBO under the order policy, with no time weighting
+(docs/method.md, "Objective"). `loss_weights` weighs the NLLs per token or per row.
 
 Shapes: B batch, L ranks, V vocabulary.
 """
@@ -43,7 +38,8 @@ class LossOutput:
 
 
 def token_nll(logits_BLV: torch.Tensor, targets_BL: torch.Tensor, mask_token_id: int | None) -> torch.Tensor:
-    """[B, L] negative log-likelihood of each target (float32 at least)."""
+    """[B, L] negative log-likelihood of each target (float32 at least). MASK is never a valid
+    prediction, so its logit is removed before the softmax, as in the reference."""
     logits = logits_BLV.float() if logits_BLV.dtype in (torch.float16, torch.bfloat16) else logits_BLV
     if mask_token_id is not None:
         logits = logits.index_fill(-1, torch.tensor([mask_token_id], device=logits.device), float("-inf"))
@@ -99,10 +95,11 @@ def loss_weights(
     the numerator).
 
     `counted_BL` (default: the loss mask) is what a row's denominator counts: the target tokens
-    of set diffusion, the masked tokens of MDLM/BD3-LM. `per_token`: each counted token weighs 1
-    and the denominator is their number. `per_row`: each token of a row weighs 1 / the row's
-    count, and the denominator is the number of rows; a row with nothing counted adds 0 to the
-    numerator and still counts as a row (the reference: where(count > 0, row / count, 0).mean()).
+    of set diffusion, the masked tokens of MDLM/BD3-LM. `per_token` (megatron's): each counted
+    token weighs 1 and the denominator is their number. `per_row`: each token of a row weighs
+    1 / the row's count, and the denominator is the number of rows; a row with nothing counted
+    adds 0 to the numerator and still counts as a row (the reference: where(count > 0, row /
+    count, 0).mean()).
     `rows_BL` splits the batch's rows into several (packed records): each token's row index
     within its batch row, -1 for tokens of no row (padding); rows present are counted.
     """

@@ -1,13 +1,8 @@
-"""GRPO for set diffusion (docs/rl.md): group-normalised advantages and the clipped ratio
-objective with a KL penalty to a frozen reference model, per token of each completion.
+"""GRPO for set diffusion: group-normalised advantages and the clipped ratio objective.
 
-A completion's tokens are those a set sampler committed, scored by the replay of its decode
-(core/trajectory.py), so the log-probabilities in the ratio are exact; `one_step_batch` is the
-estimate the masked-diffusion RL methods use instead (diffu-GRPO: every completion token scored at
-once from the prompt alone), for comparison. The objective weighs each completion by 1 / its
-token count and averages the completions (GRPO's per-sequence mean), and takes the same
-`apply(nll)` / `denominator` shape as core/loss.py's LossWeights, so the engines run it as they run
-the NLL.
+The objective, per token of each completion, has a KL penalty to a frozen reference model
+(docs/rl.md, "GRPO"). Its log-probabilities are exact, from the replay of each decode
+(core/trajectory.py); `one_step_batch` is diffu-GRPO's estimate instead, for comparison.
 
 Shapes: B completions, L ranks.
 """
@@ -47,7 +42,11 @@ class PolicyBatch(TwoStreamBatch):
 
 @dataclass(frozen=True)
 class PolicyTerms:
-    """The clipped GRPO objective of one micro-batch as a function of its tokens' NLL."""
+    """The clipped GRPO objective of one micro-batch as a function of its tokens' NLL.
+
+    Each completion weighs 1 / its token count and the completions are averaged (GRPO's
+    per-sequence mean). It has the `apply(nll)` / `denominator` shape of core/loss.py's
+    LossWeights, so the engines run it as they run the NLL."""
 
     weight_BL: torch.Tensor
     """1 / the completion's token count on its tokens, 0 elsewhere."""

@@ -1,17 +1,10 @@
 """How one sampling step's tokens are laid out for the model, and for attention over the cache.
 
-Attention always runs over a padded view: B rows x (K commit slots, then Q query slots), each
-row's real commits and queries a prefix of its slots (docs/sampling.md, "Step layouts"). The
-model may see the same padded tokens [B, K + Q] (`StepLayout.padded`), or the real tokens
-only, packed into one row [1, N]: every row's commits in row order, then every row's queries
-(`pack`). Packing is the ragged step of continuous batching: a row that joins with a long
-prefill widens the padded view for attention, but not the other rows' projections and MLPs,
-which are most of a step's work. `gather` and `scatter` move activations between the two views.
-
-Static shapes: the sampler (core/step_runner.py) rounds B, K, Q and the cache span up to powers
-of two (`bucket`) and runs such a step on the padded view with a fixed `span`, so a compiled
-step (core/step_compiler.py) serves every step of its bucket; padding rows and slots are
-dummies, which produce no tokens and write nothing to any row's cache.
+Attention always runs over a padded view, B rows x (K commit slots, then Q query slots); the model
+sees the same padded tokens (`StepLayout.padded`) or only the real ones packed into one row [1, N]
+(`pack`), and `gather` / `scatter` move activations between the two views. For compiled steps the
+sampler (core/step_runner.py) rounds B, K, Q and the cache span up with `bucket`
+(docs/sampling.md, "Step layouts").
 """
 
 from __future__ import annotations

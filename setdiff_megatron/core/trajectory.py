@@ -1,14 +1,9 @@
 """The exact log-likelihood of a decoded trajectory, in one teacher-forced forward.
 
-A set sampler's decode commits, step by step, a set of tokens given a KV cache of everything
-committed before. Replayed as a forced order (the prompt first, then each step's tokens in
-position order, the steps as groups that see one another by rank: core/attention.py
-`grouped_mask(within="rank")`), the two-stream forward gives each committed token's logits as the
-step that decided it saw them: its queries saw every token of earlier steps and themselves, and a
-step's commits are causal among themselves, as in the cache. The trajectory's log-probability is
-then the sum of its tokens' log-probabilities (core/loss.py token_nll, at the sampling
-temperature): the quantity RL needs, where masked-diffusion models can only estimate theirs.
-
+`replay_batch` lays a set sampler's decode out as a two-stream batch (the prompt, then each step's
+tokens in position order, the steps as groups that see one another by rank), so each token's
+logits are those of the step that decided it (docs/rl.md, "The exact likelihood"); the sum of
+their log-probabilities (core/loss.py token_nll, at the sampling temperature) is the trajectory's.
 A decode must not have evicted cache entries (its prompt and completion fit the context).
 """
 

@@ -1,16 +1,9 @@
 """Chat conversations as text, through the tokenizer's own Jinja chat template.
 
-One renderer serves every consumer, so a model is prompted the way it was trained:
-- supervised preprocessing splits a conversation at its last assistant turn: the context is
-  everything the template writes before that turn's content (for Qwen's template this is the
-  reference's split at the last `<|im_start|>` plus two tokens, `assistant` and the newline),
-  the response is the content and whatever the template closes the turn with;
-- `setdiff eval generate` and `setdiff serve` render the conversation so far with the
-  generation prompt, which writes the same context.
-
-Templates run in jinja2's immutable sandbox: a tokenizer directory is data, not code. BOS and EOS
-render as empty strings; the recipe's `method.keep_clean_bos` and the EOS after every response
-are added as ids, never as text.
+One renderer serves supervised preprocessing, which splits a conversation at its last assistant
+turn (`split_conversation`), and `setdiff eval generate` and `setdiff serve`, which render the
+conversation so far with the generation prompt: the same context, so a model is prompted the way
+it was trained (docs/data.md, "Preprocessing"). Templates run in jinja2's immutable sandbox.
 """
 
 from __future__ import annotations
@@ -45,10 +38,14 @@ def _compiled(template: str) -> Any:
     request."""
     from jinja2 import sandbox
 
+    # The immutable sandbox: a tokenizer directory is data, not code.
     return sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(template)
 
 
 def render_chat(template: str, messages: list[dict[str, str]], *, add_generation_prompt: bool) -> str:
+    """The conversation as the template writes it. BOS and EOS render as empty strings: the
+    recipe's `method.keep_clean_bos` and the EOS after every response are added as ids, never as
+    text."""
     jinja2 = require("jinja2", "data", "Chat templates")
     try:
         return _compiled(template).render(
@@ -59,7 +56,9 @@ def render_chat(template: str, messages: list[dict[str, str]], *, add_generation
 
 
 def split_conversation(template: str, messages: Any) -> tuple[str, str]:
-    """(context, response) texts of a conversation that ends with the assistant's turn."""
+    """(context, response) texts of a conversation that ends with the assistant's turn: the
+    context is everything the template writes before that turn's content, the response is the
+    content and whatever the template closes the turn with."""
     turns = check_messages(messages)
     last = turns[-1]
     if last["role"] != "assistant":

@@ -1,17 +1,10 @@
-"""The embedded default corpus: the Python standard library's own source files.
+"""The built-in code corpus: the Python standard library's own source files, on every machine.
 
-Every machine that runs this package has them, so the default job needs no download. Each `.py`
-file under `sysconfig.get_paths()["stdlib"]` is one document, in sorted path order; tests,
-site-packages and files that are not UTF-8 are left out. Every `HOLDOUT_EVERY`-th file is held out
-for validation. The corpus differs between Python versions (corpus.json records the version) but
-is deterministic for one installation.
-
-`prepare_default_corpus` writes the documents as JSONL, trains a byte-level BPE on the training
-files and preprocesses both splits. The corpus is capped at `DEFAULT_MAX_BYTES` of source by
-keeping an evenly spaced subset of the files. Measured on Python 3.11 (734 files, 12.1 MB
-uncapped) with 2 cores: the 8 MB default keeps 481 files, 457 for training (2.19M tokens with a
-4096-token BPE) and 24 held out (105K tokens), and the whole job takes 10-13 s (25-40 s
-uncapped, depending on machine load); a rerun that finds everything done takes under a second.
+Each non-test `.py` file of the stdlib is one document, in sorted path order; every
+`HOLDOUT_EVERY`-th is held out for validation, and `DEFAULT_MAX_BYTES` caps the source by
+keeping an evenly spaced subset. `prepare_default_corpus` writes them as JSONL, trains a
+byte-level BPE on the training files and preprocesses both splits; a rerun reuses what is done.
+The corpus differs between Python versions (docs/data.md, "The built-in code corpus").
 """
 
 from __future__ import annotations

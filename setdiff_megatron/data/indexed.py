@@ -1,16 +1,10 @@
 """Preprocessed datasets on disk: megatron-core's `.bin/.idx` pair plus our manifest.
 
-A finished dataset with prefix P is three files: `P.bin` and `P.idx` written by megatron-core's
-`IndexedDatasetBuilder` (one sequence per document, EOS included; a supervised record's document
-is two, its prompt and its response), and `P.manifest.json` (tokenizer identity, counts, source
-checksum). Supervised datasets add `P.locations.npy`, each record's line or row in its input.
-The manifest is written last, so its presence is what "finished" means: `IndexedWriter` writes
-`P.bin.partial`/`P.idx.partial`, deletes any old manifest before it starts, renames the pair into
-place when complete and only then writes the manifest. An interrupted run therefore leaves either `.partial` files or a pair without a
-manifest, and both preprocessing reruns and `open_indexed` treat those as unfinished.
-
-megatron-core is imported lazily (`megatron_datasets`) so that the tokenizer and the input
-readers work without it.
+A dataset with prefix P is `P.bin` and `P.idx` (one sequence per document, two for a supervised
+record: prompt and response), `P.manifest.json` and, for supervised data, `P.locations.npy`.
+The manifest is written last (`IndexedWriter`): without one a dataset is unfinished, and
+`open_indexed` refuses it. megatron-core is imported lazily (`megatron_datasets`), so the
+tokenizer and the input readers work without it (docs/data.md, "Preprocessing").
 """
 
 from __future__ import annotations
@@ -94,8 +88,11 @@ def ensure_writable_dir(directory: Path) -> None:
 class IndexedWriter:
     """Writes one indexed dataset under temporary names; `commit` makes it finished.
 
-    Use as a context manager: leaving the block without `commit` (an error, Ctrl-C) removes the
-    partial files.
+    It deletes any old manifest before it starts, writes `P.bin.partial`/`P.idx.partial`, renames
+    the pair into place when complete and only then writes the manifest. An interrupted run
+    therefore leaves either `.partial` files or a pair without a manifest, and both preprocessing
+    reruns and `open_indexed` treat those as unfinished. Use as a context manager: leaving the
+    block without `commit` (an error, Ctrl-C) removes the partial files.
     """
 
     def __init__(self, prefix: Path, vocab_size: int, *, keep_locations: bool = False):

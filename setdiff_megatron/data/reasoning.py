@@ -222,19 +222,14 @@ def prepare_reasoning_corpus(
     workers: int = 1,
     progress: bool = True,
 ) -> ReasoningCorpus:
-    """Generate the corpus, its tokenizer, indexed datasets and task files, deterministically by seed:
+    """Generate the corpus, its tokenizer, indexed datasets and task files, deterministically by seed.
 
-    - `raw/{train,valid}.jsonl` documents and their indexed datasets (through `preprocess`);
-    - the same problems as supervised records, `raw/{train,valid}-supervised.jsonl` (prompt: the
-      expression line; response: the solution) and their indexed datasets (`--supervised`);
-    - `tasks/test-<level>.jsonl`: `setdiff eval generate` task files (prompt: the expression line;
-      reference: the whole solution, scored by the GSM8K metric on its final answer);
-    - `tasks/infill-test.jsonl`: one or two solution lines of test problems to infill (never the
-      last, which the answer gives away), with the question, the other lines and the answer visible.
-
-    Test, infill and valid problems are drawn first and excluded from training. A rerun with the
-    same arguments finds everything in place and returns at once.
-    """
+    Writes raw/{train,valid}.jsonl documents and raw/{train,valid}-supervised.jsonl records (prompt:
+    the expression line; response: the solution), each with its indexed datasets; tasks/test-<level>.jsonl
+    for `setdiff eval generate` (the same prompt; reference: the whole solution, scored by the GSM8K
+    metric on its final answer); tasks/infill-test.jsonl, solution lines to infill (`_infill_record`).
+    Test, infill and valid problems are drawn first and kept out of training. A rerun with the same
+    arguments finds everything in place and returns at once."""
     out_dir = Path(out_dir)
     record = {
         "format": FORMAT_VERSION,

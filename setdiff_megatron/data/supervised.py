@@ -1,19 +1,9 @@
-"""Supervised records: a prompt pinned as clean context, a response (plus EOS) as the target.
+"""Supervised records: a prompt kept as clean context, a response (plus EOS) as the target.
 
-This is how the paper trains its GSM8K and CNN/DailyMail models (the reference's
-`inject_context_mask` datasets, padded to the sequence length with no loss on the padding).
-A record comes as
-- prompt/response fields (JSONL, Parquet, a `datasets` directory; field names configurable), or
-- a chat conversation (`messages`), rendered with the tokenizer's chat template and split at the
-  last assistant turn (data/chat.py).
-
-`setdiff preprocess --supervised` writes such records into a megatron indexed dataset whose
-documents hold two sequences, the prompt and the response (EOS included), so every document
-keeps its prompt length; a sidecar `P.locations.npy` keeps each record's line (or row) in its
-input, for errors that name it. `RowFormat` is the rest of the rule, applied when samples are
-built (data/packing.py), so that a recipe can change it without preprocessing again: BOS and an
-EOS around the prompt, truncation of prompt and response, and whether a cut response still ends
-with EOS. Evaluation prompts go through the same `RowFormat.prompt`.
+`encode_record` encodes a record's prompt/response fields, or its chat `messages` split at the
+last assistant turn (data/chat.py); preprocessing stores each record as two sequences, prompt and
+response. `RowFormat` turns a stored record into a row's tokens when samples are built
+(data/packing.py), and formats evaluation prompts the same way (docs/data.md, "Rows").
 """
 
 from __future__ import annotations

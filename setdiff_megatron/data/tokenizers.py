@@ -1,18 +1,10 @@
-"""Tokenizers for set diffusion: a Hugging Face fast tokenizer plus the four ids the method needs.
+"""Tokenizers: a Hugging Face fast tokenizer plus the four token ids that set diffusion needs.
 
-Set diffusion needs a MASK token (the query stream is all MASK), an EOS between packed documents,
-an optional BOS kept clean at position 0, and a PAD for fixed-length supervised records. Tokenizer
-directories (GPT-2, Qwen3, Llama layouts) rarely declare all four, so `SetDiffTokenizer` resolves
-them once -- reusing a declared or well-known token, adding the missing ones -- and `save()` writes
-the choice next to the Hugging Face files (`setdiff_tokenizer.json`), so preprocessing, training,
-sampling and export all read the same ids.
-
-Text is always encoded as text: a literal "<|endoftext|>" inside a document is spelled with
-ordinary tokens, never turned into EOS or MASK, so special ids occur in the data only where the
-pipeline puts them. `vocab_size` is the tokenizer's own (largest id + 1); padding it to a multiple
-for the embedding table is the model's business, not the tokenizer's.
-
-Needs the `tokenizers` package only; `transformers` can load what `save()` writes.
+`load_tokenizer` resolves the MASK, BOS, EOS and PAD ids once (reusing a declared or well-known
+token, adding a missing one) and `save()` writes the choice to `setdiff_tokenizer.json`, so every
+stage reads the same ids. Text is encoded as text: special-token strings in a document stay
+ordinary tokens (only `encode_markup`, for rendered chat templates, reads them as special).
+`vocab_size` is the tokenizer's own, unpadded (docs/data.md, "Preprocessing").
 """
 
 from __future__ import annotations

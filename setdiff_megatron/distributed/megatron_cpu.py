@@ -1,17 +1,10 @@
 """CPU mode: lets megatron-core's CUDA-only calls run on the CPU (gloo) when no GPU is present.
 
-megatron-core 0.16 assumes a GPU throughout: it allocates with `device="cuda"` or
-`torch.cuda.current_device()`, calls `.cuda()`, `pin_memory=True` and `torch.cuda.synchronize()`,
-type-checks parameters against `torch.cuda.*Tensor` names and keeps its RNG streams in CUDA
-generators; its MoE token dispatcher copies split sizes to the host on a CUDA side stream. This
-module patches exactly those points and nothing else (docs/megatron-on-cpu.md, "What is patched,
-and why", says what each one is for). It is switched on once per process, before megatron builds
-anything, and only where `torch.cuda.is_available()` is False; on a GPU machine it refuses.
-
-What it does not do: CUDA graphs, NCCL, fused kernels (TE, apex, apply_rope_fusion,
-gradient_accumulation_fusion) stay unavailable, and streams are no-ops; the device redirect is
-pushed on the calling thread only, so megatron code run from other threads (async checkpoint
-writers) does not see it.
+It patches only the points megatron-core 0.16 needs (device arguments, `.cuda()`, pinned memory,
+synchronisation, CUDA type names, RNG streams, the MoE dispatcher's streams and collectives;
+docs/megatron-on-cpu.md, "What is patched, and why"). It is switched on once per process, before
+megatron builds anything, and refuses on a GPU machine. CUDA graphs, NCCL, fused kernels and
+stream overlap stay unavailable (docs/megatron-on-cpu.md, "GPU only").
 """
 
 from __future__ import annotations

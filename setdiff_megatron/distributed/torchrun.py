@@ -1,17 +1,11 @@
-"""torchrun for every local launch: ended with its launcher, quiet about a failure that is the
-person's to fix.
-
-Started by workers.Torchrun, it follows the launcher's pid (offspring.follow_parent): when the
-launcher dies, by SIGKILL too, torchrun gets SIGTERM and stops its workers as on a preemption
-(a training run saves a checkpoint at its next step boundary), then exits.
-
-Under the local launcher (ERROR_DIR_ENV set), a worker that meets a UserError hands its message
-to the launcher (`errors.report`) and exits with code 2. torchrun then stops the other workers and reports the failure as log lines and a
-ChildFailedError traceback, which name the exit code but not the message. Once a message has been
-handed over, that report is noise (the launcher prints the message), so this runs torchrun's own
-`main` with it left out and exits with code 2. Every other failure is reported as torchrun reports it.
+"""torchrun for every local launch, ended with its launcher and quiet about a user's error.
 
     [SETDIFF_ERROR_DIR=DIR] python -m setdiff_megatron.distributed.torchrun TORCHRUN_ARGS...
+
+Once the launcher is gone, by SIGKILL too, torchrun stops its workers with SIGTERM, as on a
+preemption, and exits (docs/fault-tolerance.md, "A launcher's death ends its run"). Once a worker
+has handed the launcher a UserError, torchrun's own report of the failure is left out and it exits
+with code 2 (docs/training.md, "Training and checkpoints"); any other failure is reported as usual.
 """
 
 from __future__ import annotations

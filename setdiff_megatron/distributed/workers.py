@@ -1,15 +1,9 @@
 """Worker processes on this machine: `python -m MODULE ARGS` as N local torchrun processes.
 
-Every command that starts its own workers starts them through `Torchrun`, so they all get the
-same environment: `setdiff train` and `setdiff launch` (launch/local.py, through its quiet
-launcher), `setdiff sample` and the `setdiff eval` jobs at --nproc > 1 (inference/cli_args.py),
-and `setdiff serve --nproc` (serving/cli.py, whose front end keeps running beside its workers).
-
-They end with the process that started them, however it ends: torchrun runs under
-`setdiff_megatron.distributed.torchrun`, which stops its workers (SIGTERM, as on a preemption) once
-that process is gone, and each worker exits at once if its torchrun is killed outright
-(offspring.follow_parent). torchrun also keeps the run's locks open (ownership.held_fds), so a
-second job on the same directory is refused until the last of them has ended.
+Every command that starts its own workers (`setdiff train` and `launch`, `sample` and `eval` at
+--nproc > 1, `serve --nproc`) starts them through `Torchrun`, so they all get the same environment.
+They end with the process that started them, however it ends, and torchrun keeps the run's locks
+open until the last of them has ended (docs/fault-tolerance.md, "A launcher's death ends its run").
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """`setdiff eval likelihood`: NLL, perplexity and bits per byte of a model on a text dataset.
 
-A set diffusion model scores a sequence under an order: the training loss on one sampled order
-is a one-sample estimate of the NELBO under the order policy (core/loss.py). This job averages
-it over `num_orders` orders per window of text and reports the NLL per token with a 95 %
-Monte Carlo interval over orders (the data held fixed): per window, the sample variance across
-its orders; the interval shrinks as 1/sqrt(num_orders). Under the left-to-right policy the
-order is fixed and the estimate is the exact autoregressive NLL (interval 0).
-
-Documents (JSONL lines with "text", or a plain text file as one document) are tokenized, given
-a BOS when the model was trained with one kept clean, and cut into windows of seq_len tokens;
-the windows are the examples that are sharded, written and resumed. Every window seeds its own
-orders (seed, window index), so the estimate does not depend on the sharding or batch size.
-Bits per byte divide the total NLL (in bits) by the UTF-8 bytes of the documents.
+Cuts the documents into windows of seq_len tokens and averages the training loss (a one-sample
+estimate of the NELBO under an order policy, core/loss.py) over --num-orders orders per window,
+with a 95 % Monte Carlo interval over orders; under --order left_to_right the order is fixed and
+the NLL is the exact autoregressive one (interval 0). Each window seeds its own orders, so the
+numbers do not depend on the sharding or batch size (docs/evaluation.md).
 """
 
 from __future__ import annotations

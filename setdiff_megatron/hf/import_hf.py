@@ -1,15 +1,10 @@
-"""`setdiff convert from-hf`: a Llama/Qwen2/Qwen3/Qwen3-MoE causal LM (to adapt into a set diffusion
-model), a set diffusion export, or the reference's DiT (its Hub directory or a composer .pt; docs/dit.md),
-as a checkpoint of the megatron engine that loads at any layout.
+"""`setdiff convert from-hf`: a Hugging Face model or the reference's DiT as a megatron checkpoint.
 
-The result is a run directory (`model.init_from: OUT`, `checkpoint.resume: OUT/checkpoints/...`,
-`setdiff convert to-hf OUT`) written by hf/megatron_writer.py into a staging directory, read back
-with sources.read_source and compared with the source before it is renamed into place:
-
-  AR source       its own logits (transformers' AutoModelForCausalLM, float32) against the clean
-                  stream of the converted model under the left-to-right order
-  setdiff, dit     query logits of the source against the converted model's
-  megatron body   the megatron model's query logits against the converted torch model's
+Sources: a Llama/Qwen2/Qwen3/Qwen3-MoE causal LM (to adapt into set diffusion), a set diffusion
+export, or the reference's DiT (its Hub directory or a composer .pt; docs/dit.md). The result is a
+run directory (`model.init_from: OUT`, `checkpoint.resume: OUT/checkpoints/...`) that loads at any
+layout, written by hf/megatron_writer.py into a staging directory, read back with read_source and
+compared with the source before it is renamed into place (docs/huggingface.md, "Hugging Face").
 """
 
 from __future__ import annotations
@@ -86,6 +81,8 @@ def import_from_hf(
 def _verify_import(
     source: Source, stage: Path, dtype: torch.dtype, megatron_logits: torch.Tensor, tolerance: float
 ) -> list[verify.Comparison]:
+    """The converted torch model against the source (an AR source: `ar_comparison`; otherwise the
+    source's query logits), and the megatron model's query logits against the converted model's."""
     written = read_source(stage)
     if written.config != source.config:
         raise RuntimeError(f"the written checkpoint records {written.config}, the source is {source.config}")

@@ -1,17 +1,10 @@
 """Prompt files: one JSON object per line, read with line-numbered errors.
 
-A line holds one of
-- `"prompt": "text"`, continued by the sampler's generated tail;
-- `"messages": [{"role": ..., "content": ...}, ...]`, a chat rendered with the model's own chat
-  template and its generation prompt (data/chat.py), as supervised chat records were at training;
-- `"segments": ["text", 12, "more text"]`, where an integer n is a span of n masked tokens to
-  infill between the visible pieces.
-A text or chat prompt is formatted as the model's training rows began (`RowFormat.prompt`: BOS, a
-prompt EOS, truncation), so a model is scored on the distribution it learned; an infilling prompt
-gets the BOS only and is never cut. Other keys (an `id`,
-references, metadata) travel through to the output untouched. Blank lines are skipped; the index
-of a prompt is its rank among the non-blank lines, the key by which outputs are merged and
-resumed.
+A line holds exactly one of `"prompt": "text"`; `"messages": [{"role": ..., "content": ...}, ...]`,
+a chat rendered with the model's own chat template; or `"segments": ["text", 12, "more text"]`,
+where an integer n is a span of n masked tokens to infill. Other keys (an `id`, references) travel
+to the output untouched; blank lines are skipped. Prompts are encoded as the model's training rows
+began (`encode_prompt`; docs/sampling.md, "Jobs").
 """
 
 from __future__ import annotations
@@ -33,6 +26,7 @@ __all__ = ["PromptRecord", "read_prompts", "encode_prompt", "infill_prompt"]
 @dataclass(frozen=True)
 class PromptRecord:
     index: int
+    """Rank among the file's non-blank lines: the key by which outputs are merged and resumed."""
     line: int
     """1-based line number in the file, for error messages."""
     segments: tuple[str | int, ...]

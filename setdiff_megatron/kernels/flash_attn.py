@@ -1,15 +1,10 @@
 """Set-causal attention on flash-attn 2's low-level calls: the alternative where TE is absent.
 
-flash-attn's public `flash_attn_func(..., return_attn_probs=True)` returns the log-sum-exp but its
-backward ignores the gradient flowing into it, so autograd through a merge would be silently
-wrong (docs/method.md, "Fused kernels"). This module drives the private
-`_flash_attn_forward` / `_flash_attn_backward` (what TE's context-parallel code imports) as a
-core.merged_attention.PartialAttention: the forward returns softmax_lse [b, h, s], the backward takes the
-merged output and softmax_lse. Causal masks in flash-attn are bottom-right, which equals top-left
-for the square training call. The sampling step reads the cache with `flash_attn_with_kvcache`
-(no mask, cache_seqlens = key lengths, return_softmax_lse; read-only, so query K/V never enter
-the cache). FA3 (hopper/) is not wired: on Hopper TE's cuDNN path is the preferred kernel.
-Tests substitute tests/kernels/emulation.py's `flash_api()`, which has the same call signatures.
+It drives the private `_flash_attn_forward` / `_flash_attn_backward`, since the public
+`flash_attn_func`'s backward drops the log-sum-exp gradient a merge needs (docs/method.md,
+"Fused kernels"), and reads the sampling step's cache with `flash_attn_with_kvcache`. FA3
+(hopper/) is not wired: on Hopper TE's cuDNN path is the preferred kernel. Tests substitute
+tests/kernels/emulation.py's `flash_api()`, which has the same call signatures.
 """
 
 from __future__ import annotations
@@ -64,7 +59,10 @@ def flash_head_dim_reason(head_dim: int) -> str | None:
 
 
 class FlashAttnKernel:
-    """core.merged_attention.PartialAttention on flash-attn 2: [b, s, h, d] views with a unit last stride."""
+    """core.merged_attention.PartialAttention on flash-attn 2: [b, s, h, d] views with a unit last stride.
+
+    The forward returns softmax_lse [b, h, s]; the backward takes the merged output and softmax_lse.
+    flash-attn's causal masks are bottom-right, which equals top-left for the square training call."""
 
     def __init__(self, api: SimpleNamespace):
         self.api = api
@@ -76,7 +74,7 @@ class FlashAttnKernel:
         qb, kb, vb = (x.transpose(1, 2) for x in (q, k, v))
         if kv_len is None:
             out, lse, _, rng_state = self.api.forward(qb, kb, vb, 0.0, scale, causal, -1, -1, 0.0, None, False)
-        else:
+        else:  # the sampling step: no mask, per-row key lengths; read-only, so query K/V never enter the cache
             out, lse = self.api.with_kvcache(
                 qb,
                 kb,

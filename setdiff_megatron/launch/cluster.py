@@ -1,15 +1,9 @@
 """The cluster file: what differs between SLURM clusters, kept out of recipes.
 
 A recipe says what to run (nodes, processes per node, a time limit); the cluster file says how
-this cluster wants it asked for: partition, account, QOS, how many GPUs a node has, the set-up
-lines that load modules or enter a container, the NCCL interface. It is looked up in order:
-
-    launch.slurm.cluster_file        (a recipe key or override; the file must exist)
-    $SETDIFF_CLUSTER_FILE            (the file must exist)
-    ~/.config/setdiff/cluster.yaml   ($XDG_CONFIG_HOME/setdiff/cluster.yaml; optional)
-
-A setting the recipe gives wins over the cluster file's; lists (setup, sbatch_args, srun_args)
-are the cluster file's followed by the recipe's, and env is merged with the recipe's winning.
+this cluster wants it asked for (partition, account, QOS, GPUs per node, set-up lines, NCCL
+settings). It is found as `find_cluster_file` says. A setting the recipe gives wins; lists are the
+cluster file's followed by the recipe's (slurm/README.md, "The cluster file"; docs/slurm.md).
 """
 
 from __future__ import annotations
@@ -58,7 +52,8 @@ def _default_path() -> Path:
 
 
 def find_cluster_file(explicit: str | None) -> Path | None:
-    """The cluster file to use, or None when no file is named and the default one is absent."""
+    """The cluster file to use: launch.slurm.cluster_file, else $SETDIFF_CLUSTER_FILE (either must
+    exist), else ~/.config/setdiff/cluster.yaml; None when no file is named and that one is absent."""
     if explicit:
         if not Path(explicit).is_file():
             raise UserError(f"launch.slurm.cluster_file: {explicit} does not exist")

@@ -1,18 +1,9 @@
 """megatron-core's router with the router losses of one rank on every layout.
 
-Under the per-token loss (`calculate_per_token_loss`) megatron-core's TopKRouter attaches each
-rank's share of the load-balancing loss (its own tokens' probabilities against the expert counts
-of the whole micro-batch) weighted by a token count: the rank's own rows, or with a padding mask
-the whole micro-batch's valid ones. The shares over the TP x CP ranks that split a micro-batch sum
-to the micro-batch's loss, so each must be weighted by the micro-batch's tokens, as one rank
-weights the whole loss: `SetDiffusionRouter` counts them itself. (The z-loss is a plain sum over
-each rank's tokens; megatron divides its coefficient by TP x CP, which megatron_plumbing undoes.)
-
-The model's last layer reads its query rows only (megatron_model.query_rows_layer_spec). Under
-sequence parallelism it runs on every row, since a TP rank holds a slice of both streams, so its
-router (`query_rows_only`) takes the clean rows as megatron's padding mask: routed, but left out
-of the router losses and statistics, as on one rank, where they are never computed. The model
-passes that mask to every layer; the other layers' routers route all of their rows and ignore it.
+`SetDiffusionRouter` weights each TP x CP rank's share of the load-balancing loss by the whole
+micro-batch's tokens, and in the last layer (`query_rows_only`) routes the clean rows but leaves
+them out of the router losses (docs/parallelism.md, "Tested compositions"). megatron_plumbing
+rescales the z-loss coefficient.
 """
 
 from __future__ import annotations
@@ -34,6 +25,14 @@ class SetDiffusionRouter(TopKRouter):
         self.micro_batch_tokens: int | torch.Tensor | None = None
 
     def forward(self, input: torch.Tensor, padding_mask: torch.Tensor | None = None):
+        """Route `input`, honouring `padding_mask` in the last layer only.
+
+        The model's last layer reads its query rows only (megatron_model.query_rows_layer_spec).
+        Under sequence parallelism it runs on every row, since a TP rank holds a slice of both
+        streams, so its router takes the clean rows as megatron's padding mask: routed, but left
+        out of the router losses and statistics, as on one rank, where they are never computed.
+        The model passes that mask to every layer; the other layers' routers route all of their
+        rows and ignore it."""
         mask = padding_mask if self.query_rows_only else None
         if self.training and torch.is_grad_enabled() and self.is_aux_loss_enabled():
             self.micro_batch_tokens = self._micro_batch_tokens(input, mask)
@@ -59,6 +58,14 @@ class SetDiffusionRouter(TopKRouter):
         reduce_group_has_dp: bool = False,
         valid_token_count: int | torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """megatron-core's, with the share weighted by the micro-batch's tokens.
+
+        Under the per-token loss (`calculate_per_token_loss`) megatron-core attaches each rank's
+        share of the load-balancing loss (its own tokens' probabilities against the expert counts
+        of the whole micro-batch) weighted by a token count: the rank's own rows, or with a padding
+        mask the whole micro-batch's valid ones. The shares over the TP x CP ranks that split a
+        micro-batch sum to the micro-batch's loss, so each must be weighted by the micro-batch's
+        tokens, as one rank weights the whole loss (`_micro_batch_tokens`)."""
         return super().attach_and_log_load_balancing_loss(
             activation,
             aux_loss_coeff,

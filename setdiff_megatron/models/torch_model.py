@@ -1,14 +1,9 @@
 """The set diffusion transformer as a plain, single-device nn.Module.
 
-Used on the CPU, under DeepSpeed and as the body of the Hugging Face export. It knows nothing of
-meshes or engines; parallelism is applied from outside. Two entry points share every layer:
-
-  forward(clean, query, positions)    training: 2L tokens, set-causal attention, query logits
-  step(tokens, positions, cache, n)   sampling: n clean commits then queries, against a KV cache
-
-Parameter names follow Hugging Face Llama/Qwen (q_proj, gate_proj, input_layernorm, ...) so the
-weight maps to other bodies stay one-to-one; the DiT layout (models/config.py) keeps them, its
-gate-less MLP being up_proj and down_proj, its biases `.bias` beside the weights.
+Used on the CPU, under DeepSpeed and as the Hugging Face export's body; parallelism is applied
+from outside. `forward(clean, query, positions)` trains on 2L tokens with set-causal attention;
+`step(tokens, positions, cache, n)` samples n clean commits then queries against a KV cache.
+Parameter names are Hugging Face Llama/Qwen's, so the weight maps to other bodies stay one-to-one.
 
 Shapes: B batch, L ranks per stream, S = 2L tokens, T step tokens, E hidden, H heads,
 G key/value heads, D head dim, V vocabulary.

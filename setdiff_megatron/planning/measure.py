@@ -1,16 +1,10 @@
-"""One rank's memory in one training step of the megatron engine, measured: the engine builds its
-chunks, DDP buffers and optimizer as in training, the optimizer's state is filled, and the
-pipeline schedule runs the step's micro-batches forward and backward, all under `LiveBytes`.
+"""One rank's memory in one training step of the megatron engine, measured under `LiveBytes`.
 
-Run on fake tensors inside `fake_rank` this is the plan of a rank that is not here; run on real
-tensors in a real process group it is that rank's measured footprint, counted the same way.
-What does not run under fake tensors is left out or stood in for: the gradient reduction after
-the backward (in place in the DDP buffers: no memory) and the optimizer's update are left out;
-a mixture of experts' dropless all-to-all reads each expert's token count on the host, so under
-fake tensors its routing is measured as perfectly balanced (`BALANCED_ROUTING`: every expert
-takes its even share, megatron's capacity factor 1 with padding to capacity, and the local
-experts are handed their row counts, equal by construction, as host numbers). The MoE routing
-statistics (a few hundred bytes of counters) are left out of both.
+The engine builds its chunks, DDP buffers and optimizer as in training, the optimizer's state is
+filled, and the pipeline schedule runs the step's micro-batches forward and backward. On fake
+tensors inside `fake_rank` this plans a rank that is not here; on real tensors it measures this
+rank, counted the same way. Left out: the gradient reduction (in place: no memory) and the
+optimizer's update; under fake tensors MoE routing is balanced (docs/scaling.md, "How each figure is made").
 """
 
 from __future__ import annotations
@@ -30,6 +24,8 @@ from setdiff_megatron.recipes.schema import Recipe
 __all__ = ["BALANCED_ROUTING", "RankMemory", "measure_megatron_rank", "synthetic_batch"]
 
 BALANCED_ROUTING = {"moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True}
+"""Under fake tensors, which cannot answer the dropless all-to-all's host-side token counts: capacity
+factor 1 with padding to capacity, so every expert takes its even share."""
 
 
 @dataclass(frozen=True)
@@ -107,6 +103,7 @@ def measure_megatron_rank(recipe: Recipe, model_cfg: ModelConfig, *, fake: bool)
         mode, experts = contextlib.nullcontext(), contextlib.nullcontext()
     with mode, experts, tracker:
         stand_ins = BALANCED_ROUTING if fake and model_cfg.num_experts else {}
+        # The MoE routing statistics (a few hundred bytes of counters) are left out, real or fake.
         engine.build(model_cfg, total_steps=1, router_stats=False, **stand_ins)
         if fake:  # the gradient reduction reads the token count (data) and moves no memory
             for chunk in engine.chunks:

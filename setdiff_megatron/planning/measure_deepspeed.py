@@ -1,15 +1,10 @@
-"""One rank's memory in one training step of the DeepSpeed engine, measured as planning/measure.py
-measures the megatron engine's: the engine builds the model, `deepspeed.initialize` makes ZeRO's
-flat buffers, partitions and optimizer state as in training, and the step's micro-batches run
-forward and backward through DeepSpeed's gradient hooks (ZeRO-2's reduce bucket, ZeRO-3's
-parameter gathers), all under `LiveBytes`; the optimizer's update is left out, as there.
+"""One rank's memory in one training step of the DeepSpeed engine, measured under `LiveBytes`.
 
-What does not run under fake tensors is stood in for: torch moves a fake parameter by swapping
-tensors, which fake tensors refuse (the fake mode holds weak references to them), so a
-parameter's data is set instead (what torch does for real ones); the step's loss is scaled by 1
-instead of by the global batch's token count, which is data (the scale moves no memory); ZeRO-3's
-check that every rank traced the same parameters, which reads ids on the host, passes; and
-DeepSpeed's cached copy of the world group is made again in each fake world.
+As planning/measure.py does for the megatron engine: `deepspeed.initialize` makes ZeRO's flat
+buffers, partitions and optimizer state as in training, and the micro-batches run forward and
+backward through DeepSpeed's gradient hooks (ZeRO-2's reduce bucket, ZeRO-3's parameter gathers);
+the optimizer's update is left out. What fake tensors cannot run is stood in for
+(`_under_fake_tensors`; docs/scaling.md, "How each figure is made").
 """
 
 from __future__ import annotations
@@ -47,6 +42,8 @@ def _under_fake_tensors() -> Iterator[FakeTensorMode]:
         if hasattr(module, "assert_ints_same_as_other_ranks")
     ]
 
+    # torch moves a parameter by swapping tensors, which fake tensors refuse (the fake mode holds weak
+    # references to them); setting its data is what torch does for real parameters.
     def set_data(param: torch.Tensor, moved: torch.Tensor) -> None:
         with torch.no_grad():
             param.data = moved.data
@@ -108,6 +105,7 @@ def measure_deepspeed_rank(recipe: Recipe, model_cfg: ModelConfig, *, fake: bool
         static = tracker.current
         tracker.reset_peak()
         batches = [batch] * num_micro
+        # Loss scale 1, not the global batch's token count: the count is data, and the scale moves no memory.
         engine.backward_micro_batches(batches, [engine.objective(b) for b in batches], 1.0)
         grads = tracker.current - static
         peak = tracker.peak

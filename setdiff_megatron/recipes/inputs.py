@@ -1,16 +1,10 @@
 """Where a recipe's relative input paths are found, from any working directory.
 
-The files a run reads (`model.init_from`, `data.tokenizer`, `data.datasets[].path`,
-`checkpoint.resume`) may be written relative to the checkout the recipe lives in, as the shipped
-recipes write `assets/reasoning-ar-base`. A relative one is looked for, in this order:
-
-  1. the working directory: found there, it stays as written;
-  2. the directory of the recipe file given on the command line, then each directory above it:
-     the first that holds it gives its absolute path.
-
-Found nowhere, it stays as written, and the check of the run's files (validation.py) says where
-it looked. What a run writes (`checkpoint.dir`, `data.cache_dir`, `launch.slurm.log_dir`) is
-always relative to the working directory.
+An input (`model.init_from`, `data.tokenizer`, `data.datasets[].path`, `checkpoint.resume`)
+found in the working directory stays as written; otherwise the first of the recipe file's
+directory and the directories above it that holds it gives its absolute path. Found nowhere, it
+stays as written and the check of the run's files (validation.py) says where it looked. What a
+run writes is always relative to the working directory (docs/recipes.md).
 """
 
 from __future__ import annotations
@@ -46,7 +40,9 @@ def _locate(value: Any, recipe_file: str | Path, exists: Callable[[Path], bool])
 
 
 def locate_inputs(data: dict, recipe_file: str | Path) -> dict:
-    """The recipe's raw mapping with each relative input path found as the module docstring says."""
+    """The recipe's raw mapping with each relative input path found in `search_places`: kept as
+    written when the working directory holds it, else the first other place's absolute path, else
+    kept as written."""
     model, section, checkpoint = (data.get(k) for k in ("model", "data", "checkpoint"))
     if isinstance(model, dict) and "init_from" in model:
         model["init_from"] = _locate(model["init_from"], recipe_file, Path.exists)

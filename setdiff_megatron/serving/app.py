@@ -1,17 +1,10 @@
 """The OpenAI-compatible HTTP front end of `setdiff serve` (FastAPI + uvicorn).
 
-    POST /v1/completions        prompt (or segments to infill), non-streaming or SSE streaming
-    POST /v1/chat/completions   messages through the tokenizer's chat template (HTTP 400 where
-                                the tokenizer has none)
-    GET  /v1/models   /health   /metrics (Prometheus text: requests, queue depth, tokens/s,
-                                tokens per step, batch occupancy)
-
-A request becomes `n` jobs, dealt to the least loaded replica (replicas.py). Streaming: set
-diffusion decodes in any order, so a stream sends the completion's longest contiguous decided
-prefix as it grows; EOS and stop strings apply to that prefix only, never to a token decoded
-ahead of a gap. A client that goes away has its jobs cancelled: their rows free at the next
-step. Every response carries usage: prompt and completion tokens, plus NFE and tokens per step.
-Bad requests get OpenAI-style error objects with HTTP 400, and the server keeps serving.
+Serves /v1/completions (a prompt, or segments to infill), /v1/chat/completions (HTTP 400 without
+a chat template), /v1/models, /health and Prometheus /metrics. A request becomes `n` jobs, each
+dealt to the least loaded replica (replicas.py). A stream sends only the completion's longest
+contiguous decided prefix; EOS and stop strings apply to that prefix alone. A bad request gets an
+OpenAI-style error with HTTP 400, and the server keeps serving (docs/serving.md, "Serving").
 """
 
 import asyncio

@@ -1,17 +1,10 @@
 """The engines behind `setdiff serve`: model replicas that run the continuous-batching sampler.
 
-A replica runs `serve_loop`: take commands (submit a job, cancel one), run one engine step,
-report what happened (the newly decided prefix of each streaming job, finished jobs, load). The
-front end (app.py) talks to every replica through one interface, `Replica`:
-
-  LocalReplica    the engine on a thread of the server's own process (one replica, TP = 1)
-  ProcessReplica  one data-parallel replica of `setdiff serve --nproc N [--tp T]`: a group of T
-                  processes started by torchrun (replica_main below); its first rank talks to
-                  the front end over a local socket and shares every step's commands with the
-                  other T - 1 ranks, which run the same steps on their tensor-parallel shards
-
-The tokens of a row depend only on the row (core/sampler.py), so a job's output does not
-depend on which replica runs it or on what else shares its batch.
+Each replica runs `serve_loop`: take commands, run one engine step, report events. The front end
+(app.py) reaches every replica through `Replica`: `LocalReplica`, the engine on a thread of the
+server's process (TP = 1), or `ProcessReplica`, a group of `--tp` torchrun processes (replica_main)
+of `setdiff serve --nproc`. A job's output does not depend on which replica runs it or on what
+shares its batch (docs/sampling.md, "Sampling"; docs/serving.md, "Serving").
 """
 
 from __future__ import annotations

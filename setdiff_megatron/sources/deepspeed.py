@@ -4,13 +4,6 @@
     step_00000300/deepspeed/   engine.save_checkpoint(tag="deepspeed"): model states and, under
                                ZeRO, each rank's optimizer partition (at stage 3 its weights too)
     step_00000300/ema.pt       with train.ema_decay: the average of the weights, whole, fp32
-
-`consolidated_state_dict` gives the full fp32 weights of any ZeRO stage under the torch model's
-parameter names: the fp32 master weights under ZeRO 1-3, the model's own weights at stage 0.
-Our files (stage-0 model states, BF16_Optimizer partitions with DeepSpeed's fragment_address
-allowed) load with weights_only=True. DeepSpeed's own zero_to_fp32 calls
-torch.load(weights_only=False) itself: its ZeRO optimizer files pickle a ZeroStageEnum and a
-LossScaler object, which is why the files are checked against the manifest before they are read.
 """
 
 from __future__ import annotations
@@ -60,9 +53,11 @@ def _bf16_optimizer_weights(ds_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def consolidated_state_dict(checkpoint_dir: str | Path, *, ema: bool = False) -> dict[str, torch.Tensor]:
-    """The full fp32 weights of a DeepSpeed-engine checkpoint (module docstring), in this process,
-    without torch.distributed; with `ema` the average of the weights it holds (train.ema_decay),
-    which the engine writes whole. Refuses an incomplete checkpoint (sizes against its manifest)."""
+    """The full fp32 weights of a DeepSpeed-engine checkpoint (module docstring) under the torch
+    model's parameter names, in this process, without torch.distributed: the fp32 master weights
+    under ZeRO 1-3, the model's own weights at stage 0; with `ema` the average of the weights it
+    holds (train.ema_decay), which the engine writes whole. Refuses an incomplete checkpoint (sizes
+    against its manifest; docs/training.md, "DeepSpeed engine")."""
     directory = Path(checkpoint_dir)
     problem = verify(directory, checksums=False)
     if problem:
@@ -80,6 +75,8 @@ def consolidated_state_dict(checkpoint_dir: str | Path, *, ema: bool = False) ->
         return _bf16_optimizer_weights(directory / TAG)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+    # zero_to_fp32 calls torch.load(weights_only=False) itself (its ZeRO optimizer files pickle a
+    # ZeroStageEnum and a LossScaler object): that is why the files are checked against the manifest first.
     # zero_to_fp32 narrates its work (prints and a progress bar); a reader has nothing to add.
     with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
         return get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=TAG)

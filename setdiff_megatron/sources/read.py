@@ -264,20 +264,16 @@ def _export_method(config: dict) -> MethodSection | None:
 
 
 def read_source(path: str | Path, *, weights: bool = True, base: str | Path | None = None) -> Source:
-    """Weights (unless not `weights`), config and tokenizer from any of these (`base`: see
-    read_hf_dir):
+    """Weights (unless not `weights`), config and tokenizer from any of these (`base`: read_hf_dir):
 
-      megatron   a run directory (its newest valid checkpoint, `latest` first) or step directory
-                 of the megatron engine, any TP/PP layout
+      megatron   a run directory (its newest valid checkpoint) or step directory, any TP/PP layout
       deepspeed  a run directory or step directory of the DeepSpeed engine, any ZeRO stage
-                 (either engine's: the average of the weights where the run kept one,
-                 train.ema_decay; a LoRA run's adapters merged into its model.init_from weights)
       setdiff    a Hugging Face export of ours (model_type setdiff)
       llama, qwen2, qwen3, qwen3_moe   a Hugging Face causal LM to adapt (ar_import.py)
-      dit        the reference's DiT (dit_import.py): its PyTorchModelHubMixin directory, or a
-                 composer .pt checkpoint of its training
-      setdlm     the reference's released models (setdlm_release.py): a SetDLM folder, on a Qwen3
-                 (whose base model's config.json `base` names) or a DiT"""
+      dit        the reference's DiT (dit_import.py): a PyTorchModelHubMixin directory or composer .pt
+      setdlm     a SetDLM release (setdlm_release.py) on a DiT, or on a Qwen3 whose base `base` names
+    A run gives its weight average where it kept one (train.ema_decay); a LoRA run, its adapters
+    merged into its model.init_from weights."""
     path = Path(path)
     if not path.exists():
         raise UserError(f"model source {path} does not exist")

@@ -1,15 +1,10 @@
 """An exponential moving average of the weights (train.ema_decay), as the reference keeps one.
 
-The reference's trainer (composer's EMA algorithm) copies the weights after the first optimizer
-step and then, after every step, sets average = decay x average + (1 - decay) x weights: no
-warm-up, no bias correction. Its evaluations run on the average, and its releases are the average.
-
-Each rank averages the fp32 weights its optimizer updates (the main parameters): a whole tensor
-per parameter, or, under megatron's distributed optimizer and ZeRO, this rank's shard of the
-flattened parameter. So the average is split as the optimizer state is: over tensor and pipeline
-ranks with the weights, and over data-parallel ranks with the optimizer when that is sharded.
-A parameter's whole average (for a checkpoint, or for evaluation) is gathered on demand: every
-rank of the shard group writes its part into zeros and the group sums them, which is exact.
+As composer's EMA: the weights after the first optimizer step are copied, then after every step
+average = decay x average + (1 - decay) x weights, with no warm-up or bias correction. Each rank
+averages its share of the optimizer's fp32 weights, so the average is split as the optimizer
+state is; a parameter's whole average is gathered only to save or to evaluate
+(docs/training.md, "The reference's training semantics").
 """
 
 from __future__ import annotations
@@ -77,7 +72,9 @@ class WeightAverage:
 
     @torch.no_grad()
     def whole(self, share: Share) -> torch.Tensor:
-        """The parameter's whole average in fp32, at its shape; collective over `share.group`."""
+        """The parameter's whole average in fp32, at its shape; collective over `share.group`:
+        every rank of the group writes its part into zeros and the group sums them, which is
+        exact."""
         if share.group is None:
             return self.averages[share.name].view(share.shape)
         device = share.param.device

@@ -1,16 +1,10 @@
-"""RL rollouts (recipe `rl`, docs/rl.md): the batches of a GRPO step, made from the model's own
-decodes of supervised prompts.
+"""RL rollouts: the batches of a GRPO step, made from the model's own decodes of supervised prompts.
 
-Every rl.epochs optimizer steps, each data-parallel rank takes its share of the next
-rl.prompts_per_step prompts (the dataset's order, from where a resumed run left it), decodes
-rl.group_size completions of each with the cached sampler under the model's decoding policy at
-rl.temperature (completion g of prompt i samples with a seed of (train.seed, i, g), so a resumed
-run draws what the uninterrupted one drew), scores them (training/rewards.py; plus
-rl.step_reward per token decoded per step above one), normalises the rewards within each group,
-and replays the decodes (core/trajectory.py) into micro-batches that carry each token's
-advantage and its log-probability under the sampling policy and under the frozen reference
-(core/policy_gradient.py). The steps in between reuse them (their old log-probabilities stay the
-sampling policy's, as PPO's epochs).
+Every `rl.epochs` optimizer steps each data-parallel rank decodes `rl.group_size` completions of
+its share of the next prompts, scores them (training/rewards.py), normalises the rewards within
+each group and replays the decodes (core/trajectory.py) into micro-batches that carry each
+token's advantage and its log-probabilities under the sampling policy and the frozen reference.
+The steps in between reuse them, as PPO's epochs do (docs/rl.md, "GRPO").
 """
 
 from __future__ import annotations
@@ -35,6 +29,8 @@ __all__ = ["Rollouts"]
 
 
 def _seed(*parts: int) -> int:
+    """A sampling seed of (train.seed, prompt index, completion): a resumed run draws what the
+    uninterrupted one drew."""
     return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:7], "little")
 
 
@@ -56,8 +52,9 @@ class Rollouts:
 
     def next_step(self) -> list[PolicyBatch]:
         """This rank's micro-batches for the next optimizer step: fresh rollouts every rl.epochs
-        steps, the same ones in between (where the policy has moved: `rl/clip_fraction`, the
-        share of tokens whose ratio the clip holds)."""
+        steps, the same ones in between, their old log-probabilities still the sampling policy's
+        (where the policy has moved: `rl/clip_fraction`, the share of tokens whose ratio the clip
+        holds)."""
         if self._uses % self.rl.epochs == 0:
             self._batches = self._rollout()
             self.metrics["rl/clip_fraction"] = 0.0  # the sampling policy itself: every ratio is 1

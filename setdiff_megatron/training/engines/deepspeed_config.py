@@ -1,17 +1,10 @@
-"""What the DeepSpeed engine is told, derived from a recipe: DeepSpeed's JSON config, the
-optimizer and the learning-rate schedule.
+"""What the DeepSpeed engine is told, derived from a recipe: DeepSpeed's JSON config and the optimizer.
 
 The update rule is the megatron engine's, so that one recipe trains the same model under both:
-torch's AdamW (or SGD) over megatron-core's parameter groups (no weight decay on 1-D parameters
-and biases; one group of every parameter for decoupled_adamw, lr_schedule.py), megatron-core's
-OptimizerParamScheduler with the megatron engine's arguments (the same warmup/cosine/linear/
-constant/WSD numbers; the first step of a warmup runs at LR 0, as there), global-norm clipping (DeepSpeed's coefficient is megatron's: clip / (norm + 1e-6)) and
-fp16 dynamic loss scaling with megatron's defaults. DeepSpeed's own fused optimizers (FusedAdam,
-DeepSpeedCPUAdam) are not used: they need compiled ops and would step differently; with optimizer
-offload, torch's AdamW steps the host-side state.
-
+torch's AdamW (or SGD) over megatron-core's parameter groups, never DeepSpeed's own fused
+optimizers, and megatron's fp16 loss scaling (docs/training.md, "DeepSpeed engine").
 `deepspeed_config` is a pure function of the recipe and the data-parallel size, so it is tested
-without DeepSpeed; the other two import megatron-core (the data pipeline needs it anyway).
+without DeepSpeed; `build_optimizer` imports megatron-core.
 """
 
 from __future__ import annotations
@@ -48,7 +41,8 @@ def deepspeed_config(recipe: Recipe, dp_size: int) -> dict:
         "zero_optimization": zero,
         "bf16": {"enabled": t.precision == "bf16"},
         "fp16": {"enabled": t.precision == "fp16", **FP16_LOSS_SCALING},
-        # The optimizer is torch's (see the module docstring), also when its state is offloaded.
+        # The optimizer is torch's, also when its state is offloaded: DeepSpeed's fused ones need
+        # compiled ops and would step differently (docs/training.md, "DeepSpeed engine").
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,
         "steps_per_print": None,  # metrics.py reports progress
