@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,21 +16,13 @@ from setdiff_megatron.distributed.runtime import Ranks
 from setdiff_megatron.inference.loading import load_sampling_model
 from setdiff_megatron.inference.prompts import encode_prompt, read_prompts
 from setdiff_megatron.sources.read import read_source
+from tests.cli_runs import setdiff
 from tests.hf.clean_env import run_clean
 
 REPO = Path(__file__).resolve().parents[1]
 FAMILIES = {"mdlm": [], "bd3lm": ["method.block_size=4"]}
 PROMPT = "def main("
 NEW = 12
-
-
-def _setdiff(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [sys.executable, "-m", "setdiff_megatron.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=900
-    )
-    if check:
-        assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc
 
 
 class _FamilyRuns(dict):
@@ -45,7 +35,7 @@ class _FamilyRuns(dict):
 
     def __missing__(self, family: str) -> Path:
         run = self.base / family
-        _setdiff(
+        setdiff(
             "train",
             "recipes/tiny-cpu.yaml",
             f"method.family={family}",
@@ -90,7 +80,7 @@ def test_training_lowers_the_validation_loss(family_runs, family):
 def test_sample_decodes_with_the_familys_decoder_and_policy(family_runs, family, tmp_path):
     run = family_runs[family]
     (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": PROMPT}) + "\n")
-    _setdiff("sample", str(run), "--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "o.jsonl"),
+    setdiff("sample", str(run), "--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "o.jsonl"),
              "--max-new-tokens", str(NEW), "--no-progress")  # fmt: skip
     (row,) = [json.loads(line) for line in (tmp_path / "o.jsonl").read_text().splitlines()]
     text, counts = _direct(run, PROMPT)
@@ -103,7 +93,7 @@ def test_sample_decodes_with_the_familys_decoder_and_policy(family_runs, family,
 def test_sample_infills_bd3lm_with_the_cached_input_of_its_policy(family_runs, tmp_path):
     run = family_runs["bd3lm"]
     (tmp_path / "p.jsonl").write_text(json.dumps({"segments": [PROMPT, 6, "):\n    return x"]}) + "\n")
-    _setdiff("sample", str(run), "--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "o.jsonl"),
+    setdiff("sample", str(run), "--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "o.jsonl"),
              "--max-new-tokens", "0", "--no-progress")  # fmt: skip
     (row,) = [json.loads(line) for line in (tmp_path / "o.jsonl").read_text().splitlines()]
     assert json.loads((tmp_path / "o.jsonl.job.json").read_text())["decoding"]["cache_infill_input"] is True
@@ -122,9 +112,9 @@ def test_sample_records_cache_infill_input_off_where_it_cannot_act(family_runs, 
     (tmp_path / "p.jsonl").write_text(json.dumps({"segments": [PROMPT, 6, "):\n    return x"]}) + "\n")
     args = ["sample", str(family_runs["mdlm"]), "--prompts", str(tmp_path / "p.jsonl"),
             "--out", str(tmp_path / "o.jsonl"), "--max-new-tokens", "0", "--no-progress"]  # fmt: skip
-    _setdiff(*args, "--no-cache-infill-input")
+    setdiff(*args, "--no-cache-infill-input")
     saved = (tmp_path / "o.jsonl").read_bytes()
-    assert "1 already written" in _setdiff(*args, "--cache-infill-input").stderr  # the same job: resumed
+    assert "1 already written" in setdiff(*args, "--cache-infill-input").stderr  # the same job: resumed
     assert (tmp_path / "o.jsonl").read_bytes() == saved
     assert json.loads((tmp_path / "o.jsonl.job.json").read_text())["decoding"]["cache_infill_input"] is False
 
@@ -146,7 +136,7 @@ def test_serve_decodes_with_the_familys_decoder(family_runs, family):
 @pytest.mark.parametrize("family", [pytest.param("mdlm", marks=pytest.mark.slow), "bd3lm"])
 def test_the_hf_export_generates_as_the_family_and_imports_back(family_runs, family, clean_site, tmp_path):
     run = family_runs[family]
-    _setdiff("convert", "to-hf", str(run), str(tmp_path / "hf"), "--check")  # the family's logits, equal
+    setdiff("convert", "to-hf", str(run), str(tmp_path / "hf"), "--check")  # the family's logits, equal
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["family"] == family and config.get("block_size") == (4 if family == "bd3lm" else None)
     # An export written before cache_infill_input and align_inputs_to_blocks existed: both doors
@@ -182,13 +172,13 @@ print(json.dumps({{"tokens": row.tokens, "steps": row.steps, "same": same}}))
     cfg = sm.decoding.over({"max_new_tokens": NEW, "eos_token_ids": (sm.tokenizer.eos_id,)})
     row = sm.sampler().generate([ids], cfg).rows[0]
     assert (result["tokens"], result["steps"]) == (row.tokens, row.steps)
-    _setdiff("convert", "from-hf", str(tmp_path / "hf"), str(tmp_path / "back"))
+    setdiff("convert", "from-hf", str(tmp_path / "hf"), str(tmp_path / "back"))
     back = read_source(tmp_path / "back", weights=False)
     assert back.family == family and back.decoding == read_source(run, weights=False).decoding
 
 
 def test_likelihood_of_a_baseline_is_refused_in_one_line(family_runs, tmp_path):
     (tmp_path / "d.jsonl").write_text(json.dumps({"text": "x = 1"}) + "\n")
-    proc = _setdiff("eval", "likelihood", str(family_runs["bd3lm"]), "--data", str(tmp_path / "d.jsonl"),
+    proc = setdiff("eval", "likelihood", str(family_runs["bd3lm"]), "--data", str(tmp_path / "d.jsonl"),
                     "--out", str(tmp_path / "out"), check=False)  # fmt: skip
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "is a bd3lm model" in proc.stderr, proc.stderr

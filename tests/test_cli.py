@@ -11,23 +11,20 @@ from setdiff_megatron import __version__
 from setdiff_megatron.distributed.runtime import init_process_group
 from setdiff_megatron.errors import ERROR_DIR_ENV, UserError, handed_over, report
 from setdiff_megatron.launch.local import run_workers
+from tests.cli_runs import setdiff
 
 ROOT = Path(__file__).parents[1]
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "setdiff_megatron.cli", *args], capture_output=True, text=True)
-
-
 def test_version_and_help():
-    out = run_cli("--version")
+    out = setdiff("--version")
     assert out.returncode == 0 and __version__ in out.stdout
-    out = run_cli("--help")
+    out = setdiff("--help")
     assert out.returncode == 0 and "train" in out.stdout
 
 
 def test_train_needs_a_recipe(capsys):
-    out = run_cli("train")
+    out = setdiff("train", check=False)
     assert out.returncode == 2
     assert (
         out.stderr == "setdiff train: error: the following arguments are required: recipe; see setdiff train --help\n"

@@ -15,8 +15,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +23,7 @@ import torch.distributed.checkpoint as dcp
 
 from setdiff_megatron.models.lora import is_adapter_key
 from setdiff_megatron.sources.read import read_source
+from tests.cli_runs import setdiff
 from tests.hf.clean_env import run_clean
 
 REPO = Path(__file__).resolve().parents[1]
@@ -33,14 +32,6 @@ PROBLEMS = 60
 (about 4 %) with room to spare, few enough to keep the test short."""
 MAX_NEW_TOKENS = 52
 """The showcase's budget for a reasoning completion (evaluation/showcase.py)."""
-
-
-def _setdiff(*args: str, cwd: Path = REPO, timeout: float = 900) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [sys.executable, "-m", "setdiff_megatron.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc
 
 
 CACHE_ENV = "SETDIFF_TEST_CACHE"
@@ -59,7 +50,7 @@ def main_job(tmp_path_factory) -> tuple[Path, str, dict]:
     if not console.exists():  # not trained yet, or a half-trained run of an interrupted invocation
         shutil.rmtree(run, ignore_errors=True)
         home.mkdir(parents=True, exist_ok=True)
-        proc = _setdiff(
+        proc = setdiff(
             "train", "recipes/tiny-reasoning.yaml", f"checkpoint.dir={run}", f"eval.showcase_problems={PROBLEMS}"
         )
         console.write_text(proc.stdout)
@@ -90,13 +81,13 @@ def test_sample_and_eval_generate_start_from_the_models_policy(main_job, tmp_pat
     run, _, shown = main_job
     prompt = shown["sample"]["prompt"]
     (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": prompt}) + "\n")
-    _setdiff("sample", str(run), "--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "o.jsonl"),
+    setdiff("sample", str(run), "--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "o.jsonl"),
              "--max-new-tokens", str(MAX_NEW_TOKENS), "--no-progress")  # fmt: skip
     (row,) = [json.loads(line) for line in (tmp_path / "o.jsonl").read_text().splitlines()]
     assert (row["completion"], row["tokens_per_step"]) == _expected(shown)
 
     (tmp_path / "t.jsonl").write_text(json.dumps({"prompt": prompt, "reference": "#### 0"}) + "\n")
-    _setdiff("eval", "generate", str(run), "--tasks", str(tmp_path / "t.jsonl"), "--metric", "gsm8k",
+    setdiff("eval", "generate", str(run), "--tasks", str(tmp_path / "t.jsonl"), "--metric", "gsm8k",
              "--out", str(tmp_path / "gen"), "--max-new-tokens", str(MAX_NEW_TOKENS), "--no-progress")  # fmt: skip
     (row,) = [json.loads(line) for line in (tmp_path / "gen" / "generations.jsonl").read_text().splitlines()]
     assert (row["completion"], row["tokens_per_step"]) == _expected(shown)
@@ -104,7 +95,7 @@ def test_sample_and_eval_generate_start_from_the_models_policy(main_job, tmp_pat
     assert metrics["decoding"]["window"] == 4 and metrics["decoding"]["threshold"] == 0.9  # the policy it used
 
     # One flag changes one setting over the policy: --window 1 is one token per step.
-    _setdiff("sample", str(run), "--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "w1.jsonl"),
+    setdiff("sample", str(run), "--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "w1.jsonl"),
              "--max-new-tokens", str(MAX_NEW_TOKENS), "--window", "1", "--no-progress")  # fmt: skip
     (row,) = [json.loads(line) for line in (tmp_path / "w1.jsonl").read_text().splitlines()]
     assert row["tokens_per_step"] == 1.0
@@ -145,7 +136,7 @@ def test_serve_starts_from_the_models_policy(main_job):
 
 def test_the_hf_exports_own_generate_starts_from_the_models_policy(main_job, clean_site, tmp_path):
     run, _, shown = main_job
-    _setdiff("convert", "to-hf", str(run), str(tmp_path / "hf"))
+    setdiff("convert", "to-hf", str(run), str(tmp_path / "hf"))
     generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
     assert (generation["window"], generation["threshold"]) == (4, 0.9)
     script = f"""
@@ -166,7 +157,7 @@ print(json.dumps({{"text": tok.decode(row.completion, skip_special_tokens=True),
 
 
 def _rl(run: Path, out: Path, steps: int, *extra: str) -> list[dict]:
-    _setdiff("train", "recipes/rl-reasoning.yaml", f"model.init_from={run}", f"checkpoint.dir={out}",
+    setdiff("train", "recipes/rl-reasoning.yaml", f"model.init_from={run}", f"checkpoint.dir={out}",
              f"train.steps={steps}", "checkpoint.interval=1", "eval.interval=100", "eval.showcase_problems=0",
              "log.interval=1", "launch.nproc_per_node=1", "rl.prompts_per_step=4", "parallel.global_batch_size=16",
              "parallel.micro_batch_size=8", f"data.cache_dir={out.parent / 'data'}", *extra)  # fmt: skip

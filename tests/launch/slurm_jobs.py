@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,17 +19,6 @@ def isolated_env(config_home: Path, **extra: str) -> dict[str, str]:
     env["XDG_CONFIG_HOME"] = str(config_home)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     return {**env, **extra}
-
-
-def setdiff(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "setdiff_megatron.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=REPO,
-        env=env,
-    )
 
 
 def job(job_id: str) -> dict[str, str]:

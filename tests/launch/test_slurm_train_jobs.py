@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from setdiff_megatron.launch.slurm import submit_sharded
+from tests.cli_runs import setdiff
 from tests.launch.slurm_cluster import require_two_nodes
 from tests.launch.slurm_jobs import (
     REPO,
@@ -32,7 +33,6 @@ from tests.launch.slurm_jobs import (
     isolated_env,
     job,
     losses,
-    setdiff,
     wait_for_file_line,
     wait_until,
 )
