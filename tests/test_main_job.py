@@ -229,6 +229,7 @@ def test_rl_decodes_and_updates_alike_under_data_and_tensor_parallelism_and_deep
     """GRPO under another layout against one megatron process, over two steps: the same rollouts
     (reward, accuracy, tokens per step: every rank draws the same tokens) and the same update
     (gradient norm, and so the next step's KL to the reference) to float tolerance."""
+    # two steps against the first two of rl_one_process's three: the recipe's LR is constant
     other = _rl(main_job[0], tmp_path / layout, 2, "rl.epochs=2", *RL_LAYOUTS[layout])
     assert [r["step"] for r in other] == [1, 2]
     rollout = ("rl/reward", "rl/accuracy", "rl/tokens_per_step")

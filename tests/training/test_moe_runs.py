@@ -82,8 +82,8 @@ def test_an_expert_parallel_checkpoint_resumes_at_ep1_and_back_at_ep2_with_the_s
 
 @pytest.mark.slow
 def test_tiny_moe_recipe_balances_its_experts_as_it_learns(tmp_path, data_cache):
-    """The recipe over half its steps (its schedule over 100; about a minute): the loss and the
-    load-balancing loss fall."""
+    """The recipe over half its steps (its schedule over 100): the loss and the load-balancing
+    loss fall."""
     run = tmp_path / "run"
     train(run, data_cache, "log.tensorboard=false", "train.steps=100")
     logged = [m for m in metrics(run) if "moe/load_balancing_loss" in m]

@@ -14,7 +14,7 @@ import pytest
 from benchmarks.study.__main__ import main
 
 
-@pytest.mark.slow  # about 2 minutes on 2 cores
+@pytest.mark.slow  # two trainings and decodes, then a rerun that does neither
 def test_a_smoke_run_over_two_seeds_writes_the_tables_and_plots(tmp_path):
     """Each seed's run trains and decodes; every point's figures over the seeds are those of its
     per-seed runs; the tables and plots are written; a rerun trains and decodes nothing again."""
