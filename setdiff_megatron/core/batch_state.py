@@ -87,9 +87,11 @@ class BatchState:
 
     def trim(self, num_commit: int, num_query: int) -> None:
         """Drop slots no row uses (valid slots come first in every row)."""
-        self.commit_tok, self.commit_pos = self.commit_tok[:, :num_commit], self.commit_pos[:, :num_commit]
-        self.commit_valid = self.commit_valid[:, :num_commit]
-        self.query_pos, self.query_valid = self.query_pos[:, :num_query], self.query_valid[:, :num_query]
+        if self.commit_tok.shape[1] > num_commit:
+            self.commit_tok, self.commit_pos = self.commit_tok[:, :num_commit], self.commit_pos[:, :num_commit]
+            self.commit_valid = self.commit_valid[:, :num_commit]
+        if self.query_pos.shape[1] > num_query:
+            self.query_pos, self.query_valid = self.query_pos[:, :num_query], self.query_valid[:, :num_query]
 
     @property
     def scratch(self) -> int:

@@ -286,6 +286,7 @@ class RowPolicy:
         self._used = frozenset(name for name, test in _OPTIONS.items() if any(test(c) for c in self.configs))
         self.max_window = max(c.window for c in self.configs)
         self.sampled_rows = [i for i, c in enumerate(self.configs) if c.temperature > 0]
+        self.k_B1, self.tau_B1 = self.k[:, None], self.tau[:, None]  # as every step compares them
 
     @classmethod
     def of(cls, configs: Sequence[DecodingConfig], device=None) -> RowPolicy:
@@ -443,11 +444,8 @@ def select_queries(conf_BQ: torch.Tensor, valid_BQ: torch.Tensor, policy: RowPol
     dummy slots, so the set is exactly k and does not depend on the batch.
     """
     conf = torch.where(valid_BQ, conf_BQ, -1.0)
-    order = conf.sort(dim=1, descending=True, stable=True).indices
-    rank = torch.empty_like(order).scatter_(
-        1, order, torch.arange(order.shape[1], device=order.device).expand_as(order)
-    )
-    select = (rank < policy.k[:, None]) | (conf >= policy.tau[:, None])
+    rank = conf.sort(dim=1, descending=True, stable=True).indices.argsort(1)  # the inverse permutation
+    select = (rank < policy.k_B1) | (conf >= policy.tau_B1)
     return select & valid_BQ
 
 

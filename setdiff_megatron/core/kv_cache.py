@@ -69,6 +69,8 @@ class KVCache:
     """The step's dense attention mask (None on the kernel path), built by layer 0."""
     _commits: list = field(default_factory=list, repr=False)
     """Each layer's commit K/V [B, G, K, D] of the step in flight, written by `advance`."""
+    _views: tuple = field(default=(), repr=False)
+    """(keys, values, their per-layer views): made once per buffer, not per layer and step."""
 
     def __post_init__(self) -> None:
         self._store_for_kernel()
@@ -170,7 +172,15 @@ class KVCache:
                 else torch.arange(layout.num_commit, device=counts.device) < counts[:, None],
                 device=self.lengths.device,
             )
+            if not torch.compiler.is_compiling():  # SDPA's own bool-to-float conversion, once a step, not per layer
+                self._mask = torch.zeros(
+                    self._mask.shape, dtype=self.keys.dtype, device=self._mask.device
+                ).masked_fill_(~self._mask, float("-inf"))
         return layout
+
+    def _staged_in_place(self, layout: StepLayout) -> bool:
+        """Whether an eager step's commits already sit at every row's end (no row pads its commits)."""
+        return layout.span is None and not self.ragged and layout.commit_count is None
 
     def attend(
         self,
@@ -194,16 +204,15 @@ class KVCache:
         """
         layout = self._start_step(q_BHTD, k_BGTD.shape[2], num_commit, commit_valid) if layer == 0 else self._layout
         q, k, v = layout.to_padded(q_BHTD), layout.to_padded(k_BGTD), layout.to_padded(v_BGTD)
-        keys, values = self.keys[layer], self.values[layer]
+        keys, values = self._layer(layer)
         if layout.span is None:  # eager: stage the step behind every row's entries, attend in place
             start, num_tokens = self.length, k.shape[2]
             keys[:, :, start : start + num_tokens] = k
             values[:, :, start : start + num_tokens] = v
-            k_cache, v_cache = keys[:, :, :start], values[:, :, :start]
             staged_k, staged_v = keys[:, :, : start + num_tokens], values[:, :, : start + num_tokens]
         else:  # static: read only
-            k_cache, v_cache = keys[:, :, : layout.span], values[:, :, : layout.span]
-            staged_k, staged_v = torch.cat([k_cache, k], 2), torch.cat([v_cache, v], 2)
+            staged_k = torch.cat([keys[:, :, : layout.span], k], 2)
+            staged_v = torch.cat([values[:, :, : layout.span], v], 2)
         if self._mask is None:  # the kernel: the whole buffer, each row's entries by its length
             # (capacity and dummy slot included, so its shapes stay the same from step to step:
             # cuDNN builds a graph per new shape)
@@ -220,8 +229,18 @@ class KVCache:
             )
         else:
             out = staged_step_attention(q, staged_k, staged_v, self._mask)
-        self._commits.append((k[:, :, : layout.num_commit], v[:, :, : layout.num_commit]))
+        if not self._staged_in_place(layout):
+            self._commits.append((k[:, :, : layout.num_commit], v[:, :, : layout.num_commit]))
         return layout.to_model(out)
+
+    def _layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s keys and values [B, G, C + 1, D]."""
+        if torch.compiler.is_compiling():
+            return self.keys[layer], self.values[layer]
+        if not self._views or self._views[0] is not self.keys or self._views[1] is not self.values:
+            layers = range(self.keys.shape[0])  # (select's views, unlike unbind's, may be written in place)
+            self._views = (self.keys, self.values, [self.keys[i] for i in layers], [self.values[i] for i in layers])
+        return self._views[2][layer], self._views[3][layer]
 
     @torch.compiler.disable
     def advance(self) -> None:
@@ -230,16 +249,16 @@ class KVCache:
         Outside any compiled graph: a compiled step hands its commits over as outputs.
         """
         layout, commits = self._layout, self._commits
-        num_commit, device = layout.num_commit, self.lengths.device
-        counts = layout.commit_count if layout.commit_count is not None else torch.full_like(self.lengths, num_commit)
-        staged_in_place = layout.span is None and not self.ragged and layout.commit_count is None
-        if num_commit and not staged_in_place:
+        num_commit, device, counts = layout.num_commit, self.lengths.device, layout.commit_count
+        if num_commit and not self._staged_in_place(layout):
             slot = torch.arange(num_commit, device=device)
-            target = torch.where(slot < counts[:, None], self.lengths[:, None] + slot, self.capacity)
+            target = self.lengths[:, None] + slot
+            if counts is not None:  # a row's commits past its count are dummies: to the dummy slot
+                target = torch.where(slot < counts[:, None], target, self.capacity)
             for store, new in ((self.keys, [k for k, _ in commits]), (self.values, [v for _, v in commits])):
                 new = torch.stack(new)  # [N, B, G, K, D]
                 store.scatter_(3, target[None, :, None, :, None].expand_as(new), new)
-        self.lengths += counts
+        self.lengths += num_commit if counts is None else counts
         self.length += num_commit
         self.ragged = self.ragged or layout.commit_count is not None
         self.reset_step()

@@ -10,6 +10,7 @@ partial-attention kernel that reads the cache in place with per-row lengths inst
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from functools import partial
@@ -43,15 +44,30 @@ def step_mask(
     of rows that commit fewer tokens. Every row sees at least itself, so no row is empty.
     """
     t = num_commit + num_query
-    i = torch.arange(t, device=device)
-    commit_col = i[None, :] < num_commit
-    new_cols = (commit_col & ((i[None, :] <= i[:, None]) | (i[:, None] >= num_commit))) | (i[None, :] == i[:, None])
-    mask = torch.cat([torch.ones(t, num_cached, dtype=torch.bool, device=device), new_cols], dim=1)[None, None]
+    if key_valid is None and not torch.compiler.is_compiling():  # eager decode: a few ops a step
+        block = _step_block(num_commit, num_query, torch.device(device or "cpu"))
+        return torch.cat([block.new_ones(t, num_cached), block], dim=1)[None, None]
+    mask = torch.cat([torch.ones(t, num_cached, dtype=torch.bool, device=device), _new_cols(num_commit, t, device)], 1)
+    mask = mask[None, None]
     if key_valid is not None:
+        i = torch.arange(t, device=device)
         valid = torch.cat([key_valid, key_valid.new_ones(key_valid.shape[0], num_query)], dim=1)
         own_key = torch.arange(num_cached + t, device=device)[None, :] == (i[:, None] + num_cached)
         mask = mask & (valid[:, None, None, :] | own_key)
     return mask
+
+
+def _new_cols(num_commit: int, t: int, device) -> torch.Tensor:
+    """[T, T]: which of the step's own tokens each step token sees."""
+    i = torch.arange(t, device=device)
+    commit_col = i[None, :] < num_commit
+    return (commit_col & ((i[None, :] <= i[:, None]) | (i[:, None] >= num_commit))) | (i[None, :] == i[:, None])
+
+
+@functools.lru_cache(maxsize=64)
+def _step_block(num_commit: int, num_query: int, device: torch.device) -> torch.Tensor:
+    """`_new_cols` kept per step shape: it depends on nothing else."""
+    return _new_cols(num_commit, num_commit + num_query, device)
 
 
 def step_attention_mask(

@@ -107,5 +107,6 @@ def pack(
     gather[scatter] = torch.arange(scatter.shape[0], device=scatter.device)
     tokens = torch.cat([commit_tok.flatten()[commit_slots], query_tok.flatten()[query_slots]])
     positions = torch.cat([commit_pos.flatten()[commit_slots], query_pos.flatten()[query_slots]])
-    layout = StepLayout(rows, k, q, commit_valid.sum(1), gather=gather, scatter=scatter, packed_queries=num_queries)
+    counts = None if num_commits == rows * k else commit_valid.sum(1)  # None: every commit slot is real
+    layout = StepLayout(rows, k, q, counts, gather=gather, scatter=scatter, packed_queries=num_queries)
     return tokens[None], positions[None], layout

@@ -45,15 +45,18 @@ class Rotary(nn.Module):
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin [B, S, 1, D] over both halves, for `apply_rotary`."""
         angles = position_ids[..., None].float() * self.inv_freq  # [B, S, D/2]
-        return angles.cos(), angles.sin()
+        cos, sin = angles.cos(), angles.sin()
+        return torch.cat([cos, cos], -1).unsqueeze(2), torch.cat([-sin, sin], -1).unsqueeze(2)
 
 
-def apply_rotary(x_BSHD: torch.Tensor, cos_BSd: torch.Tensor, sin_BSd: torch.Tensor) -> torch.Tensor:
-    """Rotate-half convention (HF Llama): pairs are (i, i + D/2), in float32."""
-    x1, x2 = _as_float32(x_BSHD).chunk(2, dim=-1)
-    cos, sin = cos_BSd.unsqueeze(2), sin_BSd.unsqueeze(2)
-    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+def apply_rotary(x_BSHD: torch.Tensor, cos_BS1D: torch.Tensor, sin_BS1D: torch.Tensor) -> torch.Tensor:
+    """Rotate-half convention (HF Llama): pairs are (i, i + D/2), in float32. Rolling x by D/2 pairs
+    each half with the other, so with `Rotary`'s signed sin this is x1 cos - x2 sin, x2 cos + x1 sin
+    to the bit, in four ops (a decode step at batch 1 is mostly the dispatch of small ops)."""
+    x = _as_float32(x_BSHD)
+    out = x * cos_BS1D + x.roll(x.shape[-1] // 2, -1) * sin_BS1D
     return out if out.dtype == x_BSHD.dtype else out.to(x_BSHD.dtype)
 
 

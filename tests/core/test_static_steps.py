@@ -10,6 +10,7 @@ from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.core.kv_cache import KVCache
 from setdiff_megatron.core.sample_request import Request
 from setdiff_megatron.core.sampler import SetSampler
+from setdiff_megatron.core.step_attention import step_mask
 from setdiff_megatron.core.step_compiler import COMPILE_COST_S, JUDGE_AFTER, StepCompiler
 from setdiff_megatron.core.step_layout import StepLayout, bucket, pack
 from tests.core.test_sampler import MASK, eager_static, random_prompts
@@ -39,6 +40,32 @@ def test_a_packed_step_holds_the_real_slots_and_maps_back_to_its_padded_view():
     logits = torch.randn(1, 5, 11, generator=gen)  # the model's query rows
     by_row = layout.queries(logits)
     assert torch.equal(by_row[query_valid], logits[0])
+
+
+def test_a_packed_step_whose_commit_slots_are_all_real_leaves_the_cache_unragged(debug_model):
+    """A batch-1 prompt is prefilled packed (its query slots are empty); with no commit slot empty
+    the commits are staged in place, so later steps need no per-row key mask."""
+    sampler = SetSampler(debug_model, mask_token_id=MASK, context_len=64)
+    prompt = [5, 6, 7, 8, 9]
+    commit_valid, query_valid = torch.ones(1, 5, dtype=torch.bool), torch.zeros(1, 2, dtype=torch.bool)
+    tok = torch.tensor([prompt])
+    *_, layout = pack(tok, tok, commit_valid, tok[:, :2], tok[:, :2], query_valid, 5, 0)
+    assert layout.commit_count is None
+    sampler.submit(Request(key=0, prompt=tuple(prompt), cfg=DecodingConfig(window=2, max_new_tokens=6)))
+    ragged, finished = [], []
+    while not sampler.idle:
+        finished += sampler.step()
+        ragged.append(sampler.cache is not None and sampler.cache.ragged)
+    assert len(ragged) > 3 and not any(ragged) and finished[0][1].num_decoded == 6
+
+
+def test_an_eager_step_mask_is_the_general_rule():
+    """The cached block of an unkeyed eager step gives the mask the per-row construction gives
+    with every entry real."""
+    for num_commit, num_query, cached in [(0, 4, 7), (1, 3, 0), (2, 2, 5), (3, 0, 1)]:
+        fast = step_mask(num_commit, num_query, cached)
+        rows = torch.ones(2, cached + num_commit, dtype=torch.bool)
+        assert torch.equal(fast.expand(2, -1, -1, -1), step_mask(num_commit, num_query, cached, rows))
 
 
 def test_padding_rows_and_slots_of_a_static_step_write_no_entry():
