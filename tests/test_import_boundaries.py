@@ -42,6 +42,7 @@ FRAMEWORKS = {
         "distributed/megatron_cpu.py",
         "distributed/runtime.py",
         "checkpoint/megatron.py",
+        "checkpoint/ema.py",
         "data/packing.py",
         "data/indexed.py",
         "training/lr_schedule.py",

@@ -6,15 +6,14 @@ whole in one process, without megatron).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from setdiff_megatron.checkpoint.names import EMA_PREFIX
+from setdiff_megatron.checkpoint.ema import average_shards, empty_averages, load_averaged
 
-__all__ = ["model_sharded_state", "ema_sharded_state", "save_shards", "load_shards", "load_model_shard"]
+__all__ = ["model_sharded_state", "save_shards", "load_shards", "load_model_shard"]
 
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 """The canonical per-parameter format of the distributed optimizer: reshardable over TP/PP/DP."""
@@ -36,29 +35,6 @@ def model_sharded_state(
     if keep is not None:
         model = {chunk: {k: v for k, v in part.items() if keep(k)} for chunk, part in model.items()}
     return model | state
-
-
-def ema_sharded_state(model_state: dict, wholes: dict[int, torch.Tensor]) -> dict:
-    """The average of the weights (train.ema_decay) as shards beside the model's: for every
-    sharded tensor of `model_state` (model_sharded_state) whose data is a parameter with a whole
-    average in `wholes` (by the parameter's id), the same shard with that average (fp32) as data,
-    under EMA_PREFIX + its key. Same sharding and replicas as the weights, so the average is saved,
-    resharded and read (sources/megatron.py) as they are; "ema<i>" holds chunk i's, keyed as
-    "model<i>" is."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
-
-    out = {}
-    for chunk, sharded in model_state.items():
-        if not chunk.startswith("model"):
-            continue
-        part = {}
-        for key, sh in sharded.items():
-            if isinstance(sh, ShardedTensorFactory) and id(sh.data) in wholes:
-                part[key] = replace(sh, key=EMA_PREFIX + sh.key, data=wholes[id(sh.data)])
-            elif isinstance(sh, ShardedTensor) and id(sh.data) in wholes:
-                part[key] = replace(sh, key=EMA_PREFIX + sh.key, data=wholes[id(sh.data)], dtype=torch.float32)
-        out[f"ema{chunk.removeprefix('model')}"] = part
-    return out
 
 
 def save_shards(state: dict, directory: Path, *, background: bool = False) -> Any:
@@ -83,10 +59,10 @@ def load_model_shard(module, step_dir: Path, *, ema: bool = False) -> None:
     weights, or with `ema` the checkpoint's average of them (cast to the module's dtype)."""
     state = model_sharded_state([module], is_loading=True)
     if ema:
-        params = {id(p): torch.empty(p.shape, dtype=torch.float32) for p in module.parameters()}
-        state |= ema_sharded_state(state, params)
-    loaded = load_shards(state, step_dir)
-    weights = loaded["model0"]
-    if ema:
-        weights |= {k: v.to(weights[k].dtype) for k, v in loaded["ema0"].items()}
-    module.load_state_dict(weights)
+        state |= average_shards(state, empty_averages(module.parameters()))
+    loaded, averages = load_averaged(state, lambda s: load_shards(s, step_dir))
+    module.load_state_dict(loaded["model0"])
+    with torch.no_grad():
+        for p in module.parameters():
+            if id(p) in averages:
+                p.copy_(averages[id(p)])

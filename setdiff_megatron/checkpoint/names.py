@@ -20,8 +20,6 @@ __all__ = [
     "RNG_FILE",
     "TOKENIZER_DIR",
     "DEEPSPEED_TAG",
-    "EMA_FILE",
-    "EMA_PREFIX",
     "step_name",
     "step_of",
     "checkpoints_root",
@@ -38,11 +36,6 @@ TOKENIZER_DIR = "tokenizer"
 DEEPSPEED_TAG = "deepspeed"
 """The DeepSpeed engine's folder in a checkpoint (its `tag`): step_00000300/deepspeed/."""
 RNG_FILE = "rank_{rank:05d}.pt"
-EMA_FILE = "ema.pt"
-"""The DeepSpeed engine's average of the weights (train.ema_decay): fp32, under torch model names."""
-EMA_PREFIX = "ema."
-"""The megatron engine's average of the weights: its shards beside the model's, each under the
-model tensor's key with this prefix."""
 _PUBLISHED = re.compile(r"step_(\d{8})")
 
 

@@ -31,6 +31,7 @@ from setdiff_megatron.models.megatron_model import SetDiffusionGPT
 from setdiff_megatron.models.weight_maps.parallel import check_ep_split, check_tp_split, stage_layers
 
 __all__ = [
+    "batch_nll",
     "build_model_chunks",
     "forward_step",
     "loss_func",
@@ -251,8 +252,16 @@ def forward_step(
     gradients over the CP ranks too.
     """
     whole = next(data_iterator)
-    batch = context_parallel_slice(whole)
-    nll = model(
+    nll = batch_nll(model, context_parallel_slice(whole))
+    return nll, partial(loss_func, context_parallel_weights(weigh(whole), whole.position_ids.shape[1]))
+
+
+def batch_nll(model: torch.nn.Module, batch: TwoStreamBatch) -> torch.Tensor:
+    """The megatron body's NLL [b, L] of each target of `batch`: the one call of the model.
+
+    On a last stage; other stages return the hidden states. At the batch's sampling temperature
+    where it has one (RL's PolicyBatch)."""
+    return model(
         batch.clean_tokens,
         batch.query_tokens,
         batch.position_ids,
@@ -261,6 +270,5 @@ def forward_step(
         document_ids=batch.document_ids,
         groups=batch.groups,
         group_within=batch.group_within,
-        temperature=getattr(batch, "temperature", 1.0),  # RL's PolicyBatch scores at its sampling temperature
+        temperature=getattr(batch, "temperature", 1.0),
     )
-    return nll, partial(loss_func, context_parallel_weights(weigh(whole), whole.position_ids.shape[1]))

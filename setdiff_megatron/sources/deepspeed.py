@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
+from setdiff_megatron.checkpoint.ema import read_whole
 from setdiff_megatron.checkpoint.manifest import verify
 from setdiff_megatron.checkpoint.names import DEEPSPEED_TAG as TAG
-from setdiff_megatron.checkpoint.names import EMA_FILE
 from setdiff_megatron.checkpoint.state import read_train_state
 from setdiff_megatron.errors import UserError, require
 
@@ -65,7 +65,7 @@ def consolidated_state_dict(checkpoint_dir: str | Path, *, ema: bool = False) ->
     if not is_deepspeed_checkpoint(directory):
         raise UserError(f"{directory} is not a checkpoint of the deepspeed engine (no {TAG}/ folder in it)")
     if ema:
-        return torch.load(directory / EMA_FILE, weights_only=True)
+        return read_whole(directory)
     saved = read_train_state(directory).layout
     if saved["zero_stage"] == 0:
         module = torch.load(directory / TAG / "mp_rank_00_model_states.pt", weights_only=True)["module"]

@@ -6,7 +6,7 @@ and every model tensor is stored at its global shape: layers stacked on a leadin
 MLP rows in TP=1 order, experts in global order, the vocabulary padded. So `torch_weights`
 reads any layout: a DCP load of the global tensors, renamed into one TP = PP = EP = 1 chunk,
 then `weight_maps.megatron.megatron_to_torch`. A checkpoint of a run with train.ema_decay also
-holds the average of the weights, sharded as they are under keys with EMA_PREFIX. Tensor data is read with
+holds the average of the weights, sharded as they are (checkpoint/ema.py). Tensor data is read with
 `torch.load(weights_only=True)` by DCP; its `.metadata` file is a pickle, which is why a
 checkpoint's files are checked against its sha256 manifest before anything is read.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from setdiff_megatron.checkpoint.names import EMA_PREFIX
+from setdiff_megatron.checkpoint.ema import stored_keys, under_weight_keys
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.weight_maps.megatron import MEGATRON_LAYER, megatron_to_torch
@@ -49,13 +49,14 @@ def _global_tensors(path: Path, *, ema: bool) -> dict[str, torch.Tensor]:
         for key, meta in metadata.items()
         if isinstance(meta, TensorStorageMetadata) and "optimizer" not in key.split(".")[:2]
     }
-    averaged = {key.removeprefix(EMA_PREFIX) for key in tensors if key.startswith(EMA_PREFIX)} if ema else set()
-    wanted = [key for key in tensors if (ema if key.startswith(EMA_PREFIX) else key not in averaged)]
-    state = {key: torch.empty(tensors[key].size, dtype=tensors[key].properties.dtype) for key in wanted}
+    state = {
+        key: torch.empty(tensors[key].size, dtype=tensors[key].properties.dtype)
+        for key in stored_keys(tensors, ema=ema)
+    }
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
         dcp.load(state, storage_reader=reader, no_dist=True)
-    return {key.removeprefix(EMA_PREFIX): tensor for key, tensor in state.items()}
+    return under_weight_keys(state)
 
 
 def _local_chunk(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

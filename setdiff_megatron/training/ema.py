@@ -16,10 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from setdiff_megatron.checkpoint.resolve import Resumed
-from setdiff_megatron.log import say
-
-__all__ = ["Share", "WeightAverage", "ema_to_load"]
+__all__ = ["Share", "WeightAverage"]
 
 
 @dataclass(frozen=True)
@@ -120,14 +117,3 @@ class WeightAverage:
     def record(self) -> dict | None:
         """What train_state.json says of it: the decay, or None before the first update."""
         return {"decay": self.decay} if self.started else None
-
-
-def ema_to_load(resumed: Resumed, ema: WeightAverage | None) -> bool:
-    """Whether a resume loads the checkpoint's average of the weights (into `ema`, the recipe's);
-    says so when the recipe and the checkpoint disagree on keeping one."""
-    saved = resumed.state.ema is not None
-    if saved and ema is None:
-        say(f"setdiff: {resumed.path} holds an EMA of the weights; train.ema_decay is unset, so it is not kept")
-    elif ema is not None and not saved:
-        say(f"setdiff: {resumed.path} holds no EMA of the weights; it starts from the weights after the next step")
-    return saved and ema is not None

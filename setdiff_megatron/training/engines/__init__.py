@@ -1,4 +1,4 @@
-"""The engines a recipe picks with `engine:`, behind one protocol (base.py). Each module imports
+"""The engines a recipe picks with `engine:`, behind one base class (base.py). Each module imports
 its framework (megatron-core, DeepSpeed) when the engine is built, not before."""
 
 from __future__ import annotations

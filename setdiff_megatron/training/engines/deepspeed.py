@@ -25,8 +25,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
+from setdiff_megatron.checkpoint.ema import read_whole, write_whole
 from setdiff_megatron.checkpoint.names import DEEPSPEED_TAG as TAG
-from setdiff_megatron.checkpoint.names import EMA_FILE, RNG_FILE
+from setdiff_megatron.checkpoint.names import RNG_FILE
 from setdiff_megatron.checkpoint.resolve import Resumed
 from setdiff_megatron.core.loss import LossWeights, token_nll
 from setdiff_megatron.core.streams import TwoStreamBatch
@@ -38,8 +39,8 @@ from setdiff_megatron.models.lora import adapt_torch_model, load_weights
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 from setdiff_megatron.recipes import Recipe
 from setdiff_megatron.training import lr_schedule
-from setdiff_megatron.training.ema import Share, WeightAverage, ema_to_load
-from setdiff_megatron.training.engines.base import StepOutcome, evaluating
+from setdiff_megatron.training.ema import Share
+from setdiff_megatron.training.engines.base import Engine, StepOutcome, evaluating
 from setdiff_megatron.training.engines.deepspeed_config import build_optimizer, deepspeed_config
 from setdiff_megatron.training.engines.rng import host_rng_state, set_host_rng_state
 from setdiff_megatron.training.expert_load import ExpertLoad
@@ -106,13 +107,29 @@ def layout_refusal(path: Path, saved: dict, here: dict) -> str | None:
     return None
 
 
+def _logits(model: torch.nn.Module, batch: TwoStreamBatch) -> torch.Tensor:
+    """The torch body's query-stream logits of `batch`: the engine's one call of the model.
+
+    Divided by the batch's sampling temperature where it has one (RL's PolicyBatch)."""
+    logits = model(
+        batch.clean_tokens,
+        batch.query_tokens,
+        batch.position_ids,
+        batch.valid_len,
+        batch.document_ids,
+        groups=batch.groups,
+        group_within=batch.group_within,
+    )
+    return logits / getattr(batch, "temperature", 1.0)
+
+
 def _all_sum(local: torch.Tensor) -> torch.Tensor:
     total = local.clone()
     dist.all_reduce(total)
     return total
 
 
-class DeepSpeedEngine:
+class DeepSpeedEngine(Engine):
     name = "deepspeed"
 
     def __init__(self, recipe: Recipe):
@@ -145,7 +162,7 @@ class DeepSpeedEngine:
             model.compile()  # in place: the module, and so its parameter names, stay as they are
         self.model, self.mask_token_id, self.total_steps = model, model_cfg.mask_token_id, total_steps
         self.expert_load = ExpertLoad(model_cfg, self.device) if model_cfg.num_experts else None
-        self.ema = WeightAverage(r.train.ema_decay) if r.train.ema else None
+        self._start_ema()
         self._engine = None
 
     def init_from(self, state_dict: dict[str, torch.Tensor], model_cfg: ModelConfig) -> None:
@@ -173,20 +190,8 @@ class DeepSpeedEngine:
     @torch.no_grad()
     def token_logprobs(self, batches, *, reference: bool = False) -> list[torch.Tensor]:
         """Each target's log-probability [b, L] under the policy (or the reference), no gradient."""
-        out = []
         with evaluating(self.reference if reference else self.policy_model()) as model:
-            for b in batches:
-                logits = model(
-                    b.clean_tokens,
-                    b.query_tokens,
-                    b.position_ids,
-                    b.valid_len,
-                    b.document_ids,
-                    groups=b.groups,
-                    group_within=b.group_within,
-                )
-                out.append(-token_nll(logits / getattr(b, "temperature", 1.0), b.targets, self.mask_token_id))
-        return out
+            return [-token_nll(_logits(model, b), b.targets, self.mask_token_id) for b in batches]
 
     @property
     def engine(self):
@@ -207,17 +212,7 @@ class DeepSpeedEngine:
     def _nll(self, batch: TwoStreamBatch, weights: LossWeights) -> tuple[torch.Tensor, torch.Tensor | float]:
         """Weighted NLL sum (training/objective.py) and the MoE router losses weighted per routed
         token (0 if dense)."""
-        logits = self.engine(
-            batch.clean_tokens,
-            batch.query_tokens,
-            batch.position_ids,
-            batch.valid_len,
-            batch.document_ids,
-            groups=batch.groups,
-            group_within=batch.group_within,
-        )
-        logits = logits / getattr(batch, "temperature", 1.0)  # RL's PolicyBatch scores at its sampling temperature
-        nll = weights.apply(token_nll(logits, batch.targets, self.mask_token_id))
+        nll = weights.apply(token_nll(_logits(self.engine, batch), batch.targets, self.mask_token_id))
         if self.expert_load is not None:
             for layer, stats in self.model.router_stats().items():
                 self.expert_load.add(layer, stats.tokens_per_expert, stats.load_balancing_loss, stats.z_loss)
@@ -280,8 +275,7 @@ class DeepSpeedEngine:
         norm = engine.get_global_grad_norm()  # stage 0 in fp32 does not report it
         norm = None if norm is None else float(norm)
         if engine.was_step_applied():
-            if self.ema is not None:
-                self.ema.update(self._shares())
+            self._update_ema()
             self.scheduler.step(increment=1)
             return StepOutcome(applied=True, grad_norm=norm)
         problem = None if self.recipe.train.precision == "fp16" else "the gradients are not finite"
@@ -301,8 +295,7 @@ class DeepSpeedEngine:
         engine = self.engine
         local = torch.zeros(2, dtype=torch.float64, device=engine.device)
         engine.eval()
-        averaged = self.ema.swapped_in(self._shares()) if self.ema and self.ema.started else contextlib.nullcontext()
-        with torch.no_grad(), averaged:
+        with torch.no_grad(), self._ema_weights():
             for batch in batches:
                 weights = self.objective(batch)
                 nll, _ = self._nll(batch, weights)
@@ -313,9 +306,6 @@ class DeepSpeedEngine:
 
     def lr(self) -> float:
         return self.scheduler.get_lr(self.engine.optimizer.param_groups[0])
-
-    def router_metrics(self) -> dict:
-        return {} if self.expert_load is None else self.expert_load.metrics()
 
     # ---- checkpoints -----------------------------------------------------------------------
 
@@ -331,9 +321,6 @@ class DeepSpeedEngine:
             "offload_optimizer": self.recipe.parallel.offload_optimizer,
             "optimizer": type(self.engine.optimizer).__name__,
         }
-
-    def scheduler_state(self) -> dict:
-        return self.scheduler.state_dict()
 
     def _shares(self) -> list[Share]:
         """Each parameter's fp32 weights that the optimizer steps on this rank (training/ema.py):
@@ -352,18 +339,15 @@ class DeepSpeedEngine:
                 shares.append(Share(name, p, p.shape, fragment.hp_fragment, start, p._dp_group))
         return shares
 
-    def ema_state(self) -> dict | None:
-        return self.ema.record() if self.ema is not None else None
-
     def save(self, directory: Path) -> None:
         # With LoRA the frozen base is model.init_from's, read again on resume: adapters only.
         lora = self.recipe.model.lora is not None
         self.engine.save_checkpoint(str(directory), tag=TAG, save_latest=False, exclude_frozen_parameters=lora)
         torch.save(host_rng_state(), directory / RNG_FILE.format(rank=dist.get_rank()))
         if self.ema_state() is not None:  # whole, fp32, under the torch names: sources/deepspeed.py reads it
-            wholes = {s.name: whole.cpu() for s, whole in self.ema.wholes(self._shares())}
+            wholes = {s.name: whole.cpu() for s, whole in self._ema_wholes()}
             if dist.get_rank() == 0:
-                torch.save(wholes, directory / EMA_FILE)
+                write_whole(directory, wholes)
 
     def start_save(self, directory: Path, then) -> None:
         """Refused by recipe validation (recipes/validation.py says why)."""
@@ -389,6 +373,6 @@ class DeepSpeedEngine:
             raise UserError(f"checkpoint.resume: DeepSpeed found no checkpoint in {path / TAG}")
         self.scheduler.load_state_dict(resumed.state.scheduler)
         set_host_rng_state(torch.load(path / RNG_FILE.format(rank=dist.get_rank()), weights_only=True))
-        if ema_to_load(resumed, self.ema):
-            wholes = torch.load(path / EMA_FILE, weights_only=True)
-            self.ema.load(self._shares(), lambda share: wholes[share.name])
+        if self._ema_to_load(resumed):
+            wholes = read_whole(path)
+            self._load_ema(lambda share: wholes[share.name])

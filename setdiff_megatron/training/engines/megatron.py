@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from setdiff_megatron.checkpoint.megatron import ema_sharded_state, load_shards, model_sharded_state, save_shards
+from setdiff_megatron.checkpoint.ema import average_shards, empty_averages, load_averaged
+from setdiff_megatron.checkpoint.megatron import load_shards, model_sharded_state, save_shards
 from setdiff_megatron.checkpoint.names import RNG_FILE
 from setdiff_megatron.checkpoint.resolve import Resumed
 from setdiff_megatron.distributed import runtime
@@ -33,8 +34,8 @@ from setdiff_megatron.models.dtypes import DTYPES
 from setdiff_megatron.models.lora import is_adapter_key, load_weights
 from setdiff_megatron.recipes import Recipe
 from setdiff_megatron.training import lr_schedule
-from setdiff_megatron.training.ema import Share, WeightAverage, ema_to_load
-from setdiff_megatron.training.engines.base import StepOutcome, evaluating, fill_torch_optimizer_state
+from setdiff_megatron.training.ema import Share
+from setdiff_megatron.training.engines.base import Engine, StepOutcome, evaluating, fill_torch_optimizer_state
 from setdiff_megatron.training.engines.rng import host_rng_state, set_host_rng_state
 from setdiff_megatron.training.expert_load import ExpertLoad
 from setdiff_megatron.training.objective import Objective
@@ -56,7 +57,7 @@ def _layout_text(lay: dict) -> str:
     )
 
 
-class MegatronEngine:
+class MegatronEngine(Engine):
     name = "megatron"
 
     def __init__(self, recipe: Recipe):
@@ -124,7 +125,7 @@ class MegatronEngine:
         self.model_cfg = model_cfg
         self.chunks = [DistributedDataParallel(config, ddp_config, c) for c in chunks]
         self.optimizer, self.scheduler = build_optimizer(r, self.chunks, total_steps)
-        self.ema = WeightAverage(t.ema_decay) if t.ema else None
+        self._start_ema()
         self._schedule = get_forward_backward_func()
         self._forward_step = partial(forward_step, weigh=Objective.of(r))
         self._seq_length = pipeline_seq_length(r.data.seq_len, streams=1 if r.method.family == "mdlm" else 2)
@@ -191,21 +192,10 @@ class MegatronEngine:
     @torch.no_grad()
     def token_logprobs(self, batches, *, reference: bool = False) -> list[torch.Tensor]:
         """Each target's log-probability [b, L] under the policy (or the reference), no gradient."""
+        from setdiff_megatron.models.megatron_plumbing import batch_nll
+
         with evaluating(self.reference if reference else self.policy_model()) as model:
-            return [
-                -model(
-                    b.clean_tokens,
-                    b.query_tokens,
-                    b.position_ids,
-                    valid_len=b.valid_len,
-                    targets=b.targets,
-                    document_ids=b.document_ids,
-                    groups=b.groups,
-                    group_within=b.group_within,
-                    temperature=getattr(b, "temperature", 1.0),
-                )
-                for b in batches
-            ]
+            return [-batch_nll(model, b) for b in batches]
 
     # ---- steps -----------------------------------------------------------------------------
 
@@ -249,9 +239,6 @@ class MegatronEngine:
             self.expert_load.reset()
         return self._run(batches, forward_only=False)
 
-    def router_metrics(self) -> dict:
-        return {} if self.expert_load is None else self.expert_load.metrics()
-
     def optimizer_step(self) -> StepOutcome:
         """megatron's ChainedOptimizer.step, with the gradient norm checked before the update."""
         from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
@@ -273,8 +260,8 @@ class MegatronEngine:
                         use_decoupled_grad=inner.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
                     )
             applied = opt.step_with_ready_grads()
-            if applied and self.ema is not None:
-                self.ema.update(self._shares())
+            if applied:
+                self._update_ema()
         self.scheduler.step(increment=1)
         return StepOutcome(applied=applied, grad_norm=grad_norm)
 
@@ -284,8 +271,7 @@ class MegatronEngine:
     def evaluate(self, batches) -> tuple[float, float]:
         for c in self.chunks:
             c.eval()
-        averaged = self.ema.swapped_in(self._shares()) if self.ema and self.ema.started else contextlib.nullcontext()
-        with torch.no_grad(), averaged:
+        with torch.no_grad(), self._ema_weights():
             out = self._run(batches, forward_only=True)
         for c in self.chunks:
             c.train()
@@ -298,9 +284,6 @@ class MegatronEngine:
 
     def layout_record(self) -> dict:
         return {**self.layout.as_record(), "distributed_optimizer": self.recipe.parallel.distributed_optimizer}
-
-    def scheduler_state(self) -> dict:
-        return self.scheduler.state_dict()
 
     def _modules(self) -> list:
         return [c.module for c in self.chunks]
@@ -331,9 +314,6 @@ class MegatronEngine:
                 shares.append(Share(name, p, p.shape, p if main is None else main))
         return shares
 
-    def ema_state(self) -> dict | None:
-        return self.ema.record() if self.ema is not None else None
-
     def _sharded_state(self, optimizer, *, is_loading: bool = False, ema: bool = False) -> dict:
         """The model's shards (with LoRA the adapters' only: the frozen base is model.init_from's,
         read again on resume), the optimizer's unless None, and with `ema` the average's: whole
@@ -343,10 +323,10 @@ class MegatronEngine:
         if not ema:
             return state
         if is_loading:
-            wholes = {id(s.param): torch.empty(s.shape, dtype=torch.float32) for s in self._shares()}
+            wholes = empty_averages(s.param for s in self._shares())
         else:
-            wholes = {id(s.param): whole for s, whole in self.ema.wholes(self._shares())}
-        return state | ema_sharded_state(state, wholes)
+            wholes = {id(s.param): whole for s, whole in self._ema_wholes()}
+        return state | average_shards(state, wholes)
 
     def save(self, directory: Path) -> None:
         _start_results_queue()
@@ -404,16 +384,10 @@ class MegatronEngine:
             )
         else:
             fill_optimizer_state(self.optimizer)
-        ema = ema_to_load(resumed, self.ema)
+        ema = self._ema_to_load(resumed)
         with torch.no_grad():
             state = self._sharded_state(self.optimizer if with_optimizer else None, is_loading=True, ema=ema)
-            # The load replaces the state's entries; which parameter each average is for, before it.
-            averaged = {
-                (i, key): id(state[f"model{i}"][key].data)
-                for i in range(len(self.chunks))
-                for key in state.get(f"ema{i}", {})
-            }
-            loaded = load_shards(state, resumed.path)
+            loaded, averages = load_averaged(state, lambda s: load_shards(s, resumed.path))
             for i, c in enumerate(self.chunks):
                 load_weights(
                     c.module,
@@ -424,8 +398,7 @@ class MegatronEngine:
             if with_optimizer:
                 _load_optimizer(self.optimizer, loaded["optimizer"])
             if ema:
-                wholes = {param: loaded[f"ema{i}"][key] for (i, key), param in averaged.items()}
-                self.ema.load(self._shares(), lambda share: wholes[id(share.param)])
+                self._load_ema(lambda share: averages[id(share.param)])
         if not resumed.state.weights_only:  # an import's schedule is the recipe's, from step 0
             self.scheduler.load_state_dict(resumed.state.scheduler)
         if _same_layout(saved, here):  # other layouts draw fresh streams from the recipe's seed
