@@ -11,11 +11,10 @@ Shapes: B rows, L positions, S block size, N blocks.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from setdiff_megatron.core.orders import PAPER_THRESHOLD
+from setdiff_megatron.core.orders import PAPER_THRESHOLD, PaperDecoding
 from setdiff_megatron.core.streams import TwoStreamBatch
 
 __all__ = [
@@ -40,16 +39,20 @@ MDLM_DECODE_BLOCK = 32
 """MDLM decodes semi-autoregressively in blocks of this many positions (the paper's setting)."""
 
 
-def masked_decoding_policy(block_size: int | None) -> dict[str, Any]:
+def masked_decoding_policy(block_size: int | None) -> PaperDecoding:
     """The default decoding settings of a BD3-LM model (its own blocks) or an MDLM (block_size
     None: blocks of MDLM_DECODE_BLOCK): the most confident masked position of the block plus
     every one at the paper's threshold each step, the first block at the prompt's end as the
     paper's throughput scripts start it (align_inputs_to_blocks false); BD3-LM infills with the
     input's whole blocks cached, as the reference's does (DecodingConfig.cache_infill_input)."""
-    unaligned = {"threshold": PAPER_THRESHOLD, "align_inputs_to_blocks": False}
-    if block_size is None:
-        return {"window": MDLM_DECODE_BLOCK, "block_size": MDLM_DECODE_BLOCK} | unaligned
-    return {"window": block_size, "block_size": block_size, "cache_infill_input": True} | unaligned
+    size = MDLM_DECODE_BLOCK if block_size is None else block_size
+    return PaperDecoding(
+        window=size,
+        block_size=size,
+        threshold=PAPER_THRESHOLD,
+        align_inputs_to_blocks=False,
+        cache_infill_input=block_size is not None,
+    )
 
 
 def linear_alpha(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

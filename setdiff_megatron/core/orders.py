@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from typing import Any, ClassVar
 
 import torch
@@ -24,6 +24,7 @@ __all__ = [
     "OrderError",
     "default_max_set_size",
     "PAPER_THRESHOLD",
+    "PaperDecoding",
     "OrderPolicy",
     "Staggered",
     "LeftToRight",
@@ -41,6 +42,26 @@ UNIFORM_WINDOW = 16
 a speed knob, not the order's own set size."""
 PAPER_THRESHOLD = 0.9
 """The confidence threshold the paper decodes its parallel models with (tau, docs/method.md)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PaperDecoding:
+    """The decoding settings (core/decoding.py) a model's paper default sets; the rest keep their defaults."""
+
+    window: int
+    threshold: float | None = None
+    """None: off."""
+    block_size: int | None = None
+    cache_infill_input: bool = False
+    align_inputs_to_blocks: bool = True
+
+    def settings(self) -> dict[str, Any]:
+        """The settings this sets, by name: the window and those off their defaults here."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.default is MISSING or getattr(self, f.name) != f.default
+        }
 
 
 class OrderError(ValueError):
@@ -96,7 +117,7 @@ class OrderPolicy(ABC):
         For the staggered schedule the score is the first-hitting time T_i."""
 
     @abstractmethod
-    def decoding_policy(self) -> dict[str, Any]:
+    def decoding_policy(self) -> PaperDecoding:
         """The paper's default decoding settings (core/decoding.py) for a model trained under
         this order: one token per step left to right, a window of d at the paper's threshold
         for the staggered schedule, its own blocks for a block order."""
@@ -186,8 +207,8 @@ class Staggered(OrderPolicy):
         # U = 1 - V**(1/k), written as -expm1(log(V)/k) to keep precision when V is close to 1.
         return loc_L + b * -torch.expm1(torch.log(v_BL) / k)
 
-    def decoding_policy(self) -> dict[str, Any]:
-        return {"window": 1} if self.d == 1 else {"window": self.d, "threshold": PAPER_THRESHOLD}
+    def decoding_policy(self) -> PaperDecoding:
+        return PaperDecoding(window=1) if self.d == 1 else PaperDecoding(window=self.d, threshold=PAPER_THRESHOLD)
 
 
 @dataclass(frozen=True)
@@ -203,8 +224,8 @@ class LeftToRight(OrderPolicy):
         dev = _resolve_device(device, generator)
         return -torch.arange(length, device=dev, dtype=_score_dtype(dev)).expand(batch_size, length)
 
-    def decoding_policy(self) -> dict[str, Any]:
-        return {"window": 1}
+    def decoding_policy(self) -> PaperDecoding:
+        return PaperDecoding(window=1)
 
 
 @dataclass(frozen=True)
@@ -220,8 +241,8 @@ class Uniform(OrderPolicy):
         _check_length(length)
         return _uniform_BL(batch_size, length, generator, device)
 
-    def decoding_policy(self) -> dict[str, Any]:
-        return {"window": UNIFORM_WINDOW, "threshold": PAPER_THRESHOLD}
+    def decoding_policy(self) -> PaperDecoding:
+        return PaperDecoding(window=UNIFORM_WINDOW, threshold=PAPER_THRESHOLD)
 
 
 @dataclass(frozen=True)
@@ -248,8 +269,8 @@ class Block(OrderPolicy):
         # integer is broken by the stable sort towards the lower position, i.e. the earlier block).
         return (num_blocks - block_L) + u_BL
 
-    def decoding_policy(self) -> dict[str, Any]:
-        return {"window": self.size, "block_size": self.size, "threshold": PAPER_THRESHOLD}
+    def decoding_policy(self) -> PaperDecoding:
+        return PaperDecoding(window=self.size, block_size=self.size, threshold=PAPER_THRESHOLD)
 
 
 _POLICIES: dict[str, type[OrderPolicy]] = {c.name: c for c in (Staggered, LeftToRight, Uniform, Block)}

@@ -1,10 +1,11 @@
 """The recipe: one typed description of a run, from a laptop smoke test to a SLURM cluster.
 
 Every section is a pydantic model that rejects unknown keys, coerces and checks types, and
-checks ranges that need no other field. Rules that relate fields of different sections (heads
-divisible by tp, d <= m <= sequence length, ...) live in `validation.py`, where the recipe is
-seen whole. The same recipe means the same thing under both engines; only `engine` picks which
-one runs it, and only `launch` says where.
+checks ranges that need no other field. A section's rules against the rest of the recipe (heads
+divisible by tp, d <= m <= sequence length, ...) are its `rules` methods, next to its fields, and
+what `engine` asks of the sections is `Recipe.engine_rules`; `validation.py` runs them all, with
+the rules against the machine and the files. The same recipe means the same thing under both
+engines; only `engine` picks which one runs it, and only `launch` says where.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from pydantic import (
 
 from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.core.masked_diffusion import masked_decoding_policy
-from setdiff_megatron.core.orders import Block, OrderError, OrderPolicy, Staggered, make_order_policy
+from setdiff_megatron.core.orders import Block, OrderError, OrderPolicy, PaperDecoding, Staggered, make_order_policy
 from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.lora import TARGETS, LoraSpec
+from setdiff_megatron.models.weight_maps.megatron import check_backend
 from setdiff_megatron.recipes.decoding import DecodingSection, given
 
 __all__ = [
@@ -77,6 +79,36 @@ class LoraSection(Section):
     def spec(self) -> LoraSpec:
         return LoraSpec(self.rank, self.alpha, tuple(self.targets))
 
+    def rules(self, r: Recipe) -> list[str]:
+        """A base to adapt, and the layouts where an adapter is exact.
+
+        Dense layers, whole linears (no TP split of B, no Transformer Engine norm fused into the
+        linear), all layers on one stage (adapters are drawn layer by layer from one seed), and
+        weights that are not partitioned (ZeRO-3)."""
+        m, p = r.model, r.parallel
+        errors = []
+        if not m.init_from:
+            errors.append("model.lora: adapters train on a base model: set model.init_from")
+        if m.num_experts:
+            errors.append(
+                "model.lora: adapters go on dense layers; a mixture of experts (model.num_experts) is not supported"
+            )
+        if r.engine == "megatron" and (p.tp > 1 or p.pp > 1):
+            errors.append(
+                "model.lora: the megatron engine adapts whole layers on one stage: set parallel.tp = 1 and pp = 1"
+            )
+        if r.engine == "megatron" and m.backend == "te":
+            errors.append(
+                "model.lora: Transformer Engine fuses the norm into the adapted linears: set model.backend local"
+            )
+        if r.engine == "deepspeed" and p.zero_stage == 3:
+            errors.append(
+                "model.lora: ZeRO-3 partitions the frozen weights the adapters read: set parallel.zero_stage <= 2"
+            )
+        if r.train.ema:
+            errors.append("model.lora: no average of the weights is kept for adapters: remove train.ema_decay")
+        return errors
+
 
 @dataclass(kw_only=True)
 class ModelSection(ModelConfig):
@@ -94,6 +126,14 @@ class ModelSection(ModelConfig):
         values["vocab_size"] = self.vocab_size or vocab_size
         values["mask_token_id"] = self.mask_token_id if self.mask_token_id is not None else mask_token_id
         return ModelConfig(**values).resolved()
+
+    def backend_rules(self) -> list[str]:
+        """The body's layers (`backend`) can build this model."""
+        try:
+            check_backend(self, self.backend)
+        except ValueError as exc:
+            return [f"model.backend: {exc}"]
+        return []
 
 
 class MethodSection(Section):
@@ -141,12 +181,55 @@ class MethodSection(Section):
             return Block(size=self.block_size)
         return make_order_policy(self.order)
 
-    def decoding_policy(self) -> dict:
-        """The paper's default decoding settings for a model of this section (core/orders.py and
-        core/masked_diffusion.py `decoding_policy`)."""
+    def decoding_policy(self) -> PaperDecoding:
+        """The paper's default decoding for a model of this section (core/orders.py `PaperDecoding`)."""
         if self.masked_diffusion:
             return masked_decoding_policy(self.block_size if self.family == "bd3lm" else None)
         return self.order_policy().decoding_policy()
+
+    def rules(self, r: Recipe) -> list[str]:
+        """The order law's own rules against data.seq_len, and the decoding policy it yields."""
+        seq_len = r.data.seq_len
+        if self.masked_diffusion:
+            errors = self._masked_diffusion_rules(r)
+        else:
+            errors = []
+            try:
+                policy = self.order_policy()
+                if isinstance(policy, Staggered):
+                    policy.schedule(seq_len)
+            except OrderError as exc:
+                errors.append(f"method.{exc.field}: {exc}")
+        if not errors:
+            try:
+                r.decoding_policy()
+            except ValueError as exc:
+                errors.append(f"decoding: {exc}")
+        if self.order == "block" and self.block_size is not None and self.block_size > seq_len:
+            errors.append(f"method.block_size: {self.block_size} exceeds data.seq_len ({seq_len})")
+        return errors
+
+    def _masked_diffusion_rules(self, r: Recipe) -> list[str]:
+        """What MDLM and BD3-LM need: BD3-LM blocks that tile the sequence, none for MDLM, no context
+        parallelism and no document mask."""
+        seq_len, family = r.data.seq_len, self.family
+        errors = []
+        if family == "bd3lm" and self.block_size is None:
+            errors.append("method.block_size: family bd3lm needs its block size (the reference trains 4, 8 or 16)")
+        elif family == "bd3lm" and seq_len % self.block_size:
+            errors.append(
+                f"method.block_size: {self.block_size} does not divide data.seq_len ({seq_len}); BD3-LM's blocks "
+                "tile the sequence"
+            )
+        if family == "mdlm" and self.block_size is not None:
+            errors.append("method.block_size: MDLM is one block of data.seq_len; remove it (family bd3lm has blocks)")
+        if r.parallel.cp > 1:
+            errors.append(f"parallel.cp: family {family} runs without context parallelism; set cp = 1")
+        if r.data.document_mask:
+            errors.append(
+                f"data.document_mask: family {family} attends across a packed window, as the reference; remove it"
+            )
+        return errors
 
 
 BUILTIN_CORPORA = ("stdlib", "reasoning", "reasoning-chains")
@@ -209,6 +292,59 @@ class DataSection(Section):
     """Where sample indices and prepared corpora go; None: <checkpoint.dir>/data."""
     num_workers: NonNegativeInt = 0
 
+    def seq_len_rules(self, r: Recipe) -> list[str]:
+        if self.seq_len > r.model.max_seq_len:
+            return [f"data.seq_len: {self.seq_len} exceeds model.max_seq_len ({r.model.max_seq_len})"]
+        return []
+
+    def rules(self, r: Recipe) -> list[str]:
+        """A blend is all supervised or none, and supervised rows have room for a response."""
+        errors = []
+        formats = {ds.format for ds in self.datasets}
+        if len(formats) > 1:
+            return errors + [
+                "data.datasets: a blend mixes pretraining and supervised datasets; give every entry the same format"
+            ]
+        if formats != {"supervised"}:
+            return errors
+        errors += [
+            f"data.datasets.{i}.format: the built-in corpus {ds.path!r} has no supervised records (only "
+            f"{', '.join(SUPERVISED_CORPORA)} has)"
+            for i, ds in enumerate(self.datasets)
+            if ds.path in BUILTIN_CORPORA and ds.path not in SUPERVISED_CORPORA
+        ]
+        if self.document_mask:
+            errors.append(
+                "data.document_mask: applies to packed pretraining windows; supervised rows always keep "
+                "attention within each record: remove it"
+            )
+        s = self.supervised
+        if s.max_prompt_tokens is not None and s.max_prompt_tokens >= self.seq_len:
+            errors.append(
+                f"data.supervised.max_prompt_tokens: {s.max_prompt_tokens} leaves no room for a response in "
+                f"data.seq_len ({self.seq_len})"
+            )
+        return errors
+
+    def corpus_rules(self) -> list[str]:
+        """A built-in corpus trains alone with its own tokenizer; preprocessed datasets name theirs."""
+        names = [ds.path for ds in self.datasets]
+        builtin = [n for n in names if n in BUILTIN_CORPORA]
+        if builtin and len(names) > 1:
+            return [
+                f"data.datasets: the built-in corpus {builtin[0]!r} trains alone; blend preprocessed datasets "
+                "(setdiff preprocess) instead"
+            ]
+        if builtin and self.tokenizer is not None:
+            return [
+                f"data.tokenizer: the built-in corpus {builtin[0]!r} brings its own tokenizer; remove data.tokenizer"
+            ]
+        if not builtin and self.tokenizer is None:
+            return [
+                "data.tokenizer: preprocessed datasets need the tokenizer that made them (their tokenizer/ directory)"
+            ]
+        return []
+
 
 class ParallelSection(Section):
     tp: PositiveInt = 1
@@ -233,6 +369,82 @@ class ParallelSection(Section):
     offload_optimizer: bool = False
     """DeepSpeed: keep the optimizer state (fp32 master weights, Adam moments, fp32 gradients) in
     host memory and step it on the CPU; needs zero_stage >= 1."""
+
+    def data_parallel_size(self, world_size: int) -> int:
+        return world_size // (self.tp * self.pp * self.cp)
+
+    def rules(self, r: Recipe, world_size: int) -> list[str]:
+        """The layout against the model, the data and the `world_size` processes."""
+        p, m = self, r.model
+        errors = []
+        if m.num_heads % p.tp or m.num_kv_heads % p.tp:
+            errors.append(
+                f"parallel.tp: {p.tp} must divide model.num_heads ({m.num_heads}) and model.num_kv_heads "
+                f"({m.num_kv_heads})"
+            )
+        stages = p.pp * (p.vpp or 1)
+        if m.num_layers % stages:
+            errors.append(f"parallel.pp: pp x vpp = {stages} must divide model.num_layers ({m.num_layers})")
+        if p.vpp is not None and p.pp == 1:
+            errors.append("parallel.vpp: virtual pipeline stages need parallel.pp > 1")
+        if p.sequence_parallel and p.tp == 1:
+            errors.append("parallel.sequence_parallel: needs parallel.tp > 1")
+        if world_size % (p.tp * p.pp * p.cp):
+            errors.append(
+                f"parallel: tp x pp x cp = {p.tp * p.pp * p.cp} does not divide the {world_size} processes "
+                "(launch.nnodes x launch.nproc_per_node)"
+            )
+        else:
+            dp = p.data_parallel_size(world_size)
+            if p.global_batch_size % (p.micro_batch_size * dp):
+                errors.append(
+                    f"parallel.global_batch_size: {p.global_batch_size} must be a multiple of "
+                    f"micro_batch_size x data-parallel size = {p.micro_batch_size} x {dp}"
+                )
+        errors += p._expert_rules(r, world_size) + p._context_rules(r)
+        return errors
+
+    def _expert_rules(self, r: Recipe, world_size: int) -> list[str]:
+        p, m = self, r.model
+        errors = []
+        if p.ep > 1 and not m.num_experts:
+            errors.append("parallel.ep: expert parallelism needs a mixture of experts; set model.num_experts or ep = 1")
+        elif m.num_experts % p.ep:
+            errors.append(f"parallel.ep: {p.ep} must divide model.num_experts ({m.num_experts})")
+        if p.ep > 1 and r.engine == "deepspeed":
+            errors.append(
+                "parallel.ep: expert parallelism is a megatron-engine feature (the deepspeed engine runs MoE "
+                "models data-parallel); set ep = 1 or engine: megatron"
+            )
+        dp = p.data_parallel_size(world_size) if world_size % (p.tp * p.pp * p.cp) == 0 else None
+        if dp is not None and p.ep > 1 and (dp * p.cp) % p.ep:
+            errors.append(
+                f"parallel.ep: {p.ep} must divide the data- x context-parallel size ({dp} x {p.cp}): experts "
+                "are spread over those ranks of a stage"
+            )
+        if m.num_experts and p.tp > 1 and r.engine == "megatron" and not p.sequence_parallel:
+            errors.append(
+                "parallel.sequence_parallel: megatron-core trains MoE layers under tp > 1 only with sequence "
+                "parallelism; set sequence_parallel: true"
+            )
+        return errors
+
+    def _context_rules(self, r: Recipe) -> list[str]:
+        if self.cp == 1:
+            return []
+        cp, errors = self.cp, []
+        if r.data.seq_len % (2 * cp):
+            errors.append(
+                f"parallel.cp: each stream is split into 2 x cp = {2 * cp} chunks; data.seq_len "
+                f"({r.data.seq_len}) must be divisible by {2 * cp}"
+            )
+        if r.engine == "deepspeed":
+            errors.append(
+                "parallel.cp: context parallelism is a megatron-engine feature; set cp = 1 or engine: megatron"
+            )
+        if r.model.num_experts:
+            errors.append("parallel.cp: context parallelism with a mixture of experts is not supported yet; set cp = 1")
+        return errors
 
 
 class SpikePolicy(Section):
@@ -329,6 +541,73 @@ class TrainSection(Section):
     @property
     def ema(self) -> bool:
         return self.ema_decay is not None
+
+    def rules(self, r: Recipe) -> list[str]:
+        """Its length, rates and policies against the layout and the model."""
+        t = self
+        errors = []
+        if (t.steps is None) == (t.tokens is None):
+            errors.append("train.steps: set exactly one of train.steps and train.tokens")
+        if t.min_lr > t.lr:
+            errors.append(f"train.min_lr: {t.min_lr} exceeds train.lr ({t.lr})")
+        spikes = t.spike_policy
+        if spikes.min_history > spikes.window:
+            errors.append(
+                f"train.spike_policy.min_history: {spikes.min_history} exceeds train.spike_policy.window "
+                f"({spikes.window}), so no loss would ever be judged"
+            )
+        if spikes.action == "skip" and r.engine == "deepspeed" and r.parallel.zero_stage > 0:
+            errors.append(
+                "train.spike_policy.action: skip cannot drop a step under ZeRO (DeepSpeed applies finite "
+                "gradients from its own partitions); use action rollback, or warn"
+            )
+        if 0 < t.straggler_factor <= 1:
+            errors.append(
+                f"train.straggler_factor: {t.straggler_factor} would call every run's slowest rank a straggler; "
+                "use a factor above 1 (1.5 is the default), or 0 to turn the warning off"
+            )
+        if t.loss_normalization == "per_row" and r.model.num_experts:
+            errors.append(
+                "train.loss_normalization: per_row with a mixture of experts is not supported (the router "
+                "losses are weighted per token); use per_token or a dense model"
+            )
+        if t.fp8 is not None and r.model.backend != "te":
+            errors.append("train.fp8: FP8 needs model.backend: te (Transformer Engine, GPU only)")
+        return errors
+
+    def fp8_rules(self, r: Recipe) -> list[str]:
+        """Token counts and inner sizes Transformer Engine's FP8 GEMMs take.
+
+        Their input's leading dimensions multiply to a multiple of 8 and its last is a multiple of
+        16 (transformer_engine/pytorch/utils.py assert_dim_for_fp8_exec, TE 2.9-2.11, asserted by
+        Linear, LayerNormLinear and LayerNormMLP), and megatron-core runs every forward under FP8
+        once train.fp8 is set, evaluation included. The fewest tokens a layer sees on a rank are
+        the last layer's: its query stream only."""
+        p, m = r.parallel, r.model
+        if self.fp8 is None:
+            return (
+                ["train.fp8_dot_product_attention: FP8 attention needs train.fp8"]
+                if self.fp8_dot_product_attention
+                else []
+            )
+        errors = []
+        split = p.cp * (p.tp if p.sequence_parallel else 1)
+        tokens = r.data.seq_len * p.micro_batch_size
+        if tokens % split or (tokens // split) % 8:
+            per = " / parallel.cp" + (" / parallel.tp (sequence parallel)" if p.sequence_parallel else "")
+            errors.append(
+                f"train.fp8: FP8 GEMMs take token counts that are multiples of 8; the last layer holds data.seq_len "
+                f"x parallel.micro_batch_size{per if split > 1 else ''} = {tokens / split:g} tokens per rank: make it "
+                "a multiple of 8"
+            )
+        for name, size in (
+            ("model.hidden_size", m.hidden_size),
+            ("model.intermediate_size", m.intermediate_size),
+            ("model.num_heads x model.head_dim", m.num_heads * m.head_dim),
+        ):
+            if size % 16:
+                errors.append(f"train.fp8: FP8 GEMMs take inner sizes that are multiples of 16; {name} is {size}")
+        return errors
 
 
 class CheckpointSection(Section):
@@ -458,6 +737,46 @@ class RLSection(Section):
     replay of core/trajectory.py); 'one_step': diffu-GRPO's estimate, every completion token
     from the prompt alone (for comparison)."""
 
+    def rules(self, r: Recipe, world_size: int) -> list[str]:
+        """Prompts from padded supervised records, exact likelihoods, whole models, one step's batch.
+
+        Set diffusion's exact likelihoods, the whole model on each rank to sample (no PP, CP, SP
+        or ZeRO-3), and a global batch of exactly one step's completions."""
+        p = r.parallel
+        errors = []
+        if r.data.datasets[0].format != "supervised" or r.data.supervised.layout != "padded":
+            errors.append(
+                "rl: prompts come from supervised records one per row: set data.datasets format supervised, "
+                "layout padded"
+            )
+        if r.method.masked_diffusion:
+            errors.append(
+                f"rl: the exact trajectory likelihood is set diffusion's; method.family {r.method.family} has none"
+            )
+        if p.pp > 1 or p.cp > 1 or p.sequence_parallel:
+            errors.append(
+                "rl: sampling runs the whole model on each rank: set parallel.pp = 1, cp = 1, sequence_parallel = false"
+            )
+        if r.engine == "deepspeed" and p.zero_stage == 3:
+            errors.append("rl: sampling needs whole parameters on each rank: set parallel.zero_stage <= 2")
+        if self.group_size < 2:
+            errors.append("rl.group_size: GRPO normalises rewards within a group: give at least 2 completions a prompt")
+        if p.global_batch_size != self.prompts_per_step * self.group_size:
+            errors.append(
+                f"parallel.global_batch_size: {p.global_batch_size} must be rl.prompts_per_step x rl.group_size = "
+                f"{self.prompts_per_step * self.group_size} (the completions of a step)"
+            )
+        dp = p.data_parallel_size(world_size)
+        if dp and self.prompts_per_step % dp:
+            errors.append(
+                f"rl.prompts_per_step: {self.prompts_per_step} prompts do not split over {dp} data-parallel ranks"
+            )
+        if not r.model.init_from:
+            errors.append("rl: needs model.init_from, the starting weights the KL penalty keeps the policy near")
+        if self.reward != "gsm8k" and ":" not in self.reward:
+            errors.append(f"rl.reward: {self.reward!r} is neither 'gsm8k' nor 'module:function'")
+        return errors
+
 
 class Recipe(Section):
     name: str = "unnamed"
@@ -480,6 +799,63 @@ class Recipe(Section):
     d at threshold 0.9 for the staggered schedule, one token per step for AR, its blocks for a
     block order): every door (sample, eval, serve, lm-eval, the HF export) starts from it."""
 
+    def engine_rules(self) -> list[str]:
+        """What `engine` asks of the other sections: megatron-only and DeepSpeed-only settings."""
+        p, t = self.parallel, self.train
+        errors = []
+        if self.engine == "deepspeed" and (p.tp > 1 or p.pp > 1):
+            errors.append(
+                "parallel: tensor and pipeline parallelism (tp, pp > 1) are megatron-engine features; "
+                "the deepspeed engine is data-parallel (ZeRO): set tp = pp = 1 or engine: megatron"
+            )
+        if self.engine == "megatron" and t.compile:
+            errors.append(
+                "train.compile: the deepspeed engine compiles its torch model; megatron-core's layers are "
+                "not compiled: set train.compile=false or engine: deepspeed"
+            )
+        if self.engine == "megatron" and p.zero_stage > 1:
+            errors.append(
+                "parallel.zero_stage: ZeRO stages 2-3 are DeepSpeed's; with engine megatron use "
+                "parallel.distributed_optimizer"
+            )
+        if self.engine != "deepspeed":
+            if p.offload_optimizer:
+                errors.append(
+                    "parallel.offload_optimizer: optimizer offload is a deepspeed-engine feature; "
+                    "set engine: deepspeed or offload_optimizer=false"
+                )
+            return errors
+        if self.checkpoint.async_save:
+            errors.append(
+                "checkpoint.async_save: the deepspeed engine saves synchronously: DeepSpeed 0.19's decoupled "
+                "checkpoint writer commits inside the next optimizer step, with no point at which the "
+                "checkpoint could be hashed and published once its files are on disk; set "
+                "checkpoint.async_save=false or engine: megatron"
+            )
+        if t.ema and p.zero_stage == 3:
+            errors.append(
+                "train.ema_decay: the average of the weights is not kept under ZeRO-3 (partitioned parameters); "
+                "use parallel.zero_stage <= 2 or engine: megatron"
+            )
+        if p.distributed_optimizer and p.zero_stage == 0:
+            errors.append(
+                "parallel.distributed_optimizer: with engine deepspeed the optimizer is sharded by "
+                "parallel.zero_stage (1 is megatron's distributed optimizer); set zero_stage >= 1 "
+                "or distributed_optimizer=false"
+            )
+        if p.offload_optimizer and p.zero_stage == 0:
+            errors.append(
+                "parallel.offload_optimizer: DeepSpeed offloads only ZeRO-partitioned optimizer state; "
+                "set parallel.zero_stage >= 1"
+            )
+        if t.precision == "bf16" and p.zero_stage == 0:
+            # Stage 0 would update bf16 weights in place: DeepSpeed keeps fp32 master weights in ZeRO only.
+            errors.append(
+                "train.precision: bf16 under engine deepspeed needs parallel.zero_stage >= 1 (fp32 master "
+                "weights live in DeepSpeed's ZeRO optimizer); or use train.precision=fp32"
+            )
+        return errors
+
     def decoding_policy(self) -> DecodingConfig:
         """The model's own decoding policy: its order's paper default, with `decoding` over it."""
-        return DecodingConfig(**{**self.method.decoding_policy(), **given(self.decoding)})
+        return DecodingConfig(**{**self.method.decoding_policy().settings(), **given(self.decoding)})

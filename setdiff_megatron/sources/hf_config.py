@@ -122,7 +122,7 @@ def with_family_policy(generation: Mapping[str, Any], config: Mapping[str, Any])
     family = config.get("family", "set_diffusion")
     if family not in ("mdlm", "bd3lm"):
         return dict(generation)
-    policy = masked_decoding_policy(config.get("block_size") if family == "bd3lm" else None)
+    policy = masked_decoding_policy(config.get("block_size") if family == "bd3lm" else None).settings()
     return {**{k: v for k, v in policy.items() if k not in generation}, **generation}
 
 

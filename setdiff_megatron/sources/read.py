@@ -249,7 +249,7 @@ def read_hf_dir(directory: str | Path, *, weights: bool = True, base: str | Path
         cfg,
         state if weights else None,
         tokenizer,
-        decoding=DecodingConfig(**LeftToRight().decoding_policy()),
+        decoding=DecodingConfig(**LeftToRight().decoding_policy().settings()),
     )
 
 

@@ -11,6 +11,7 @@ from setdiff_megatron.core.masked_diffusion import (
     MaskedDiffusionBatch,
     ensure_masked_blocks,
     mask_tokens,
+    masked_decoding_policy,
     masked_two_stream_batch,
     sample_masked_batch,
     sample_noise_levels,
@@ -215,3 +216,14 @@ def test_a_packed_record_trains_as_if_alone_in_a_padded_row(block):
                            groups=alone.groups)  # fmt: skip
         torch.testing.assert_close(whole[0, span], single[0, :n])
         start += n
+
+
+def test_masked_decoding_policies_are_the_papers():
+    unaligned = {"threshold": 0.9, "align_inputs_to_blocks": False}
+    assert masked_decoding_policy(None).settings() == {"window": 32, "block_size": 32, **unaligned}
+    assert masked_decoding_policy(4).settings() == {
+        "window": 4,
+        "block_size": 4,
+        "cache_infill_input": True,
+        **unaligned,
+    }

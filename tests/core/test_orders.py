@@ -8,6 +8,7 @@ import torch
 from setdiff_megatron.core.orders import (
     Block,
     LeftToRight,
+    PaperDecoding,
     Staggered,
     Uniform,
     make_order_policy,
@@ -238,3 +239,19 @@ def test_bad_inputs_raise(call, arg):
 def test_unknown_name_lists_allowed_values():
     with pytest.raises(ValueError, match="left_to_right"):
         make_order_policy("ar")
+
+
+@pytest.mark.parametrize(
+    "policy, settings",
+    [
+        (Staggered(d=1), {"window": 1}),
+        (Staggered(d=4), {"window": 4, "threshold": 0.9}),
+        (LeftToRight(), {"window": 1}),
+        (Uniform(), {"window": 16, "threshold": 0.9}),
+        (Block(size=8), {"window": 8, "block_size": 8, "threshold": 0.9}),
+    ],
+)
+def test_decoding_policy_is_typed_and_sets_only_its_own_settings(policy, settings):
+    paper = policy.decoding_policy()
+    assert isinstance(paper, PaperDecoding)
+    assert paper.settings() == settings

@@ -172,7 +172,7 @@ class MegatronEngine(Engine):
     def decoding(self) -> Iterator[None]:
         """RL's rollouts decode with FP8 off: megatron-core enters an fp8 autocast for any forward
         of a model whose config sets fp8, and TE's FP8 GEMMs refuse a decode step's token counts,
-        which are not multiples of 8 (recipes/validation.py, `_fp8_rules`). The exact likelihoods
+        which are not multiples of 8 (recipes/schema.py, `TrainSection.fp8_rules`). The exact likelihoods
         of the decoded tokens are computed afterwards by forwards in FP8, as training's are."""
         config = self.chunks[0].module.config
         fp8, config.fp8 = config.fp8, None
