@@ -32,6 +32,7 @@ from setdiff_megatron.core.streams import build_two_stream_batch  # noqa: E402
 from setdiff_megatron.distributed.runtime import join  # noqa: E402
 from setdiff_megatron.inference.job import job_decoding  # noqa: E402
 from setdiff_megatron.inference.loading import load_sampling_model  # noqa: E402
+from setdiff_megatron.recipes.decoding import with_stops  # noqa: E402
 
 __all__ = ["SetDiffLM", "main"]
 
@@ -86,8 +87,8 @@ class SetDiffLM(LM):
         self.batch_size = _batch_size(batch_size)
         self.max_gen_toks = max_gen_toks
         given = {k: v for k, v in settings.items() if k in SETTINGS}
-        self.decoding = job_decoding(
-            {**given, "max_new_tokens": max_gen_toks, "eos_token_ids": (self.tokenizer.eos_id,)}, self.sm.decoding
+        self.decoding = with_stops(
+            job_decoding({**given, "max_new_tokens": max_gen_toks}, self.sm.decoding), self.tokenizer
         )
         self.pretrained = pretrained
         self.speed = {"num_rows": 0, "num_tokens": 0, "row_steps": 0, "nfe": 0, "seconds": 0.0}
@@ -214,8 +215,7 @@ class SetDiffLM(LM):
                 top_k=gen_kwargs.get("top_k", cfg.top_k),
                 top_p=gen_kwargs.get("top_p", cfg.top_p),
             )
-        stops = tuple(tuple(self.tokenizer.encode(u)) for u in until)
-        return replace(cfg, stop_sequences=tuple(s for s in stops if s and self.tokenizer.mask_id not in s)), until
+        return with_stops(cfg, self.tokenizer, until), until
 
     def _prompt(self, context: str, cfg: DecodingConfig) -> list[int]:
         """The context formatted as the model's training rows began (its BOS, a prompt EOS, as

@@ -26,6 +26,7 @@ from setdiff_megatron.evaluation.tasks import score_completion
 from setdiff_megatron.inference.loading import load_sampling_model
 from setdiff_megatron.inference.prompts import PromptRecord, encode_prompt
 from setdiff_megatron.recipes import Recipe
+from setdiff_megatron.recipes.decoding import with_stops
 from setdiff_megatron.sources.read import read_source
 
 __all__ = ["showcase", "RESULT"]
@@ -77,9 +78,7 @@ def showcase(recipe: Recipe) -> list[str]:
     ]
     # Within the context after the longest prompt: MDLM's and BD3-LM's decoders never run past it.
     room = sm.config.max_seq_len - max(map(len, ids))
-    cfg = sm.decoding.over(
-        {"max_new_tokens": min(52 if corpus == "reasoning" else 48, room), "eos_token_ids": (sm.tokenizer.eos_id,)}
-    )
+    cfg = with_stops(sm.decoding.over({"max_new_tokens": min(52 if corpus == "reasoning" else 48, room)}), sm.tokenizer)
     sampler = sm.sampler()
     out = sampler.generate(ids, cfg, batch_size=16)
     texts = [sm.tokenizer.decode(row.completion, skip_special_tokens=True) for row in out.rows]

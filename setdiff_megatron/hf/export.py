@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -25,6 +25,7 @@ from setdiff_megatron.hf.weights_io import parse_size, save_sharded, staged_dire
 from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.dtypes import dtype_named
 from setdiff_megatron.models.weight_maps.hf import torch_to_hf
+from setdiff_megatron.recipes.decoding import with_stops
 from setdiff_megatron.sources.hf_config import generation_config_from_decoding, hf_config_from_model_config
 from setdiff_megatron.sources.hf_files import safetensors_dtype
 from setdiff_megatron.sources.read import AR_KINDS, Source, read_source
@@ -95,7 +96,7 @@ def write_export(source: Source, out: Path, dtype: torch.dtype, max_shard_bytes:
     }
     _write_json(out / "config.json", config)
     generation = generation_config_from_decoding(  # the model's own policy: its generate() decodes with it
-        replace(source.decoding, eos_token_ids=(tok.eos_id,)), mask_token_id=tok.mask_id, pad_token_id=tok.pad_id
+        with_stops(source.decoding, tok), mask_token_id=tok.mask_id, pad_token_id=tok.pad_id
     )
     _write_json(
         out / "generation_config.json",

@@ -29,6 +29,7 @@ from setdiff_megatron.inference.prompts import PromptRecord, encode_prompt, read
 from setdiff_megatron.inference.results import ShardedResults
 from setdiff_megatron.inference.sharding import Placement, Shard
 from setdiff_megatron.log import say
+from setdiff_megatron.recipes.decoding import with_stops
 
 __all__ = ["SampleJob", "run_sample_job", "job_decoding"]
 
@@ -99,14 +100,7 @@ def run_sample_job(job: SampleJob) -> DecodingConfig:
     ranks = join(place.tp)
     records = read_prompts(job.prompts)
     sm = load_sampling_model(job.source, ranks, device=place.device, dtype=place.dtype)
-    decoding = job_decoding(job.decoding, sm.decoding)
-    if job.stop_at_eos and not decoding.eos_token_ids:
-        decoding = replace(decoding, eos_token_ids=(sm.tokenizer.eos_id,))
-    if job.stop:
-        decoding = replace(
-            decoding,
-            stop_sequences=decoding.stop_sequences + tuple(tuple(sm.tokenizer.encode(text)) for text in job.stop),
-        )
+    decoding = with_stops(job_decoding(job.decoding, sm.decoding), sm.tokenizer, job.stop, eos=job.stop_at_eos)
     context_len = job.context_len or sm.config.max_seq_len
     if context_len > sm.config.max_seq_len:
         raise UserError(f"--context-len {context_len} exceeds the model's max_seq_len {sm.config.max_seq_len}")

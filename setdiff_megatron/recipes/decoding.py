@@ -4,18 +4,22 @@ all `settings_model`s, so a setting added there appears, with its range and help
 
 A field left out is unset (the model's own policy decides); `null` is a value and turns an
 optional setting off. `given` reads back only what was set.
+
+`with_stops` is the one way every door (sample jobs, the server, lm-eval, the showcase, RL
+rollouts, the HF export) adds the tokenizer's EOS and stop texts to a DecodingConfig.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Annotated, Any
+from dataclasses import replace
+from typing import Annotated, Any, Protocol
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model, model_serializer
 
-from setdiff_megatron.core.decoding import SETTINGS, Setting
+from setdiff_megatron.core.decoding import SETTINGS, DecodingConfig, Setting
 
-__all__ = ["settings_model", "given", "DecodingSection"]
+__all__ = ["settings_model", "given", "DecodingSection", "with_stops"]
 
 
 def _checker(setting: Setting):
@@ -64,3 +68,23 @@ class _GivenOnly(BaseModel):
 DecodingSection = settings_model("DecodingSection", base=_GivenOnly)
 """A recipe's `decoding`: the model's policy where it departs from its order's paper default
 (core/orders.py `decoding_policy`), e.g. `decoding: {window: 8, threshold: 0.7}`."""
+
+
+class _Tokenizer(Protocol):
+    eos_id: int
+    mask_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+
+def with_stops(
+    cfg: DecodingConfig, tokenizer: _Tokenizer, texts: Iterable[str] = (), *, eos: bool = True
+) -> DecodingConfig:
+    """`cfg` stopping at the tokenizer's EOS and at `texts`.
+
+    With `eos`, a config without EOS ids gets the tokenizer's; the texts' encodings follow the
+    config's own stop sequences, those that encode to nothing or hold the MASK token left out."""
+    encoded = (tuple(tokenizer.encode(text)) for text in texts)
+    stops = cfg.stop_sequences + tuple(s for s in encoded if s and tokenizer.mask_id not in s)
+    eos_ids = cfg.eos_token_ids or ((tokenizer.eos_id,) if eos else ())
+    return replace(cfg, eos_token_ids=eos_ids, stop_sequences=stops)

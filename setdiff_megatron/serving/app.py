@@ -22,6 +22,7 @@ from setdiff_megatron.data.supervised import RowFormat, chat_prompt
 from setdiff_megatron.data.tokenizers import SetDiffTokenizer
 from setdiff_megatron.errors import require
 from setdiff_megatron.inference.prompts import infill_prompt
+from setdiff_megatron.recipes.decoding import with_stops
 from setdiff_megatron.serving.metrics import ServingStats, exposition, metrics_registry
 from setdiff_megatron.serving.protocol import ChatBody, CompletionBody, RequestError, decoding_of, validation_message
 from setdiff_megatron.serving.replicas import Job, Replica
@@ -193,8 +194,7 @@ class Server:
         tok = self.model.tokenizer
         base_seed = body.seed if body.seed is not None else random.randrange(2**31)
         cfg = decoding_of(body, self.model.defaults, max_tokens=max_tokens, seed=base_seed)
-        stops = tuple(s for s in (tuple(tok.encode(text)) for text in body.stops) if s and tok.mask_id not in s)
-        cfg = DecodingConfig(**{**cfg.__dict__, "eos_token_ids": (tok.eos_id,), "stop_sequences": stops})
+        cfg = with_stops(cfg, tok, body.stops)
         problem = self.limits.problem(prompt, cfg)
         if problem:
             raise RequestError(

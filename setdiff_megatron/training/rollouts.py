@@ -20,6 +20,7 @@ from setdiff_megatron.core.sample_request import Request
 from setdiff_megatron.core.samplers import sampler_for
 from setdiff_megatron.core.streams import TwoStreamBatch
 from setdiff_megatron.core.trajectory import replay_batch
+from setdiff_megatron.recipes.decoding import with_stops
 from setdiff_megatron.recipes.schema import Recipe
 from setdiff_megatron.training.data_pipeline import TrainingData
 from setdiff_megatron.training.engines.base import evaluating
@@ -95,8 +96,9 @@ class Rollouts:
         """The group_size completions of each prompt, decoded by the model being trained."""
         rl, tok = self.rl, self.data.tokenizer
         model = self.engine.policy_model()
-        cfg = self.recipe.decoding_policy().over(
-            {"temperature": rl.temperature, "max_new_tokens": rl.max_new_tokens, "eos_token_ids": (tok.eos_id,)}
+        cfg = with_stops(
+            self.recipe.decoding_policy().over({"temperature": rl.temperature, "max_new_tokens": rl.max_new_tokens}),
+            tok,
         )
         sampler = sampler_for(
             self.recipe.method.family,
