@@ -215,7 +215,7 @@ class SetDiffLM(LM):
                 top_k=gen_kwargs.get("top_k", cfg.top_k),
                 top_p=gen_kwargs.get("top_p", cfg.top_p),
             )
-        return with_stops(cfg, self.tokenizer, until), until
+        return with_stops(cfg, self.tokenizer, until, skip_unusable=True), until
 
     def _prompt(self, context: str, cfg: DecodingConfig) -> list[int]:
         """The context formatted as the model's training rows began (its BOS, a prompt EOS, as

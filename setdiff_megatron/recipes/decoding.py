@@ -18,6 +18,7 @@ from typing import Annotated, Any, Protocol
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model, model_serializer
 
 from setdiff_megatron.core.decoding import SETTINGS, DecodingConfig, Setting
+from setdiff_megatron.errors import UserError
 
 __all__ = ["settings_model", "given", "DecodingSection", "with_stops"]
 
@@ -78,13 +79,24 @@ class _Tokenizer(Protocol):
 
 
 def with_stops(
-    cfg: DecodingConfig, tokenizer: _Tokenizer, texts: Iterable[str] = (), *, eos: bool = True
+    cfg: DecodingConfig,
+    tokenizer: _Tokenizer,
+    texts: Iterable[str] = (),
+    *,
+    eos: bool = True,
+    skip_unusable: bool = False,
 ) -> DecodingConfig:
     """`cfg` stopping at the tokenizer's EOS and at `texts`.
 
     With `eos`, a config without EOS ids gets the tokenizer's; the texts' encodings follow the
-    config's own stop sequences, those that encode to nothing or hold the MASK token left out."""
-    encoded = (tuple(tokenizer.encode(text)) for text in texts)
-    stops = cfg.stop_sequences + tuple(s for s in encoded if s and tokenizer.mask_id not in s)
+    config's own stop sequences. A text that encodes to nothing or holds the MASK token is an
+    error, or left out with `skip_unusable` (a request's or a task's stop strings)."""
+    stops = cfg.stop_sequences
+    for text in texts:
+        seq = tuple(tokenizer.encode(text))
+        if seq and tokenizer.mask_id not in seq:
+            stops += (seq,)
+        elif not skip_unusable:
+            raise UserError(f"stop sequence {text!r} encodes to no token or holds MASK: give another stop string")
     eos_ids = cfg.eos_token_ids or ((tokenizer.eos_id,) if eos else ())
     return replace(cfg, eos_token_ids=eos_ids, stop_sequences=stops)

@@ -194,7 +194,7 @@ class Server:
         tok = self.model.tokenizer
         base_seed = body.seed if body.seed is not None else random.randrange(2**31)
         cfg = decoding_of(body, self.model.defaults, max_tokens=max_tokens, seed=base_seed)
-        cfg = with_stops(cfg, tok, body.stops)
+        cfg = with_stops(cfg, tok, body.stops, skip_unusable=True)
         problem = self.limits.problem(prompt, cfg)
         if problem:
             raise RequestError(

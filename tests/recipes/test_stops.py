@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from setdiff_megatron.core.decoding import DecodingConfig
+from setdiff_megatron.errors import UserError
 from setdiff_megatron.recipes.decoding import with_stops
 
 PACKAGE = Path(__file__).parents[2] / "setdiff_megatron"
@@ -36,9 +37,12 @@ class Tok:
 
 
 def test_with_stops_adds_eos_and_encoded_texts():
-    cfg = with_stops(DecodingConfig(), Tok(), ["ab", "", "x <mask>", "abc d"])
+    cfg = with_stops(DecodingConfig(), Tok(), ["ab", "", "x <mask>", "abc d"], skip_unusable=True)
     assert cfg.eos_token_ids == (2,)
     assert cfg.stop_sequences == ((12,), (13, 11))
+    for unusable in ("", "x <mask>"):  # a job's own stop strings: an error that says what to do
+        with pytest.raises(UserError, match="give another stop string"):
+            with_stops(DecodingConfig(), Tok(), ["ab", unusable])
 
 
 def test_with_stops_keeps_the_configs_own():
