@@ -15,7 +15,7 @@ from pathlib import Path
 from setdiff_megatron.core.orders import OrderError, Staggered
 from setdiff_megatron.errors import require
 from setdiff_megatron.models.config import ModelConfig
-from setdiff_megatron.models.weight_maps.megatron import check_backend
+from setdiff_megatron.models.weight_maps.megatron_map import check_backend
 from setdiff_megatron.recipes.inputs import dataset_exists, where_looked
 from setdiff_megatron.recipes.loading import RecipeError
 from setdiff_megatron.recipes.schema import BUILTIN_CORPORA, SUPERVISED_CORPORA, Recipe
