@@ -18,7 +18,7 @@ def megatron_step(
 ) -> tuple[Callable[[], None], ModelConfig]:
     """(a closure running one optimizer step over `batches`, the model config). The process
     joins the job's group as `setdiff train` does (a world of one without a launcher)."""
-    from setdiff_megatron.training.engines.megatron import MegatronEngine
+    from setdiff_megatron.training.engines.megatron_engine import MegatronEngine
 
     recipe = Recipe.model_validate(recipe_dict)
     engine = MegatronEngine(recipe)

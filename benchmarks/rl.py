@@ -35,7 +35,7 @@ from benchmarks.study import run as study_run
 from benchmarks.study.plan import parse_seeds
 from benchmarks.study.report import over_seed_values
 from setdiff_megatron.checkpoint.names import CHECKPOINTS, find_checkpoints
-from setdiff_megatron.distributed.offspring import child_env
+from setdiff_megatron.distributed.child_processes import child_env
 from setdiff_megatron.errors import ArgumentParser
 from setdiff_megatron.evaluation.tasks import SCORED, GenerateJob, run_generate_job
 from setdiff_megatron.recipes import load_recipe

@@ -4,7 +4,7 @@ Each subcommand parses its arguments and calls one library function. Errors a us
 (`UserError`) print one line and exit with code 2, once for all the processes of a local launch
 (see errors.py). A command that writes into a run or output directory owns it while it runs
 (distributed/ownership.py), and every command ends with the process that started it
-(distributed/offspring.py, `follow_parent`).
+(distributed/child_processes.py, `follow_parent`).
 """
 
 from __future__ import annotations
@@ -108,8 +108,8 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def _say_plan(recipe) -> None:
-    """The plan's one line for a GPU run, or its refusal (planning/door.py)."""
-    from setdiff_megatron.planning.door import launch_plan
+    """The plan's one line for a GPU run, or its refusal (planning/launch_check.py)."""
+    from setdiff_megatron.planning.launch_check import launch_plan
 
     summary = launch_plan(recipe)
     if summary:
@@ -354,13 +354,13 @@ def build_parser() -> argparse.ArgumentParser:
     launch.set_defaults(func=_launch)
 
     _add_sample_parser(sub)
-    from setdiff_megatron.evaluation.cli import add_eval_parser
+    from setdiff_megatron.evaluation.eval_cli import add_eval_parser
 
     add_eval_parser(sub)
-    from setdiff_megatron.serving.cli import add_parser as add_serve_parser
+    from setdiff_megatron.serving.serve_cli import add_parser as add_serve_parser
 
     add_serve_parser(sub)
-    from setdiff_megatron.planning.cli import add_parser as add_plan_parser
+    from setdiff_megatron.planning.plan_cli import add_parser as add_plan_parser
 
     add_plan_parser(sub, _add_recipe_args)
     _add_convert_parser(sub)
@@ -395,9 +395,9 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = argv
     if getattr(args, "base", None):  # a Qwen3 release's base model, for this process and those it starts
         os.environ[BASE_ENV] = str(Path(args.base).absolute())
-    from setdiff_megatron.distributed import offspring, ownership
+    from setdiff_megatron.distributed import child_processes, ownership
 
-    offspring.follow_parent()  # a worker or a started command ends with what started it
+    child_processes.follow_parent()  # a worker or a started command ends with what started it
     try:
         return run_reporting(lambda: args.func(args))
     except KeyboardInterrupt:

@@ -1,4 +1,4 @@
-"""The paper's baselines, MDLM and BD3-LM (recipe method.family), through every door: a short
+"""The paper's baselines, MDLM and BD3-LM (recipe method.family), through every entry point: a short
 `setdiff train` whose validation loss falls, then `setdiff sample`, `setdiff serve` and the Hugging
 Face export's own generate() decoding with the family's decoder and policy (blocks, threshold
 0.9), each giving what the decoder gives on the loaded model, and a round trip back through
@@ -59,7 +59,7 @@ def family_runs(tmp_path_factory) -> dict[str, Path]:
 
 
 def _direct(run: Path, prompt: str) -> tuple[str, dict]:
-    """The family's decoder on the loaded model, at its policy: the reference every door must give."""
+    """The family's decoder on the loaded model, at its policy: the reference every entry point must give."""
     sm = load_sampling_model(run, Ranks(), device="cpu")
     cfg = sm.decoding.over({"max_new_tokens": NEW, "eos_token_ids": (sm.tokenizer.eos_id,)})
     row = sm.sampler().generate([sm.prompt_format().prompt(sm.tokenizer.encode(prompt)).tolist()], cfg).rows[0]
@@ -139,7 +139,7 @@ def test_the_hf_export_generates_as_the_family_and_imports_back(family_runs, fam
     setdiff("convert", "to-hf", str(run), str(tmp_path / "hf"), "--check")  # the family's logits, equal
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["family"] == family and config.get("block_size") == (4 if family == "bd3lm" else None)
-    # An export written before cache_infill_input and align_inputs_to_blocks existed: both doors
+    # An export written before cache_infill_input and align_inputs_to_blocks existed: both entry points
     # read the family's own policy.
     shutil.copytree(tmp_path / "hf", tmp_path / "old")
     generation = json.loads((tmp_path / "old" / "generation_config.json").read_text())

@@ -18,7 +18,7 @@ LAYERS = {
     "recipes": 4,
     "distributed": 4,
     "checkpoint": 5,
-    "runs": 5,
+    "recipe_data": 5,
     "sources": 6,
     "training": 7,
     "hf": 7,
@@ -36,25 +36,29 @@ SHARED = {"errors", "version", "progress", "log"}
 FRAMEWORKS = {
     "megatron": {
         "models/megatron_model.py",
-        "models/megatron_plumbing.py",
+        "models/megatron_forward.py",
         "models/megatron_moe.py",
         "models/megatron_adaln.py",
         "distributed/megatron_cpu.py",
         "distributed/runtime.py",
-        "checkpoint/megatron.py",
+        "checkpoint/megatron_shards.py",
         "checkpoint/ema.py",
         "data/packing.py",
         "data/indexed.py",
         "training/lr_schedule.py",
-        "training/engines/megatron.py",
+        "training/engines/megatron_engine.py",
         "training/engines/deepspeed_config.py",
         "planning/fake_world.py",
         "planning/measure.py",
     },
-    "deepspeed": {"training/engines/deepspeed.py", "sources/deepspeed.py", "planning/measure_deepspeed.py"},
+    "deepspeed": {
+        "training/engines/deepspeed_engine.py",
+        "sources/deepspeed_checkpoints.py",
+        "planning/measure_deepspeed.py",
+    },
 }
 """Where megatron-core and DeepSpeed may be imported (lazily or not): the megatron body (its MoE
-and adaLN layers included) and its plumbing, the runtime and its CPU layer, the megatron parts of checkpoint/ and data/,
+and adaLN layers included) and what megatron's training needs around it, the runtime and its CPU layer, the megatron parts of checkpoint/ and data/,
 megatron-core's LR scheduler and optimizer defaults (both engines update alike), each engine, and
 the planner's fake world (megatron-core's groups on a fake process group) and its MoE stand-in;
 DeepSpeed in its engine, in the reader of its checkpoints, and in the planner's stand-ins for

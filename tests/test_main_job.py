@@ -1,12 +1,12 @@
 """The README's main job (`setdiff train recipes/tiny-reasoning.yaml`), run as a new user runs it,
-and every door a user then takes to its model.
+and every entry point a user then takes to its model.
 
 The job adapts the shipped AR base into set diffusion d = 4 and ends with the showcase: a sample
 of a held-out problem and the accuracy on held-out problems at the model's own decoding policy
 (a window of 4 at threshold 0.9), which it also writes to logs/showcase.json. With no decoding
 flag, `setdiff sample`, `setdiff eval generate`, lm-eval's generate_until, `setdiff serve` and the
 Hugging Face export's own `generate()` must give the showcase's completion at its tokens per step:
-each door starts from the policy the model carries.
+each entry point starts from the policy the model carries.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.data.answers import gsm8k_answer
 from setdiff_megatron.data.chains import prepare_chains_corpus, rule_baselines
 from setdiff_megatron.data.reasoning import TRAIN_LEVELS, ReasoningCorpus, prepare_reasoning_corpus
-from setdiff_megatron.distributed.offspring import child_env
+from setdiff_megatron.distributed.child_processes import child_env
 from setdiff_megatron.evaluation.infilling import InfillJob, run_infill_job
 from setdiff_megatron.evaluation.likelihood import LikelihoodJob, run_likelihood_job
 from setdiff_megatron.evaluation.scoring import exact_match

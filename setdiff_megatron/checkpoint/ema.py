@@ -44,7 +44,7 @@ def read_whole(directory: Path) -> dict[str, torch.Tensor]:
 def average_shards(model_state: dict, wholes: dict[int, torch.Tensor]) -> dict:
     """The average as megatron shards beside the model's, to save or to load into.
 
-    Each sharded tensor of `model_state` (checkpoint/megatron.py) whose data is a parameter with a
+    Each sharded tensor of `model_state` (checkpoint/megatron_shards.py) whose data is a parameter with a
     whole average in `wholes` (by its id) is copied with that average (fp32) as data, under
     EMA_PREFIX + its key; "ema<i>" holds chunk i's, keyed as "model<i>" is."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory

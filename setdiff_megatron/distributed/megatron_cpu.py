@@ -39,7 +39,9 @@ PRIVATE_NAMES = {
     ),
     "megatron.core.tensor_parallel.mappings": ("_gather_along_first_dim", "_reduce_scatter_along_first_dim"),
     "megatron.core.transformer.moe.token_dispatcher": ("maybe_move_tensor_to_cpu",),
-    "megatron.core.dist_checkpointing.strategies.filesystem_async": ("_results_queue",),  # training/engines/megatron.py
+    "megatron.core.dist_checkpointing.strategies.filesystem_async": (
+        "_results_queue",
+    ),  # training/engines/megatron_engine.py
 }
 """Every megatron-core name this package replaces or reads that is not public API: a release
 that renames one breaks the CPU mode (or the engine's save queue) silently, so they are checked."""

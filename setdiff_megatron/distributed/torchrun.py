@@ -19,7 +19,7 @@ from torch.distributed import run
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from setdiff_megatron.distributed.offspring import follow_parent
+from setdiff_megatron.distributed.child_processes import follow_parent
 from setdiff_megatron.errors import ERROR_DIR_ENV, EXIT_USER_ERROR, handed_over
 
 

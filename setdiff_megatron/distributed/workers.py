@@ -14,7 +14,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 
-from setdiff_megatron.distributed.offspring import child_env
+from setdiff_megatron.distributed.child_processes import child_env
 from setdiff_megatron.distributed.ownership import held_fds
 
 __all__ = ["RESTART_ENV", "Torchrun"]

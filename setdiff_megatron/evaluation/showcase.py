@@ -6,7 +6,7 @@ accuracy over a few dozen problems, against the same model decoding one token pe
 right (W = 1) and against the trivial baseline (every problem given the most common answer),
 over `eval.showcase_problems` held-out problems (250 by default: +-3 points where 50 gave +-7);
 the stdlib corpus shows the continuation of a held-out function signature. Both decode with the
-model's own policy, as every other door does (Source.decoding: the paper's default for the run's
+model's own policy, as every other entry point does (Source.decoding: the paper's default for the run's
 order, a window of d queries and a threshold of 0.9, one token per step for AR, with the recipe's
 `decoding` over it), and report tokens per step.
 """
@@ -39,7 +39,7 @@ RESULT = "logs/showcase.json"
 
 def _prompts(recipe: Recipe) -> tuple[str, list[dict]] | None:
     """(corpus name, held-out {"prompt", "reference"?} records) of a run on a built-in corpus."""
-    from setdiff_megatron.runs.terms import data_dir
+    from setdiff_megatron.recipe_data import data_dir
 
     names = [d.path for d in recipe.data.datasets]
     if names == ["reasoning"]:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from setdiff_megatron.checkpoint.identity import model_identity
-from setdiff_megatron.checkpoint.megatron import model_sharded_state, save_shards
+from setdiff_megatron.checkpoint.megatron_shards import model_sharded_state, save_shards
 from setdiff_megatron.checkpoint.names import CHECKPOINTS, TOKENIZER_DIR, step_name
 from setdiff_megatron.checkpoint.publish import publish
 from setdiff_megatron.checkpoint.state import Progress, TrainState, write_train_state
@@ -74,8 +74,8 @@ def write_megatron_checkpoint(source: Source, stage: Path, final: Path, *, dtype
 
 def _loaded_chunk(source: Source, dtype: torch.dtype):
     """The whole model as one megatron chunk at `dtype`, holding the source's weights."""
-    from setdiff_megatron.models.megatron_plumbing import build_model_chunks, transformer_config_from
-    from setdiff_megatron.models.weight_maps.megatron import torch_to_megatron
+    from setdiff_megatron.models.megatron_forward import build_model_chunks, transformer_config_from
+    from setdiff_megatron.models.weight_maps.megatron_map import torch_to_megatron
 
     (chunk,) = build_model_chunks(source.config, transformer_config_from(source.config, params_dtype=dtype))
     state = torch_to_megatron({k: v.to(dtype) for k, v in source.state_dict.items()}, source.config)

@@ -29,8 +29,8 @@ from setdiff_megatron.log import say
 from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.dtypes import dtype_named
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
+from setdiff_megatron.recipe_data import prompt_format
 from setdiff_megatron.recipes import Recipe
-from setdiff_megatron.runs.terms import prompt_format
 from setdiff_megatron.sources.read import Source, read_source
 
 __all__ = ["SamplingModel", "load_sampling_model"]
@@ -88,9 +88,9 @@ def _megatron_shard(source: Source, tp: int, dtype: torch.dtype, device: torch.d
     from setdiff_megatron.distributed.runtime import init_model_parallel, model_parallel_ranks, world_size
 
     init_model_parallel(Layout.of(world_size(), tp=tp), seed=0)
-    from setdiff_megatron.checkpoint.megatron import load_model_shard
-    from setdiff_megatron.models.megatron_plumbing import build_model_chunks, transformer_config_from
-    from setdiff_megatron.models.weight_maps.megatron import torch_to_megatron
+    from setdiff_megatron.checkpoint.megatron_shards import load_model_shard
+    from setdiff_megatron.models.megatron_forward import build_model_chunks, transformer_config_from
+    from setdiff_megatron.models.weight_maps.megatron_map import torch_to_megatron
 
     config = source.config
     (chunk,) = build_model_chunks(config, transformer_config_from(config, tp=tp, params_dtype=dtype))

@@ -108,7 +108,7 @@ def add_adapters(
 
 def torch_linears(cfg: ModelConfig, target: str) -> tuple[str, ...]:
     """The torch body's linears (layer-local names) under `target`, in B's row order: q, k, v
-    (megatron's fused linear_qkv, whose adapter reads B through weight_maps/megatron.py `qkv_rows`),
+    (megatron's fused linear_qkv, whose adapter reads B through weight_maps/megatron_map.py `qkv_rows`),
     o_proj (linear_proj), gate and up or up alone for a GELU MLP (linear_fc1), down_proj
     (linear_fc2)."""
     return {

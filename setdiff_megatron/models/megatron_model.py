@@ -5,7 +5,7 @@ parallelism and, as the model asks, MLP biases, MoE layers and adaLN (why these 
 stock ones: docs/dit.md, "Training it"; docs/megatron-on-cpu.md, "Around the layer"); it computes
 what models/torch_model.py computes. The last layer runs on the query rows only, except under
 sequence parallelism. The TransformerConfig, this rank's chunks and forward_step are in
-models/megatron_plumbing.py.
+models/megatron_forward.py.
 
 Shapes: b micro-batch, L ranks per stream, S = 2L tokens, E hidden, V vocabulary (Vp padded),
 np/hn heads per TP rank and head dim, D head dim.
@@ -47,7 +47,7 @@ from setdiff_megatron.models.megatron_adaln import AdaLNFinalNorm, AdaLNTransfor
 from setdiff_megatron.models.megatron_moe import SetDiffusionRouter, clean_rows_mask
 from setdiff_megatron.models.torch_model import LayerNorm as TorchLayerNorm
 from setdiff_megatron.models.torch_model import Rotary, cache_attention_impl
-from setdiff_megatron.models.weight_maps.megatron import check_backend, qkv_rows
+from setdiff_megatron.models.weight_maps.megatron_map import check_backend, qkv_rows
 from setdiff_megatron.models.weight_maps.parallel import padded_vocab_size, stage_layers
 
 __all__ = ["SetCausalCoreAttention", "adapt_megatron_model", "adaln_specs", "layer_spec"]

@@ -2,7 +2,7 @@
 
 `SetDiffusionRouter` weights each TP x CP rank's share of the load-balancing loss by the whole
 micro-batch's tokens, and in the last layer (`query_rows_only`) routes the clean rows but leaves
-them out of the router losses (docs/parallelism.md, "Tested compositions"). megatron_plumbing
+them out of the router losses (docs/parallelism.md, "Tested compositions"). megatron_forward
 rescales the z-loss coefficient.
 """
 

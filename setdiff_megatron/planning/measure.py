@@ -90,7 +90,7 @@ def measure_megatron_rank(recipe: Recipe, model_cfg: ModelConfig, *, fake: bool)
     # scales): process-wide, not the rank's, so imported before counting.
     import megatron.core.transformer.multi_token_prediction  # noqa: F401
 
-    from setdiff_megatron.training.engines.megatron import MegatronEngine, fill_optimizer_state
+    from setdiff_megatron.training.engines.megatron_engine import MegatronEngine, fill_optimizer_state
 
     engine = MegatronEngine(recipe)
     batch = synthetic_batch(recipe, model_cfg)

@@ -81,7 +81,7 @@ def measure_deepspeed_rank(recipe: Recipe, model_cfg: ModelConfig, *, fake: bool
     `deepspeed.initialize` keeps (fp32 partitions, moments; ZeRO-3's buffers); grads: what the
     backward leaves (ZeRO's fp32 gradient partition, or whole gradients at ZeRO-0)."""
     from setdiff_megatron.training.engines.base import fill_torch_optimizer_state
-    from setdiff_megatron.training.engines.deepspeed import DeepSpeedEngine
+    from setdiff_megatron.training.engines.deepspeed_engine import DeepSpeedEngine
 
     if recipe.parallel.offload_optimizer:
         raise UserError(

@@ -50,8 +50,8 @@ HEADER = (
 
 
 def row(name: str) -> str:
-    from setdiff_megatron.planning.cli import plan_model_config
     from setdiff_megatron.planning.plan import GIB, plan_recipe
+    from setdiff_megatron.planning.plan_cli import plan_model_config
     from setdiff_megatron.recipes.loading import load_recipe
 
     file, gpus, vocab, overrides = ROWS[name]

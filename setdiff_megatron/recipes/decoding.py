@@ -1,11 +1,11 @@
 """Decoding settings as pydantic fields, made from their one declaration (core/decoding.py
 SETTINGS): a recipe's `decoding` section, a sweep's settings and the server's request knobs are
-all `settings_model`s, so a setting added there appears, with its range and help, at every door.
+all `settings_model`s, so a setting added there appears, with its range and help, at every entry point.
 
 A field left out is unset (the model's own policy decides); `null` is a value and turns an
 optional setting off. `given` reads back only what was set.
 
-`with_stops` is the one way every door (sample jobs, the server, lm-eval, the showcase, RL
+`with_stops` is the one way every entry point (sample jobs, the server, lm-eval, the showcase, RL
 rollouts, the HF export) adds the tokenizer's EOS and stop texts to a DecodingConfig.
 """
 

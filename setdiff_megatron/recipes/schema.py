@@ -29,7 +29,7 @@ from setdiff_megatron.core.masked_diffusion import masked_decoding_policy
 from setdiff_megatron.core.orders import Block, OrderError, OrderPolicy, PaperDecoding, Staggered, make_order_policy
 from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.lora import TARGETS, LoraSpec
-from setdiff_megatron.models.weight_maps.megatron import check_backend
+from setdiff_megatron.models.weight_maps.megatron_map import check_backend
 from setdiff_megatron.recipes.decoding import DecodingSection, given
 
 __all__ = [
@@ -797,7 +797,7 @@ class Recipe(Section):
     decoding: DecodingSection = Field(default_factory=DecodingSection)
     """How the trained model decodes where it departs from its order's paper default (a window of
     d at threshold 0.9 for the staggered schedule, one token per step for AR, its blocks for a
-    block order): every door (sample, eval, serve, lm-eval, the HF export) starts from it."""
+    block order): every entry point (sample, eval, serve, lm-eval, the HF export) starts from it."""
 
     def engine_rules(self) -> list[str]:
         """What `engine` asks of the other sections: megatron-only and DeepSpeed-only settings."""

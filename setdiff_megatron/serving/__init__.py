@@ -5,5 +5,5 @@ responses.py the response and error objects, of the openai package's own types
 metrics.py   what the front end counts, served to Prometheus
 replicas.py  the engines: a thread of this process, or torchrun worker groups (DP x TP)
 app.py       the FastAPI front end: completions, chat, streaming, models, health, metrics
-cli.py       the command
+serve_cli.py the command
 """

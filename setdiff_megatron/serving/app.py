@@ -59,7 +59,7 @@ class ServedModel:
     chat_template: str | None = None
     kv_budget: int | None = None
     prompt_format: RowFormat = field(default_factory=RowFormat)
-    """How text prompts begin, as the model's training rows did (runs/terms.py prompt_format)."""
+    """How text prompts begin, as the model's training rows did (recipe_data.py prompt_format)."""
 
 
 @dataclass

@@ -222,7 +222,7 @@ def replica_main() -> int:
     model, then serve the front end at the settings' address (the group's first rank) or its peers."""
     from multiprocessing.connection import Client
 
-    from setdiff_megatron.distributed.offspring import follow_parent
+    from setdiff_megatron.distributed.child_processes import follow_parent
     from setdiff_megatron.distributed.runtime import join, tensor_parallel_broadcast
     from setdiff_megatron.inference.loading import load_sampling_model
 

@@ -34,11 +34,11 @@ from setdiff_megatron.recipes.loading import RESOLVED_NAME
 from setdiff_megatron.recipes.schema import MethodSection
 from setdiff_megatron.sources.ar_import import SUPPORTED, ar_model_config, ar_state_dict, unsupported_architecture
 from setdiff_megatron.sources.base_model import BASE_ENV
-from setdiff_megatron.sources.deepspeed import consolidated_state_dict, is_deepspeed_checkpoint
+from setdiff_megatron.sources.deepspeed_checkpoints import consolidated_state_dict, is_deepspeed_checkpoint
 from setdiff_megatron.sources.dit_import import DIT_KIND, dit_state_dict, is_dit_config, read_composer_checkpoint
 from setdiff_megatron.sources.hf_export import export_policy, load_hf_export, read_hf_config
 from setdiff_megatron.sources.hf_files import load_safetensors_dir
-from setdiff_megatron.sources.megatron import adapter_weights, torch_weights
+from setdiff_megatron.sources.megatron_checkpoints import adapter_weights, torch_weights
 from setdiff_megatron.sources.setdlm_release import RELEASE_KIND, is_release_config, read_release
 
 __all__ = ["Source", "read_source", "read_hf_dir", "fit_source", "AR_KINDS"]
@@ -72,7 +72,7 @@ class Source:
     length: int | None = None
     """The sequence length it was trained on where no recipe says (see `trained_length`)."""
     decoding: DecodingConfig = field(default_factory=DecodingConfig)
-    """The model's own decoding policy, where every sampling door starts: its recipe's (runs,
+    """The model's own decoding policy, where every sampling entry point starts: its recipe's (runs,
     releases), its generation_config.json (our exports), one token per step (causal LMs); the
     sampler's defaults where nothing records one (a bare DiT)."""
     averaged: bool = False

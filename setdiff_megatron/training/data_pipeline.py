@@ -23,8 +23,8 @@ from setdiff_megatron.data.builtin import builtin_corpus_dir, corpus_paths, prep
 from setdiff_megatron.data.samples import ResumableLoader, SupervisedRows, build_datasets, truncation_report
 from setdiff_megatron.data.tokenizers import SetDiffTokenizer, load_tokenizer
 from setdiff_megatron.log import say
+from setdiff_megatron.recipe_data import data_dir, is_supervised, row_format
 from setdiff_megatron.recipes.schema import BUILTIN_CORPORA, Recipe
-from setdiff_megatron.runs.terms import data_dir, is_supervised, row_format
 
 __all__ = ["TrainingData", "prepare_data", "DataLoaders", "model_batch"]
 

@@ -17,8 +17,8 @@ import torch
 from setdiff_megatron.core.loss import LossWeights, Normalization, loss_weights
 from setdiff_megatron.core.policy_gradient import PolicyBatch, PolicyTerms
 from setdiff_megatron.core.streams import TwoStreamBatch
+from setdiff_megatron.recipe_data import is_supervised
 from setdiff_megatron.recipes.schema import Recipe, RLSection
-from setdiff_megatron.runs.terms import is_supervised
 
 __all__ = ["Objective"]
 

@@ -22,8 +22,8 @@ from setdiff_megatron.checkpoint.identity import model_identity
 from setdiff_megatron.checkpoint.resolve import resume_target
 from setdiff_megatron.checkpoint.state import Progress
 from setdiff_megatron.distributed import runtime
+from setdiff_megatron.distributed.child_processes import ChildProcesses
 from setdiff_megatron.distributed.fault_injection import Faults
-from setdiff_megatron.distributed.offspring import Offspring
 from setdiff_megatron.distributed.ownership import owned
 from setdiff_megatron.distributed.signals import PreemptionHandler
 from setdiff_megatron.errors import UserError
@@ -55,16 +55,16 @@ class TrainResult:
 
 def train(recipe: Recipe, recipe_path: str | Path = "<recipe>") -> TrainResult:
     check_run(recipe, recipe_path, world_size=runtime.world_size())
-    offspring = Offspring()
+    children = ChildProcesses()
     with (
         owned(recipe.checkpoint.dir),
         PreemptionHandler(recipe.checkpoint.dir) as preemption,
-        Watchdog.for_run(recipe, offspring) as watchdog,
+        Watchdog.for_run(recipe, children) as watchdog,
     ):
         try:
             return _Run(recipe, start_engine(recipe), preemption, watchdog).loop()
         finally:
-            offspring.end()
+            children.end()
             runtime.shutdown()
 
 

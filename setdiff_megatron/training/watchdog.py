@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from setdiff_megatron.distributed import runtime
-from setdiff_megatron.distributed.offspring import Offspring
+from setdiff_megatron.distributed.child_processes import ChildProcesses
 from setdiff_megatron.log import write
 from setdiff_megatron.recipes import Recipe
 
@@ -73,11 +73,11 @@ class Watchdog:
         timeouts: dict[str, float],
         rank: int,
         log_dir: Path,
-        offspring: Offspring | None = None,
+        children: ChildProcesses | None = None,
         *,
         poll_s: float | None = None,
     ):
-        self.timeouts, self.rank, self.log_dir, self.offspring = timeouts, rank, log_dir, offspring
+        self.timeouts, self.rank, self.log_dir, self.children = timeouts, rank, log_dir, children
         watched = [s for s in timeouts.values() if s > 0]
         self.poll_s = poll_s or min([5.0] + [s / 4 for s in watched])
         self._doing: tuple[Phase, int | None, float] = (STARTUP, None, time.monotonic())
@@ -89,12 +89,12 @@ class Watchdog:
         self._on = bool(watched)
 
     @classmethod
-    def for_run(cls, recipe: Recipe, offspring: Offspring) -> Watchdog:
+    def for_run(cls, recipe: Recipe, children: ChildProcesses) -> Watchdog:
         return cls(
             phase_timeouts(recipe),
             runtime.rank(),
             Path(recipe.checkpoint.dir) / "logs",
-            offspring,
+            children,
         )
 
     def __enter__(self) -> Watchdog:
@@ -158,6 +158,6 @@ class Watchdog:
             + f"exiting with code {EXIT_HANG} so the launcher restarts from the last checkpoint",
             sys.stderr,
         )
-        if self.offspring is not None:
-            self.offspring.kill()
+        if self.children is not None:
+            self.children.kill()
         os._exit(EXIT_HANG)

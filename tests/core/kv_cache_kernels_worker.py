@@ -17,12 +17,12 @@ from megatron.core import parallel_state
 from setdiff_megatron.core import step_attention
 from setdiff_megatron.distributed import megatron_cpu
 from setdiff_megatron.kernels import flash_attn, te_fused
-from setdiff_megatron.models.megatron_plumbing import (
+from setdiff_megatron.models.megatron_forward import (
     build_model_chunks,
     transformer_config_from,
 )
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
-from setdiff_megatron.models.weight_maps.megatron import torch_to_megatron
+from setdiff_megatron.models.weight_maps.megatron_map import torch_to_megatron
 from tests.core.test_kv_cache_kernels import KERNELS, emulated_step
 from tests.models.megatron_cases import compare_sampling, parallel_config, reference_weights
 

@@ -5,7 +5,7 @@ the lines of two workers never interleave)."""
 import os
 import time
 
-from setdiff_megatron.distributed.offspring import follow_parent
+from setdiff_megatron.distributed.child_processes import follow_parent
 
 if __name__ == "__main__":
     follow_parent()

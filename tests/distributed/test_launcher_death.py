@@ -1,4 +1,4 @@
-"""A launcher's death ends what it started, SIGKILL included (offspring.follow_parent): torchrun
+"""A launcher's death ends what it started, SIGKILL included (child_processes.follow_parent): torchrun
 and its workers under every local launcher (workers.Torchrun: train, sample and eval --nproc,
 serve), the workers when torchrun itself is killed, and a command started with `child_env`."""
 
@@ -59,7 +59,7 @@ def test_killing_the_launcher_or_its_torchrun_ends_every_worker_within_seconds(v
 def test_a_command_started_with_child_env_ends_with_its_parent():
     parent = _start(
         "import subprocess, sys, time\n"
-        "from setdiff_megatron.distributed.offspring import child_env\n"
+        "from setdiff_megatron.distributed.child_processes import child_env\n"
         "subprocess.Popen([sys.executable, '-m', 'tests.distributed.sleeping_worker'], env=child_env())\n"
         "time.sleep(300)\n"
     )

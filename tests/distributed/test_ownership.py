@@ -155,7 +155,7 @@ def test_the_lease_reads_another_hosts_holder_by_its_heartbeat(tmp_path, monkeyp
 
 
 @pytest.mark.parametrize(
-    "door",
+    "command",
     [
         "sample SRC --prompts P --out OUT",
         "sample SRC --prompts P --out OUT --nproc 2",
@@ -167,14 +167,14 @@ def test_the_lease_reads_another_hosts_holder_by_its_heartbeat(tmp_path, monkeyp
         "convert from-hf SRC OUT --overwrite",
     ],
 )
-def test_every_command_that_writes_an_output_owns_it(tmp_path, capsys, door):
+def test_every_command_that_writes_an_output_owns_it(tmp_path, capsys, command):
     from setdiff_megatron.cli import main
 
     out = tmp_path / "out"
     out.mkdir()
     (out / "kept.jsonl").write_text("saved\n")
     (tmp_path / "p.jsonl").write_text('{"prompt": "a", "reference": "b", "text": "a b"}\n')
-    argv = door.replace("SRC", str(tmp_path / "model")).replace("P", str(tmp_path / "p.jsonl"))
+    argv = command.replace("SRC", str(tmp_path / "model")).replace("P", str(tmp_path / "p.jsonl"))
     holder = _holder(out)
     try:
         assert main(argv.replace("OUT", str(out)).split()) == 2

@@ -29,9 +29,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from setdiff_megatron.distributed.layout import Layout
 from setdiff_megatron.distributed.runtime import init_model_parallel, world_size
-from setdiff_megatron.models.megatron_plumbing import build_model_chunks, transformer_config_from
+from setdiff_megatron.models.megatron_forward import build_model_chunks, transformer_config_from
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
-from setdiff_megatron.models.weight_maps.megatron import torch_to_megatron
+from setdiff_megatron.models.weight_maps.megatron_map import torch_to_megatron
 from tests.models.megatron_cases import batches, compare_sampling, moe_config, reference_weights, write_worker_results
 from tests.models.megatron_parallel_worker import _max_diff, _merged, optimizer_params, run_layout
 

@@ -24,14 +24,14 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from setdiff_megatron.core.loss import loss_weights
 from setdiff_megatron.distributed.megatron_cpu import auto_cpu_mode, dist_backend, model_parallel_seed
-from setdiff_megatron.models.megatron_plumbing import (
+from setdiff_megatron.models.megatron_forward import (
     build_model_chunks,
     forward_step,
     pipeline_seq_length,
     transformer_config_from,
 )
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
-from setdiff_megatron.models.weight_maps.megatron import megatron_to_torch, torch_to_megatron
+from setdiff_megatron.models.weight_maps.megatron_map import megatron_to_torch, torch_to_megatron
 from tests.models.megatron_cases import (
     LENGTH,
     MICRO_BATCH,

@@ -1,5 +1,5 @@
 """Megatron chunk state dicts of a TP/PP(/VP)/EP split merged into one whole model's, the form
-`weight_maps.megatron.megatron_to_torch` reads: the tests' way back from `torch_to_megatron`'s
+`weight_maps.megatron_map.megatron_to_torch` reads: the tests' way back from `torch_to_megatron`'s
 shards and from every rank of a parallel run (production only ever reads TP = PP = EP = 1
 checkpoints)."""
 

@@ -23,10 +23,10 @@ from setdiff_megatron.core.streams import TwoStreamBatch
 from setdiff_megatron.distributed import megatron_cpu
 from setdiff_megatron.models.config import DIT_BODY
 from setdiff_megatron.models.lora import TARGETS, LoraSpec, adapt_torch_model, adapter_state
+from setdiff_megatron.models.megatron_forward import build_model_chunks, loss_func, transformer_config_from
 from setdiff_megatron.models.megatron_model import adapt_megatron_model
-from setdiff_megatron.models.megatron_plumbing import build_model_chunks, loss_func, transformer_config_from
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
-from setdiff_megatron.models.weight_maps.megatron import megatron_to_torch, torch_to_megatron
+from setdiff_megatron.models.weight_maps.megatron_map import megatron_to_torch, torch_to_megatron
 from tests.conftest import debug_config, randomized
 from tests.models.megatron_cases import (
     batches,

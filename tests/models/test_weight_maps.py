@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
-from setdiff_megatron.models.weight_maps.megatron import megatron_to_torch, torch_to_megatron
+from setdiff_megatron.models.weight_maps.megatron_map import megatron_to_torch, torch_to_megatron
 from setdiff_megatron.models.weight_maps.parallel import padded_vocab_size, stage_layers
 from tests.conftest import debug_config, dit_config, randomized
 from tests.models.megatron_shards import merge_megatron_shards

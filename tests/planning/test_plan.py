@@ -101,7 +101,7 @@ def tiny_gpu_recipe(*overrides: str):
 
 
 def test_a_gpu_launch_says_its_plan_in_one_line():
-    from setdiff_megatron.planning.door import launch_plan
+    from setdiff_megatron.planning.launch_check import launch_plan
 
     line = launch_plan(tiny_gpu_recipe("launch.nproc_per_node=2"), has_gpu=False)
     assert line.startswith("plan: 2 x H100 SXM 80GB, DP2: peak ") and "fits" in line and "planned for h100-80gb" in line
@@ -111,7 +111,7 @@ def test_a_gpu_launch_says_its_plan_in_one_line():
 def test_a_gpu_launch_that_does_not_fit_is_refused_with_a_layout_that_does():
     from setdiff_megatron.errors import UserError
     from setdiff_megatron.planning.devices import DEVICES
-    from setdiff_megatron.planning.door import launch_plan
+    from setdiff_megatron.planning.launch_check import launch_plan
 
     small = dataclasses.replace(DEVICES["h100-80gb"], name="small", memory_gib=0.11)  # 101 MB usable
     recipe = tiny_gpu_recipe("launch.nproc_per_node=2")
@@ -126,7 +126,7 @@ def test_a_gpu_launch_that_does_not_fit_is_refused_with_a_layout_that_does():
 def test_a_deepspeed_gpu_launch_is_planned_as_deepspeed_builds_it():
     """ZeRO-2 over two ranks: DeepSpeed's own buffers in the peak, its reduce bucket included
     (500M elements by default: 1.86 GiB of the 2.0 in fp32)."""
-    from setdiff_megatron.planning.door import launch_plan
+    from setdiff_megatron.planning.launch_check import launch_plan
 
     recipe = tiny_gpu_recipe(
         "engine=deepspeed", "parallel.zero_stage=2", "parallel.distributed_optimizer=false", "launch.nproc_per_node=2"
@@ -135,8 +135,8 @@ def test_a_deepspeed_gpu_launch_is_planned_as_deepspeed_builds_it():
     assert line.startswith("plan: 2 x H100 SXM 80GB, DP2 x ZeRO-2: peak 2.0 GiB") and "fits" in line, line
 
 
-DOOR = """
-from setdiff_megatron.planning.door import launch_plan
+LAUNCH_CHECK = """
+from setdiff_megatron.planning.launch_check import launch_plan
 from tests.planning.test_plan import tiny_gpu_recipe
 
 if __name__ == "__main__":
@@ -146,13 +146,13 @@ if __name__ == "__main__":
 
 @pytest.mark.slow  # about 15 s: a planning child process started, its parent SIGKILLed
 def test_the_planning_child_ends_with_a_killed_parent(tmp_path):
-    script = tmp_path / "door.py"
-    script.write_text(DOOR)
+    script = tmp_path / "launch_check.py"
+    script.write_text(LAUNCH_CHECK)
     parent = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     deadline = time.monotonic() + 120
     while not (children := psutil.Process(parent.pid).children()) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert children, "the door started no planning process"
+    assert children, "the launch check started no planning process"
     time.sleep(2)  # the child is planning
     os.kill(parent.pid, signal.SIGKILL)
     parent.wait()

@@ -1,4 +1,4 @@
-"""EOS and stop sequences reach a DecodingConfig one way (recipes/decoding.py `with_stops`), at every door."""
+"""EOS and stop sequences reach a DecodingConfig one way (recipes/decoding.py `with_stops`), at every entry point."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from setdiff_megatron.errors import UserError
 from setdiff_megatron.recipes.decoding import with_stops
 
 PACKAGE = Path(__file__).parents[2] / "setdiff_megatron"
-DOORS = (
+ENTRY_POINTS = (
     "inference/job.py",
     "serving/app.py",
     "evaluation/lm_eval_adapter.py",
@@ -23,7 +23,7 @@ DOORS = (
 """Every place a decode is asked for that stops at EOS or at stop texts."""
 STOP_FIELDS = {"eos_token_ids", "stop_sequences"}
 ENGINE = {"core", "sampling"}
-"""The decoding engine (its declaration, and a warm-up that decodes without stops) is no door."""
+"""The decoding engine (its declaration, and a warm-up that decodes without stops) is no entry point."""
 MAY_SET = {"recipes/decoding.py", "sources/hf_config.py", "sources/hf_export.py"}
 """Where else the fields may be written: `with_stops`, and the generation-config translation (an
 export's EOS is left to the caller)."""
@@ -53,11 +53,11 @@ def test_with_stops_keeps_the_configs_own():
     assert with_stops(DecodingConfig(), Tok(), eos=False).eos_token_ids == ()
 
 
-@pytest.mark.parametrize("door", DOORS)
-def test_every_door_goes_through_with_stops(door):
-    tree = ast.parse((PACKAGE / door).read_text())
+@pytest.mark.parametrize("entry_point", ENTRY_POINTS)
+def test_every_entry_point_goes_through_with_stops(entry_point):
+    tree = ast.parse((PACKAGE / entry_point).read_text())
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "with_stops"]
-    assert calls, f"{door} decodes without with_stops"
+    assert calls, f"{entry_point} decodes without with_stops"
 
 
 def _writes(tree: ast.AST) -> list[int]:

@@ -23,7 +23,7 @@ from setdiff_megatron.core.sampler import SetSampler  # noqa: E402
 from setdiff_megatron.data.supervised import chat_prompt  # noqa: E402
 from setdiff_megatron.distributed.runtime import Ranks  # noqa: E402
 from setdiff_megatron.inference.loading import load_sampling_model  # noqa: E402
-from setdiff_megatron.runs.terms import prompt_format  # noqa: E402
+from setdiff_megatron.recipe_data import prompt_format  # noqa: E402
 from setdiff_megatron.serving.local import LiveServer  # noqa: E402
 from setdiff_megatron.sources.read import read_source  # noqa: E402
 

@@ -47,7 +47,7 @@ def main(run_dir: Path, mode: str) -> int:
     from setdiff_megatron.data.tokenizers import train_byte_level_bpe
     from setdiff_megatron.recipes import load_recipe
     from setdiff_megatron.training.checkpointer import Checkpointer
-    from setdiff_megatron.training.engines.megatron import MegatronEngine
+    from setdiff_megatron.training.engines.megatron_engine import MegatronEngine
     from setdiff_megatron.training.metrics import MetricsLogger
 
     world = int(os.environ["WORLD_SIZE"])

@@ -25,19 +25,19 @@ def write_files() -> None:
 
 
 def main(way: str, log_dir: Path) -> None:
-    from setdiff_megatron.distributed.offspring import Offspring, start_manager
+    from setdiff_megatron.distributed.child_processes import ChildProcesses, start_manager
     from setdiff_megatron.distributed.signals import PREEMPTION_SIGNALS, blocked
     from setdiff_megatron.training.watchdog import SAVE, Watchdog
 
-    offspring = Offspring()
+    children = ChildProcesses()
     start_manager(ignore=PREEMPTION_SIGNALS).Queue()
     with blocked():
         multiprocessing.get_context("fork").Process(target=write_files).start()
-    while len(offspring.alive()) < 3:
+    while len(children.alive()) < 3:
         time.sleep(0.05)
-    print(f"started {len(offspring.alive())}", flush=True)
+    print(f"started {len(children.alive())}", flush=True)
     timeouts = dict(hang_timeout_s=60.0, save_timeout_s=1.0, eval_timeout_s=60.0, startup_timeout_s=60.0)
-    with Watchdog(timeouts, 0, log_dir, offspring, poll_s=0.05) as watchdog:
+    with Watchdog(timeouts, 0, log_dir, children, poll_s=0.05) as watchdog:
         try:
             with watchdog.phase(SAVE, 5):
                 if way == "error":
@@ -47,7 +47,7 @@ def main(way: str, log_dir: Path) -> None:
                 if way == "killed":
                     os.kill(os.getpid(), signal.SIGKILL)
         finally:
-            offspring.end(wait_s=1.0)
+            children.end(wait_s=1.0)
 
 
 if __name__ == "__main__":

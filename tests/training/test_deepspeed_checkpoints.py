@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from setdiff_megatron.errors import UserError
-from setdiff_megatron.sources.deepspeed import consolidated_state_dict
-from setdiff_megatron.training.engines.deepspeed import layout_refusal
+from setdiff_megatron.sources.deepspeed_checkpoints import consolidated_state_dict
+from setdiff_megatron.training.engines.deepspeed_engine import layout_refusal
 
 HERE = {"engine": "deepspeed", "zero_stage": 2, "dp": 2, "optimizer": "DeepSpeedZeroOptimizer"}
 

@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 
 from setdiff_megatron.models.lora import adapt_torch_model, is_adapter_key
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
-from setdiff_megatron.sources.megatron import adapter_weights
+from setdiff_megatron.sources.megatron_checkpoints import adapter_weights
 from setdiff_megatron.sources.read import fit_source, read_source
 from tests.training.test_supervised_runs import ROOT, losses
 from tests.training.test_supervised_runs import train as train_reasoning

@@ -13,7 +13,7 @@ import torch
 from setdiff_megatron.checkpoint.resolve import describe
 from setdiff_megatron.core.loss import token_nll
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
-from setdiff_megatron.sources.megatron import torch_weights
+from setdiff_megatron.sources.megatron_checkpoints import torch_weights
 from setdiff_megatron.sources.read import read_source
 from setdiff_megatron.training.data_pipeline import DataLoaders, prepare_data
 from setdiff_megatron.training.objective import Objective

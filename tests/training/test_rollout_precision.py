@@ -1,4 +1,4 @@
-"""RL's rollouts decode with FP8 off (training/engines/megatron.py, `decoding`): megatron-core
+"""RL's rollouts decode with FP8 off (training/engines/megatron_engine.py, `decoding`): megatron-core
 runs any forward of a model whose config sets fp8 under an fp8 autocast, and Transformer
 Engine's FP8 GEMMs refuse a decode step's token counts; the rollouts' scoring and training
 forwards keep FP8, so the likelihoods GRPO compares come from one precision."""
@@ -9,7 +9,7 @@ import pytest
 
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 from setdiff_megatron.recipes import load_recipe
-from setdiff_megatron.training.engines.megatron import MegatronEngine
+from setdiff_megatron.training.engines.megatron_engine import MegatronEngine
 from setdiff_megatron.training.rollouts import Rollouts
 from tests.conftest import debug_config
 

@@ -1,5 +1,5 @@
 """A run owns its directory (distributed/ownership.py) and its launcher takes its processes with
-it (distributed/offspring.py, `follow_parent`): the two scenarios of a launcher killed with
+it (distributed/child_processes.py, `follow_parent`): the two scenarios of a launcher killed with
 SIGKILL (what the OOM killer does) and a second `setdiff train` on a directory in use."""
 
 import os

@@ -12,9 +12,9 @@ __all__ = ["Engine", "StepOutcome", "start_engine"]
 def start_engine(recipe: Recipe) -> Engine:
     """The recipe's engine, with its process groups up (collective: every rank calls it)."""
     if recipe.engine == "megatron":
-        from setdiff_megatron.training.engines.megatron import MegatronEngine
+        from setdiff_megatron.training.engines.megatron_engine import MegatronEngine
 
         return MegatronEngine(recipe)
-    from setdiff_megatron.training.engines.deepspeed import DeepSpeedEngine
+    from setdiff_megatron.training.engines.deepspeed_engine import DeepSpeedEngine
 
     return DeepSpeedEngine(recipe)

@@ -36,7 +36,7 @@ SCHEDULE_STEPS = 50
 
 def schedule_lrs(overrides: list[str], chunks) -> dict[str, list[float]]:
     """The megatron engine's LR at every step of a 50-step run, per schedule."""
-    from setdiff_megatron.training.engines.megatron import build_optimizer
+    from setdiff_megatron.training.engines.megatron_engine import build_optimizer
 
     out = {}
     for schedule in SCHEDULES:
@@ -64,7 +64,7 @@ def decoupled_worst(overrides: list[str], chunks) -> float:
     """train.optimizer=decoupled_adamw through megatron's distributed optimizer (this rank's
     shards stepped, the weights gathered): the largest difference, over 6 steps of warm-up and
     decay with the same random gradients on every rank and no clipping, from composer's update."""
-    from setdiff_megatron.training.engines.megatron import build_optimizer
+    from setdiff_megatron.training.engines.megatron_engine import build_optimizer
     from tests.training.test_training_semantics import DECOUPLED, composer_step
 
     recipe = load_recipe(RECIPE, [*overrides, *AS_MEGATRON, *DECOUPLED, "train.clip_grad=0"])
@@ -87,7 +87,7 @@ def decoupled_worst(overrides: list[str], chunks) -> float:
 
 
 def main(out: Path, overrides: list[str]) -> None:
-    from setdiff_megatron.training.engines.megatron import MegatronEngine
+    from setdiff_megatron.training.engines.megatron_engine import MegatronEngine
 
     warnings.filterwarnings("ignore")
     recipe = load_recipe(RECIPE, [*overrides, *AS_MEGATRON])

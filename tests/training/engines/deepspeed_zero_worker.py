@@ -25,9 +25,9 @@ from setdiff_megatron.checkpoint.state import Progress, TrainState, read_train_s
 from setdiff_megatron.core.loss import set_diffusion_loss
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 from setdiff_megatron.recipes import load_recipe
-from setdiff_megatron.sources.deepspeed import consolidated_state_dict
-from setdiff_megatron.training.engines.deepspeed import DeepSpeedEngine
+from setdiff_megatron.sources.deepspeed_checkpoints import consolidated_state_dict
 from setdiff_megatron.training.engines.deepspeed_config import build_optimizer
+from setdiff_megatron.training.engines.deepspeed_engine import DeepSpeedEngine
 from setdiff_megatron.training.lr_schedule import build_lr_scheduler
 from tests.conftest import debug_config
 from tests.models.megatron_cases import NUM_MICROBATCHES, ROOT, batches, write_worker_results

@@ -115,7 +115,7 @@ def test_train_refuses_with_one_line(tmp_path, capsys, overrides, fragment):
 
 
 def test_missing_deepspeed_names_the_extra(monkeypatch):
-    from setdiff_megatron.training.engines.deepspeed import import_deepspeed
+    from setdiff_megatron.training.engines.deepspeed_engine import import_deepspeed
 
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # `import deepspeed` now raises ImportError
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # restored afterwards

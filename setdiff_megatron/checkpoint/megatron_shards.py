@@ -1,5 +1,5 @@
 """The megatron engine's shards on disk: dist_checkpointing's collective save and load, written
-by the ranks of any TP/PP layout and read back at any other (`sources/megatron.py` reads them
+by the ranks of any TP/PP layout and read back at any other (`sources/megatron_checkpoints.py` reads them
 whole in one process, without megatron).
 """
 

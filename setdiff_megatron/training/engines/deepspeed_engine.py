@@ -344,7 +344,9 @@ class DeepSpeedEngine(Engine):
         lora = self.recipe.model.lora is not None
         self.engine.save_checkpoint(str(directory), tag=TAG, save_latest=False, exclude_frozen_parameters=lora)
         torch.save(host_rng_state(), directory / RNG_FILE.format(rank=dist.get_rank()))
-        if self.ema_state() is not None:  # whole, fp32, under the torch names: sources/deepspeed.py reads it
+        if (
+            self.ema_state() is not None
+        ):  # whole, fp32, under the torch names: sources/deepspeed_checkpoints.py reads it
             wholes = {s.name: whole.cpu() for s, whole in self._ema_wholes()}
             if dist.get_rank() == 0:
                 write_whole(directory, wholes)

@@ -26,7 +26,7 @@ WARM_UP_PROMPT_TOKENS = 32
 
 
 def _served_model(args, source):
-    from setdiff_megatron.runs.terms import prompt_format
+    from setdiff_megatron.recipe_data import prompt_format
     from setdiff_megatron.serving.app import ServedModel
 
     name = args.model_name or Path(args.source).resolve().name

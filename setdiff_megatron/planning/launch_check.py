@@ -1,4 +1,4 @@
-"""The plan at the door of a GPU run: `setdiff train` and `setdiff launch` (--dry-run included)
+"""The plan checked before a GPU run starts: `setdiff train` and `setdiff launch` (--dry-run included)
 print its one-line summary, and on GPUs refuse a run whose plan does not fit, naming the peak and
 the fastest layout of the same GPUs that fits (`launch.check_memory: false` goes on anyway)."""
 
@@ -8,7 +8,7 @@ import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
 
-from setdiff_megatron.distributed.offspring import exit_with_parent
+from setdiff_megatron.distributed.child_processes import exit_with_parent
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.planning.devices import DEVICES, Device, device
 from setdiff_megatron.recipes.schema import Recipe
@@ -55,8 +55,8 @@ def launch_plan(recipe: Recipe, *, has_gpu: bool | None = None, gpu: Device | No
 
 def _summary_or_refusal(recipe: Recipe, has_gpu: bool, gpu: Device) -> str:
     from setdiff_megatron.distributed.megatron_cpu import quiet_known_warnings
-    from setdiff_megatron.planning.cli import plan_model_config
     from setdiff_megatron.planning.plan import GIB, make_plan, nearest_fitting, search_layouts
+    from setdiff_megatron.planning.plan_cli import plan_model_config
 
     quiet_known_warnings()
     cfg = plan_model_config(recipe, None)

@@ -21,12 +21,12 @@ import torch
 import torch.distributed as dist
 
 from setdiff_megatron.checkpoint.ema import average_shards, empty_averages, load_averaged
-from setdiff_megatron.checkpoint.megatron import load_shards, model_sharded_state, save_shards
+from setdiff_megatron.checkpoint.megatron_shards import load_shards, model_sharded_state, save_shards
 from setdiff_megatron.checkpoint.names import RNG_FILE
 from setdiff_megatron.checkpoint.resolve import Resumed
 from setdiff_megatron.distributed import runtime
+from setdiff_megatron.distributed.child_processes import start_manager
 from setdiff_megatron.distributed.layout import Layout
-from setdiff_megatron.distributed.offspring import start_manager
 from setdiff_megatron.distributed.signals import PREEMPTION_SIGNALS, blocked
 from setdiff_megatron.log import say
 from setdiff_megatron.models.config import ModelConfig
@@ -85,13 +85,13 @@ class MegatronEngine(Engine):
         )
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        from setdiff_megatron.models.megatron_model import adapt_megatron_model
-        from setdiff_megatron.models.megatron_plumbing import (
+        from setdiff_megatron.models.megatron_forward import (
             build_model_chunks,
             forward_step,
             pipeline_seq_length,
             transformer_config_from,
         )
+        from setdiff_megatron.models.megatron_model import adapt_megatron_model
 
         r, t = self.recipe, self.recipe.train
         overrides = (
@@ -144,7 +144,7 @@ class MegatronEngine(Engine):
         """A chunk's share of torch-model weights, mapped for this rank's (tp, pp, vpp, ep) position."""
         from megatron.core import parallel_state
 
-        from setdiff_megatron.models.weight_maps.megatron import torch_to_megatron
+        from setdiff_megatron.models.weight_maps.megatron_map import torch_to_megatron
 
         p = self.recipe.parallel
         mapped = torch_to_megatron(
@@ -183,7 +183,7 @@ class MegatronEngine(Engine):
 
     def set_reference(self, state_dict: dict[str, torch.Tensor], model_cfg: ModelConfig) -> None:
         """A frozen copy of `state_dict`'s weights, this rank's shard of it: RL's KL reference."""
-        from setdiff_megatron.models.megatron_plumbing import build_model_chunks
+        from setdiff_megatron.models.megatron_forward import build_model_chunks
 
         (reference,) = build_model_chunks(model_cfg, self.chunks[0].module.config, backend=self.recipe.model.backend)
         self._load_torch_weights(reference, state_dict, model_cfg)
@@ -192,7 +192,7 @@ class MegatronEngine(Engine):
     @torch.no_grad()
     def token_logprobs(self, batches, *, reference: bool = False) -> list[torch.Tensor]:
         """Each target's log-probability [b, L] under the policy (or the reference), no gradient."""
-        from setdiff_megatron.models.megatron_plumbing import batch_nll
+        from setdiff_megatron.models.megatron_forward import batch_nll
 
         with evaluating(self.reference if reference else self.policy_model()) as model:
             return [-batch_nll(model, b) for b in batches]
@@ -365,7 +365,7 @@ class MegatronEngine(Engine):
         torch.save(rng, directory / RNG_FILE.format(rank=dist.get_rank()))
 
     def load(self, resumed: Resumed) -> None:
-        """Resume from dist_checkpointing shards (checkpoint/megatron.py) on this or another layout.
+        """Resume from dist_checkpointing shards (checkpoint/megatron_shards.py) on this or another layout.
 
         Model, optimizer (the distributed optimizer in megatron's `fully_reshardable` format) and
         weight-average shards all reshard over TP, PP and DP; only switching
@@ -523,7 +523,7 @@ def _start_results_queue() -> None:
     background saves alike: megatron-core starts its manager as a fresh (spawned) interpreter,
     which unblocks SIGTERM, so its default action would kill it under a preemption and lose the
     save in flight; and nothing ends it when the rank dies without running its exit handlers. Ours
-    ignores the preemption signals and exits with the rank (distributed/offspring.py)."""
+    ignores the preemption signals and exits with the rank (distributed/child_processes.py)."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if filesystem_async._results_queue is None:

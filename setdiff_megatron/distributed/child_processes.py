@@ -3,9 +3,9 @@
 megatron-core's checkpoint save starts processes of its own (a spawned manager, forked writers
 and workers), which a rank that ends without Python's exit handlers (the watchdog's `os._exit`, a
 SIGKILL) would leave running, re-parented to PID 1, one more set per torchrun restart. So every
-process forked once `Offspring` exists, and every manager `start_manager` spawns, exits when its
-parent is gone; `Offspring.end` stops them on every way out that runs Python, and
-`Offspring.kill` is the watchdog's last act. docs/fault-tolerance.md ("What survives what").
+process forked once `ChildProcesses` exists, and every manager `start_manager` spawns, exits when its
+parent is gone; `ChildProcesses.end` stops them on every way out that runs Python, and
+`ChildProcesses.kill` is the watchdog's last act. docs/fault-tolerance.md ("What survives what").
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from multiprocessing.managers import SyncManager
 
 import psutil
 
-__all__ = ["Offspring", "start_manager", "exit_with_parent", "follow_parent", "child_env", "PARENT_ENV"]
+__all__ = ["ChildProcesses", "start_manager", "exit_with_parent", "follow_parent", "child_env", "PARENT_ENV"]
 
 PARENT_POLL_S = 0.5
 """How often an orphan-to-be looks for its parent."""
@@ -102,7 +102,7 @@ def _start_helper(parent: int, ignored: tuple[int, ...], pid_to) -> None:
 
 def start_manager(ignore: Iterable[int] = ()) -> SyncManager:
     """A SyncManager in a spawned process that ignores the signals `ignore`, exits with this
-    process, and is shut down by `Offspring.end`."""
+    process, and is shut down by `ChildProcesses.end`."""
     ctx = multiprocessing.get_context("spawn")
     receive, send = ctx.Pipe(duplex=False)
     manager = SyncManager(ctx=ctx)
@@ -137,7 +137,7 @@ def _signal(procs: list[psutil.Process], sig: int) -> None:
             pass
 
 
-class Offspring:
+class ChildProcesses:
     """The processes this one starts from now on, children and theirs: a caller's own earlier
     children are not the run's to end."""
 

@@ -26,9 +26,13 @@ def row_format(recipe: Recipe, tokenizer: SetDiffTokenizer) -> RowFormat:
     """How the recipe's supervised records become row tokens, and so how prompts are formatted at
     evaluation: BOS (method.keep_clean_bos), a prompt EOS, truncation (data.supervised)."""
     s = recipe.data.supervised
-    return RowFormat(bos_id=tokenizer.bos_id if recipe.method.keep_clean_bos else None,
-                     prompt_eos_id=tokenizer.eos_id if s.prompt_eos else None, max_prompt_tokens=s.max_prompt_tokens,
-                     max_response_tokens=s.max_response_tokens, force_eos=s.force_eos)
+    return RowFormat(
+        bos_id=tokenizer.bos_id if recipe.method.keep_clean_bos else None,
+        prompt_eos_id=tokenizer.eos_id if s.prompt_eos else None,
+        max_prompt_tokens=s.max_prompt_tokens,
+        max_response_tokens=s.max_response_tokens,
+        force_eos=s.force_eos,
+    )
 
 
 def prompt_format(recipe: Recipe | None, tokenizer: SetDiffTokenizer, add_bos: bool | None = None) -> RowFormat:

@@ -209,7 +209,7 @@ def torch_to_megatron(
 
 def megatron_to_torch(state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig, *, backend: str = "local") -> StateDict:
     """The torch model's state dict from a whole megatron model's (TP = PP = EP = 1, the form
-    sources/megatron.py reads). Every megatron weight must be consumed (`_extra_state` entries
+    sources/megatron_checkpoints.py reads). Every megatron weight must be consumed (`_extra_state` entries
     excepted) and every shape must match."""
     unused = {n for n in state_dict if not n.endswith("_extra_state")}
 

@@ -1,4 +1,4 @@
-"""The TransformerConfig translation of models/megatron_plumbing.py: layout validation and the
+"""The TransformerConfig translation of models/megatron_forward.py: layout validation and the
 fields a ModelConfig sets. (Chunks, forward_step and loss_func run in the multi-process tests,
 test_megatron_torch_parity.py and test_megatron_parallel_parity.py.)"""
 
@@ -8,7 +8,7 @@ import torch
 from setdiff_megatron.errors import UserError
 from tests.conftest import debug_config
 
-megatron_plumbing = pytest.importorskip("setdiff_megatron.models.megatron_plumbing")
+megatron_forward = pytest.importorskip("setdiff_megatron.models.megatron_forward")
 
 
 @pytest.mark.parametrize(
@@ -23,12 +23,12 @@ megatron_plumbing = pytest.importorskip("setdiff_megatron.models.megatron_plumbi
 )
 def test_impossible_layouts_are_user_errors(layout, message):
     with pytest.raises(UserError, match=message):
-        megatron_plumbing.transformer_config_from(debug_config(), **layout)
+        megatron_forward.transformer_config_from(debug_config(), **layout)
 
 
 def test_config_mirrors_the_model_config():
     cfg = debug_config(qk_norm=True)
-    tc = megatron_plumbing.transformer_config_from(
+    tc = megatron_forward.transformer_config_from(
         cfg, tp=2, sequence_parallel=True, recompute="full", params_dtype=torch.bfloat16, hidden_dropout=0.1
     )
     assert (tc.num_query_groups, tc.kv_channels, tc.ffn_hidden_size) == (2, 16, cfg.intermediate_size)
@@ -36,5 +36,5 @@ def test_config_mirrors_the_model_config():
     assert (tc.sequence_parallel, tc.recompute_granularity, tc.recompute_method) == (True, "full", "uniform")
     assert tc.bf16 and tc.params_dtype == torch.bfloat16 and tc.hidden_dropout == 0.1
     assert tc.calculate_per_token_loss and tc.batch_p2p_comm
-    assert not megatron_plumbing.transformer_config_from(cfg, sequence_parallel=True).sequence_parallel  # tp == 1
-    assert not megatron_plumbing.transformer_config_from(cfg, pp=2, vpp=1).batch_p2p_comm
+    assert not megatron_forward.transformer_config_from(cfg, sequence_parallel=True).sequence_parallel  # tp == 1
+    assert not megatron_forward.transformer_config_from(cfg, pp=2, vpp=1).batch_p2p_comm
