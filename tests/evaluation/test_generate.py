@@ -5,8 +5,6 @@ without generating again, and one-line errors on bad input."""
 import importlib.util
 import json
 import shutil
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
@@ -21,6 +19,7 @@ from setdiff_megatron.evaluation.tasks import GenerateJob, run_generate_job
 from setdiff_megatron.inference.sharding import Placement
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 from setdiff_megatron.sources.read import read_source
+from tests.cli_runs import setdiff
 
 PROMPTS = ["x = 1\ny = 2\nz = ", "for i in range(", "def main(", "import os\n", "a = [1, 2, 3]\nb = "]
 STOP = "\n\n"
@@ -183,29 +182,8 @@ def test_a_job_finished_before_a_setting_existed_is_up_to_date(trained_run, task
 
 @pytest.mark.multiproc
 def test_two_processes_give_what_one_process_gives(trained_run, tasks, one_process, tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "setdiff_megatron.cli",
-            "eval",
-            "generate",
-            str(trained_run),
-            "--tasks",
-            str(tasks[0]),
-            "--metric",
-            "rouge",
-            "--out",
-            str(tmp_path),
-            "--nproc",
-            "2",
-            *ARGS,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    args = ["--tasks", tasks[0], "--metric", "rouge", "--out", tmp_path, "--nproc", "2", *ARGS]
+    setdiff("eval", "generate", trained_run, *args, timeout=600)
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["hardware"]["processes"] == 2
     same = {k: v for k, v in without_timing(metrics).items() if k != "hardware"}

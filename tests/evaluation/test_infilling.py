@@ -3,8 +3,6 @@ both contexts prefilled and scored against the originals."""
 
 import csv
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -21,6 +19,7 @@ from setdiff_megatron.evaluation.infilling import (
 )
 from setdiff_megatron.evaluation.scoring import rouge
 from setdiff_megatron.sources.read import read_source
+from tests.cli_runs import setdiff
 
 STORIES = [
     [
@@ -113,26 +112,20 @@ def test_scores_average_rouge_and_exact_match():
 
 
 def infill(source, out, *args):
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "setdiff_megatron.cli",
-            "eval",
-            "infill",
-            str(source),
-            "--out",
-            str(out),
-            "--no-progress",
-            "--window",
-            "4",
-            "--threshold",
-            "0.5",
-            *args,
-        ],
-        capture_output=True,
-        text=True,
+    return setdiff(
+        "eval",
+        "infill",
+        source,
+        "--out",
+        out,
+        "--no-progress",
+        "--window",
+        "4",
+        "--threshold",
+        "0.5",
+        *args,
         timeout=600,
+        check=False,
     )
 
 

@@ -42,8 +42,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -55,6 +53,7 @@ from setdiff_megatron.hf.release_export import export_release
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 from setdiff_megatron.sources.read import read_source
 from setdiff_megatron.sources.setdlm_release import QWEN3_ARCHITECTURE, static_attention_mask
+from tests.cli_runs import setdiff
 from tests.hf.conftest import ROOT, convert_from_hf, greedy_trace, rank_nll
 
 FIXTURES = ROOT / "tests" / "fixtures" / "setdlm"
@@ -261,26 +260,8 @@ def test_convert_from_hf_records_the_evaluation_settings(tmp_path):
 def test_sample_reads_a_release_directly(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "w33 w33 w1 w47"}) + "\n")
-    cmd = [
-        sys.executable,
-        "-m",
-        "setdiff_megatron.cli",
-        "sample",
-        str(RELEASES["qwen3"]),
-        "--base",
-        str(BASE),
-        "--prompts",
-        str(prompts),
-        "--out",
-        str(tmp_path / "out.jsonl"),
-        "--max-new-tokens",
-        "6",
-        "--window",
-        "4",
-        "--no-progress",
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    options = ["--prompts", prompts, "--out", tmp_path / "out.jsonl", "--max-new-tokens", "6", "--window", "4"]
+    setdiff("sample", RELEASES["qwen3"], "--base", BASE, *options, "--no-progress", timeout=300)
     (result,) = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert result["num_decoded"] == 6
 

@@ -5,7 +5,6 @@ one-line errors on bad input."""
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.core.sampler import SetSampler
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 from setdiff_megatron.sources.read import read_source
+from tests.cli_runs import setdiff
 
 PROMPTS = [
     {"prompt": "def main(", "id": "a"},
@@ -49,27 +49,9 @@ def prompts(tmp_path) -> Path:
 
 
 def sample(source, prompts, out, *args, nproc=1, progress=False) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "setdiff_megatron.cli",
-            "sample",
-            str(source),
-            "--prompts",
-            str(prompts),
-            "--out",
-            str(out),
-            *([] if progress else ["--no-progress"]),
-            *DECODING,
-            "--nproc",
-            str(nproc),
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    quiet = [] if progress else ["--no-progress"]
+    options = ["--prompts", prompts, "--out", out, *quiet, *DECODING, "--nproc", str(nproc)]
+    return setdiff("sample", source, *options, *args, timeout=600, check=False)
 
 
 def outputs(path: Path) -> list[dict]:

@@ -10,7 +10,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import pytest
 from setdiff_megatron.checkpoint.manifest import verify
 from setdiff_megatron.distributed.signals import EXIT_REQUEUE
 from tests.checkpoint.test_run_directory import flip_a_byte, truncate
+from tests.cli_runs import cli, setdiff
 from tests.training.leftovers import left_behind
 
 TINY = str(Path(__file__).parents[2] / "recipes" / "tiny-cpu.yaml")
@@ -26,22 +26,18 @@ TINY = str(Path(__file__).parents[2] / "recipes" / "tiny-cpu.yaml")
 BASE = ("log.tensorboard=false", "parallel.global_batch_size=8", "log.interval=1", "eval.interval=1000")
 
 
+def train_args(run_dir: Path, data_cache: Path, *overrides: str) -> list[str]:
+    """`setdiff train` of the recipe into `run_dir`, BASE and `overrides` over it."""
+    return ["train", TINY, f"checkpoint.dir={run_dir}", f"data.cache_dir={data_cache}", *BASE, *overrides]
+
+
 def command(run_dir: Path, data_cache: Path, *overrides: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "setdiff_megatron.cli",
-        "train",
-        TINY,
-        f"checkpoint.dir={run_dir}",
-        f"data.cache_dir={data_cache}",
-        *BASE,
-        *overrides,
-    ]
+    """The command line of `train_args`, for a run started with Popen."""
+    return cli(*train_args(run_dir, data_cache, *overrides))
 
 
 def run_train(run_dir: Path, data_cache: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run(command(run_dir, data_cache, *overrides), capture_output=True, text=True, timeout=900)
+    return setdiff(*train_args(run_dir, data_cache, *overrides), check=False)
 
 
 def losses(run_dir: Path) -> list[tuple[int, float]]:

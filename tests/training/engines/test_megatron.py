@@ -2,10 +2,11 @@
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.cli_runs import setdiff
 
 TINY = str(Path(__file__).parents[3] / "recipes" / "tiny-cpu.yaml")
 
@@ -17,18 +18,8 @@ def data_cache(tmp_path_factory) -> Path:
 
 
 def run_train(run_dir: Path, data_cache: Path, *overrides: str) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        "-m",
-        "setdiff_megatron.cli",
-        "train",
-        TINY,
-        f"checkpoint.dir={run_dir}",
-        f"data.cache_dir={data_cache}",
-        "log.tensorboard=false",
-        *overrides,
-    ]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    args = [f"checkpoint.dir={run_dir}", f"data.cache_dir={data_cache}", "log.tensorboard=false", *overrides]
+    return setdiff("train", TINY, *args, check=False)
 
 
 def metrics(run_dir: Path) -> list[dict]:
