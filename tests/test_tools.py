@@ -52,6 +52,7 @@ def records(path: Path) -> list[dict]:
     ]
 
 
+@pytest.mark.multiproc
 @pytest.mark.slow  # 34 s; the subcommands run in their own tests
 def test_one_run_each_equals_the_subcommand(trained_run, tmp_path):
     for name, argv in (("tool", tool("convert_checkpoint.py")), ("cli", cli("convert"))):

@@ -115,6 +115,7 @@ def without_timing(metrics: dict) -> dict:
     return {k: v for k, v in metrics.items() if k not in TIMING}
 
 
+@pytest.mark.multiproc
 def test_metrics_equal_a_direct_computation(trained_run, tasks, direct, one_process, tmp_path, capsys):
     out, rouge_metrics = one_process
     preds, refs, rows = direct["predictions"], tasks[1], direct["rows"]
@@ -152,6 +153,7 @@ def test_metrics_equal_a_direct_computation(trained_run, tasks, direct, one_proc
     assert gsm8k["tokens_per_step"] == rouge_metrics["tokens_per_step"]
 
 
+@pytest.mark.multiproc
 def test_a_rerun_after_an_interruption_gives_the_same_metrics(trained_run, tasks, one_process, tmp_path, capsys):
     first = run_generate_job(job(trained_run, tasks[0], tmp_path, shard=0, num_shards=2))
     assert first is None and not (tmp_path / "metrics.json").exists()
@@ -165,6 +167,7 @@ def test_a_rerun_after_an_interruption_gives_the_same_metrics(trained_run, tasks
     assert "is up to date" in capsys.readouterr().err and (tmp_path / "metrics.json").read_bytes() == saved
 
 
+@pytest.mark.multiproc
 def test_a_job_finished_before_a_setting_existed_is_up_to_date(trained_run, tasks, tmp_path, capsys):
     """A whole decoding config in the job's record: a record without a setting at its default
     (as one written before the setting existed) is the same job, not one to decode again."""
@@ -224,6 +227,7 @@ def test_bad_task_files(tmp_path, capsys, content, fragment):
     assert code == 2 and err.count("\n") == 1 and fragment in err, err
 
 
+@pytest.mark.multiproc
 def test_bad_options(tmp_path, capsys):
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text('{"prompt": "a", "reference": "b"}\n')
@@ -244,6 +248,7 @@ def test_bad_options(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.multiproc
 def test_wandb_without_the_package_is_one_line(tmp_path, capsys):
     if importlib.util.find_spec("wandb") is not None:
         pytest.skip("wandb is installed here, so its missing-extra error cannot show")

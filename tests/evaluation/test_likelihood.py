@@ -117,6 +117,7 @@ def data(tmp_path):
     return path
 
 
+@pytest.mark.multiproc
 def test_trained_model_left_to_right_equals_direct_ar_nll(trained_run, data, tmp_path):
     proc = likelihood(trained_run, data, tmp_path / "l2r", "--order", "left_to_right", "--num-orders", "1")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -144,6 +145,7 @@ def test_two_processes_give_the_one_process_estimate(trained_run, data, tmp_path
     assert a["ci95_half_width"] == pytest.approx(b["ci95_half_width"], abs=1e-6) and a["ci95_half_width"] > 0
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize(
     "args, content, fragment",
     [
@@ -160,6 +162,7 @@ def test_bad_input_fails_with_one_line(trained_run, tmp_path, args, content, fra
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and fragment in proc.stderr, proc.stderr
 
 
+@pytest.mark.multiproc
 def test_a_job_killed_mid_run_resumes_to_the_same_numbers(trained_run, tmp_path):
     """SIGKILL once the first batch is written; the rerun does only the rest and matches an
     uninterrupted run."""

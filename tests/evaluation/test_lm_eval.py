@@ -21,6 +21,8 @@ from setdiff_megatron.core.sampler import SetSampler  # noqa: E402
 from setdiff_megatron.evaluation.lm_eval_adapter import SetDiffLM  # noqa: E402
 from tests.cli_runs import torchrun  # noqa: E402
 
+pytestmark = pytest.mark.multiproc
+
 DOCS = [
     {"question": "x = 2 + 3\nprint(x)", "answer": "x is 5\n#### 5", "choices": ["5", "6", "7"], "label": 0},
     {"question": "y = 10 - 4\nprint(y)", "answer": "y is 6\n#### 6", "choices": ["4", "6", "14"], "label": 1},
@@ -238,7 +240,6 @@ def test_the_lm_eval_command_line_with_our_model(trained_run, task_dir, tmp_path
     assert saved["config"]["setdiff"]["generate_until_speed"]["rows"] == 3
 
 
-@pytest.mark.multiproc
 @pytest.mark.slow
 def test_data_parallel_under_torchrun(lm, trained_run, task_dir, tmp_path):
     proc = subprocess.run(

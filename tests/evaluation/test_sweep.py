@@ -66,6 +66,7 @@ def sweep(trained_run, tmp_path_factory):
     return tmp, run_sweep(tmp / "spec.yaml", placement=Placement(progress=False))
 
 
+@pytest.mark.multiproc
 def test_one_row_per_point_with_a_plot(sweep):
     tmp, rows = sweep
     assert [r["point"] for r in rows] == ["ar", "w4", "w4-t0.5"]
@@ -82,6 +83,7 @@ def test_one_row_per_point_with_a_plot(sweep):
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
 
 
+@pytest.mark.multiproc
 def test_finished_points_are_skipped(sweep, capsys):
     tmp, rows = sweep
     shutil.rmtree(tmp / "out" / "points" / "tiny" / "w4")  # as if the job died during this point

@@ -244,6 +244,7 @@ def test_the_static_mask_is_the_reference_buffer():
     assert torch.equal(static_attention_mask(32), saved)
 
 
+@pytest.mark.multiproc
 def test_convert_from_hf_records_the_evaluation_settings(tmp_path):
     """`setdiff convert from-hf` of a Qwen3 release with --base: a megatron run whose recipe holds
     L, d, m and the clean BOS, and whose weights are the release's."""
@@ -257,6 +258,7 @@ def test_convert_from_hf_records_the_evaluation_settings(tmp_path):
     assert all(torch.equal(run.state_dict[k], release.state_dict[k]) for k in release.state_dict)
 
 
+@pytest.mark.multiproc
 def test_sample_reads_a_release_directly(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "w33 w33 w1 w47"}) + "\n")
@@ -271,6 +273,7 @@ def _truncated(folder: Path) -> None:
     (folder / "pytorch_model.bin").write_bytes(data[: len(data) // 2])
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize(
     "kind,edit,message",
     [

@@ -15,6 +15,8 @@ from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 from setdiff_megatron.sources.read import read_source
 from tests.cli_runs import setdiff
 
+pytestmark = pytest.mark.multiproc
+
 PROMPTS = [
     {"prompt": "def main(", "id": "a"},
     {"prompt": "import os\n"},
@@ -103,14 +105,12 @@ def test_outputs_are_the_samplers_in_prompt_order(run_dir, one_process):
     assert all(r["tokens_per_step"] > 1 for r in one_process)
 
 
-@pytest.mark.multiproc
 def test_two_processes_write_what_one_process_writes(run_dir, prompts, tmp_path, one_process):
     proc = sample(run_dir, prompts, tmp_path / "o.jsonl", nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert outputs(tmp_path / "o.jsonl") == one_process
 
 
-@pytest.mark.multiproc
 def test_tensor_parallel_sampling_equals_tp1(run_dir, prompts, tmp_path, one_process):
     proc = sample(run_dir, prompts, tmp_path / "o.jsonl", "--tp", "2", nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]

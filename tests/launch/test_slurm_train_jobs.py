@@ -36,7 +36,7 @@ from tests.launch.slurm_jobs import (
     wait_until,
 )
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.multiproc]
 
 STEPS = 20
 

@@ -212,6 +212,7 @@ def test_malformed_recipe_gives_one_line_and_exit_2(tmp_path, capsys, text, over
     assert str(path) in err or "override" in err
 
 
+@pytest.mark.multiproc
 def test_cli_error_has_no_traceback_in_a_real_process(tmp_path):
     out = setdiff("recipe", "validate", TINY, "train.lrr=1", check=False)
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "did you mean 'lr'" in out.stderr

@@ -41,6 +41,7 @@ def losses(metrics: list[dict], key: str = "train/loss") -> list[float]:
     return [m[key] for m in metrics if key in m]
 
 
+@pytest.mark.multiproc
 def test_packed_supervised_rows_train_in_one_process(tmp_path, data_cache):
     """The main job's recipe, from its shipped AR base (assets/reasoning-ar-base)."""
     metrics = train(tmp_path / "run", data_cache, "launch.nproc_per_node=1")

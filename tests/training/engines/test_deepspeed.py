@@ -306,6 +306,7 @@ def test_tiny_recipe_lowers_the_validation_loss(tmp_path, data_cache):
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000040"
 
 
+@pytest.mark.multiproc
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["stop", "skip"])
 def test_nan_loss_follows_the_recipe_policy(tmp_path, data_cache, policy):

@@ -8,6 +8,8 @@ import pytest
 
 from tests.cli_runs import setdiff
 
+pytestmark = pytest.mark.multiproc
+
 TINY = str(Path(__file__).parents[3] / "recipes" / "tiny-cpu.yaml")
 
 
@@ -27,7 +29,6 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.slow  # 30 s; two-process runs train in the checkpoint and SLURM tests
-@pytest.mark.multiproc
 def test_two_process_run_lowers_validation_loss(tmp_path, data_cache):
     out = run_train(tmp_path / "run", data_cache, "train.steps=40", "eval.interval=40", "checkpoint.interval=40")
     assert out.returncode == 0, out.stderr[-3000:]
