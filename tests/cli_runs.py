@@ -1,4 +1,4 @@
-"""`setdiff` as a user runs it, in a new process: the one helper tests start the CLI with."""
+"""`setdiff` as a user runs it, in a new process: the one place tests write the CLI's and torchrun's command lines."""
 
 from __future__ import annotations
 
