@@ -2,7 +2,6 @@
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +9,7 @@ import torch
 
 from setdiff_megatron.models.config import DIT_BODY, FLAVORS, ModelConfig
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
+from tests.cli_runs import setdiff
 
 
 def debug_config(**changes) -> ModelConfig:
@@ -54,27 +54,18 @@ def trained_launch(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]
     run = tmp_path_factory.mktemp("trained") / "run"
     data = tmp_path_factory.getbasetemp() / "checkpoint-tests-data"
     recipe = Path(__file__).parents[1] / "recipes" / "tiny-cpu.yaml"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "setdiff_megatron.cli",
-            "train",
-            str(recipe),
-            f"checkpoint.dir={run}",
-            f"data.cache_dir={data}",
-            "parallel.tp=2",
-            "parallel.global_batch_size=8",
-            "train.steps=20",
-            "checkpoint.interval=20",
-            "eval.interval=1000",
-            "log.tensorboard=false",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
+    proc = setdiff(
+        "train",
+        recipe,
+        f"checkpoint.dir={run}",
+        f"data.cache_dir={data}",
+        "parallel.tp=2",
+        "parallel.global_batch_size=8",
+        "train.steps=20",
+        "checkpoint.interval=20",
+        "eval.interval=1000",
+        "log.tensorboard=false",
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
     return run, proc
 
 

@@ -19,6 +19,8 @@ from setdiff_megatron.sources.read import read_source
 from tests.cli_runs import setdiff
 from tests.hf.clean_env import run_clean
 
+pytestmark = pytest.mark.multiproc
+
 REPO = Path(__file__).resolve().parents[1]
 FAMILIES = {"mdlm": [], "bd3lm": ["method.block_size=4"]}
 PROMPT = "def main("

@@ -16,6 +16,7 @@ from tests.cli_runs import setdiff
 ROOT = Path(__file__).parents[1]
 
 
+@pytest.mark.multiproc
 def test_version_and_help():
     out = setdiff("--version")
     assert out.returncode == 0 and __version__ in out.stdout
@@ -23,6 +24,7 @@ def test_version_and_help():
     assert out.returncode == 0 and "train" in out.stdout
 
 
+@pytest.mark.multiproc
 def test_train_needs_a_recipe(capsys):
     out = setdiff("train", check=False)
     assert out.returncode == 2

@@ -26,6 +26,8 @@ from setdiff_megatron.sources.read import read_source
 from tests.cli_runs import setdiff
 from tests.hf.clean_env import run_clean
 
+pytestmark = pytest.mark.multiproc
+
 REPO = Path(__file__).resolve().parents[1]
 PROBLEMS = 60
 """Held-out problems the showcase scores: enough to tell the model from the trivial baseline

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli_runs import cli
+
 TOOLS = Path(__file__).parents[1] / "tools"
 SCRIPTS = {
     "convert_checkpoint.py": "convert",
@@ -20,13 +22,17 @@ SCRIPTS = {
 }
 
 
-def run(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=600)
+def tool(script: str) -> list[str]:
+    return [sys.executable, str(TOOLS / script)]
+
+
+def run(command: list[str], *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*command, *args], capture_output=True, text=True, timeout=600)
 
 
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
 def test_help_is_the_subcommands(script):
-    out = run(str(TOOLS / script), "--help")
+    out = run(tool(script), "--help")
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith(f"usage: setdiff {SCRIPTS[script]}"), out.stdout[:200]
 
@@ -46,19 +52,19 @@ def records(path: Path) -> list[dict]:
     ]
 
 
+@pytest.mark.multiproc
 @pytest.mark.slow  # 34 s; the subcommands run in their own tests
 def test_one_run_each_equals_the_subcommand(trained_run, tmp_path):
-    cli = ["-m", "setdiff_megatron.cli"]
-    for name, argv in (("tool", [str(TOOLS / "convert_checkpoint.py")]), ("cli", [*cli, "convert"])):
-        out = run(*argv, "to-hf", str(trained_run), str(tmp_path / f"hf-{name}"), "--check")
+    for name, argv in (("tool", tool("convert_checkpoint.py")), ("cli", cli("convert"))):
+        out = run(argv, "to-hf", str(trained_run), str(tmp_path / f"hf-{name}"), "--check")
         assert out.returncode == 0, out.stderr[-2000:]
     assert digests(tmp_path / "hf-tool") == digests(tmp_path / "hf-cli")
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "def f(x):\\n"}\n{"segments": ["class A:\\n    ", 4, "\\n"]}\n')
-    for name, argv in (("tool", [str(TOOLS / "sample.py")]), ("cli", [*cli, "sample"])):
+    for name, argv in (("tool", tool("sample.py")), ("cli", cli("sample"))):
         out = run(
-            *argv,
+            argv,
             str(trained_run),
             "--prompts",
             str(prompts),
@@ -79,9 +85,9 @@ def test_one_run_each_equals_the_subcommand(trained_run, tmp_path):
     docs = tmp_path / "docs.jsonl"
     docs.write_text('{"text": "import os\\nprint(os.sep)\\n"}\n{"text": "x = [1, 2, 3]\\n"}\n')
     summaries = {}
-    for name, argv in (("tool", [str(TOOLS / "evaluate.py")]), ("cli", [*cli, "eval"])):
+    for name, argv in (("tool", tool("evaluate.py")), ("cli", cli("eval"))):
         out = run(
-            *argv,
+            argv,
             "likelihood",
             str(trained_run),
             "--data",

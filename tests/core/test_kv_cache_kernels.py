@@ -216,6 +216,7 @@ def test_models_choose_the_cache_path(reference, monkeypatch):
     assert KVCache.allocate(num_layers=1, batch_size=1, num_kv_heads=1, head_dim=2, capacity=2).attention_impl == "sdpa"
 
 
+@pytest.mark.multiproc
 def test_megatron_body_on_kernel_step_matches_torch_sdpa_cache(tmp_path):
     """TP=1 megatron model (sbhd activations) with an emulated kernel cache against the torch
     model's SDPA cache: step logits and greedy decodes (kv_cache_kernels_worker.py)."""

@@ -5,8 +5,6 @@ without generating again, and one-line errors on bad input."""
 import importlib.util
 import json
 import shutil
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
@@ -21,6 +19,7 @@ from setdiff_megatron.evaluation.tasks import GenerateJob, run_generate_job
 from setdiff_megatron.inference.sharding import Placement
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 from setdiff_megatron.sources.read import read_source
+from tests.cli_runs import setdiff
 
 PROMPTS = ["x = 1\ny = 2\nz = ", "for i in range(", "def main(", "import os\n", "a = [1, 2, 3]\nb = "]
 STOP = "\n\n"
@@ -116,6 +115,7 @@ def without_timing(metrics: dict) -> dict:
     return {k: v for k, v in metrics.items() if k not in TIMING}
 
 
+@pytest.mark.multiproc
 def test_metrics_equal_a_direct_computation(trained_run, tasks, direct, one_process, tmp_path, capsys):
     out, rouge_metrics = one_process
     preds, refs, rows = direct["predictions"], tasks[1], direct["rows"]
@@ -153,6 +153,7 @@ def test_metrics_equal_a_direct_computation(trained_run, tasks, direct, one_proc
     assert gsm8k["tokens_per_step"] == rouge_metrics["tokens_per_step"]
 
 
+@pytest.mark.multiproc
 def test_a_rerun_after_an_interruption_gives_the_same_metrics(trained_run, tasks, one_process, tmp_path, capsys):
     first = run_generate_job(job(trained_run, tasks[0], tmp_path, shard=0, num_shards=2))
     assert first is None and not (tmp_path / "metrics.json").exists()
@@ -166,6 +167,7 @@ def test_a_rerun_after_an_interruption_gives_the_same_metrics(trained_run, tasks
     assert "is up to date" in capsys.readouterr().err and (tmp_path / "metrics.json").read_bytes() == saved
 
 
+@pytest.mark.multiproc
 def test_a_job_finished_before_a_setting_existed_is_up_to_date(trained_run, tasks, tmp_path, capsys):
     """A whole decoding config in the job's record: a record without a setting at its default
     (as one written before the setting existed) is the same job, not one to decode again."""
@@ -183,29 +185,8 @@ def test_a_job_finished_before_a_setting_existed_is_up_to_date(trained_run, task
 
 @pytest.mark.multiproc
 def test_two_processes_give_what_one_process_gives(trained_run, tasks, one_process, tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "setdiff_megatron.cli",
-            "eval",
-            "generate",
-            str(trained_run),
-            "--tasks",
-            str(tasks[0]),
-            "--metric",
-            "rouge",
-            "--out",
-            str(tmp_path),
-            "--nproc",
-            "2",
-            *ARGS,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    args = ["--tasks", tasks[0], "--metric", "rouge", "--out", tmp_path, "--nproc", "2", *ARGS]
+    setdiff("eval", "generate", trained_run, *args, timeout=600)
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["hardware"]["processes"] == 2
     same = {k: v for k, v in without_timing(metrics).items() if k != "hardware"}
@@ -246,6 +227,7 @@ def test_bad_task_files(tmp_path, capsys, content, fragment):
     assert code == 2 and err.count("\n") == 1 and fragment in err, err
 
 
+@pytest.mark.multiproc
 def test_bad_options(tmp_path, capsys):
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text('{"prompt": "a", "reference": "b"}\n')
@@ -266,6 +248,7 @@ def test_bad_options(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.multiproc
 def test_wandb_without_the_package_is_one_line(tmp_path, capsys):
     if importlib.util.find_spec("wandb") is not None:
         pytest.skip("wandb is installed here, so its missing-extra error cannot show")

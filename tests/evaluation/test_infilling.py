@@ -3,8 +3,6 @@ both contexts prefilled and scored against the originals."""
 
 import csv
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -21,6 +19,7 @@ from setdiff_megatron.evaluation.infilling import (
 )
 from setdiff_megatron.evaluation.scoring import rouge
 from setdiff_megatron.sources.read import read_source
+from tests.cli_runs import setdiff
 
 STORIES = [
     [
@@ -113,29 +112,24 @@ def test_scores_average_rouge_and_exact_match():
 
 
 def infill(source, out, *args):
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "setdiff_megatron.cli",
-            "eval",
-            "infill",
-            str(source),
-            "--out",
-            str(out),
-            "--no-progress",
-            "--window",
-            "4",
-            "--threshold",
-            "0.5",
-            *args,
-        ],
-        capture_output=True,
-        text=True,
+    return setdiff(
+        "eval",
+        "infill",
+        source,
+        "--out",
+        out,
+        "--no-progress",
+        "--window",
+        "4",
+        "--threshold",
+        "0.5",
+        *args,
         timeout=600,
+        check=False,
     )
 
 
+@pytest.mark.multiproc
 def test_infill_job_scores_its_samples_and_resumes(trained_run, stories, tmp_path):
     proc = infill(trained_run, tmp_path / "roc", "--task", "rocstories", "--data", str(stories))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -161,6 +155,7 @@ def test_infill_job_scores_its_samples_and_resumes(trained_run, stories, tmp_pat
     assert not (tmp_path / "roc" / "prompts.jsonl").exists()
 
 
+@pytest.mark.multiproc
 def test_code_infill_job(trained_run, tmp_path):
     proc = infill(trained_run, tmp_path / "code", "--task", "code", "--max-examples", "3")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -168,6 +163,7 @@ def test_code_infill_job(trained_run, tmp_path):
     assert metrics["examples"] + metrics["skipped_too_long"] == 3 and 0 <= metrics["exact_match"] <= 1
 
 
+@pytest.mark.multiproc
 def test_rocstories_needs_its_csv(trained_run, tmp_path):
     proc = infill(trained_run, tmp_path / "x", "--task", "rocstories")
     assert proc.returncode == 2 and "--task rocstories needs --data" in proc.stderr and proc.stderr.count("\n") == 1
@@ -215,6 +211,7 @@ def test_visible_right_context_follows_the_order(context, bos, right):
     assert _visible_right(ex, tokenizer, context, 4, bos) == right
 
 
+@pytest.mark.multiproc
 def test_jsonl_infill_job_with_block_context(trained_run, tmp_path):
     path = tmp_path / "fill.jsonl"
     path.write_text(

@@ -4,7 +4,6 @@ Monte Carlo interval shrinks with more orders, and the result does not depend on
 import json
 import math
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ from setdiff_megatron.core.orders import make_order_policy
 from setdiff_megatron.evaluation.likelihood import Window, summarize, window_nll
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 from setdiff_megatron.sources.read import read_source
+from tests.cli_runs import cli, setdiff
 from tests.conftest import debug_config
 
 DOCS = [
@@ -91,28 +91,22 @@ def test_the_interval_shrinks_with_more_orders_and_ignores_the_batch():
 
 
 def likelihood(source, data, out, *args, nproc=1):
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "setdiff_megatron.cli",
-            "eval",
-            "likelihood",
-            str(source),
-            "--data",
-            str(data),
-            "--out",
-            str(out),
-            "--no-progress",
-            "--batch-size",
-            "2",
-            "--nproc",
-            str(nproc),
-            *args,
-        ],
-        capture_output=True,
-        text=True,
+    return setdiff(
+        "eval",
+        "likelihood",
+        source,
+        "--data",
+        data,
+        "--out",
+        out,
+        "--no-progress",
+        "--batch-size",
+        "2",
+        "--nproc",
+        str(nproc),
+        *args,
         timeout=600,
+        check=False,
     )
 
 
@@ -123,6 +117,7 @@ def data(tmp_path):
     return path
 
 
+@pytest.mark.multiproc
 def test_trained_model_left_to_right_equals_direct_ar_nll(trained_run, data, tmp_path):
     proc = likelihood(trained_run, data, tmp_path / "l2r", "--order", "left_to_right", "--num-orders", "1")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -150,6 +145,7 @@ def test_two_processes_give_the_one_process_estimate(trained_run, data, tmp_path
     assert a["ci95_half_width"] == pytest.approx(b["ci95_half_width"], abs=1e-6) and a["ci95_half_width"] > 0
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize(
     "args, content, fragment",
     [
@@ -166,6 +162,7 @@ def test_bad_input_fails_with_one_line(trained_run, tmp_path, args, content, fra
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and fragment in proc.stderr, proc.stderr
 
 
+@pytest.mark.multiproc
 def test_a_job_killed_mid_run_resumes_to_the_same_numbers(trained_run, tmp_path):
     """SIGKILL once the first batch is written; the rerun does only the rest and matches an
     uninterrupted run."""
@@ -179,20 +176,7 @@ def test_a_job_killed_mid_run_resumes_to_the_same_numbers(trained_run, tmp_path)
     whole = likelihood(trained_run, docs, tmp_path / "whole", *args)
     assert whole.returncode == 0, whole.stderr[-3000:]
     cut = tmp_path / "cut"
-    command = [
-        sys.executable,
-        "-m",
-        "setdiff_megatron.cli",
-        "eval",
-        "likelihood",
-        str(trained_run),
-        "--data",
-        str(docs),
-        "--out",
-        str(cut),
-        "--no-progress",
-        *args,
-    ]
+    command = cli("eval", "likelihood", trained_run, "--data", docs, "--out", cut, "--no-progress", *args)
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 300
     while proc.poll() is None and time.monotonic() < deadline:

@@ -19,6 +19,9 @@ from setdiff_megatron.cli import main  # noqa: E402
 from setdiff_megatron.core.decoding import DecodingConfig  # noqa: E402
 from setdiff_megatron.core.sampler import SetSampler  # noqa: E402
 from setdiff_megatron.evaluation.lm_eval_adapter import SetDiffLM  # noqa: E402
+from tests.cli_runs import torchrun  # noqa: E402
+
+pytestmark = pytest.mark.multiproc
 
 DOCS = [
     {"question": "x = 2 + 3\nprint(x)", "answer": "x is 5\n#### 5", "choices": ["5", "6", "7"], "label": 0},
@@ -237,17 +240,11 @@ def test_the_lm_eval_command_line_with_our_model(trained_run, task_dir, tmp_path
     assert saved["config"]["setdiff"]["generate_until_speed"]["rows"] == 3
 
 
-@pytest.mark.multiproc
 @pytest.mark.slow
 def test_data_parallel_under_torchrun(lm, trained_run, task_dir, tmp_path):
     proc = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
+            *torchrun(2),
             "-m",
             "setdiff_megatron.evaluation.lm_eval_adapter",
             "--model",

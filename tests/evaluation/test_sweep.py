@@ -4,7 +4,6 @@ one-line errors on bad specs."""
 
 import json
 import shutil
-import subprocess
 import sys
 import types
 from pathlib import Path
@@ -16,6 +15,7 @@ from setdiff_megatron.cli import main
 from setdiff_megatron.evaluation.records import WandbConfig, log_to_wandb
 from setdiff_megatron.evaluation.sweep import load_spec, pareto_front, run_sweep
 from setdiff_megatron.inference.sharding import Placement
+from tests.cli_runs import setdiff
 
 EXAMPLE = Path(__file__).parents[2] / "recipes" / "eval" / "sweep-tiny.yaml"
 ROW_FIELDS = {
@@ -66,6 +66,7 @@ def sweep(trained_run, tmp_path_factory):
     return tmp, run_sweep(tmp / "spec.yaml", placement=Placement(progress=False))
 
 
+@pytest.mark.multiproc
 def test_one_row_per_point_with_a_plot(sweep):
     tmp, rows = sweep
     assert [r["point"] for r in rows] == ["ar", "w4", "w4-t0.5"]
@@ -82,6 +83,7 @@ def test_one_row_per_point_with_a_plot(sweep):
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
 
 
+@pytest.mark.multiproc
 def test_finished_points_are_skipped(sweep, capsys):
     tmp, rows = sweep
     shutil.rmtree(tmp / "out" / "points" / "tiny" / "w4")  # as if the job died during this point
@@ -169,27 +171,7 @@ def test_missing_and_malformed_spec_files(tmp_path, capsys):
 def test_a_tensor_parallel_sweep_equals_tp1(sweep, tmp_path):
     """Every point loads the megatron model again in the same processes (TP=2 over 2 processes)."""
     tmp, rows = sweep
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "setdiff_megatron.cli",
-            "eval",
-            "sweep",
-            str(tmp / "spec.yaml"),
-            "--out",
-            str(tmp_path),
-            "--nproc",
-            "2",
-            "--tp",
-            "2",
-            "--no-progress",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    setdiff("eval", "sweep", tmp / "spec.yaml", "--out", tmp_path, "--nproc", "2", "--tp", "2", "--no-progress")
     for row in rows:
         point = Path(row["dir"]).relative_to(tmp / "out")
         assert scored(tmp_path / point) == scored(tmp / "out" / point)

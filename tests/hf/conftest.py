@@ -4,7 +4,6 @@ and (slow tests) a tiny-cpu run at TP=2. Nothing is downloaded."""
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from setdiff_megatron.hf.export import write_export
 from setdiff_megatron.models.config import DIT_BODY, ModelConfig
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 from setdiff_megatron.sources.read import Source
+from tests.cli_runs import setdiff
 from tests.conftest import randomized
 from tests.hf.tiny_models import make_ar_model, make_tokenizer
 
@@ -48,8 +48,7 @@ def convert_from_hf(hf_dir: Path, out: Path, *args: str) -> subprocess.Completed
     """`setdiff convert from-hf` in a process of its own, as a user runs it: the import joins a
     process group and switches megatron's CPU mode on for the rest of its process's life, which
     the test process must not inherit."""
-    cmd = [sys.executable, "-m", "setdiff_megatron.cli", "convert", "from-hf", str(hf_dir), str(out), *args]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    return setdiff("convert", "from-hf", hf_dir, out, *args, timeout=600, check=False)
 
 
 @pytest.fixture(scope="session")
@@ -139,12 +138,9 @@ def dit_export_dir(tmp_path_factory) -> tuple[Path, Source]:
 def trained_tp2(tmp_path_factory) -> Path:
     """A short tiny-cpu run at TP=2 (two gloo processes): a real megatron checkpoint."""
     run = tmp_path_factory.mktemp("tiny_tp2") / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "setdiff_megatron.cli",
+    setdiff(
         "train",
-        str(TINY_RECIPE),
+        TINY_RECIPE,
         f"checkpoint.dir={run}",
         "log.tensorboard=false",
         "parallel.tp=2",
@@ -156,7 +152,5 @@ def trained_tp2(tmp_path_factory) -> Path:
         "eval.batches=1",
         "checkpoint.interval=1000",
         "log.interval=1",
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    )
     return run

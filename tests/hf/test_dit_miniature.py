@@ -8,8 +8,6 @@ what the imported checkpoint's torch model decodes."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +18,7 @@ from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.core.sampler import SetSampler
 from setdiff_megatron.hf import verify
 from setdiff_megatron.sources.read import read_source
+from tests.cli_runs import setdiff
 from tests.hf.conftest import ROOT, convert_from_hf
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
@@ -49,24 +48,7 @@ def data_cache(tmp_path_factory) -> Path:
 def train(run: Path, data_cache: Path, *overrides: str) -> Path:
     """`setdiff train` of the recipe for STEPS steps; its loss must fall by half a nat and every
     adaLN modulation must have left zero."""
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "setdiff_megatron.cli",
-            "train",
-            str(RECIPE),
-            f"checkpoint.dir={run}",
-            f"data.cache_dir={data_cache}",
-            *SHORT,
-            *overrides,
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=1500,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    setdiff("train", RECIPE, f"checkpoint.dir={run}", f"data.cache_dir={data_cache}", *SHORT, *overrides, timeout=1500)
     lines = (run / "logs" / "metrics.jsonl").read_text().splitlines()
     losses = [m["train/loss"] for m in map(json.loads, lines) if "train/loss" in m]
     assert len(losses) == STEPS and sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5, losses

@@ -188,6 +188,7 @@ def test_what_the_family_cannot_hold_is_refused_in_one_line(tmp_path, config, we
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
+@pytest.mark.multiproc
 def test_convert_from_hf_takes_a_composer_checkpoint(tmp_path):
     """`setdiff convert from-hf` of the composer .pt: a megatron run directory whose megatron
     body, checked on the verification batch, holds the released weights exactly."""

@@ -136,6 +136,7 @@ def test_refusals_are_one_line_user_errors(ar_dirs, tmp_path):
         read_hf_dir(no_tokenizer)
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe"])
 def test_convert_from_hf_writes_a_megatron_checkpoint(ar_dirs, kind, tmp_path, capsys):
     """`setdiff convert from-hf` (the whole model written by its one process) of a dense model and

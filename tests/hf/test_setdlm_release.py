@@ -42,8 +42,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -55,6 +53,7 @@ from setdiff_megatron.hf.release_export import export_release
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 from setdiff_megatron.sources.read import read_source
 from setdiff_megatron.sources.setdlm_release import QWEN3_ARCHITECTURE, static_attention_mask
+from tests.cli_runs import setdiff
 from tests.hf.conftest import ROOT, convert_from_hf, greedy_trace, rank_nll
 
 FIXTURES = ROOT / "tests" / "fixtures" / "setdlm"
@@ -245,6 +244,7 @@ def test_the_static_mask_is_the_reference_buffer():
     assert torch.equal(static_attention_mask(32), saved)
 
 
+@pytest.mark.multiproc
 def test_convert_from_hf_records_the_evaluation_settings(tmp_path):
     """`setdiff convert from-hf` of a Qwen3 release with --base: a megatron run whose recipe holds
     L, d, m and the clean BOS, and whose weights are the release's."""
@@ -258,29 +258,12 @@ def test_convert_from_hf_records_the_evaluation_settings(tmp_path):
     assert all(torch.equal(run.state_dict[k], release.state_dict[k]) for k in release.state_dict)
 
 
+@pytest.mark.multiproc
 def test_sample_reads_a_release_directly(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "w33 w33 w1 w47"}) + "\n")
-    cmd = [
-        sys.executable,
-        "-m",
-        "setdiff_megatron.cli",
-        "sample",
-        str(RELEASES["qwen3"]),
-        "--base",
-        str(BASE),
-        "--prompts",
-        str(prompts),
-        "--out",
-        str(tmp_path / "out.jsonl"),
-        "--max-new-tokens",
-        "6",
-        "--window",
-        "4",
-        "--no-progress",
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    options = ["--prompts", prompts, "--out", tmp_path / "out.jsonl", "--max-new-tokens", "6", "--window", "4"]
+    setdiff("sample", RELEASES["qwen3"], "--base", BASE, *options, "--no-progress", timeout=300)
     (result,) = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert result["num_decoded"] == 6
 
@@ -290,6 +273,7 @@ def _truncated(folder: Path) -> None:
     (folder / "pytorch_model.bin").write_bytes(data[: len(data) // 2])
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize(
     "kind,edit,message",
     [

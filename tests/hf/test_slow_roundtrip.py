@@ -15,8 +15,6 @@ a DeepSpeed-engine checkpoint -> HF (where that engine is installed)
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,8 +24,9 @@ from safetensors.torch import load_file, save_file
 from setdiff_megatron.cli import main
 from setdiff_megatron.hf import verify
 from setdiff_megatron.sources.read import read_source
+from tests.cli_runs import setdiff
 from tests.hf.clean_env import run_clean
-from tests.hf.conftest import ROOT, TINY_RECIPE, convert_from_hf
+from tests.hf.conftest import TINY_RECIPE, convert_from_hf
 from tests.hf.test_export import CLEAN_SCRIPT
 from tests.hf.tiny_models import TEXT
 
@@ -38,21 +37,7 @@ SAMPLE_ARGS = ["--max-new-tokens", "10", "--window", "4", "--threshold", "0.3", 
 
 
 def _sample(source: Path, prompts_file: Path, out: Path, *layout: str) -> list[str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "setdiff_megatron.cli",
-        "sample",
-        str(source),
-        "--prompts",
-        str(prompts_file),
-        "--out",
-        str(out),
-        *SAMPLE_ARGS,
-        *layout,
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    setdiff("sample", source, "--prompts", prompts_file, "--out", out, *SAMPLE_ARGS, *layout, timeout=600)
     return [json.loads(line)["completion"] for line in out.read_text().splitlines()]
 
 
@@ -104,12 +89,9 @@ def _adapt(run: Path, tokenizer: Path, data: Path, steps: int, *start: str) -> t
     """A tiny-cpu run of the Qwen3 test model's shape (its 307 embedding rows included, which a
     resume's model must have), started as `start` says (model.init_from or checkpoint.resume, and
     a layout): its validation losses and its console output."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "setdiff_megatron.cli",
+    proc = setdiff(
         "train",
-        str(TINY_RECIPE),
+        TINY_RECIPE,
         f"checkpoint.dir={run}",
         "log.tensorboard=false",
         "launch.nproc_per_node=1",
@@ -138,9 +120,7 @@ def _adapt(run: Path, tokenizer: Path, data: Path, steps: int, *start: str) -> t
         "checkpoint.interval=1000",
         "log.interval=5",
         *start,
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    )
     return [(m["step"], m["valid/loss"]) for m in _final_metrics(run) if "valid/loss" in m], proc.stdout
 
 
@@ -152,27 +132,18 @@ def test_adaptation_from_an_imported_qwen3(ar_dirs, tmp_path):
     tokenizer = step / "tokenizer"
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": t * 3}) + "\n" for t in TEXT * 4))
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "setdiff_megatron.cli",
-            "preprocess",
-            "--input",
-            str(corpus),
-            "--output-dir",
-            str(tmp_path / "data"),
-            "--tokenizer",
-            str(tokenizer),
-            "--no-new-tokens",
-            "--quiet",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
+    setdiff(
+        "preprocess",
+        "--input",
+        corpus,
+        "--output-dir",
+        tmp_path / "data",
+        "--tokenizer",
+        tokenizer,
+        "--no-new-tokens",
+        "--quiet",
         timeout=600,
     )
-    assert proc.returncode == 0, proc.stderr[-2000:]
     data = tmp_path / "data" / "corpus"
     curve, printed = _adapt(tmp_path / "run", tokenizer, data, 15, f"model.init_from={imported}")
     (first_step, first), (last_step, last) = curve[0], curve[-1]
@@ -211,12 +182,9 @@ def test_qwen2_biases_through_megatron_at_tp2(ar_dirs, tmp_path):
 def test_deepspeed_checkpoint_to_hf(tmp_path):
     pytest.importorskip("deepspeed")
     run = tmp_path / "ds"
-    cmd = [
-        sys.executable,
-        "-m",
-        "setdiff_megatron.cli",
+    setdiff(
         "train",
-        str(TINY_RECIPE),
+        TINY_RECIPE,
         "engine=deepspeed",
         "parallel.distributed_optimizer=false",
         "parallel.zero_stage=1",
@@ -229,8 +197,6 @@ def test_deepspeed_checkpoint_to_hf(tmp_path):
         "eval.interval=1000",
         "eval.batches=1",
         "checkpoint.interval=1000",
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    )
     assert main(["convert", "to-hf", str(run), str(tmp_path / "hf"), "--check"]) == 0
     assert read_source(run).kind == "deepspeed"

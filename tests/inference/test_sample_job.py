@@ -5,7 +5,6 @@ one-line errors on bad input."""
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,9 @@ from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.core.sampler import SetSampler
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 from setdiff_megatron.sources.read import read_source
+from tests.cli_runs import setdiff
+
+pytestmark = pytest.mark.multiproc
 
 PROMPTS = [
     {"prompt": "def main(", "id": "a"},
@@ -49,27 +51,9 @@ def prompts(tmp_path) -> Path:
 
 
 def sample(source, prompts, out, *args, nproc=1, progress=False) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "setdiff_megatron.cli",
-            "sample",
-            str(source),
-            "--prompts",
-            str(prompts),
-            "--out",
-            str(out),
-            *([] if progress else ["--no-progress"]),
-            *DECODING,
-            "--nproc",
-            str(nproc),
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    quiet = [] if progress else ["--no-progress"]
+    options = ["--prompts", prompts, "--out", out, *quiet, *DECODING, "--nproc", str(nproc)]
+    return setdiff("sample", source, *options, *args, timeout=600, check=False)
 
 
 def outputs(path: Path) -> list[dict]:
@@ -121,14 +105,12 @@ def test_outputs_are_the_samplers_in_prompt_order(run_dir, one_process):
     assert all(r["tokens_per_step"] > 1 for r in one_process)
 
 
-@pytest.mark.multiproc
 def test_two_processes_write_what_one_process_writes(run_dir, prompts, tmp_path, one_process):
     proc = sample(run_dir, prompts, tmp_path / "o.jsonl", nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert outputs(tmp_path / "o.jsonl") == one_process
 
 
-@pytest.mark.multiproc
 def test_tensor_parallel_sampling_equals_tp1(run_dir, prompts, tmp_path, one_process):
     proc = sample(run_dir, prompts, tmp_path / "o.jsonl", "--tp", "2", nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]

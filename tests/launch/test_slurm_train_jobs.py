@@ -16,14 +16,13 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from setdiff_megatron.launch.slurm import submit_sharded
-from tests.cli_runs import setdiff
+from tests.cli_runs import cli, setdiff
 from tests.launch.slurm_cluster import require_two_nodes
 from tests.launch.slurm_jobs import (
     REPO,
@@ -37,7 +36,7 @@ from tests.launch.slurm_jobs import (
     wait_until,
 )
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.multiproc]
 
 STEPS = 20
 
@@ -258,16 +257,7 @@ def test_sample_array_of_two_shards_then_merge_equals_a_local_run(reference, sha
     local = setdiff("sample", str(run_dir), *options, "--out", str(tmp_path / "local.jsonl"), env=env, timeout=300)
     assert local.returncode == 0, local.stderr
 
-    base = [
-        sys.executable,
-        "-m",
-        "setdiff_megatron.cli",
-        "sample",
-        str(run_dir),
-        *options,
-        "--out",
-        str(tmp_path / "out.jsonl"),
-    ]
+    base = cli("sample", run_dir, *options, "--out", tmp_path / "out.jsonl")
     jobs = submit_sharded(
         [*base, "--shard", "{shard}", "--num-shards", "{num_shards}"],
         base,

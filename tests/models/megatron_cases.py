@@ -21,6 +21,7 @@ from setdiff_megatron.core.orders import Staggered
 from setdiff_megatron.core.streams import TwoStreamBatch, sample_two_stream_batch
 from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
+from tests.cli_runs import torchrun
 from tests.conftest import debug_config, dit_config, randomized
 
 ROOT = Path(__file__).parents[2]
@@ -141,16 +142,12 @@ def batches(
     return out
 
 
-def run_worker(module: str, out: Path, nproc: int = 1, timeout: float = 240) -> dict:
-    """Run `python -m module out` (under torchrun when nproc > 1) and return the JSON it wrote."""
-    launcher = (
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-        if nproc > 1
-        else [sys.executable]
-    )
+def run_worker(module: str, out: Path, *args: str, nproc: int = 1, timeout: float = 240) -> dict:
+    """Run `python -m module out ARGS` (under torchrun when nproc > 1) and return the JSON it wrote."""
+    launcher = torchrun(nproc) if nproc > 1 else [sys.executable]
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(
-        [*launcher, "-m", module, str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+        [*launcher, "-m", module, str(out), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
     )
     if proc.returncode != 0 or not out.exists():
         raise AssertionError(f"{module} failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")

@@ -14,6 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.cli_runs import torchrun
+
 ROOT = Path(__file__).parents[2]
 pytestmark = pytest.mark.multiproc
 
@@ -28,10 +30,9 @@ def footprints(tmp_path_factory) -> tuple[dict, dict]:
     process running beside the real ones."""
     tmp = tmp_path_factory.mktemp("plan")
     worker = [sys.executable, "-m", "tests.planning.plan_worker"]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     jobs = [
         [*worker, str(tmp / "fake.json"), "fake", "one", *TWO_RANKS],
-        [*torchrun, "-m", "tests.planning.plan_worker", str(tmp / "real2.json"), "real", *TWO_RANKS],
+        [*torchrun(2), "-m", "tests.planning.plan_worker", str(tmp / "real2.json"), "real", *TWO_RANKS],
     ]
     procs = [
         subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for argv in jobs

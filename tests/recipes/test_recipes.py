@@ -1,7 +1,5 @@
 """Recipes: every shipped recipe validates; malformed ones fail with one line and exit code 2."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -9,6 +7,7 @@ import yaml
 
 from setdiff_megatron.cli import main
 from setdiff_megatron.recipes import Recipe, RecipeError, load_recipe, save_resolved_recipe, validate_recipe
+from tests.cli_runs import setdiff
 
 RECIPES = sorted((Path(__file__).parents[2] / "recipes").glob("*.yaml")) + sorted(
     p for p in (Path(__file__).parents[2] / "recipes" / "study").rglob("*.yaml") if p.name not in ("data.yaml",)
@@ -213,12 +212,9 @@ def test_malformed_recipe_gives_one_line_and_exit_2(tmp_path, capsys, text, over
     assert str(path) in err or "override" in err
 
 
+@pytest.mark.multiproc
 def test_cli_error_has_no_traceback_in_a_real_process(tmp_path):
-    out = subprocess.run(
-        [sys.executable, "-m", "setdiff_megatron.cli", "recipe", "validate", str(TINY), "train.lrr=1"],
-        capture_output=True,
-        text=True,
-    )
+    out = setdiff("recipe", "validate", TINY, "train.lrr=1", check=False)
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "did you mean 'lr'" in out.stderr
 
 

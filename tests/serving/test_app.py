@@ -27,6 +27,8 @@ from setdiff_megatron.recipe_data import prompt_format  # noqa: E402
 from setdiff_megatron.serving.local import LiveServer  # noqa: E402
 from setdiff_megatron.sources.read import read_source  # noqa: E402
 
+pytestmark = pytest.mark.multiproc
+
 NAME = "tiny"
 
 
@@ -247,7 +249,6 @@ def test_bounded_load_stops_by_itself(server):
 
 
 @pytest.mark.slow  # 24 s; one replica's answers are tested by default
-@pytest.mark.multiproc
 def test_data_parallel_replicas_and_a_tp_model_answer_alike(trained_run, server):
     kwargs = dict(model=NAME, prompt="def fibonacci(n):\n", max_tokens=12, temperature=0)
     want = server.client.completions.create(**kwargs).choices[0].text

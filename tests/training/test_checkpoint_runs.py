@@ -1,8 +1,8 @@
 """Checkpoints of real runs: preemption signals, exact resume, resharding, broken checkpoints.
 
-Every run is `setdiff train recipes/tiny-cpu.yaml` with overrides, as a user starts it. The
-two-process tests are marked multiproc; those with three launches of a minute or more on two
-cores are also marked slow.
+Every run is `setdiff train recipes/tiny-cpu.yaml` with overrides, as a user starts it, so every
+test is marked multiproc; those with three launches of a minute or more on two cores are also
+marked slow.
 """
 
 import json
@@ -10,7 +10,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,29 +18,28 @@ import pytest
 from setdiff_megatron.checkpoint.manifest import verify
 from setdiff_megatron.distributed.signals import EXIT_REQUEUE
 from tests.checkpoint.test_run_directory import flip_a_byte, truncate
+from tests.cli_runs import cli, setdiff
 from tests.training.leftovers import left_behind
+
+pytestmark = pytest.mark.multiproc
 
 TINY = str(Path(__file__).parents[2] / "recipes" / "tiny-cpu.yaml")
 # Small global batches, a loss logged at every step, no validation.
 BASE = ("log.tensorboard=false", "parallel.global_batch_size=8", "log.interval=1", "eval.interval=1000")
 
 
+def train_args(run_dir: Path, data_cache: Path, *overrides: str) -> list[str]:
+    """`setdiff train` of the recipe into `run_dir`, BASE and `overrides` over it."""
+    return ["train", TINY, f"checkpoint.dir={run_dir}", f"data.cache_dir={data_cache}", *BASE, *overrides]
+
+
 def command(run_dir: Path, data_cache: Path, *overrides: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "setdiff_megatron.cli",
-        "train",
-        TINY,
-        f"checkpoint.dir={run_dir}",
-        f"data.cache_dir={data_cache}",
-        *BASE,
-        *overrides,
-    ]
+    """The command line of `train_args`, for a run started with Popen."""
+    return cli(*train_args(run_dir, data_cache, *overrides))
 
 
 def run_train(run_dir: Path, data_cache: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run(command(run_dir, data_cache, *overrides), capture_output=True, text=True, timeout=900)
+    return setdiff(*train_args(run_dir, data_cache, *overrides), check=False)
 
 
 def losses(run_dir: Path) -> list[tuple[int, float]]:
@@ -147,7 +145,6 @@ def test_broken_or_foreign_checkpoints_are_named_and_skipped(tmp_path, data_cach
 
 
 @pytest.mark.slow  # 28 s; exit 75 and the resume run by default in the test above and in tests/launch
-@pytest.mark.multiproc
 def test_two_processes_preempted_through_the_launcher_exit_75(tmp_path, data_cache):
     """A scheduler signals every process of the job: the `setdiff train` launcher, torchrun, the
     workers and their checkpoint helpers; a second signal follows during the save."""
@@ -168,7 +165,6 @@ def test_two_processes_preempted_through_the_launcher_exit_75(tmp_path, data_cac
     assert verify(checkpoint_of(run, stopped)) is None
 
 
-@pytest.mark.multiproc
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["parallel.tp=2", "parallel.pp=2", "parallel.cp=2"])
 def test_two_process_resume_is_bitwise_and_reshards_to_one_process(tmp_path, data_cache, layout):

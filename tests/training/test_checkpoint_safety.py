@@ -19,6 +19,8 @@ import pytest
 from tests.checkpoint.test_run_directory import flip_a_byte, truncate
 from tests.training.test_checkpoint_runs import checkpoint_of, losses, run_train
 
+pytestmark = pytest.mark.multiproc
+
 ARGS = ("launch.nproc_per_node=1", "checkpoint.interval=2", "checkpoint.keep_last_n=null")
 TOLD_TO_CHANGE = ("checkpoints/latest", "recipe.yaml")
 
@@ -151,7 +153,6 @@ def test_a_re_save_of_an_existing_step_moves_the_old_one_aside(run, data_cache):
     assert [a.split(".")[0] for a in aside] == ["step_00000004"] and ".replaced-" in aside[0]
 
 
-@pytest.mark.multiproc
 def test_two_processes_over_all_damaged_checkpoints_are_refused_once_before_they_start(
     trained_run, data_cache, tmp_path
 ):

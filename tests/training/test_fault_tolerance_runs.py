@@ -19,8 +19,9 @@ import pytest
 from setdiff_megatron.checkpoint.manifest import verify
 from setdiff_megatron.distributed.fault_injection import INJECT_ENV
 from setdiff_megatron.distributed.workers import RESTART_ENV, Torchrun
+from tests.cli_runs import setdiff
 from tests.training.leftovers import left_behind
-from tests.training.test_checkpoint_runs import BASE, TINY, command, losses
+from tests.training.test_checkpoint_runs import BASE, TINY, command, losses, train_args
 
 pytestmark = pytest.mark.multiproc
 
@@ -102,7 +103,7 @@ def test_a_killed_rank_restarts_in_job_and_ends_like_the_uninterrupted_run(data_
     assert steps == [1, 2, 3, 4]  # step 3 was killed before its loss was logged, then run again
     uninterrupted = tmp_path / "whole"
     rest = [o for o in overrides if not o.startswith(("checkpoint.dir=", "data.cache_dir="))]
-    subprocess.run(command(uninterrupted, data_cache, *rest), check=True, capture_output=True, timeout=600)
+    setdiff(*train_args(uninterrupted, data_cache, *rest), timeout=600)
     assert losses(run) == losses(uninterrupted)
 
 

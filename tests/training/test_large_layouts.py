@@ -11,11 +11,11 @@ Slow: about 10 minutes on 2 cores. Peak memory of the 16-rank run: see docs/para
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.cli_runs import setdiff
 
 ROOT = Path(__file__).parents[2]
 REASONING = str(ROOT / "recipes" / "tiny-reasoning.yaml")
@@ -31,10 +31,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
 def train(run: Path, data: Path, recipe: str, *overrides: str) -> list[tuple[str, int, float]]:
     """Run `setdiff train`; its (kind, step, loss) records, kind 'train' or 'valid'."""
-    argv = [sys.executable, "-m", "setdiff_megatron.cli", "train", recipe, f"checkpoint.dir={run}"]
-    argv += [f"data.cache_dir={data}", *QUIET, *STEPS, *overrides]
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    setdiff("train", recipe, f"checkpoint.dir={run}", f"data.cache_dir={data}", *QUIET, *STEPS, *overrides)
     records = []
     for m in map(json.loads, (run / "logs" / "metrics.jsonl").read_text().splitlines()):
         records += [(kind, m["step"], m[f"{kind}/loss"]) for kind in ("train", "valid") if f"{kind}/loss" in m]

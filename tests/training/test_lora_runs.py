@@ -3,8 +3,6 @@ its shipped AR base, 2 processes data parallel, under both engines; only adapter
 checkpoints, an exact resume from the base read again, and a Hugging Face export whose merged
 weights give the adapted model's logits."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,7 @@ from setdiff_megatron.models.lora import adapt_torch_model, is_adapter_key
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 from setdiff_megatron.sources.megatron_checkpoints import adapter_weights
 from setdiff_megatron.sources.read import fit_source, read_source
+from tests.cli_runs import setdiff
 from tests.training.test_supervised_runs import ROOT, losses
 from tests.training.test_supervised_runs import train as train_reasoning
 
@@ -88,14 +87,7 @@ def test_the_hf_export_of_a_lora_run_gives_the_adapted_models_logits(megatron_ru
     with the checkpoint's adapters running on it."""
     run, _ = megatron_run
     hf = tmp_path / "hf"
-    out = subprocess.run(
-        [sys.executable, "-m", "setdiff_megatron.cli", "convert", "to-hf", str(run), str(hf)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
+    setdiff("convert", "to-hf", run, hf, timeout=600)
     trained = read_source(run, weights=False)
     adapted = SetDiffusionTransformer(trained.config)
     adapted.load_state_dict(fit_source(read_source(BASE), trained.config, trained.tokenizer))

@@ -5,11 +5,11 @@ metrics.jsonl. The run of the whole recipe (the load-balancing loss falling) is 
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.cli_runs import setdiff
 from tests.training.test_checkpoint_runs import checkpoint_of, losses
 
 pytestmark = pytest.mark.multiproc
@@ -20,23 +20,7 @@ ONE_PROCESS = ("launch.nproc_per_node=1", "parallel.ep=1")
 
 
 def train(run_dir: Path, data_cache: Path, *overrides: str) -> subprocess.CompletedProcess:
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "setdiff_megatron.cli",
-            "train",
-            RECIPE,
-            f"checkpoint.dir={run_dir}",
-            f"data.cache_dir={data_cache}",
-            *overrides,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    return out
+    return setdiff("train", RECIPE, f"checkpoint.dir={run_dir}", f"data.cache_dir={data_cache}", *overrides)
 
 
 def metrics(run_dir: Path) -> list[dict]:

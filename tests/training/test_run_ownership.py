@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from setdiff_megatron.checkpoint.names import find_checkpoints
+from tests.cli_runs import setdiff
 from tests.training.leftovers import left_behind
-from tests.training.test_checkpoint_runs import command
+from tests.training.test_checkpoint_runs import command, train_args
 from tests.training.test_fault_tolerance_runs import snapshot
 
 pytestmark = pytest.mark.multiproc
@@ -44,7 +45,7 @@ def test_a_second_run_is_refused_and_a_killed_launcher_takes_its_ranks_with_it(d
         saved = [c.name for c in find_checkpoints(run / "checkpoints")]
         before = {name: snapshot(run / "checkpoints" / name) for name in saved}
 
-        second = subprocess.run(command(run, data_cache, *long_run), capture_output=True, text=True, timeout=300)
+        second = setdiff(*train_args(run, data_cache, *long_run), timeout=300, check=False)
         assert second.returncode == 2, second.stderr[-3000:]
         [line] = second.stderr.strip().splitlines()
         assert f"{run} is in use by `setdiff train" in line and f"pid {launcher.pid} on " in line, line

@@ -3,11 +3,11 @@ reasoning corpus's records, each engine and layout against one process, and the 
 in miniature (an AR model exported to Hugging Face format, then adapted)."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.cli_runs import setdiff
 
 ROOT = Path(__file__).parents[2]
 RECIPE = ROOT / "recipes" / "tiny-reasoning.yaml"
@@ -33,19 +33,7 @@ def data_cache(tmp_path_factory) -> Path:
 
 
 def train(run_dir: Path, data_cache: Path, *overrides: str, recipe: Path = RECIPE) -> list[dict]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "setdiff_megatron.cli",
-        "train",
-        str(recipe),
-        f"checkpoint.dir={run_dir}",
-        f"data.cache_dir={data_cache}",
-        *SMALL,
-        *overrides,
-    ]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)  # init_from: assets/...
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    setdiff("train", recipe, f"checkpoint.dir={run_dir}", f"data.cache_dir={data_cache}", *SMALL, *overrides)
     return [json.loads(line) for line in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -53,6 +41,7 @@ def losses(metrics: list[dict], key: str = "train/loss") -> list[float]:
     return [m[key] for m in metrics if key in m]
 
 
+@pytest.mark.multiproc
 def test_packed_supervised_rows_train_in_one_process(tmp_path, data_cache):
     """The main job's recipe, from its shipped AR base (assets/reasoning-ar-base)."""
     metrics = train(tmp_path / "run", data_cache, "launch.nproc_per_node=1")
@@ -97,26 +86,9 @@ def test_an_imported_ar_model_adapts_to_set_diffusion(tmp_path, data_cache):
     ar = tmp_path / "ar"
     train(ar, data_cache, "launch.nproc_per_node=1", recipe=ROOT / "recipes" / "study" / "packed" / "ar.yaml")
     hf = tmp_path / "ar-hf"
-    convert = subprocess.run(
-        [sys.executable, "-m", "setdiff_megatron.cli", "convert", "to-hf", str(ar), str(hf)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert convert.returncode == 0, convert.stderr[-3000:]
-    cmd = [
-        sys.executable,
-        "-m",
-        "setdiff_megatron.cli",
-        "train",
-        str(RECIPE),
-        f"checkpoint.dir={tmp_path / 'adapt'}",
-        f"data.cache_dir={data_cache}",
-        f"model.init_from={hf}",
-        *SMALL,
-    ]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-4000:]
+    setdiff("convert", "to-hf", ar, hf, timeout=600)
+    adapt = [f"checkpoint.dir={tmp_path / 'adapt'}", f"data.cache_dir={data_cache}", f"model.init_from={hf}", *SMALL]
+    out = setdiff("train", RECIPE, *adapt)
     assert f"initialised from set diffusion Hugging Face export {hf}" in out.stdout
     assert f"its initial weights: set diffusion Hugging Face export {hf} (4 x 128)" in out.stdout
     assert "held-out accuracy on 20 test problems" in out.stdout

@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from setdiff_megatron.checkpoint.manifest import verify
 from setdiff_megatron.distributed.signals import EXIT_REQUEUE
 from setdiff_megatron.recipes import load_recipe
 from setdiff_megatron.training.lr_schedule import build_lr_scheduler
+from tests.cli_runs import cli, setdiff
 from tests.models.megatron_cases import ROOT, run_worker
 from tests.training.engines.deepspeed_megatron_worker import SCHEDULE_STEPS, SCHEDULES
 from tests.training.engines.deepspeed_zero_worker import RESUMED, SEMANTICS_RUNS
@@ -50,18 +50,9 @@ def data_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.getbasetemp() / "checkpoint-tests-data"
 
 
-def command(run_dir: Path, data_cache: Path, *overrides: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "setdiff_megatron.cli",
-        "train",
-        str(RECIPE),
-        f"checkpoint.dir={run_dir}",
-        f"data.cache_dir={data_cache}",
-        *BASE,
-        *overrides,
-    ]
+def train_args(run_dir: Path, data_cache: Path, *overrides: str) -> list[str]:
+    """`setdiff train` of the recipe into `run_dir`, BASE and `overrides` over it."""
+    return ["train", str(RECIPE), f"checkpoint.dir={run_dir}", f"data.cache_dir={data_cache}", *BASE, *overrides]
 
 
 def losses(run_dir: Path, key: str = "train/loss") -> list[tuple[int, float]]:
@@ -73,8 +64,7 @@ def losses(run_dir: Path, key: str = "train/loss") -> list[tuple[int, float]]:
 def straight(tmp_path_factory, data_cache) -> Path:
     """An uninterrupted 5-step run of the recipe, 2 processes, ZeRO-2."""
     run_dir = tmp_path_factory.mktemp("deepspeed") / "straight"
-    out = subprocess.run(command(run_dir, data_cache), capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
+    setdiff(*train_args(run_dir, data_cache))
     return run_dir
 
 
@@ -91,25 +81,8 @@ def zero_results(tmp_path_factory) -> dict:
 def megatron_worker(out: Path, data_cache: Path, *overrides: str) -> dict:
     """What deepspeed_megatron_worker.py reports of the megatron engine trained from the DeepSpeed
     engine's start on the recipe with `overrides` (the corpus prepared already)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "-m",
-        "tests.training.engines.deepspeed_megatron_worker",
-        str(out),
-        f"checkpoint.dir={out.parent}",
-        f"data.cache_dir={data_cache}",
-        *BASE,
-        *overrides,
-    ]
-    proc = subprocess.run(
-        cmd, cwd=ROOT, env={**os.environ, "PYTHONWARNINGS": "ignore"}, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0 and out.exists(), proc.stderr[-6000:]
-    return json.loads(out.read_text())
+    args = [f"checkpoint.dir={out.parent}", f"data.cache_dir={data_cache}", *BASE, *overrides]
+    return run_worker("tests.training.engines.deepspeed_megatron_worker", out, *args, nproc=2, timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -132,8 +105,7 @@ SEMANTICS = (
 def both_engines_with_the_references_semantics(tmp_path_factory, data_cache, straight) -> tuple[Path, dict]:
     """(the DeepSpeed run's directory, the megatron worker's results), both with SEMANTICS."""
     run_dir = tmp_path_factory.mktemp("deepspeed") / "semantics"
-    out = subprocess.run(command(run_dir, data_cache, *SEMANTICS), capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
+    setdiff(*train_args(run_dir, data_cache, *SEMANTICS))
     return run_dir, megatron_worker(tmp_path_factory.mktemp("megatron") / "semantics.json", data_cache, *SEMANTICS)
 
 
@@ -216,8 +188,7 @@ def test_moe_losses_match_the_megatron_engine_at_ep2(tmp_path, data_cache):
     """An MoE model: DeepSpeed's torch body, data-parallel with the router losses added to its
     NLL sum, against megatron's MoE layers at EP = 2 from the same weights and data."""
     run_dir = tmp_path / "moe"
-    out = subprocess.run(command(run_dir, data_cache, *MOE), capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
+    setdiff(*train_args(run_dir, data_cache, *MOE))
     got = [v for _, v in losses(run_dir)]
     (tmp_path / "m").mkdir()
     expected = megatron_worker(tmp_path / "m" / "megatron.json", data_cache, *MOE, "parallel.ep=2")["losses"]
@@ -243,8 +214,7 @@ def test_the_baselines_train_alike_in_both_engines(tmp_path, data_cache, straigh
     """MDLM and BD3-LM under DeepSpeed ZeRO-2 (the torch body) and the megatron engine at DP=2 from
     the same start, noise levels and masks: the same losses, and the same validation loss."""
     run_dir = tmp_path / "deepspeed"
-    out = subprocess.run(command(run_dir, data_cache, *family), capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
+    setdiff(*train_args(run_dir, data_cache, *family))
     (tmp_path / "megatron").mkdir()
     megatron = megatron_worker(tmp_path / "megatron" / "family.json", data_cache, *family)
     got = [loss for _, loss in losses(run_dir)]
@@ -283,7 +253,7 @@ def test_resume_after_sigterm_is_exact(tmp_path, data_cache, straight):
     the relaunch resumes there and logs the uninterrupted run's losses exactly."""
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
-        command(run_dir, data_cache),
+        cli(*train_args(run_dir, data_cache)),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -306,7 +276,7 @@ def test_resume_after_sigterm_is_exact(tmp_path, data_cache, straight):
     assert f"stopped at step {stopped} by SIGTERM; checkpoint {checkpoint}" in output
     assert verify(checkpoint) is None
 
-    resumed = subprocess.run(command(run_dir, data_cache), capture_output=True, text=True, timeout=900)
+    resumed = setdiff(*train_args(run_dir, data_cache), check=False)
     assert resumed.returncode == 0 and f"resumed from {checkpoint} at step {stopped}" in resumed.stdout, resumed.stderr[
         -3000:
     ]
@@ -319,12 +289,7 @@ def test_init_from_a_checkpoint_starts_from_its_weights(tmp_path, data_cache, st
     """model.init_from, read through hf/sources.py and consolidated_state_dict: the new run's
     validation loss before its first step is the source run's after its last."""
     source = straight / "checkpoints" / f"step_{STEPS:08d}"
-    out = subprocess.run(
-        command(tmp_path / "run", data_cache, f"model.init_from={source}", "train.steps=1"),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    out = setdiff(*train_args(tmp_path / "run", data_cache, f"model.init_from={source}", "train.steps=1"), check=False)
     assert out.returncode == 0 and f"initialised from DeepSpeed checkpoint {source}" in out.stdout, out.stderr[-3000:]
     assert losses(tmp_path / "run", "valid/loss")[0] == (0, losses(straight, "valid/loss")[-1][1])
 
@@ -334,37 +299,21 @@ def test_init_from_a_checkpoint_starts_from_its_weights(tmp_path, data_cache, st
 def test_tiny_recipe_lowers_the_validation_loss(tmp_path, data_cache):
     """`setdiff train recipes/tiny-cpu-deepspeed.yaml`, shortened to 40 steps."""
     run_dir = tmp_path / "run"
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "setdiff_megatron.cli",
-            "train",
-            str(RECIPE),
-            f"checkpoint.dir={run_dir}",
-            f"data.cache_dir={data_cache}",
-            "log.tensorboard=false",
-            "train.steps=40",
-            "eval.interval=40",
-            "checkpoint.interval=40",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
+    overrides = ["log.tensorboard=false", "train.steps=40", "eval.interval=40", "checkpoint.interval=40"]
+    setdiff("train", RECIPE, f"checkpoint.dir={run_dir}", f"data.cache_dir={data_cache}", *overrides, timeout=1800)
     valid = [loss for _, loss in losses(run_dir, "valid/loss")]
     assert len(valid) == 2 and valid[1] < valid[0] - 1.0, valid
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000040"
 
 
+@pytest.mark.multiproc
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["stop", "skip"])
 def test_nan_loss_follows_the_recipe_policy(tmp_path, data_cache, policy):
     """An absurd learning rate without clipping sends the weights to inf within a step or two;
     ZeRO's optimizer then skips the update of non-finite gradients."""
-    out = subprocess.run(
-        command(
+    out = setdiff(
+        *train_args(
             tmp_path / "run",
             data_cache,
             "launch.nproc_per_node=1",
@@ -376,9 +325,7 @@ def test_nan_loss_follows_the_recipe_policy(tmp_path, data_cache, policy):
             "train.min_lr=1e30",
             f"train.nan_policy={policy}",
         ),
-        capture_output=True,
-        text=True,
-        timeout=900,
+        check=False,
     )
     if policy == "stop":
         assert out.returncode == 2 and "train.nan_policy=stop" in out.stderr and "Traceback" not in out.stderr, (
@@ -393,10 +340,7 @@ def test_nan_loss_follows_the_recipe_policy(tmp_path, data_cache, policy):
 @pytest.mark.slow
 def test_compiled_model_trains_as_the_eager_one(tmp_path, data_cache, straight):
     """train.compile: torch.compile changes how the step runs, not what it computes."""
-    out = subprocess.run(
-        command(tmp_path / "run", data_cache, "train.compile=true"), capture_output=True, text=True, timeout=1200
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
+    setdiff(*train_args(tmp_path / "run", data_cache, "train.compile=true"), timeout=1200)
     compiled, eager = losses(tmp_path / "run"), losses(straight)
     assert [s for s, _ in compiled] == [s for s, _ in eager]
     assert max(abs(a - b) for (_, a), (_, b) in zip(compiled, eager)) < 1e-5

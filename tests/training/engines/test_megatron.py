@@ -2,10 +2,13 @@
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.cli_runs import setdiff
+
+pytestmark = pytest.mark.multiproc
 
 TINY = str(Path(__file__).parents[3] / "recipes" / "tiny-cpu.yaml")
 
@@ -17,18 +20,8 @@ def data_cache(tmp_path_factory) -> Path:
 
 
 def run_train(run_dir: Path, data_cache: Path, *overrides: str) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        "-m",
-        "setdiff_megatron.cli",
-        "train",
-        TINY,
-        f"checkpoint.dir={run_dir}",
-        f"data.cache_dir={data_cache}",
-        "log.tensorboard=false",
-        *overrides,
-    ]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    args = [f"checkpoint.dir={run_dir}", f"data.cache_dir={data_cache}", "log.tensorboard=false", *overrides]
+    return setdiff("train", TINY, *args, check=False)
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -36,7 +29,6 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.slow  # 30 s; two-process runs train in the checkpoint and SLURM tests
-@pytest.mark.multiproc
 def test_two_process_run_lowers_validation_loss(tmp_path, data_cache):
     out = run_train(tmp_path / "run", data_cache, "train.steps=40", "eval.interval=40", "checkpoint.interval=40")
     assert out.returncode == 0, out.stderr[-3000:]
