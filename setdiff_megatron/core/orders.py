@@ -97,7 +97,7 @@ class OrderPolicy(ABC):
 
     @abstractmethod
     def decoding_policy(self) -> dict[str, Any]:
-        """The paper's default decoding settings (core/decoding.py) for a model trained under
+        """The paper's default decoding settings (sampling/decoding.py) for a model trained under
         this order: one token per step left to right, a window of d at the paper's threshold
         for the staggered schedule, its own blocks for a block order."""
 

@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from setdiff_megatron.core.decoding import DecodingConfig
-from setdiff_megatron.core.sample_output import RowResult
-from setdiff_megatron.core.sample_request import Request
-from setdiff_megatron.core.sampler import SetSampler
+from setdiff_megatron.sampling.decoding import DecodingConfig
+from setdiff_megatron.sampling.sample_output import RowResult
+from setdiff_megatron.sampling.sample_request import Request
+from setdiff_megatron.sampling.sampler import SetSampler
 
 __all__ = ["Job", "Replica", "LocalReplica", "ProcessReplica"]
 
