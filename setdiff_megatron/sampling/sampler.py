@@ -5,7 +5,7 @@ and scores the current window's MASK queries against cache and commits. Requests
 between steps; a row's logits depend only on its own cache entries and its sampled tokens on its
 own generator, so every row decodes exactly as it would alone, whatever shares the batch and
 whenever it joined. This module admits, steps and retires rows; the parts it drives are listed in
-docs/architecture.md, "The sampler inside core/".
+docs/architecture.md, "The sampler inside sampling/".
 """
 
 from __future__ import annotations
