@@ -26,9 +26,9 @@ from setdiff_megatron.inference.results import ShardedResults
 from setdiff_megatron.inference.sharding import Placement, Shard
 from setdiff_megatron.log import say
 from setdiff_megatron.sampling.decoding import DecodingConfig, DecodingRequest, resolve_decoding, settings_off_default
+from setdiff_megatron.sampling.engine import Sampler
 from setdiff_megatron.sampling.sample_output import RowResult
 from setdiff_megatron.sampling.sample_request import Request
-from setdiff_megatron.sampling.sampler import SetSampler
 
 __all__ = ["SampleJob", "run_sample_job", "job_decoding"]
 
@@ -164,7 +164,7 @@ def run_sample_job(job: SampleJob) -> DecodingConfig:
 
 
 def _sample(
-    sampler: SetSampler,
+    sampler: Sampler,
     decoding: DecodingConfig,
     todo: list[int],
     records: list[PromptRecord],
