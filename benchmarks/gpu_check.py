@@ -28,7 +28,7 @@
       cuDNN graph build; expected: a handful, one per batch size and step width, not one per
       step) and the bytes copied per forward to give TE its layout (expected: the step's queries
       only, never the cache; te_fused.KERNEL_STATS).
-5. Compiled static-shape decode steps (core/step_compiler.py, CUDA graphs per bucket through
+5. Compiled static-shape decode steps (sampling/step_compiler.py, CUDA graphs per bucket through
    `mode="reduce-overhead"`) against eager steps, bf16: greedy tokens of the copying model of 4a
    must be equal; ms per decode forward at batch 1 and 16 on the model of 4b, with the warm-up
    (compile and capture) time. This is what takes the CUDA path off "GPU-unverified".
@@ -50,11 +50,11 @@ import torch
 
 from benchmarks.machine import best_time, machine_info, save_results
 from setdiff_megatron.core.attention import set_causal_attention
-from setdiff_megatron.core.decoding import DecodingConfig
-from setdiff_megatron.core.sampler import SetSampler
 from setdiff_megatron.core.step_attention import set_causal_step_attention
 from setdiff_megatron.errors import ArgumentParser, UserError
 from setdiff_megatron.kernels import choose_attention_impl, flash_attn, te_fused
+from setdiff_megatron.sampling.decoding import DecodingConfig
+from setdiff_megatron.sampling.sampler import SetSampler
 from setdiff_megatron.training.metrics import peak_flops, training_flops_per_token
 
 BF16_TOL, FP8_TOL = {"out": 2e-2, "grad": 2e-2}, {"out": 0.15, "grad": 0.35}

@@ -11,7 +11,7 @@ Sampling: the reference decodes with a KV cache (docs/method.md, "KV cache": a H
 DynamicCache, use_cache required), so the baseline is its cached step, not a recompute: every
 layer grows the cache by concatenating the step's K/V, then the cache is cropped to the commits,
 and attention is eager under an additive float mask. Ours: the preallocated cache written in place
-(core/kv_cache.py). Both decode one step (2 commits, 8 queries) at batch 16 after a prefill of
+(sampling/kv_cache.py). Both decode one step (2 commits, 8 queries) at batch 16 after a prefill of
 context - 16 tokens, with the same weights; their logits must agree. Per cached token: the cache
 bytes held, and the peak of the step on top of them.
 
@@ -44,11 +44,11 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from benchmarks.machine import machine_info, save_results
 from benchmarks.train_throughput import MODEL, batches, build_model
-from setdiff_megatron.core.kv_cache import KVCache
 from setdiff_megatron.core.step_attention import step_mask
 from setdiff_megatron.errors import ArgumentParser
 from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
+from setdiff_megatron.sampling.kv_cache import KVCache
 
 IMPLS = ("dense", "sdpa", "fused")
 TRAIN_TOKENS = 1024  # sequence tokens per training batch: batch = TRAIN_TOKENS // L

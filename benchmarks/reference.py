@@ -57,10 +57,10 @@ def our_decode(spec: dict, compile_mode: str):
     the decoding settings)."""
     import torch
 
-    from setdiff_megatron.core.decoding import DecodingConfig
-    from setdiff_megatron.core.sampler import SetSampler
     from setdiff_megatron.models.config import DIT_BODY, ModelConfig
     from setdiff_megatron.models.torch_model import SetDiffusionTransformer
+    from setdiff_megatron.sampling.decoding import DecodingConfig
+    from setdiff_megatron.sampling.sampler import SetSampler
 
     torch.set_num_threads(spec["threads"])
     size, vocab = spec["size"], spec["size"]["vocab_size"]

@@ -4,7 +4,7 @@ The reference sampler runs one prompt at a time (docs/method.md, "Differences fr
 reference"). The baseline here is our own sampler called once per prompt (batch 1), so both
 sides share the model, the weights, the prompts and the decoding policy, and differ only in
 batching. Each batch size runs twice: eager steps (`compile="off"`, the sampler as it was), and
-static-shape compiled decode steps (`compile="on"`, core/step_compiler.py), whose warm-up (the
+static-shape compiled decode steps (`compile="on"`, sampling/step_compiler.py), whose warm-up (the
 first run, compiling every bucket it meets) is timed apart. Prompts have mixed lengths; the
 random model's confidences are flat, so the set-size policy (k tokens per step in a window of W)
 fixes the pace. For every row the table gives tokens/s, the batched forward passes (prefills
@@ -31,12 +31,12 @@ from functools import partial
 import torch
 
 from benchmarks.machine import best_times, machine_info, save_results
-from setdiff_megatron.core.decoding import DecodingConfig
-from setdiff_megatron.core.sample_output import SampleOutput
-from setdiff_megatron.core.sampler import SetSampler
 from setdiff_megatron.errors import ArgumentParser
 from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
+from setdiff_megatron.sampling.decoding import DecodingConfig
+from setdiff_megatron.sampling.sample_output import SampleOutput
+from setdiff_megatron.sampling.sampler import SetSampler
 
 # The model of recipes/tiny-cpu.yaml: what a CPU user of this project samples from.
 MODEL = dict(

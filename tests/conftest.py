@@ -35,7 +35,7 @@ def randomized(state_dict: dict[str, torch.Tensor], seed: int = 0) -> dict[str, 
 
 @pytest.fixture(scope="session", autouse=True)
 def machine_records_in_a_temporary_directory(tmp_path_factory) -> None:
-    """What the code records on the machine (core/step_compiler.py's compile costs) goes to a
+    """What the code records on the machine (sampling/step_compiler.py's compile costs) goes to a
     directory of the test session, for every process the tests start, not to the user's home."""
     os.environ["SETDIFF_CACHE_DIR"] = str(tmp_path_factory.mktemp("setdiff-cache"))
 

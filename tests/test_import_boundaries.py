@@ -13,6 +13,7 @@ PACKAGE = Path(__file__).parents[1] / "setdiff_megatron"
 LAYERS = {
     "core": 1,
     "kernels": 2,
+    "sampling": 2,
     "models": 3,
     "data": 4,
     "recipes": 4,
@@ -122,8 +123,9 @@ def test_frameworks_are_imported_only_where_named(framework):
     assert users <= FRAMEWORKS[framework], f"{framework} imported in {sorted(users - FRAMEWORKS[framework])}"
 
 
-def test_core_imports_only_torch_and_stdlib():
-    for path in (PACKAGE / "core").glob("*.py"):
+@pytest.mark.parametrize("package", ["core", "sampling"])
+def test_core_and_sampling_import_only_torch_and_stdlib(package):
+    for path in (PACKAGE / package).glob("*.py"):
         bad = {module.split(".")[0] for _, module, _ in imports(path)} - CORE_ALLOWED
         assert not bad, f"{path.name} imports {sorted(bad)}"
 

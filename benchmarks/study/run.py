@@ -22,7 +22,6 @@ from pathlib import Path
 from benchmarks.study.plan import Model
 from setdiff_megatron.checkpoint.manifest import verify
 from setdiff_megatron.checkpoint.names import CHECKPOINTS, find_checkpoints
-from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.data.answers import gsm8k_answer
 from setdiff_megatron.data.chains import prepare_chains_corpus, rule_baselines
 from setdiff_megatron.data.reasoning import TRAIN_LEVELS, ReasoningCorpus, prepare_reasoning_corpus
@@ -33,6 +32,7 @@ from setdiff_megatron.evaluation.scoring import exact_match
 from setdiff_megatron.evaluation.sweep import run_sweep
 from setdiff_megatron.inference.sharding import Placement
 from setdiff_megatron.recipes import load_recipe
+from setdiff_megatron.sampling.decoding import DecodingConfig
 
 BATCH_SIZE = 16
 MAX_NEW_TOKENS = 51

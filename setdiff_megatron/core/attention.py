@@ -53,7 +53,7 @@ def grouped_mask(
     `documents_BL` no rank sees another document's (packed records).
 
     `within="rank"` is a set sampler's steps instead (a decoded trajectory replayed,
-    core/trajectory.py): inside a group, clean ranks see the ones before them (commits are causal
+    sampling/trajectory.py): inside a group, clean ranks see the ones before them (commits are causal
     among themselves) and a query sees only itself; across groups as above."""
     g_i, g_j = groups_BL[:, :, None], groups_BL[:, None, :]
     same = g_i == g_j

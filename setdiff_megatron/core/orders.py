@@ -46,7 +46,7 @@ PAPER_THRESHOLD = 0.9
 
 @dataclass(frozen=True, kw_only=True)
 class PaperDecoding:
-    """The decoding settings (core/decoding.py) a model's paper default sets; the rest keep their defaults."""
+    """The decoding settings (sampling/decoding.py) a model's paper default sets; the rest keep their defaults."""
 
     window: int
     threshold: float | None = None
@@ -118,7 +118,7 @@ class OrderPolicy(ABC):
 
     @abstractmethod
     def decoding_policy(self) -> PaperDecoding:
-        """The paper's default decoding settings (core/decoding.py) for a model trained under
+        """The paper's default decoding settings (sampling/decoding.py) for a model trained under
         this order: one token per step left to right, a window of d at the paper's threshold
         for the staggered schedule, its own blocks for a block order."""
 

@@ -2,7 +2,7 @@
 
 The objective, per token of each completion, has a KL penalty to a frozen reference model
 (docs/rl.md, "GRPO"). Its log-probabilities are exact, from the replay of each decode
-(core/trajectory.py); `one_step_batch` is diffu-GRPO's estimate instead, for comparison.
+(sampling/trajectory.py); `one_step_batch` is diffu-GRPO's estimate instead, for comparison.
 
 Shapes: B completions, L ranks.
 """

@@ -17,13 +17,13 @@ import sys
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from setdiff_megatron.core.decoding import DecodingConfig, DecodingRequest
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.evaluation.records import write_json, write_jsonl
 from setdiff_megatron.evaluation.scoring import ROUGE_KEYS, exact_match, rouge
 from setdiff_megatron.inference.job import job_decoding
 from setdiff_megatron.inference.sharding import Placement
 from setdiff_megatron.log import say
+from setdiff_megatron.sampling.decoding import DecodingConfig, DecodingRequest
 
 __all__ = ["InfillExample", "rocstories_examples", "code_examples", "InfillJob", "run_infill_job", "add_parser"]
 
@@ -213,7 +213,7 @@ def _visible_right(ex: InfillExample, tokenizer, context: str, block_size: int |
     up to the end of the span's last block of `block_size` positions (`blocks`: a model trained
     with a block order, which sees later blocks only once it has decoded them). A BD3-LM model
     sees the right context through its cache (its policy's cache_infill_input, as the reference
-    infills; core/masked_sampler.py)."""
+    infills; sampling/masked_sampler.py)."""
     if context == "both":
         return ex.right
     if context == "left":

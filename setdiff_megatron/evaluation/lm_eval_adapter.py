@@ -26,13 +26,13 @@ require("lm_eval", "lm-eval", "the lm-evaluation-harness adapter")
 from lm_eval.api.model import LM  # noqa: E402
 from lm_eval.api.registry import register_model  # noqa: E402
 
-from setdiff_megatron.core.decoding import SETTINGS, DecodingConfig  # noqa: E402
 from setdiff_megatron.core.orders import make_order_policy, sample_order  # noqa: E402
 from setdiff_megatron.core.streams import build_two_stream_batch  # noqa: E402
 from setdiff_megatron.distributed.runtime import join  # noqa: E402
 from setdiff_megatron.inference.job import job_decoding  # noqa: E402
 from setdiff_megatron.inference.loading import load_sampling_model  # noqa: E402
 from setdiff_megatron.recipes.decoding import with_stops  # noqa: E402
+from setdiff_megatron.sampling.decoding import SETTINGS, DecodingConfig  # noqa: E402
 
 __all__ = ["SetDiffLM", "main"]
 
@@ -50,7 +50,7 @@ def _batch_size(value: Any) -> int:
 @register_model("setdiff")
 class SetDiffLM(LM):
     """The model type "setdiff". Model arguments: pretrained (required), every decoding setting of
-    core/decoding.py SETTINGS by name (window, threshold, tokens_per_step, ...; window=1 is one
+    sampling/decoding.py SETTINGS by name (window, threshold, tokens_per_step, ...; window=1 is one
     token per step, threshold=none turns the threshold off), max_gen_toks (lm-eval's name for
     max_new_tokens), dtype, add_bos, context_len. Batch size and device come from lm-eval's
     --batch_size and --device. Decoding speed (tokens/s, tokens per step, NFE of generate_until)
@@ -230,9 +230,9 @@ class SetDiffLM(LM):
         policy of its own gen_kwargs (max_gen_toks, do_sample, temperature, top_k, top_p); request
         n samples with seed + n. `until` strings stop decoding (their tokens, best effort) and cut
         the text (exact)."""
-        from setdiff_megatron.core.sample_request import Request
         from setdiff_megatron.evaluation.tasks import cut_at_stop
         from setdiff_megatron.progress import progress_bar
+        from setdiff_megatron.sampling.sample_request import Request
 
         engine = self.sm.sampler(context_len=self.max_length, max_rows=self.batch_size)
         untils = {}

@@ -18,7 +18,6 @@ from collections import Counter
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.data.answers import gsm8k_answer
 from setdiff_megatron.data.builtin import builtin_corpus_dir
 from setdiff_megatron.distributed.runtime import Ranks
@@ -27,6 +26,7 @@ from setdiff_megatron.inference.loading import load_sampling_model
 from setdiff_megatron.inference.prompts import PromptRecord, encode_prompt
 from setdiff_megatron.recipes import Recipe
 from setdiff_megatron.recipes.decoding import with_stops
+from setdiff_megatron.sampling.decoding import DecodingConfig
 from setdiff_megatron.sources.read import read_source
 
 __all__ = ["showcase", "RESULT"]

@@ -31,13 +31,13 @@ from pydantic import (
     ValidationError,
 )
 
-from setdiff_megatron.core.decoding import SETTINGS
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.evaluation.records import WandbConfig, check_wandb, log_to_wandb, write_jsonl
 from setdiff_megatron.evaluation.tasks import GenerateJob, read_tasks, run_generate_job
 from setdiff_megatron.inference.sharding import Placement
 from setdiff_megatron.log import say
 from setdiff_megatron.recipes.decoding import given, settings_model
+from setdiff_megatron.sampling.decoding import SETTINGS
 
 __all__ = ["load_spec", "pareto_front", "run_sweep", "add_parser"]
 
@@ -48,7 +48,7 @@ Name = Annotated[str, StringConstraints(pattern=_NAME)]
 
 
 Settings = settings_model("Settings")
-"""Decoding settings (core/decoding.py SETTINGS); a key left out keeps the checkpoint's own
+"""Decoding settings (sampling/decoding.py SETTINGS); a key left out keeps the checkpoint's own
 policy, and null turns an optional setting off."""
 
 Point = settings_model("Point", (), base=Settings, name=(Name | None, None))
@@ -117,7 +117,7 @@ def load_spec(path: str | Path) -> SweepSpec:
 
 
 def _auto_name(given: dict[str, Any]) -> str:
-    """A point's name from its settings' short names (core/decoding.py `Setting.short`): 'w4-t0.9';
+    """A point's name from its settings' short names (sampling/decoding.py `Setting.short`): 'w4-t0.9';
     AR decoding's window of 1 reads 'ar'."""
     name = "-".join(SETTINGS[key].point_name(value) for key, value in given.items()) or "default"
     return "ar" + name[2:] if name == "w1" or name.startswith("w1-") else name

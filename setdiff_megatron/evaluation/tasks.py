@@ -18,12 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from setdiff_megatron.checkpoint.manifest import sha256_file
-from setdiff_megatron.core.decoding import (
-    DecodingConfig,
-    DecodingRequest,
-    decoding_request_record,
-    settings_off_default,
-)
 from setdiff_megatron.data.answers import gsm8k_answer
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.evaluation import scoring
@@ -38,6 +32,12 @@ from setdiff_megatron.evaluation.records import (
 from setdiff_megatron.inference.jsonl import jsonl_records
 from setdiff_megatron.inference.sharding import Placement
 from setdiff_megatron.log import say
+from setdiff_megatron.sampling.decoding import (
+    DecodingConfig,
+    DecodingRequest,
+    decoding_request_record,
+    settings_off_default,
+)
 
 __all__ = [
     "METRICS",

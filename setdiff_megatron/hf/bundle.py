@@ -27,7 +27,7 @@ ALLOWED_IMPORTS = frozenset({"torch", "transformers"}) | frozenset(sys.stdlib_mo
 """Top-level packages an exported modeling file may import outside a try block."""
 MODELING_ROOTS = (
     "setdiff_megatron.models.torch_model",
-    "setdiff_megatron.core.sampler",
+    "setdiff_megatron.sampling.sampler",
     "setdiff_megatron.hf.hf_model",
 )
 SIBLINGS = {"setdiff_megatron.hf.configuration_setdiff": "configuration_setdiff"}

@@ -1,5 +1,5 @@
 """The Hugging Face face of the set diffusion transformer: a `PreTrainedModel` around
-models/torch_model.py whose `generate` runs its family's sampler (core/samplers.py).
+models/torch_model.py whose `generate` runs its family's sampler (sampling/samplers.py).
 
 hf/bundle.py puts this module last in an export's modeling_setdiff.py, after every package
 module it needs, so it may import only the standard library, torch, transformers and the package
@@ -17,12 +17,12 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.utils import ModelOutput
 
-from setdiff_megatron.core.decoding import DecodingConfig
-from setdiff_megatron.core.sample_output import SampleOutput
-from setdiff_megatron.core.samplers import sampler_for
 from setdiff_megatron.hf.configuration_setdiff import SetDiffConfig
 from setdiff_megatron.models.adaln import Modulation, TimestepEmbedding
 from setdiff_megatron.models.torch_model import Rotary, SetDiffusionTransformer
+from setdiff_megatron.sampling.decoding import DecodingConfig
+from setdiff_megatron.sampling.sample_output import SampleOutput
+from setdiff_megatron.sampling.samplers import sampler_for
 from setdiff_megatron.sources.hf_config import (
     decoding_config_from_generation,
     model_config_from_hf_config,

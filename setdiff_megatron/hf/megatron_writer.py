@@ -20,12 +20,12 @@ from setdiff_megatron.checkpoint.megatron_shards import model_sharded_state, sav
 from setdiff_megatron.checkpoint.names import CHECKPOINTS, TOKENIZER_DIR, step_name
 from setdiff_megatron.checkpoint.publish import publish
 from setdiff_megatron.checkpoint.state import Progress, TrainState, write_train_state
-from setdiff_megatron.core.decoding import SETTINGS
 from setdiff_megatron.distributed.layout import Layout
 from setdiff_megatron.distributed.runtime import init_model_parallel, shutdown
 from setdiff_megatron.hf import verify
 from setdiff_megatron.models.dtypes import name_of
 from setdiff_megatron.recipes import Recipe, save_resolved_recipe
+from setdiff_megatron.sampling.decoding import SETTINGS
 from setdiff_megatron.sources.read import Source
 
 __all__ = ["write_megatron_checkpoint"]

@@ -7,10 +7,10 @@ import argparse
 import os
 from typing import Any
 
-from setdiff_megatron.core.decoding import SETTINGS, Setting
-from setdiff_megatron.core.step_compiler import COMPILE_MODES
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.inference.sharding import Placement
+from setdiff_megatron.sampling.decoding import SETTINGS, Setting
+from setdiff_megatron.sampling.step_compiler import COMPILE_MODES
 from setdiff_megatron.sources.base_model import add_base_argument
 
 __all__ = ["add_job_arguments", "add_decoding_arguments", "decoding_from_args", "placement_from_args", "relaunch"]
@@ -71,11 +71,11 @@ def _value_type(setting: Setting):
 
 
 def add_decoding_arguments(parser: argparse.ArgumentParser, *, max_new_tokens: int = 64) -> None:
-    """One flag per decoding setting (core/decoding.py SETTINGS). A flag left out keeps the
+    """One flag per decoding setting (sampling/decoding.py SETTINGS). A flag left out keeps the
     model's own policy (its recipe or generation config); `--max-new-tokens` has this command's
     default."""
     dec = parser.add_argument_group(
-        "decoding (core/decoding.py): each flag changes one setting over the model's own policy "
+        "decoding (sampling/decoding.py): each flag changes one setting over the model's own policy "
         "(docs/sampling.md, 'Where the decoding policy comes from')"
     )
     for setting in SETTINGS.values():

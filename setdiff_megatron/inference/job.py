@@ -18,10 +18,6 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from setdiff_megatron.checkpoint.manifest import sha256_file
-from setdiff_megatron.core.decoding import DecodingConfig, DecodingRequest, resolve_decoding, settings_off_default
-from setdiff_megatron.core.sample_output import RowResult
-from setdiff_megatron.core.sample_request import Request
-from setdiff_megatron.core.sampler import SetSampler
 from setdiff_megatron.distributed.runtime import join
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.inference.loading import SamplingModel, load_sampling_model
@@ -30,6 +26,10 @@ from setdiff_megatron.inference.results import ShardedResults
 from setdiff_megatron.inference.sharding import Placement, Shard
 from setdiff_megatron.log import say
 from setdiff_megatron.recipes.decoding import with_stops
+from setdiff_megatron.sampling.decoding import DecodingConfig, DecodingRequest, resolve_decoding, settings_off_default
+from setdiff_megatron.sampling.engine import Sampler
+from setdiff_megatron.sampling.sample_output import RowResult
+from setdiff_megatron.sampling.sample_request import Request
 
 __all__ = ["SampleJob", "run_sample_job", "job_decoding"]
 
@@ -86,7 +86,7 @@ def _record(record: PromptRecord, row: RowResult, prompt_ids: list[int], sm: Sam
 
 
 def job_decoding(request: DecodingRequest, policy: DecodingConfig) -> DecodingConfig:
-    """What a job decodes with (core/decoding.py resolve_decoding), refused in one line."""
+    """What a job decodes with (sampling/decoding.py resolve_decoding), refused in one line."""
     try:
         return resolve_decoding(request, policy)
     except ValueError as exc:
@@ -158,7 +158,7 @@ def run_sample_job(job: SampleJob) -> DecodingConfig:
 
 
 def _sample(
-    sampler: SetSampler,
+    sampler: Sampler,
     decoding: DecodingConfig,
     todo: list[int],
     records: list[PromptRecord],

@@ -18,9 +18,6 @@ from pathlib import Path
 
 import torch
 
-from setdiff_megatron.core.decoding import DecodingConfig
-from setdiff_megatron.core.samplers import sampler_for
-from setdiff_megatron.core.step_runner import StepModel
 from setdiff_megatron.data.supervised import RowFormat
 from setdiff_megatron.data.tokenizers import SetDiffTokenizer
 from setdiff_megatron.distributed.runtime import Ranks
@@ -31,6 +28,9 @@ from setdiff_megatron.models.dtypes import dtype_named
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 from setdiff_megatron.recipe_data import prompt_format
 from setdiff_megatron.recipes import Recipe
+from setdiff_megatron.sampling.decoding import DecodingConfig
+from setdiff_megatron.sampling.samplers import sampler_for
+from setdiff_megatron.sampling.step_runner import StepModel
 from setdiff_megatron.sources.read import Source, read_source
 
 __all__ = ["SamplingModel", "load_sampling_model"]
@@ -53,7 +53,7 @@ class SamplingModel:
     """The rows it was trained on (Source.trained_length)."""
 
     def sampler(self, *, context_len: int | None = None, max_rows: int | None = None, **options):
-        """The engine that decodes this model (core/samplers.py), over its whole context (a
+        """The engine that decodes this model (sampling/samplers.py), over its whole context (a
         baseline: the rows it was trained on, its decoder's window) unless `context_len` says
         less; `options` as sampler_for takes them."""
         whole = self.config.max_seq_len if self.family == "set_diffusion" else self.trained_length

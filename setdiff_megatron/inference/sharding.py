@@ -29,7 +29,7 @@ class Placement:
     dtype: str | None = None
     progress: bool = True
     compile: str = "auto"
-    """Compiled static-shape decode steps (core/step_compiler.py COMPILE_MODES); TP=1 only."""
+    """Compiled static-shape decode steps (sampling/step_compiler.py COMPILE_MODES); TP=1 only."""
 
     def check(self) -> None:
         if self.batch_size < 1:

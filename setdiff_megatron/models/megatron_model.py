@@ -37,7 +37,6 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from setdiff_megatron.core.attention import grouped_attention, resolve_attention_impl, set_causal_attention
-from setdiff_megatron.core.kv_cache import CacheSpec, KVCache
 from setdiff_megatron.errors import UserError, require
 from setdiff_megatron.kernels.dispatch import context_parallel_kernel
 from setdiff_megatron.kernels.ring_attention import ring_set_causal_attention
@@ -49,6 +48,7 @@ from setdiff_megatron.models.torch_model import LayerNorm as TorchLayerNorm
 from setdiff_megatron.models.torch_model import Rotary, cache_attention_impl
 from setdiff_megatron.models.weight_maps.megatron_map import check_backend, qkv_rows
 from setdiff_megatron.models.weight_maps.parallel import padded_vocab_size, stage_layers
+from setdiff_megatron.sampling.kv_cache import CacheSpec, KVCache
 
 __all__ = ["SetCausalCoreAttention", "adapt_megatron_model", "adaln_specs", "layer_spec"]
 

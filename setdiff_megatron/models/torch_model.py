@@ -21,7 +21,6 @@ from torch import nn
 
 from setdiff_megatron.core.attention import grouped_attention, resolve_attention_impl
 from setdiff_megatron.core.document_attention import document_attention
-from setdiff_megatron.core.kv_cache import CacheSpec, KVCache
 from setdiff_megatron.core.loss import LossOutput, set_diffusion_loss
 from setdiff_megatron.core.orders import OrderPolicy
 from setdiff_megatron.core.streams import sample_two_stream_batch
@@ -29,6 +28,7 @@ from setdiff_megatron.kernels import choose_attention_impl
 from setdiff_megatron.models.adaln import Modulation, TimestepEmbedding, modulate
 from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.moe import MLP, MoE, RouterStats
+from setdiff_megatron.sampling.kv_cache import CacheSpec, KVCache
 
 __all__ = ["SetDiffusionTransformer", "LayerNorm", "Rotary", "cache_attention_impl", "make_norm"]
 

@@ -1,4 +1,4 @@
-"""Decoding settings as pydantic fields, made from their one declaration (core/decoding.py
+"""Decoding settings as pydantic fields, made from their one declaration (sampling/decoding.py
 SETTINGS): a recipe's `decoding` section, a sweep's settings and the server's request knobs are
 all `settings_model`s, so a setting added there appears, with its range and help, at every entry point.
 
@@ -17,8 +17,8 @@ from typing import Annotated, Any, Protocol
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model, model_serializer
 
-from setdiff_megatron.core.decoding import SETTINGS, DecodingConfig, Setting
 from setdiff_megatron.errors import UserError
+from setdiff_megatron.sampling.decoding import SETTINGS, DecodingConfig, Setting
 
 __all__ = ["settings_model", "given", "DecodingSection", "with_stops"]
 

@@ -24,13 +24,13 @@ from pydantic import (
     field_validator,
 )
 
-from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.core.masked_diffusion import masked_decoding_policy
 from setdiff_megatron.core.orders import Block, OrderError, OrderPolicy, PaperDecoding, Staggered, make_order_policy
 from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.lora import TARGETS, LoraSpec
 from setdiff_megatron.models.weight_maps.megatron_map import check_backend
 from setdiff_megatron.recipes.decoding import DecodingSection, given
+from setdiff_megatron.sampling.decoding import DecodingConfig
 
 __all__ = [
     "BUILTIN_CORPORA",
@@ -734,7 +734,7 @@ class RLSection(Section):
     """Optimizer steps on each step's rollouts (train.steps counts rollout steps)."""
     likelihood: Literal["exact", "one_step"] = "exact"
     """'exact': each token's log-probability as the decode step that committed it saw it (the
-    replay of core/trajectory.py); 'one_step': diffu-GRPO's estimate, every completion token
+    replay of sampling/trajectory.py); 'one_step': diffu-GRPO's estimate, every completion token
     from the prompt alone (for comparison)."""
 
     def rules(self, r: Recipe, world_size: int) -> list[str]:

@@ -15,14 +15,14 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
-from setdiff_megatron.core.decoding import DecodingConfig
-from setdiff_megatron.core.sample_request import RequestLimits
 from setdiff_megatron.data.chat import ChatError
 from setdiff_megatron.data.supervised import RowFormat, chat_prompt
 from setdiff_megatron.data.tokenizers import SetDiffTokenizer
 from setdiff_megatron.errors import require
 from setdiff_megatron.inference.prompts import infill_prompt
 from setdiff_megatron.recipes.decoding import with_stops
+from setdiff_megatron.sampling.decoding import DecodingConfig
+from setdiff_megatron.sampling.sample_request import RequestLimits
 from setdiff_megatron.serving.metrics import ServingStats, exposition, metrics_registry
 from setdiff_megatron.serving.protocol import ChatBody, CompletionBody, RequestError, decoding_of, validation_message
 from setdiff_megatron.serving.replicas import Job, Replica

@@ -3,7 +3,7 @@
 `/v1/completions` and `/v1/chat/completions` take OpenAI's fields (model, prompt or messages,
 max_tokens, temperature, top_p, n, stream, stop, seed, suffix, user, stream_options) plus set
 diffusion's own knobs as extra body fields (the `openai` client's `extra_body`): every decoding
-setting OpenAI has no field for (core/decoding.py SETTINGS: window, threshold, tokens_per_step,
+setting OpenAI has no field for (sampling/decoding.py SETTINGS: window, threshold, tokens_per_step,
 fill_window, block_size, top_k, repetition_penalty), each over the served model's own policy
 (null turns an optional one off), and `segments` (text and span lengths to infill, instead of
 `prompt`). OpenAI fields this server cannot honour
@@ -17,8 +17,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from setdiff_megatron.core.decoding import SETTINGS, DecodingConfig
 from setdiff_megatron.recipes.decoding import given, settings_model
+from setdiff_megatron.sampling.decoding import SETTINGS, DecodingConfig
 
 __all__ = ["CompletionBody", "ChatBody", "ChatMessage", "RequestError", "decoding_of", "validation_message"]
 

@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from setdiff_megatron.core.decoding import DecodingConfig
-from setdiff_megatron.core.sample_output import RowResult
-from setdiff_megatron.core.sample_request import Request
-from setdiff_megatron.core.sampler import SetSampler
+from setdiff_megatron.sampling.decoding import DecodingConfig
+from setdiff_megatron.sampling.engine import Sampler
+from setdiff_megatron.sampling.sample_output import RowResult
+from setdiff_megatron.sampling.sample_request import Request
 
 __all__ = ["Job", "Replica", "LocalReplica", "ProcessReplica"]
 
@@ -61,7 +61,7 @@ def row_summary(row: RowResult, prompt: tuple[int, ...], mask_token_id: int) -> 
 
 
 def serve_loop(
-    sampler: SetSampler,
+    sampler: Sampler,
     next_commands: Callable[[bool], list],
     emit: Callable[[tuple], None] | None,
     share: Callable[[list], list] | None = None,
@@ -123,7 +123,7 @@ class Replica:
 class LocalReplica(Replica):
     """The engine on a background thread of this process."""
 
-    sampler: SetSampler
+    sampler: Sampler
     on_event: Callable[[tuple], None]
     _inbox: queue.Queue = field(default_factory=queue.Queue)
     _thread: threading.Thread | None = None

@@ -14,9 +14,9 @@ import time
 from multiprocessing.connection import Listener
 from pathlib import Path
 
-from setdiff_megatron.core.step_compiler import COMPILE_MODES
 from setdiff_megatron.errors import UserError, require
 from setdiff_megatron.log import say
+from setdiff_megatron.sampling.step_compiler import COMPILE_MODES
 from setdiff_megatron.sources.base_model import add_base_argument
 
 __all__ = ["add_parser", "build_server"]

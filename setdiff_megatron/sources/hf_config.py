@@ -15,9 +15,9 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from setdiff_megatron.core.decoding import SETTINGS, DecodingConfig
 from setdiff_megatron.core.masked_diffusion import masked_decoding_policy
 from setdiff_megatron.models.config import ModelConfig
+from setdiff_megatron.sampling.decoding import SETTINGS, DecodingConfig
 
 __all__ = [
     "MOE_CONFIG_KEYS",

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import torch
 
-from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.data.tokenizers import SetDiffTokenizer, load_tokenizer
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.weight_maps.hf import hf_to_torch
+from setdiff_megatron.sampling.decoding import DecodingConfig
 from setdiff_megatron.sources.hf_config import (
     decoding_config_from_generation,
     model_config_from_hf_config,

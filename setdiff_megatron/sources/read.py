@@ -21,7 +21,6 @@ from setdiff_megatron.checkpoint.identity import config_from_identity
 from setdiff_megatron.checkpoint.names import TOKENIZER_DIR, is_checkpoint_path
 from setdiff_megatron.checkpoint.resolve import resolve_step_dir
 from setdiff_megatron.checkpoint.state import read_train_state
-from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.core.orders import LeftToRight
 from setdiff_megatron.data.tokenizers import SetDiffTokenizer, load_tokenizer
 from setdiff_megatron.errors import UserError
@@ -32,6 +31,7 @@ from setdiff_megatron.recipes import Recipe, load_recipe
 from setdiff_megatron.recipes.inputs import where_looked
 from setdiff_megatron.recipes.loading import RESOLVED_NAME
 from setdiff_megatron.recipes.schema import MethodSection
+from setdiff_megatron.sampling.decoding import DecodingConfig
 from setdiff_megatron.sources.ar_import import SUPPORTED, ar_model_config, ar_state_dict, unsupported_architecture
 from setdiff_megatron.sources.base_model import BASE_ENV
 from setdiff_megatron.sources.deepspeed_checkpoints import consolidated_state_dict, is_deepspeed_checkpoint
@@ -81,7 +81,7 @@ class Source:
 
     @property
     def family(self) -> str:
-        """The model family, which decides its forward and sampler (core/samplers.py):
+        """The model family, which decides its forward and sampler (sampling/samplers.py):
         'set_diffusion', or the baselines 'mdlm' and 'bd3lm'."""
         method = self.method or (self.recipe.method if self.recipe is not None else None)
         return method.family if method is not None else "set_diffusion"

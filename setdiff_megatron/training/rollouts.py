@@ -2,7 +2,7 @@
 
 Every `rl.epochs` optimizer steps each data-parallel rank decodes `rl.group_size` completions of
 its share of the next prompts, scores them (training/rewards.py), normalises the rewards within
-each group and replays the decodes (core/trajectory.py) into micro-batches that carry each
+each group and replays the decodes (sampling/trajectory.py) into micro-batches that carry each
 token's advantage and its log-probabilities under the sampling policy and the frozen reference.
 The steps in between reuse them, as PPO's epochs do (docs/rl.md, "GRPO").
 """
@@ -16,12 +16,12 @@ import torch
 import torch.distributed as dist
 
 from setdiff_megatron.core.policy_gradient import PolicyBatch, group_advantages, one_step_batch
-from setdiff_megatron.core.sample_request import Request
-from setdiff_megatron.core.samplers import sampler_for
 from setdiff_megatron.core.streams import TwoStreamBatch
-from setdiff_megatron.core.trajectory import replay_batch
 from setdiff_megatron.recipes.decoding import with_stops
 from setdiff_megatron.recipes.schema import Recipe
+from setdiff_megatron.sampling.sample_request import Request
+from setdiff_megatron.sampling.samplers import sampler_for
+from setdiff_megatron.sampling.trajectory import replay_batch
 from setdiff_megatron.training.data_pipeline import TrainingData
 from setdiff_megatron.training.engines.base import evaluating
 from setdiff_megatron.training.rewards import reward_function

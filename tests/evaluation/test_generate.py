@@ -10,14 +10,14 @@ from dataclasses import replace
 import pytest
 
 from setdiff_megatron.cli import main
-from setdiff_megatron.core.decoding import DecodingConfig
-from setdiff_megatron.core.sampler import SetSampler
 from setdiff_megatron.data.answers import gsm8k_answer
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.evaluation import scoring
 from setdiff_megatron.evaluation.tasks import GenerateJob, run_generate_job
 from setdiff_megatron.inference.sharding import Placement
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
+from setdiff_megatron.sampling.decoding import DecodingConfig
+from setdiff_megatron.sampling.sampler import SetSampler
 from setdiff_megatron.sources.read import read_source
 from tests.cli_runs import setdiff
 

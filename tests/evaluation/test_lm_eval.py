@@ -16,12 +16,12 @@ pytest.importorskip(
 )
 
 from setdiff_megatron.cli import main  # noqa: E402
-from setdiff_megatron.core.decoding import DecodingConfig  # noqa: E402
-from setdiff_megatron.core.sampler import SetSampler  # noqa: E402
 from setdiff_megatron.evaluation.lm_eval_adapter import SetDiffLM  # noqa: E402
 from tests.cli_runs import torchrun  # noqa: E402
 
 pytestmark = pytest.mark.multiproc
+from setdiff_megatron.sampling.decoding import DecodingConfig  # noqa: E402
+from setdiff_megatron.sampling.sampler import SetSampler  # noqa: E402
 
 DOCS = [
     {"question": "x = 2 + 3\nprint(x)", "answer": "x is 5\n#### 5", "choices": ["5", "6", "7"], "label": 0},

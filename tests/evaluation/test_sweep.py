@@ -105,10 +105,10 @@ def test_pareto_front():
 
 
 def test_a_grid_over_every_setting_names_each_point_by_its_settings():
-    """Each decoding setting names its part of a point (core/decoding.py `Setting.short`): a
+    """Each decoding setting names its part of a point (sampling/decoding.py `Setting.short`): a
     setting added there is named in sweeps too, and no two points share a name."""
-    from setdiff_megatron.core.decoding import SETTINGS, DecodingConfig
     from setdiff_megatron.evaluation.sweep import SweepSpec, expand_points
+    from setdiff_megatron.sampling.decoding import SETTINGS, DecodingConfig
 
     default = DecodingConfig()
     other = {bool: lambda v: not v, int: lambda v: 2 if v != 2 else 3, float: lambda v: 0.5 if v != 0.5 else 0.25}

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.core.loss import token_nll
-from setdiff_megatron.core.sampler import SetSampler
 from setdiff_megatron.data.tokenizers import load_tokenizer
 from setdiff_megatron.hf.export import write_export
 from setdiff_megatron.models.config import DIT_BODY, ModelConfig
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
+from setdiff_megatron.sampling.decoding import DecodingConfig
+from setdiff_megatron.sampling.sampler import SetSampler
 from setdiff_megatron.sources.read import Source
 from tests.cli_runs import setdiff
 from tests.conftest import randomized

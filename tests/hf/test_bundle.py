@@ -56,9 +56,9 @@ def test_modeling_file_is_the_package_source(modeling):
     for module in (
         "models/torch_model.py",
         "models/moe.py",
-        "core/sampler.py",
-        "core/decoding.py",
-        "core/kv_cache.py",
+        "sampling/sampler.py",
+        "sampling/decoding.py",
+        "sampling/kv_cache.py",
         "core/attention.py",
         "core/attention_shapes.py",
         "core/merged_attention.py",

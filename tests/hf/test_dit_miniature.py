@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from setdiff_megatron.cli import main
-from setdiff_megatron.core.decoding import DecodingConfig
-from setdiff_megatron.core.sampler import SetSampler
 from setdiff_megatron.hf import verify
+from setdiff_megatron.sampling.decoding import DecodingConfig
+from setdiff_megatron.sampling.sampler import SetSampler
 from setdiff_megatron.sources.read import read_source
 from tests.cli_runs import setdiff
 from tests.hf.conftest import ROOT, convert_from_hf

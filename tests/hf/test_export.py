@@ -12,10 +12,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from setdiff_megatron.cli import main
-from setdiff_megatron.core.decoding import DecodingConfig
-from setdiff_megatron.core.sampler import SetSampler
 from setdiff_megatron.hf import verify
 from setdiff_megatron.models.config import ModelConfig
+from setdiff_megatron.sampling.decoding import DecodingConfig
+from setdiff_megatron.sampling.sampler import SetSampler
 from setdiff_megatron.sources.hf_config import MOE_CONFIG_KEYS
 from setdiff_megatron.sources.hf_export import load_hf_export
 from tests.hf.clean_env import run_clean
@@ -141,7 +141,7 @@ def test_clean_environment_loads_export_with_logit_and_greedy_parity(export, req
     """A Python with torch and transformers but without setdiff_megatron loads the export (dense,
     and a mixture of experts) with AutoModelForCausalLM(trust_remote_code=True); query logits
     match the torch model to 1e-4 and generate() decodes the same greedy tokens as
-    core.sampler.SetSampler."""
+    sampling.sampler.SetSampler."""
     out, source = request.getfixturevalue(export)
     batch = verify.fixed_batch(source.config)
     save_file(

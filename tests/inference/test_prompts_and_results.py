@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from setdiff_megatron.core.decoding import DecodingConfig, settings_off_default
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.inference.prompts import read_prompts
 from setdiff_megatron.inference.results import ShardedResults
+from setdiff_megatron.sampling.decoding import DecodingConfig, settings_off_default
 
 
 def write(path, *lines: str):

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from setdiff_megatron.core.decoding import DecodingConfig
-from setdiff_megatron.core.sampler import SetSampler
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
+from setdiff_megatron.sampling.decoding import DecodingConfig
+from setdiff_megatron.sampling.sampler import SetSampler
 from setdiff_megatron.sources.read import read_source
 from tests.cli_runs import setdiff
 

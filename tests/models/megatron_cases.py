@@ -172,8 +172,8 @@ def sampling_prompts(cfg: ModelConfig) -> list[list[int]]:
 def compare_sampling(model, reference: SetDiffusionTransformer, cfg: ModelConfig) -> dict:
     """A model body against the torch model through the sampler: one prefill + step's query
     logits, and greedy decodes of `sampling_prompts` (window 4, threshold 0.2, 6 new tokens)."""
-    from setdiff_megatron.core.decoding import DecodingConfig
-    from setdiff_megatron.core.sampler import SetSampler
+    from setdiff_megatron.sampling.decoding import DecodingConfig
+    from setdiff_megatron.sampling.sampler import SetSampler
 
     gen = torch.Generator().manual_seed(4)
     tokens = torch.randint(0, cfg.mask_token_id, (2, 6), generator=gen)

@@ -189,7 +189,7 @@ def torch_parity() -> dict:
             batch = batches(cfg, count=1, family=family, records="records" in name)[0]
             if name.startswith("documents"):
                 batch = _with_documents(batch)
-            if name.startswith("replay"):  # a decoded trajectory's steps of 3 ranks (core/trajectory.py)
+            if name.startswith("replay"):  # a decoded trajectory's steps of 3 ranks (sampling/trajectory.py)
                 steps = torch.arange(batch.position_ids.shape[1]).expand_as(batch.position_ids) // 3
                 batch = replace(batch, groups=steps, group_within="rank")
             args = (batch.clean_tokens, batch.query_tokens, batch.position_ids)

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.recipes.decoding import with_stops
+from setdiff_megatron.sampling.decoding import DecodingConfig
 
 PACKAGE = Path(__file__).parents[2] / "setdiff_megatron"
 ENTRY_POINTS = (

@@ -1,6 +1,6 @@
 """How big the sampler's KV cache is, and what a row loses when it outgrows the context.
 
-The cache (core/kv_cache.py) holds B rows x a capacity for the longest row plus one step's staged
+The cache (sampling/kv_cache.py) holds B rows x a capacity for the longest row plus one step's staged
 tokens (`RequestLimits.reserve`), both rounded up to powers of two (`bucket`) once decode steps may
 run compiled; kv_budget counts the padding rows. A request that does not fit waits for rows to
 retire; one that could never fit is refused when submitted (`RequestLimits.problem`). A row that
@@ -11,17 +11,17 @@ from __future__ import annotations
 
 import torch
 
-from setdiff_megatron.core.batch_state import BatchState, pad_rows
-from setdiff_megatron.core.kv_cache import KVCache
-from setdiff_megatron.core.row_state import RowState
-from setdiff_megatron.core.sample_request import RequestLimits
-from setdiff_megatron.core.step_compiler import StepCompiler
-from setdiff_megatron.core.step_layout import bucket
+from setdiff_megatron.sampling.batch_state import BatchState, pad_rows
+from setdiff_megatron.sampling.kv_cache import KVCache
+from setdiff_megatron.sampling.row_state import RowState
+from setdiff_megatron.sampling.sample_request import RequestLimits
+from setdiff_megatron.sampling.step_compiler import StepCompiler
+from setdiff_megatron.sampling.step_layout import bucket
 
-__all__ = ["CacheRoom"]
+__all__ = ["CacheBudget"]
 
 
-class CacheRoom:
+class CacheBudget:
     """The cache's rows and capacity for a batch of rows, within the limits; bucketed once decode
     steps may run compiled (the compiler says when)."""
 

@@ -9,17 +9,18 @@ from functools import partial
 import pytest
 import torch
 
-from setdiff_megatron.core import kv_cache, step_attention
-from setdiff_megatron.core.decoding import DecodingConfig
-from setdiff_megatron.core.kv_cache import KVCache
-from setdiff_megatron.core.sampler import SetSampler
+from setdiff_megatron.core import step_attention
 from setdiff_megatron.kernels import Choice, flash_attn, te_fused
 from setdiff_megatron.models import torch_model
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
+from setdiff_megatron.sampling import kv_cache
+from setdiff_megatron.sampling.decoding import DecodingConfig
+from setdiff_megatron.sampling.kv_cache import KVCache
+from setdiff_megatron.sampling.sampler import SetSampler
 from tests.conftest import debug_config
-from tests.core.test_sampler import MASK, Recorder, random_prompts
 from tests.kernels import emulation
 from tests.models.megatron_cases import run_worker
+from tests.sampling.test_sampler import MASK, Recorder, random_prompts
 
 KERNELS = {
     "te": (te_fused.te_step_attention, emulation.te_api),
@@ -220,7 +221,7 @@ def test_models_choose_the_cache_path(reference, monkeypatch):
 def test_megatron_body_on_kernel_step_matches_torch_sdpa_cache(tmp_path):
     """TP=1 megatron model (sbhd activations) with an emulated kernel cache against the torch
     model's SDPA cache: step logits and greedy decodes (kv_cache_kernels_worker.py)."""
-    results = run_worker("tests.core.kv_cache_kernels_worker", tmp_path / "kernels.json")
+    results = run_worker("tests.sampling.kv_cache_kernels_worker", tmp_path / "kernels.json")
     for impl in KERNELS:
         r = results[impl]
         assert r["cache_impl"] == impl and r["kernel_calls"] > 0 and r["other_calls"] == 0

@@ -23,8 +23,8 @@ from setdiff_megatron.models.megatron_forward import (
 )
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 from setdiff_megatron.models.weight_maps.megatron_map import torch_to_megatron
-from tests.core.test_kv_cache_kernels import KERNELS, emulated_step
 from tests.models.megatron_cases import compare_sampling, parallel_config, reference_weights
+from tests.sampling.test_kv_cache_kernels import KERNELS, emulated_step
 
 warnings.filterwarnings("ignore")
 CALLS: list[str] = []

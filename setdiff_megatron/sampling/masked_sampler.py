@@ -1,7 +1,8 @@
 """Decoding of the paper's masked-diffusion baselines, MDLM and BD3-LM, as the reference decodes them.
 
-It serves the set sampler's engine API (submit, step, cancel, progress, generate), so every door
-(sample, eval, lm-eval, serve, the Hugging Face export) runs the baselines as it runs set diffusion.
+It serves the engine API of sampling/engine.py (submit, step, cancel, progress, generate), so
+every door (sample, eval, lm-eval, serve, the Hugging Face export) runs the baselines as it runs
+set diffusion.
 Rows decode in blocks of cfg.block_size positions, left to right: BD3-LM over a KV cache of clean
 blocks, updated once per block; MDLM without a cache, running its whole canvas every step. A row
 decodes token for token as it would alone. Block placement, infilling and what counts as a step:
@@ -16,10 +17,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from setdiff_megatron.core.block_cache import BlockKVCache
-from setdiff_megatron.core.decoding import DecodingConfig, RowPolicy, choose_tokens, process_logits, select_queries
-from setdiff_megatron.core.sample_output import BatchMetrics, Progress, RowResult, SampleOutput, StepTrace
-from setdiff_megatron.core.sample_request import Request, check_bounds
+from setdiff_megatron.sampling.block_cache import BlockKVCache
+from setdiff_megatron.sampling.decoding import DecodingConfig, RowPolicy, choose_tokens, process_logits, select_queries
+from setdiff_megatron.sampling.engine import Sampler
+from setdiff_megatron.sampling.sample_output import Progress, RowResult, StepTrace
+from setdiff_megatron.sampling.sample_request import Request
 
 __all__ = ["FAMILIES", "MaskedDiffusionSampler"]
 
@@ -61,8 +63,8 @@ class _Row:
         return start, min(start + self.block_size, len(self.canvas))
 
 
-class MaskedDiffusionSampler:
-    """The MDLM or BD3-LM decoder over a model body's `step` (core/step_runner.py StepModel)."""
+class MaskedDiffusionSampler(Sampler):
+    """The MDLM or BD3-LM decoder over a model body's `step` (sampling/step_runner.py StepModel)."""
 
     def __init__(
         self,
@@ -76,13 +78,9 @@ class MaskedDiffusionSampler:
     ):
         if family not in FAMILIES:
             raise ValueError(f"family must be one of {', '.join(FAMILIES)}; got {family!r}")
-        check_bounds(context_len, max_rows=max_rows)
-        self.model, self.family, self.mask_token_id, self.context_len = model, family, mask_token_id, context_len
-        self.max_rows, self.trace = max_rows, trace
+        super().__init__(model, mask_token_id=mask_token_id, context_len=context_len, max_rows=max_rows, trace=trace)
+        self.family = family
         self.rows: list[_Row] = []
-        self.waiting: list[Request] = []
-        self.metrics = BatchMetrics()
-        self._cancelled: set[Hashable] = set()
         self._cache: BlockKVCache | None = None
 
     # ----------------------------------------------------------------------------------------
@@ -119,70 +117,19 @@ class MaskedDiffusionSampler:
                 )
         return None
 
-    @property
-    def load(self) -> dict[str, int]:
-        return {"running": len(self.rows), "waiting": len(self.waiting)}
-
-    def submit(self, request: Request) -> None:
-        problem = self.request_problem(request.prompt, request.cfg)
-        if problem:
-            raise ValueError(f"request {request.key!r} {problem}")
-        self.waiting.append(request)
-
-    def cancel(self, key: Hashable) -> None:
-        before = len(self.waiting)
-        self.waiting = [r for r in self.waiting if r.key != key]
-        if len(self.waiting) == before:
-            self._cancelled.add(key)
-
-    @property
-    def idle(self) -> bool:
-        return not self.rows and not self.waiting
-
     def warm_up(self, cfg: DecodingConfig, prompt_len: int, progress=None) -> float:
         """Nothing to compile: these decoders run eagerly."""
         return 0.0
 
-    # ----------------------------------------------------------------------------------------
-    # the batch API
-
-    @torch.inference_mode()
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        cfg: DecodingConfig,
-        *,
-        batch_size: int | None = None,
-        trace: bool = False,
-    ) -> SampleOutput:
-        """Every prompt decoded, at most batch_size rows at a time; prompt i samples with seed cfg.seed + i."""
-        if len(prompts) == 0:
-            raise ValueError("prompts must hold at least one prompt (a list of token ids); got none")
-        for i, prompt in enumerate(prompts):
-            problem = self.request_problem(prompt, cfg)
-            if problem:
-                raise ValueError(f"prompts[{i}] {problem}")
-        engine = MaskedDiffusionSampler(
+    def _fresh(self, max_rows: int, trace: bool) -> MaskedDiffusionSampler:
+        return MaskedDiffusionSampler(
             self.model,
             family=self.family,
             mask_token_id=self.mask_token_id,
             context_len=self.context_len,
-            max_rows=batch_size or len(prompts),
+            max_rows=max_rows,
             trace=trace,
         )
-        for i, prompt in enumerate(prompts):
-            engine.submit(Request(key=i, prompt=tuple(int(t) for t in prompt), cfg=cfg, seed=cfg.seed + i))
-        results: list[RowResult | None] = [None] * len(prompts)
-        start = time.perf_counter()
-        while not engine.idle:
-            for key, row in engine.step():
-                results[key] = row
-        metrics = engine.metrics
-        metrics.total_s = time.perf_counter() - start
-        metrics.num_rows = len(results)
-        metrics.num_tokens = sum(r.num_decoded for r in results)
-        metrics.row_steps = sum(r.steps for r in results)
-        return SampleOutput(results, metrics)
 
     # ----------------------------------------------------------------------------------------
     # admission
@@ -325,7 +272,7 @@ class MaskedDiffusionSampler:
         block_logits = logits[index].gather(1, slot[..., None].expand(-1, -1, logits.shape[-1]))
         block_tokens = query_tokens[index].gather(1, slot)
         todo = (block_tokens == self.mask_token_id) & in_block
-        policy = RowPolicy.of([r.request.cfg for r in rows], device=logits.device)
+        policy = RowPolicy.from_configs([r.request.cfg for r in rows], device=logits.device)
         processed = process_logits(
             block_logits, _padded_canvas(rows, self.mask_token_id, logits.device), policy, self.mask_token_id
         )

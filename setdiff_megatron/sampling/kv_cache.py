@@ -22,7 +22,7 @@ from setdiff_megatron.core.step_attention import (
     staged_step_attention,
     step_attention_mask,
 )
-from setdiff_megatron.core.step_layout import StepLayout
+from setdiff_megatron.sampling.step_layout import StepLayout
 
 __all__ = ["CacheSpec", "KVCache"]
 
@@ -192,11 +192,11 @@ class KVCache:
         num_commit: int,
         commit_valid: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Attention of one layer's step tokens, in the model's layout (core/step_layout.py `plan`:
+        """Attention of one layer's step tokens, in the model's layout (sampling/step_layout.py `plan`:
         B rows of K commit and Q query slots, packed or padded).
 
         An eager step stages its K/V in the slots behind `length` and attends the cache in place; a
-        static step (a fixed `span`, compiled by core/step_compiler.py) writes nothing during the
+        static step (a fixed `span`, compiled by sampling/step_compiler.py) writes nothing during the
         forward and attends the first `span` slots with its own K/V appended, because a compiled
         graph that mutates its inputs copies them. On the kernel path the cache part is the first
         `span` slots with each row's real entries a prefix of lengths[b], and the step's commits a

@@ -1,11 +1,13 @@
-"""The decoder of a model family: set diffusion's cached any-order sampler (core/sampler.py) or
-the baselines' block decoders (core/masked_sampler.py), behind one engine API, so a door builds
-whichever its model needs without knowing the family."""
+"""The decoder of a model family: set diffusion's cached any-order sampler (sampling/sampler.py) or
+the baselines' block decoders (sampling/masked_sampler.py), behind one engine API
+(sampling/engine.py `Sampler`), so a door builds whichever its model needs without knowing the
+family."""
 
 from __future__ import annotations
 
-from setdiff_megatron.core.masked_sampler import FAMILIES, MaskedDiffusionSampler
-from setdiff_megatron.core.sampler import SetSampler
+from setdiff_megatron.sampling.engine import Sampler
+from setdiff_megatron.sampling.masked_sampler import FAMILIES, MaskedDiffusionSampler
+from setdiff_megatron.sampling.sampler import SetSampler
 
 __all__ = ["MODEL_FAMILIES", "sampler_for"]
 
@@ -20,7 +22,7 @@ def sampler_for(
     context_len: int,
     max_rows: int | None = None,
     **options,
-) -> SetSampler | MaskedDiffusionSampler:
+) -> Sampler:
     """The engine that decodes `family`'s model. `options` are set diffusion's (kv_budget,
     prefill_chunk, static, compile, trace); the baselines decode eagerly over a cache of the
     whole context per row and take only `trace`, and refuse a KV budget or prefill chunk."""

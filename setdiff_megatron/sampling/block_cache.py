@@ -1,4 +1,4 @@
-"""The KV cache of the masked-diffusion baselines' decoders (core/masked_sampler.py).
+"""The KV cache of the masked-diffusion baselines' decoders (sampling/masked_sampler.py).
 
 A step holds, per row, clean commits (whose K/V join the cache after it) then queries, each
 seeing what core/attention.py `grouped_mask` lets it see in training (`begin_step`). It has the
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from setdiff_megatron.core.kv_cache import CacheSpec
+from setdiff_megatron.sampling.kv_cache import CacheSpec
 
 __all__ = ["BlockKVCache"]
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from setdiff_megatron.core.decoding import RowPolicy, window_queries
-from setdiff_megatron.core.row_state import RowState
+from setdiff_megatron.sampling.decoding import RowPolicy, window_queries
+from setdiff_megatron.sampling.row_state import RowState
 
 __all__ = ["BatchState", "pad_rows"]
 

@@ -6,14 +6,14 @@ import time
 import pytest
 import torch
 
-from setdiff_megatron.core.decoding import DecodingConfig
-from setdiff_megatron.core.kv_cache import KVCache
-from setdiff_megatron.core.sample_request import Request
-from setdiff_megatron.core.sampler import SetSampler
 from setdiff_megatron.core.step_attention import step_mask
-from setdiff_megatron.core.step_compiler import COMPILE_COST_S, JUDGE_AFTER, StepCompiler
-from setdiff_megatron.core.step_layout import StepLayout, bucket, pack
-from tests.core.test_sampler import MASK, eager_static, random_prompts
+from setdiff_megatron.sampling.decoding import DecodingConfig
+from setdiff_megatron.sampling.kv_cache import KVCache
+from setdiff_megatron.sampling.sample_request import Request
+from setdiff_megatron.sampling.sampler import SetSampler
+from setdiff_megatron.sampling.step_compiler import COMPILE_COST_S, JUDGE_AFTER, StepCompiler
+from setdiff_megatron.sampling.step_layout import StepLayout, bucket, pack
+from tests.sampling.test_sampler import MASK, eager_static, random_prompts
 
 
 def test_buckets_are_powers_of_two_above_a_floor():

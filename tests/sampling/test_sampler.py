@@ -5,13 +5,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from setdiff_megatron.core.decoding import DecodingConfig, RowPolicy, process_logits
 from setdiff_megatron.core.orders import Staggered
-from setdiff_megatron.core.sample_request import Request
-from setdiff_megatron.core.sampler import SetSampler
-from setdiff_megatron.core.step_compiler import StepCompiler
-from setdiff_megatron.core.step_layout import bucket
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
+from setdiff_megatron.sampling.decoding import DecodingConfig, RowPolicy, process_logits
+from setdiff_megatron.sampling.sample_request import Request
+from setdiff_megatron.sampling.sampler import SetSampler
+from setdiff_megatron.sampling.step_compiler import StepCompiler
+from setdiff_megatron.sampling.step_layout import bucket
 from tests.conftest import debug_config
 
 MASK = 63
@@ -283,7 +283,7 @@ def test_logit_processing():
     canvas = torch.tensor([[0, 3]])
 
     def processed(**kw):
-        return process_logits(logits, canvas, RowPolicy.of([DecodingConfig(**kw)]), 4)
+        return process_logits(logits, canvas, RowPolicy.from_configs([DecodingConfig(**kw)]), 4)
 
     def kept(**kw):
         return torch.isfinite(processed(**kw))[0, 0].tolist()
@@ -307,9 +307,9 @@ def test_rows_of_one_batch_each_get_their_own_policy():
         DecodingConfig(),
         DecodingConfig(repetition_penalty=1.5, top_k=4),
     ]
-    together = process_logits(logits, canvas, RowPolicy.of(cfgs), 4)
+    together = process_logits(logits, canvas, RowPolicy.from_configs(cfgs), 4)
     for i, cfg in enumerate(cfgs):
-        alone = process_logits(logits[i : i + 1], canvas[i : i + 1], RowPolicy.of([cfg]), 4)
+        alone = process_logits(logits[i : i + 1], canvas[i : i + 1], RowPolicy.from_configs([cfg]), 4)
         assert torch.equal(together[i : i + 1], alone)
 
 
@@ -390,7 +390,7 @@ def test_parallel_policies_decode_sets_on_a_trained_model(copying_model, cfg, mi
 
 def eager_static(monkeypatch) -> None:
     """Static steps run their bucketed shapes eagerly: what a compiled step computes, without the
-    compile (tests/core/test_static_steps.py compiles for real)."""
+    compile (tests/sampling/test_static_steps.py compiles for real)."""
     monkeypatch.setattr(StepCompiler, "_compile", lambda self: self._model.step)
 
 

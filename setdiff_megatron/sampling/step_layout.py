@@ -3,7 +3,7 @@
 Attention always runs over a padded view, B rows x (K commit slots, then Q query slots); the model
 sees the same padded tokens (`StepLayout.padded`) or only the real ones packed into one row [1, N]
 (`pack`), and `gather` / `scatter` move activations between the two views. For compiled steps the
-sampler (core/step_runner.py) rounds B, K, Q and the cache span up with `bucket`
+sampler (sampling/step_runner.py) rounds B, K, Q and the cache span up with `bucket`
 (docs/sampling.md, "Step layouts").
 """
 

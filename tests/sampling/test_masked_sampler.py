@@ -1,4 +1,4 @@
-"""The baselines' decoders (core/masked_sampler.py): the cached BD3-LM decode equals the decode
+"""The baselines' decoders (sampling/masked_sampler.py): the cached BD3-LM decode equals the decode
 the training forward computes with no cache, the MDLM decode its bidirectional forward over the
 whole canvas, one row at a time or batched, as the reference decodes (docs/method.md, "The
 baselines"): aligned blocks, the most confident MASK plus every one at the threshold per step."""
@@ -8,9 +8,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from setdiff_megatron.core.decoding import DecodingConfig
-from setdiff_megatron.core.masked_sampler import MaskedDiffusionSampler
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
+from setdiff_megatron.sampling.decoding import DecodingConfig
+from setdiff_megatron.sampling.masked_sampler import MaskedDiffusionSampler
 from tests.conftest import debug_config, randomized
 
 CONTEXT = 32

@@ -22,7 +22,7 @@ class StepTrace:
     """(position, token) pairs decoded, in position order (the next step commits them in this order)."""
     logprobs: list[float] | None = None
     """Each decoded token's natural log-probability under the step's processed logits (its
-    confidence): the terms of the trajectory's exact log-likelihood (core/trajectory.py)."""
+    confidence): the terms of the trajectory's exact log-likelihood (sampling/trajectory.py)."""
 
 
 @dataclass(frozen=True)

@@ -147,7 +147,7 @@ class DecodingConfig:
         "decode the span's blocks after them",
         short=("cache", "nocache"),
     )
-    """BD3-LM only (core/masked_sampler.py): its blocks never see later ones, so the reference's
+    """BD3-LM only (sampling/masked_sampler.py): its blocks never see later ones, so the reference's
     infill caches the input's whole blocks of S (MASKs and right context included) as clean blocks
     and decodes the span's blocks at positions after them, where the right context lies behind
     them. Set diffusion and MDLM see both contexts anyway: a sample job records it off for them
@@ -159,7 +159,7 @@ class DecodingConfig:
         "the block size (false: at the prompt's end, the whole prompt prefilled, as the paper's throughput runs)",
         short=("aligned", "unaligned"),
     )
-    """MDLM and BD3-LM generation (core/masked_sampler.py), the reference's setting of that name:
+    """MDLM and BD3-LM generation (sampling/masked_sampler.py), the reference's setting of that name:
     true starts the first block at floor(P / S) * S, so the prompt's tail shares it; false starts
     it at the prompt's end P, BD3-LM prefilling the whole prompt. Infilling prompts stay aligned,
     as the reference's infilling runs are; set diffusion ignores it (a sample job records it on)."""
@@ -289,7 +289,7 @@ class RowPolicy:
         self.k_B1, self.tau_B1 = self.k[:, None], self.tau[:, None]  # as every step compares them
 
     @classmethod
-    def of(cls, configs: Sequence[DecodingConfig], device=None) -> RowPolicy:
+    def from_configs(cls, configs: Sequence[DecodingConfig], device=None) -> RowPolicy:
         def col(get, dtype):
             return torch.tensor([get(c) for c in configs], dtype=dtype, device=device)
 

@@ -2,7 +2,7 @@
 
 The model computes over the step's slots as they stand when no row pads (padded), over the real
 ones only, packed, when rows differ (the ragged step), or at a bucket's static shapes when a
-decode step runs compiled (core/step_layout.py, core/step_compiler.py). A bucket is (rows,
+decode step runs compiled (sampling/step_layout.py, sampling/step_compiler.py). A bucket is (rows,
 commit slots, query slots, cache span, capacity), powers of two; a compiled step first
 re-allocates a cache of other rows or capacity at its bucket's. Padding rows and slots are
 dummies, so in every layout a row's logits depend only on its own entries.
@@ -17,11 +17,11 @@ from typing import Protocol
 
 import torch
 
-from setdiff_megatron.core.batch_state import BatchState, pad_rows
-from setdiff_megatron.core.cache_room import CacheRoom
-from setdiff_megatron.core.kv_cache import KVCache
-from setdiff_megatron.core.step_compiler import StepCompiler
-from setdiff_megatron.core.step_layout import StepLayout, bucket, pack
+from setdiff_megatron.sampling.batch_state import BatchState, pad_rows
+from setdiff_megatron.sampling.cache_budget import CacheBudget
+from setdiff_megatron.sampling.kv_cache import KVCache
+from setdiff_megatron.sampling.step_compiler import StepCompiler
+from setdiff_megatron.sampling.step_layout import StepLayout, bucket, pack
 
 __all__ = ["StepModel", "StepRunner", "device_of"]
 
@@ -60,8 +60,8 @@ class StepRunner:
     wants that bucket and it fits kv_budget, else eagerly, padded or packed; times both for
     `auto` compiling."""
 
-    def __init__(self, model: StepModel, compiler: StepCompiler, room: CacheRoom, mask_token_id: int):
-        self.model, self.compiler, self.room, self.mask_token_id = model, compiler, room, mask_token_id
+    def __init__(self, model: StepModel, compiler: StepCompiler, cache_budget: CacheBudget, mask_token_id: int):
+        self.model, self.compiler, self.cache_budget, self.mask_token_id = model, compiler, cache_budget, mask_token_id
         self._queries: torch.Tensor | None = None
 
     def forward(
@@ -86,7 +86,7 @@ class StepRunner:
             span = min(bucket(cache.length, 64), capacity)
             # Query slots: the widest window (slots still that wide after a cancel until the step trims them).
             key = (bucket(rows), bucket(k), bucket(max(q, max_window)), span, capacity)
-            if self.compiler.wants(key) and self.room.within_budget(key[0], capacity):
+            if self.compiler.wants(key) and self.cache_budget.within_budget(key[0], capacity):
                 if (cache.rows, cache.capacity) != (key[0], capacity):  # the first compiled step: bucket the cache
                     cache = cache.select_rows(torch.arange(rows, device=cache.lengths.device), key[0]).with_capacity(
                         capacity

@@ -5,7 +5,7 @@ and scores the current window's MASK queries against cache and commits. Requests
 between steps; a row's logits depend only on its own cache entries and its sampled tokens on its
 own generator, so every row decodes exactly as it would alone, whatever shares the batch and
 whenever it joined. This module admits, steps and retires rows; the parts it drives are listed in
-docs/architecture.md, "The sampler inside core/".
+docs/architecture.md, "The sampler inside sampling/".
 """
 
 from __future__ import annotations
@@ -16,21 +16,22 @@ from dataclasses import replace
 
 import torch
 
-from setdiff_megatron.core.batch_state import BatchState
-from setdiff_megatron.core.cache_room import CacheRoom
-from setdiff_megatron.core.commit_rules import commit_decided, commit_prefill
-from setdiff_megatron.core.decoding import DecodingConfig, RowPolicy, window_queries
-from setdiff_megatron.core.kv_cache import KVCache
-from setdiff_megatron.core.row_state import RowState, record_traces
-from setdiff_megatron.core.sample_output import BatchMetrics, Progress, RowResult, SampleOutput
-from setdiff_megatron.core.sample_request import Request, RequestLimits, check_bounds
-from setdiff_megatron.core.step_compiler import StepCompiler
-from setdiff_megatron.core.step_runner import StepModel, StepRunner, device_of
+from setdiff_megatron.sampling.batch_state import BatchState
+from setdiff_megatron.sampling.cache_budget import CacheBudget
+from setdiff_megatron.sampling.commit_rules import commit_decided, commit_prefill
+from setdiff_megatron.sampling.decoding import DecodingConfig, RowPolicy, window_queries
+from setdiff_megatron.sampling.engine import Sampler
+from setdiff_megatron.sampling.kv_cache import KVCache
+from setdiff_megatron.sampling.row_state import RowState, record_traces
+from setdiff_megatron.sampling.sample_output import Progress, RowResult
+from setdiff_megatron.sampling.sample_request import RequestLimits
+from setdiff_megatron.sampling.step_compiler import StepCompiler
+from setdiff_megatron.sampling.step_runner import StepModel, StepRunner, device_of
 
 __all__ = ["SetSampler", "Progress"]
 
 
-class SetSampler:
+class SetSampler(Sampler):
     """Samples from a set diffusion model through `StepModel`, as a continuous-batching engine.
 
     context_len is the longest sequence a query may see (cache + commits + itself), normally
@@ -38,7 +39,7 @@ class SetSampler:
     capacity) bound a step's batch; `prefill_chunk` caps the tokens a row prefills per step.
     `static` admits requests only into an empty batch, which then runs until its last row ends
     (static batching, the baseline continuous batching is measured against). `compile` runs
-    decode steps at bucketed static shapes through core/step_compiler.py ('off', 'auto': once a
+    decode steps at bucketed static shapes through sampling/step_compiler.py ('off', 'auto': once a
     bucket has paid for its compile, 'on'); `compiler` shares one between engines. Use `generate`
     for a list of prompts, or `submit` / `cancel` / `step` to serve requests as they come (serving/).
     """
@@ -57,22 +58,18 @@ class SetSampler:
         compile: str = "off",
         compiler: StepCompiler | None = None,
     ):
-        check_bounds(context_len, max_rows=max_rows)
+        super().__init__(model, mask_token_id=mask_token_id, context_len=context_len, max_rows=max_rows, trace=trace)
         self.limits = RequestLimits(mask_token_id, context_len, kv_budget, prefill_chunk)
-        self.model, self.mask_token_id, self.context_len = model, mask_token_id, context_len
-        self.max_rows, self.kv_budget, self.prefill_chunk, self.trace = max_rows, kv_budget, prefill_chunk, trace
+        self.kv_budget, self.prefill_chunk = kv_budget, prefill_chunk
         self.static = static
         self.compiler = compiler if compiler is not None else StepCompiler(model, compile, device_of(model))
-        self.room = CacheRoom(self.limits, self.compiler)
-        self.runner = StepRunner(model, self.compiler, self.room, mask_token_id)
-        self.waiting: list[Request] = []
+        self.cache_budget = CacheBudget(self.limits, self.compiler)
+        self.runner = StepRunner(model, self.compiler, self.cache_budget, mask_token_id)
         self.rows: list[RowState] = []
         self.batch: BatchState | None = None
         self.cache: KVCache | None = None
         self.policy: RowPolicy | None = None
         self.generators: list[torch.Generator | None] = []
-        self.metrics = BatchMetrics()
-        self._cancelled: set[Hashable] = set()
         self._firsts: list[int] = []
         self._num_queries: list[int] = []
         """Valid query slots of each live row for its next step (host copy)."""
@@ -86,74 +83,20 @@ class SetSampler:
         """Why `prompt` cannot be decoded under `cfg` (to follow the prompt's name), or None."""
         return self.limits.problem(prompt, cfg)
 
-    @property
-    def load(self) -> dict[str, int]:
-        """Live rows and waiting requests, for schedulers and metrics."""
-        return {"running": len(self.rows), "waiting": len(self.waiting)}
-
-    def submit(self, request: Request) -> None:
-        """Queue a request; it joins the batch at a step boundary once it fits."""
-        problem = self.request_problem(request.prompt, request.cfg)
-        if problem:
-            raise ValueError(f"request {request.key!r} {problem}")
-        self.waiting.append(request)
-
-    def cancel(self, key: Hashable) -> None:
-        """Drop a waiting request now, or a live row at the next step (finish_reason 'cancelled')."""
-        before = len(self.waiting)
-        self.waiting = [r for r in self.waiting if r.key != key]
-        if len(self.waiting) == before:
-            self._cancelled.add(key)
-
-    @property
-    def idle(self) -> bool:
-        return not self.rows and not self.waiting
-
-    # ----------------------------------------------------------------------------------------
-    # the batch API
-
-    @torch.inference_mode()
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        cfg: DecodingConfig = DecodingConfig(),
-        *,
-        batch_size: int | None = None,
-        trace: bool = False,
-    ) -> SampleOutput:
-        """Decode every prompt's MASK spans and max_new_tokens tail, with at most batch_size rows
-        at a time (rows join as others finish). Prompt i samples with seed cfg.seed + i."""
-        if len(prompts) == 0:
-            raise ValueError("prompts must hold at least one prompt (a list of token ids); got none")
-        if batch_size is not None and batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1 or None (all prompts in one batch); got {batch_size}")
-        for i, prompt in enumerate(prompts):
-            problem = self.request_problem(prompt, cfg)
-            if problem:
-                raise ValueError(f"prompts[{i}] {problem}")
-        engine = SetSampler(
+    def _fresh(self, max_rows: int, trace: bool) -> SetSampler:
+        return SetSampler(
             self.model,
             mask_token_id=self.mask_token_id,
             context_len=self.context_len,
-            max_rows=batch_size or len(prompts),
+            max_rows=max_rows,
             kv_budget=self.kv_budget,
             prefill_chunk=self.prefill_chunk,
             trace=trace,
             compiler=self.compiler,
         )
-        for i, prompt in enumerate(prompts):
-            engine.submit(Request(key=i, prompt=tuple(int(t) for t in prompt), cfg=cfg, seed=cfg.seed + i))
-        results: list[RowResult | None] = [None] * len(prompts)
-        start = time.perf_counter()
-        while not engine.idle:
-            for key, row in engine.step():
-                results[key] = row
-        metrics = engine.metrics
-        metrics.total_s = time.perf_counter() - start
-        metrics.num_rows = len(results)
-        metrics.num_tokens = sum(r.num_decoded for r in results)
-        metrics.row_steps = sum(r.steps for r in results)
-        return SampleOutput(results, metrics)
+
+    # ----------------------------------------------------------------------------------------
+    # ahead of traffic
 
     def warm_up(self, cfg: DecodingConfig, prompt_len: int, progress=None) -> float:
         """Compile, ahead of traffic, the decode buckets a full batch of `prompt_len`-token prompts
@@ -188,7 +131,7 @@ class SetSampler:
             row = RowState.admit(self.waiting[0], self.mask_token_id, self.trace)
             self.rows.append(row)  # counted in the bounds for the next one
             too_many = self.max_rows is not None and len(self.rows) > self.max_rows
-            if too_many or not self.room.fits(self.rows, self.cache):
+            if too_many or not self.cache_budget.fits(self.rows, self.cache):
                 self.rows.pop()
                 break
             self.waiting.pop(0)
@@ -196,9 +139,11 @@ class SetSampler:
         if not joining:
             return
         if self.cache is None:
-            self.cache = self.model.new_cache(self.room.rows_for(len(joining)), self.room.capacity_for(joining))
+            self.cache = self.model.new_cache(
+                self.cache_budget.rows_for(len(joining)), self.cache_budget.capacity_for(joining)
+            )
         device = self.cache.keys.device
-        policy = RowPolicy.of([r.request.cfg for r in joining], device=device)
+        policy = RowPolicy.from_configs([r.request.cfg for r in joining], device=device)
         new = BatchState.joining(joining, policy, self.mask_token_id, device)
         self._num_queries += new.query_valid.sum(1).tolist()
         self._num_commits += [0] * len(joining)
@@ -210,7 +155,7 @@ class SetSampler:
             self.batch, self.policy, self.generators = new, policy, generators
         else:
             self.batch, self.policy = self.batch.cat(new, self.mask_token_id), self.policy.cat(policy)
-            self.cache = self.room.grown(self.cache, self.rows)
+            self.cache = self.cache_budget.grown(self.cache, self.rows)
             self.generators += generators
 
     # ----------------------------------------------------------------------------------------
@@ -236,7 +181,7 @@ class SetSampler:
         else:
             query_valid = b.query_valid
         num_commit, num_query = b.commit_tok.shape[1], b.query_pos.shape[1]
-        self.room.evict(cache, b, num_commit)
+        self.cache_budget.evict(cache, b, num_commit)
         if cache.length + num_commit + num_query > cache.capacity:  # admission reserves this; kept as a guard
             cache = self.cache = cache.with_capacity(cache.length + num_commit + num_query + cache.capacity // 2)
         queries = [0 if p else n for p, n in zip(prefilling, self._num_queries)]
@@ -320,6 +265,9 @@ class SetSampler:
             self.batch = self.cache = self.policy = None
         else:
             keep_t = torch.tensor(keep, device=b.canvas.device)
-            self.batch, self.cache = b.select(keep_t), self.cache.select_rows(keep_t, self.room.rows_for(len(keep)))
+            self.batch, self.cache = (
+                b.select(keep_t),
+                self.cache.select_rows(keep_t, self.cache_budget.rows_for(len(keep))),
+            )
             self.policy = self.policy.select(keep_t, keep)
         return finished

@@ -1,7 +1,7 @@
 """Compiled decode steps at static shapes, one graph per bucket, and the rule for when to compile.
 
 A decode step whose rows, commit slots, query slots and cache span are rounded up to a bucket
-(core/step_layout.py) has the shapes of every other step of that bucket, so one graph serves them all.
+(sampling/step_layout.py) has the shapes of every other step of that bucket, so one graph serves them all.
 `on` compiles a bucket at its first step and `off` never; `auto` compiles a bucket once its eager
 steps have taken as long as a compile is expected to, and goes back to eager steps for a bucket whose
 first compiled steps are no faster. Graphs live for the process. The CUDA path (CUDA graphs) has not

@@ -1,6 +1,6 @@
 """The host side of one live row of the sampler: its request, the visible tokens it has still to
 prefill, its counters and trace, and the RowResult it ends with. Kept on the host so a step
-reads them without a device sync; the row's tensors are in core/batch_state.py.
+reads them without a device sync; the row's tensors are in sampling/batch_state.py.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from setdiff_megatron.core.sample_output import RowResult, StepTrace
-from setdiff_megatron.core.sample_request import Request
+from setdiff_megatron.sampling.sample_output import RowResult, StepTrace
+from setdiff_megatron.sampling.sample_request import Request
 
 __all__ = ["RowState", "record_traces"]
 

@@ -3,7 +3,7 @@
 Commit-in-next-forward: a token decoded from this step's query logits is written to the canvas
 at once and queued as a commit; the next forward feeds it as a clean token (causal among the
 commits in position order), so its K/V join the cache without a forward of its own. Which
-positions a step decodes is core/decoding.py's choice, under each row's own `DecodingConfig`;
+positions a step decodes is sampling/decoding.py's choice, under each row's own `DecodingConfig`;
 stops (EOS ids, stop sequences) match in the generated tail only, and a match ends the row's
 completion (kept in it): positions after it are no longer decoded.
 """
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from setdiff_megatron.core.batch_state import BatchState
-from setdiff_megatron.core.decoding import RowPolicy, choose_tokens, process_logits, select_queries, stop_ends
-from setdiff_megatron.core.row_state import RowState
+from setdiff_megatron.sampling.batch_state import BatchState
+from setdiff_megatron.sampling.decoding import RowPolicy, choose_tokens, process_logits, select_queries, stop_ends
+from setdiff_megatron.sampling.row_state import RowState
 
 __all__ = ["commit_decided", "commit_prefill"]
 

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
-from setdiff_megatron.core.sample_output import RowResult
 from setdiff_megatron.core.streams import TwoStreamBatch
+from setdiff_megatron.sampling.sample_output import RowResult
 
 __all__ = ["replay_batch"]
 

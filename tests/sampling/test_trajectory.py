@@ -1,15 +1,15 @@
-"""A decoded trajectory's exact log-likelihood (core/trajectory.py): one teacher-forced forward of
+"""A decoded trajectory's exact log-likelihood (sampling/trajectory.py): one teacher-forced forward of
 its replayed commit order gives the log-probabilities the set sampler computed while decoding, to
 1e-5 in float32, one token per step or several at a threshold, greedy or sampled."""
 
 import pytest
 import torch
 
-from setdiff_megatron.core.decoding import DecodingConfig
 from setdiff_megatron.core.loss import token_nll
-from setdiff_megatron.core.sampler import SetSampler
-from setdiff_megatron.core.trajectory import replay_batch
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
+from setdiff_megatron.sampling.decoding import DecodingConfig
+from setdiff_megatron.sampling.sampler import SetSampler
+from setdiff_megatron.sampling.trajectory import replay_batch
 from tests.conftest import debug_config, randomized
 
 

@@ -5,7 +5,7 @@ max_new_tokens MASKs (the generated tail). `RequestLimits` holds only what decid
 needs (the MASK id, the context length, the KV budget, the prefill chunk), so a front end
 (serving/app.py) refuses a request with the engine's own rules and messages without building
 an engine or loading a model. `reserve` is the cache a row may hold, which admission
-(core/cache_room.py) counts against the budget.
+(sampling/cache_budget.py) counts against the budget.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-from setdiff_megatron.core.decoding import DecodingConfig
+from setdiff_megatron.sampling.decoding import DecodingConfig
 
 __all__ = ["Request", "RequestLimits", "check_bounds"]
 

@@ -1,0 +1,1 @@
+"""sampling layer of setdiff-megatron (docs/architecture.md, "Layers")."""
