@@ -48,7 +48,7 @@ _OFF = 2.0
 @dataclass(frozen=True)
 class Setting:
     """One decoding setting, declared once with its DecodingConfig field (which holds its
-    default). Every door is made from these declarations: the command-line flags, the server's
+    default). Every entry point is made from these declarations: the command-line flags, the server's
     request fields, sweep specs, a recipe's `decoding` section, lm-eval's model_args and the keys
     of an export's generation_config.json; so are the checks."""
 

@@ -5,7 +5,7 @@ never be decoded), `cancel` drops one, `step` admits what fits, runs one forward
 rows that finished, `progress` tells how far the live ones are, and `generate` decodes a list of
 prompts with those. The set sampler (sampling/sampler.py) and the masked-diffusion baselines'
 block decoders (sampling/masked_sampler.py) implement only what differs: the request rules,
-admission, the step and the retirement of their rows. Every door (sample, eval, lm-eval, serve,
+admission, the step and the retirement of their rows. Every entry point (sample, eval, lm-eval, serve,
 the Hugging Face export) drives either through this API (sampling/samplers.py builds the one a
 model family needs).
 """

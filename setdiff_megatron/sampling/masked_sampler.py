@@ -1,7 +1,7 @@
 """Decoding of the paper's masked-diffusion baselines, MDLM and BD3-LM, as the reference decodes them.
 
 It serves the engine API of sampling/engine.py (submit, step, cancel, progress, generate), so
-every door (sample, eval, lm-eval, serve, the Hugging Face export) runs the baselines as it runs
+every entry point (sample, eval, lm-eval, serve, the Hugging Face export) runs the baselines as it runs
 set diffusion.
 Rows decode in blocks of cfg.block_size positions, left to right: BD3-LM over a KV cache of clean
 blocks, updated once per block; MDLM without a cache, running its whole canvas every step. A row

@@ -1,6 +1,6 @@
 """The decoder of a model family: set diffusion's cached any-order sampler (sampling/sampler.py) or
 the baselines' block decoders (sampling/masked_sampler.py), behind one engine API
-(sampling/engine.py `Sampler`), so a door builds whichever its model needs without knowing the
+(sampling/engine.py `Sampler`), so an entry point builds whichever its model needs without knowing the
 family."""
 
 from __future__ import annotations
