@@ -55,7 +55,7 @@ from setdiff_megatron.errors import ArgumentParser, UserError
 from setdiff_megatron.kernels import choose_attention_impl, flash_attn, te_fused
 from setdiff_megatron.sampling.decoding import DecodingConfig
 from setdiff_megatron.sampling.sampler import SetSampler
-from setdiff_megatron.training.metrics import peak_flops, training_flops_per_token
+from setdiff_megatron.training.metric_sinks import peak_flops, training_flops_per_token
 
 BF16_TOL, FP8_TOL = {"out": 2e-2, "grad": 2e-2}, {"out": 0.15, "grad": 0.35}
 

@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"benchmarks.serving: no model at {args.source}; train the README's main job first "
             "(setdiff train recipes/tiny-reasoning.yaml) or pass --source"
         )
-    from setdiff_megatron.serving.local import LiveServer
+    from setdiff_megatron.serving.live_server import LiveServer
 
     requests = request_set(args.requests)
     print("machine:", machine_info())

@@ -93,7 +93,7 @@ def _launch(args: argparse.Namespace) -> int:
         from setdiff_megatron.launch.slurm import launch_slurm
 
         return launch_slurm(args.recipe, args.overrides, dry_run=args.dry_run)
-    from setdiff_megatron.launch.local import launch_local
+    from setdiff_megatron.launch.local_launch import launch_local
 
     dry_run = getattr(args, "dry_run", False)
     recipe = _load_checked(args, launch=not dry_run)

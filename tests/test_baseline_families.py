@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from setdiff_megatron.distributed.runtime import Ranks
-from setdiff_megatron.inference.loading import load_sampling_model
 from setdiff_megatron.inference.prompts import encode_prompt, read_prompts
+from setdiff_megatron.inference.sampling_model import load_sampling_model
 from setdiff_megatron.sources.read import read_source
 from tests.cli_runs import setdiff
 from tests.hf.clean_env import run_clean
@@ -63,7 +63,7 @@ def family_runs(tmp_path_factory) -> dict[str, Path]:
 def _direct(run: Path, prompt: str) -> tuple[str, dict]:
     """The family's decoder on the loaded model, at its policy: the reference every entry point must give."""
     sm = load_sampling_model(run, Ranks(), device="cpu")
-    cfg = sm.decoding.over({"max_new_tokens": NEW, "eos_token_ids": (sm.tokenizer.eos_id,)})
+    cfg = sm.decoding.with_settings({"max_new_tokens": NEW, "eos_token_ids": (sm.tokenizer.eos_id,)})
     row = sm.sampler().generate([sm.prompt_format().prompt(sm.tokenizer.encode(prompt)).tolist()], cfg).rows[0]
     return sm.tokenizer.decode(row.completion, skip_special_tokens=True), {"steps": row.steps, "nfe": row.nfe}
 
@@ -102,7 +102,7 @@ def test_sample_infills_bd3lm_with_the_cached_input_of_its_policy(family_runs, t
     sm = load_sampling_model(run, Ranks(), device="cpu")
     (record,) = read_prompts(tmp_path / "p.jsonl")
     ids = encode_prompt(record, sm.tokenizer, sm.prompt_format())
-    direct = sm.sampler().generate([ids], sm.decoding.over({"max_new_tokens": 0})).rows[0]
+    direct = sm.sampler().generate([ids], sm.decoding.with_settings({"max_new_tokens": 0})).rows[0]
     assert sm.decoding.cache_infill_input and row["steps"] == direct.steps and row["nfe"] == direct.nfe
     fill = [direct.tokens[i] for i, t in enumerate(ids) if t == sm.tokenizer.mask_id]
     assert row["infills"] == [sm.tokenizer.decode(fill)]
@@ -124,7 +124,7 @@ def test_sample_records_cache_infill_input_off_where_it_cannot_act(family_runs, 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_serve_decodes_with_the_familys_decoder(family_runs, family):
     pytest.importorskip("openai", reason="the serving tests use the openai client (part of the dev extra)")
-    from setdiff_megatron.serving.local import LiveServer
+    from setdiff_megatron.serving.live_server import LiveServer
 
     live = LiveServer(family_runs[family], model_name="m")
     try:
@@ -171,7 +171,7 @@ print(json.dumps({{"tokens": row.tokens, "steps": row.steps, "same": same}}))
 """
     result = run_clean(script, clean_site, tmp_path / "clean")
     assert result["same"]
-    cfg = sm.decoding.over({"max_new_tokens": NEW, "eos_token_ids": (sm.tokenizer.eos_id,)})
+    cfg = sm.decoding.with_settings({"max_new_tokens": NEW, "eos_token_ids": (sm.tokenizer.eos_id,)})
     row = sm.sampler().generate([ids], cfg).rows[0]
     assert (result["tokens"], result["steps"]) == (row.tokens, row.steps)
     setdiff("convert", "from-hf", str(tmp_path / "hf"), str(tmp_path / "back"))

@@ -10,7 +10,7 @@ import pytest
 from setdiff_megatron import __version__
 from setdiff_megatron.distributed.runtime import init_process_group
 from setdiff_megatron.errors import ERROR_DIR_ENV, UserError, handed_over, report
-from setdiff_megatron.launch.local import run_workers
+from setdiff_megatron.launch.local_launch import run_workers
 from tests.cli_runs import setdiff
 
 ROOT = Path(__file__).parents[1]

@@ -43,7 +43,7 @@ FRAMEWORKS = {
         "distributed/megatron_cpu.py",
         "distributed/runtime.py",
         "checkpoint/megatron_shards.py",
-        "checkpoint/ema.py",
+        "checkpoint/ema_files.py",
         "data/packing.py",
         "data/indexed.py",
         "training/lr_schedule.py",

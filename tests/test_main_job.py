@@ -122,7 +122,7 @@ def test_lm_eval_generate_until_starts_from_the_models_policy(main_job):
 
 def test_serve_starts_from_the_models_policy(main_job):
     pytest.importorskip("openai", reason="the serving tests use the openai client (part of the dev extra)")
-    from setdiff_megatron.serving.local import LiveServer
+    from setdiff_megatron.serving.live_server import LiveServer
 
     run, _, shown = main_job
     live = LiveServer(run, model_name="main")

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from setdiff_megatron.checkpoint.ema import average_shards, empty_averages, load_averaged
+from setdiff_megatron.checkpoint.ema_files import average_shards, empty_averages, load_averaged
 
 __all__ = ["model_sharded_state", "save_shards", "load_shards", "load_model_shard"]
 

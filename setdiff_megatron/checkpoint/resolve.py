@@ -21,7 +21,7 @@ from setdiff_megatron.checkpoint.state import TrainState, read_train_state
 from setdiff_megatron.distributed.runtime import barrier, rank
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.log import say
-from setdiff_megatron.recipes.loading import RESOLVED_NAME
+from setdiff_megatron.recipes.recipe_files import RESOLVED_NAME
 
 __all__ = ["Resumed", "resume_target", "resolve_step_dir", "describe"]
 

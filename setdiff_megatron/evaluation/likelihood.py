@@ -22,8 +22,8 @@ from setdiff_megatron.core.orders import make_order_policy
 from setdiff_megatron.core.streams import sample_two_stream_batch
 from setdiff_megatron.distributed.runtime import join
 from setdiff_megatron.errors import UserError
-from setdiff_megatron.inference.loading import SamplingModel, load_sampling_model
 from setdiff_megatron.inference.results import ShardedResults
+from setdiff_megatron.inference.sampling_model import SamplingModel, load_sampling_model
 from setdiff_megatron.inference.sharding import Placement, Shard
 from setdiff_megatron.log import say
 

@@ -30,8 +30,8 @@ from setdiff_megatron.core.orders import make_order_policy, sample_order  # noqa
 from setdiff_megatron.core.streams import build_two_stream_batch  # noqa: E402
 from setdiff_megatron.distributed.runtime import join  # noqa: E402
 from setdiff_megatron.inference.job import job_decoding  # noqa: E402
-from setdiff_megatron.inference.loading import load_sampling_model  # noqa: E402
-from setdiff_megatron.recipes.decoding import with_stops  # noqa: E402
+from setdiff_megatron.inference.sampling_model import load_sampling_model  # noqa: E402
+from setdiff_megatron.recipes.decoding_settings import with_stops  # noqa: E402
 from setdiff_megatron.sampling.decoding import SETTINGS, DecodingConfig  # noqa: E402
 
 __all__ = ["SetDiffLM", "main"]

@@ -22,10 +22,10 @@ from setdiff_megatron.data.answers import gsm8k_answer
 from setdiff_megatron.data.builtin import builtin_corpus_dir
 from setdiff_megatron.distributed.runtime import Ranks
 from setdiff_megatron.evaluation.tasks import score_completion
-from setdiff_megatron.inference.loading import load_sampling_model
 from setdiff_megatron.inference.prompts import PromptRecord, encode_prompt
+from setdiff_megatron.inference.sampling_model import load_sampling_model
 from setdiff_megatron.recipes import Recipe
-from setdiff_megatron.recipes.decoding import with_stops
+from setdiff_megatron.recipes.decoding_settings import with_stops
 from setdiff_megatron.sampling.decoding import DecodingConfig
 from setdiff_megatron.sources.read import read_source
 
@@ -78,7 +78,9 @@ def showcase(recipe: Recipe) -> list[str]:
     ]
     # Within the context after the longest prompt: MDLM's and BD3-LM's decoders never run past it.
     room = sm.config.max_seq_len - max(map(len, ids))
-    cfg = with_stops(sm.decoding.over({"max_new_tokens": min(52 if corpus == "reasoning" else 48, room)}), sm.tokenizer)
+    cfg = with_stops(
+        sm.decoding.with_settings({"max_new_tokens": min(52 if corpus == "reasoning" else 48, room)}), sm.tokenizer
+    )
     sampler = sm.sampler()
     out = sampler.generate(ids, cfg, batch_size=16)
     texts = [sm.tokenizer.decode(row.completion, skip_special_tokens=True) for row in out.rows]

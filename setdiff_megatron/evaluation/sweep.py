@@ -36,7 +36,7 @@ from setdiff_megatron.evaluation.records import WandbConfig, check_wandb, log_to
 from setdiff_megatron.evaluation.tasks import GenerateJob, read_tasks, run_generate_job
 from setdiff_megatron.inference.sharding import Placement
 from setdiff_megatron.log import say
-from setdiff_megatron.recipes.decoding import given, settings_model
+from setdiff_megatron.recipes.decoding_settings import settings_given, settings_model
 from setdiff_megatron.sampling.decoding import SETTINGS
 
 __all__ = ["load_spec", "pareto_front", "run_sweep", "add_parser"]
@@ -143,7 +143,7 @@ def expand_points(spec: SweepSpec, path: str | Path = "spec") -> list[SweepPoint
             f"{path}: the sweep has no points: give 'points' (a list of decoding settings) and/or "
             "'grid' (a list of values per setting)"
         )
-    defaults = given(spec.decoding)
+    defaults = settings_given(spec.decoding)
     points, seen = [], set()
     for settings in given_points:
         name = settings.pop("name", None) or _auto_name(settings)

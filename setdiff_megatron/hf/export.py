@@ -25,7 +25,7 @@ from setdiff_megatron.hf.weights_io import parse_size, save_sharded, staged_dire
 from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.dtypes import dtype_named
 from setdiff_megatron.models.weight_maps.hf import torch_to_hf
-from setdiff_megatron.recipes.decoding import with_stops
+from setdiff_megatron.recipes.decoding_settings import with_stops
 from setdiff_megatron.sources.hf_config import generation_config_from_decoding, hf_config_from_model_config
 from setdiff_megatron.sources.hf_files import safetensors_dtype
 from setdiff_megatron.sources.read import AR_KINDS, Source, read_source

@@ -35,7 +35,7 @@ def import_recipe(source: Source, run_dir: Path, dtype: torch.dtype) -> Recipe:
     """The recipe recorded with an imported checkpoint: its model, its tokenizer, its precision,
     its decoding policy, and where the source has them (a SetDLM release) its order law and
     sequence length."""
-    from setdiff_megatron.recipes.decoding import DecodingSection
+    from setdiff_megatron.recipes.decoding_settings import DecodingSection
     from setdiff_megatron.recipes.schema import (
         CheckpointSection,
         DataSection,

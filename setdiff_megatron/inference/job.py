@@ -20,12 +20,12 @@ from pathlib import Path
 from setdiff_megatron.checkpoint.manifest import sha256_file
 from setdiff_megatron.distributed.runtime import join
 from setdiff_megatron.errors import UserError
-from setdiff_megatron.inference.loading import SamplingModel, load_sampling_model
 from setdiff_megatron.inference.prompts import PromptRecord, encode_prompt, read_prompts
 from setdiff_megatron.inference.results import ShardedResults
+from setdiff_megatron.inference.sampling_model import SamplingModel, load_sampling_model
 from setdiff_megatron.inference.sharding import Placement, Shard
 from setdiff_megatron.log import say
-from setdiff_megatron.recipes.decoding import with_stops
+from setdiff_megatron.recipes.decoding_settings import with_stops
 from setdiff_megatron.sampling.decoding import DecodingConfig, DecodingRequest, resolve_decoding, settings_off_default
 from setdiff_megatron.sampling.engine import Sampler
 from setdiff_megatron.sampling.sample_output import RowResult

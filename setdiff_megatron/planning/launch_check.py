@@ -30,7 +30,7 @@ def this_device() -> tuple[Device, str]:
     for key, known in DEVICES.items():
         if known.name.split()[0] in props.name:
             return device(key, memory_gib=memory), ""
-    from setdiff_megatron.training.metrics import peak_flops
+    from setdiff_megatron.training.metric_sinks import peak_flops
 
     return device(props.name, memory_gib=memory, tflops=(peak_flops(props.name) or 1e12) / 1e12), ""
 

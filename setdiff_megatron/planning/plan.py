@@ -46,7 +46,7 @@ class Plan:
     # ---- time ----------------------------------------------------------------------------
     @property
     def step_flops(self) -> float:
-        from setdiff_megatron.training.metrics import training_flops_per_token
+        from setdiff_megatron.training.metric_sinks import training_flops_per_token
 
         r = self.recipe
         return training_flops_per_token(self.model_cfg, r.data.seq_len) * r.data.seq_len * r.parallel.global_batch_size

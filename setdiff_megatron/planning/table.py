@@ -52,7 +52,7 @@ HEADER = (
 def row(name: str) -> str:
     from setdiff_megatron.planning.plan import GIB, plan_recipe
     from setdiff_megatron.planning.plan_cli import plan_model_config
-    from setdiff_megatron.recipes.loading import load_recipe
+    from setdiff_megatron.recipes.recipe_files import load_recipe
 
     file, gpus, vocab, overrides = ROWS[name]
     recipe = load_recipe(ROOT / "recipes" / file, overrides)

@@ -29,7 +29,7 @@ from setdiff_megatron.core.orders import Block, OrderError, OrderPolicy, PaperDe
 from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.lora import TARGETS, LoraSpec
 from setdiff_megatron.models.weight_maps.megatron_map import check_backend
-from setdiff_megatron.recipes.decoding import DecodingSection, given
+from setdiff_megatron.recipes.decoding_settings import DecodingSection, settings_given
 from setdiff_megatron.sampling.decoding import DecodingConfig
 
 __all__ = [
@@ -858,4 +858,4 @@ class Recipe(Section):
 
     def decoding_policy(self) -> DecodingConfig:
         """The model's own decoding policy: its order's paper default, with `decoding` over it."""
-        return DecodingConfig(**{**self.method.decoding_policy().settings(), **given(self.decoding)})
+        return DecodingConfig(**{**self.method.decoding_policy().settings(), **settings_given(self.decoding)})

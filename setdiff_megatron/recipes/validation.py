@@ -17,7 +17,7 @@ from pathlib import Path
 from setdiff_megatron.errors import require
 from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.recipes.inputs import dataset_exists, where_looked
-from setdiff_megatron.recipes.loading import RecipeError
+from setdiff_megatron.recipes.recipe_files import RecipeError
 from setdiff_megatron.recipes.schema import BUILTIN_CORPORA, Recipe
 
 __all__ = [

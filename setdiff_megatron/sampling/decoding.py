@@ -221,7 +221,7 @@ class DecodingConfig:
             if not ok:
                 raise ValueError(f"{name} must be {allowed}; got {value!r}")
 
-    def over(self, changes: Mapping[str, Any]) -> DecodingConfig:
+    def with_settings(self, changes: Mapping[str, Any]) -> DecodingConfig:
         """This policy with `changes` (settings by name) over it, checked."""
         unknown = sorted(set(changes) - {f.name for f in fields(self)})
         if unknown:
@@ -240,7 +240,7 @@ DecodingRequest = DecodingConfig | Mapping[str, Any]
 
 def resolve_decoding(request: DecodingRequest, policy: DecodingConfig) -> DecodingConfig:
     """A whole config as it is; settings over the model's policy otherwise."""
-    return request if isinstance(request, DecodingConfig) else policy.over(request)
+    return request if isinstance(request, DecodingConfig) else policy.with_settings(request)
 
 
 def decoding_request_record(request: DecodingRequest) -> dict[str, Any]:

@@ -20,10 +20,10 @@ from setdiff_megatron.data.supervised import RowFormat, chat_prompt
 from setdiff_megatron.data.tokenizers import SetDiffTokenizer
 from setdiff_megatron.errors import require
 from setdiff_megatron.inference.prompts import infill_prompt
-from setdiff_megatron.recipes.decoding import with_stops
+from setdiff_megatron.recipes.decoding_settings import with_stops
 from setdiff_megatron.sampling.decoding import DecodingConfig
 from setdiff_megatron.sampling.sample_request import RequestLimits
-from setdiff_megatron.serving.metrics import ServingStats, exposition, metrics_registry
+from setdiff_megatron.serving.prometheus import ServingStats, exposition, metrics_registry
 from setdiff_megatron.serving.protocol import ChatBody, CompletionBody, RequestError, decoding_of, validation_message
 from setdiff_megatron.serving.replicas import Job, Replica
 from setdiff_megatron.serving.responses import (

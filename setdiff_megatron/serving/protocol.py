@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from setdiff_megatron.recipes.decoding import given, settings_model
+from setdiff_megatron.recipes.decoding_settings import settings_given, settings_model
 from setdiff_megatron.sampling.decoding import SETTINGS, DecodingConfig
 
 __all__ = ["CompletionBody", "ChatBody", "ChatMessage", "RequestError", "decoding_of", "validation_message"]
@@ -152,9 +152,9 @@ class ChatBody(_Body):
 def decoding_of(body: _Body, defaults: DecodingConfig, *, max_tokens: int, seed: int) -> DecodingConfig:
     """The request's DecodingConfig: its knobs and OpenAI fields over the served model's policy."""
     try:
-        return defaults.over(
+        return defaults.with_settings(
             {
-                **given(body, KNOBS),
+                **settings_given(body, KNOBS),
                 "temperature": body.temperature,
                 "top_p": None if body.top_p >= 1 else body.top_p,
                 "max_new_tokens": max_tokens,

@@ -224,7 +224,7 @@ def replica_main() -> int:
 
     from setdiff_megatron.distributed.child_processes import follow_parent
     from setdiff_megatron.distributed.runtime import join, tensor_parallel_broadcast
-    from setdiff_megatron.inference.loading import load_sampling_model
+    from setdiff_megatron.inference.sampling_model import load_sampling_model
 
     follow_parent()  # a front end killed outright takes its replicas with it
     args = ReplicaSettings.from_env()

@@ -43,7 +43,7 @@ def _served_model(args, source):
 
 def _local_replicas(args, source, defaults):
     from setdiff_megatron.distributed.runtime import Ranks
-    from setdiff_megatron.inference.loading import load_sampling_model
+    from setdiff_megatron.inference.sampling_model import load_sampling_model
     from setdiff_megatron.serving.replicas import LocalReplica
 
     sm = load_sampling_model(source, Ranks(), device=args.device, dtype=args.dtype)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from setdiff_megatron.checkpoint.ema import read_whole
+from setdiff_megatron.checkpoint.ema_files import read_whole
 from setdiff_megatron.checkpoint.manifest import verify
 from setdiff_megatron.checkpoint.names import DEEPSPEED_TAG as TAG
 from setdiff_megatron.checkpoint.state import read_train_state

@@ -6,7 +6,7 @@ and every model tensor is stored at its global shape: layers stacked on a leadin
 MLP rows in TP=1 order, experts in global order, the vocabulary padded. So `torch_weights`
 reads any layout: a DCP load of the global tensors, renamed into one TP = PP = EP = 1 chunk,
 then `weight_maps.megatron_map.megatron_to_torch`. A checkpoint of a run with train.ema_decay also
-holds the average of the weights, sharded as they are (checkpoint/ema.py). Tensor data is read with
+holds the average of the weights, sharded as they are (checkpoint/ema_files.py). Tensor data is read with
 `torch.load(weights_only=True)` by DCP; its `.metadata` file is a pickle, which is why a
 checkpoint's files are checked against its sha256 manifest before anything is read.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from setdiff_megatron.checkpoint.ema import stored_keys, under_weight_keys
+from setdiff_megatron.checkpoint.ema_files import stored_keys, under_weight_keys
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.models.weight_maps.megatron_map import MEGATRON_LAYER, megatron_to_torch

@@ -29,7 +29,7 @@ from setdiff_megatron.models.lora import merge_adapters
 from setdiff_megatron.models.weight_maps.torch_layout import torch_shapes
 from setdiff_megatron.recipes import Recipe, load_recipe
 from setdiff_megatron.recipes.inputs import where_looked
-from setdiff_megatron.recipes.loading import RESOLVED_NAME
+from setdiff_megatron.recipes.recipe_files import RESOLVED_NAME
 from setdiff_megatron.recipes.schema import MethodSection
 from setdiff_megatron.sampling.decoding import DecodingConfig
 from setdiff_megatron.sources.ar_import import SUPPORTED, ar_model_config, ar_state_dict, unsupported_architecture

@@ -23,7 +23,7 @@ from setdiff_megatron.distributed.fault_injection import Faults
 from setdiff_megatron.distributed.signals import blocked
 from setdiff_megatron.recipes import Recipe, save_resolved_recipe
 from setdiff_megatron.training.engines import Engine
-from setdiff_megatron.training.metrics import MetricsLogger
+from setdiff_megatron.training.metric_sinks import MetricsLogger
 from setdiff_megatron.training.watchdog import SAVE, Watchdog
 
 __all__ = ["Checkpointer"]

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from setdiff_megatron.core.policy_gradient import PolicyBatch, group_advantages, one_step_batch
 from setdiff_megatron.core.streams import TwoStreamBatch
-from setdiff_megatron.recipes.decoding import with_stops
+from setdiff_megatron.recipes.decoding_settings import with_stops
 from setdiff_megatron.recipes.schema import Recipe
 from setdiff_megatron.sampling.sample_request import Request
 from setdiff_megatron.sampling.samplers import sampler_for
@@ -97,7 +97,9 @@ class Rollouts:
         rl, tok = self.rl, self.data.tokenizer
         model = self.engine.policy_model()
         cfg = with_stops(
-            self.recipe.decoding_policy().over({"temperature": rl.temperature, "max_new_tokens": rl.max_new_tokens}),
+            self.recipe.decoding_policy().with_settings(
+                {"temperature": rl.temperature, "max_new_tokens": rl.max_new_tokens}
+            ),
             tok,
         )
         sampler = sampler_for(
@@ -111,7 +113,9 @@ class Rollouts:
         for index, prompt, _ in records:
             for g in range(rl.group_size):
                 seed = _seed(self.recipe.train.seed, index, g)
-                sampler.submit(Request(key=(index, g), prompt=tuple(prompt), cfg=cfg.over({"seed": seed}), seed=seed))
+                sampler.submit(
+                    Request(key=(index, g), prompt=tuple(prompt), cfg=cfg.with_settings({"seed": seed}), seed=seed)
+                )
         rows = {}
         with evaluating(model), self.engine.decoding():
             while not sampler.idle:

@@ -34,7 +34,7 @@ from setdiff_megatron.training import lr_schedule
 from setdiff_megatron.training.checkpointer import Checkpointer
 from setdiff_megatron.training.data_pipeline import DataLoaders, TrainingData, prepare_data
 from setdiff_megatron.training.engines import Engine, start_engine
-from setdiff_megatron.training.metrics import MetricsLogger, peak_flops, step_metrics, training_flops_per_token
+from setdiff_megatron.training.metric_sinks import MetricsLogger, peak_flops, step_metrics, training_flops_per_token
 from setdiff_megatron.training.preflight import check_run
 from setdiff_megatron.training.rollouts import Rollouts
 from setdiff_megatron.training.spikes import SpikeDetector

@@ -19,7 +19,7 @@ import torch
 from setdiff_megatron.core.loss import token_nll
 from setdiff_megatron.core.masked_diffusion import masked_two_stream_batch, sample_masked_batch
 from setdiff_megatron.distributed.runtime import Ranks
-from setdiff_megatron.inference.loading import load_sampling_model
+from setdiff_megatron.inference.sampling_model import load_sampling_model
 from setdiff_megatron.sampling.decoding import DecodingConfig
 from setdiff_megatron.sources.read import read_source
 from tests.hf.conftest import ROOT

@@ -18,7 +18,7 @@ from pathlib import Path
 warnings.filterwarnings("ignore")
 
 from setdiff_megatron.planning.plan_cli import plan_model_config  # noqa: E402
-from setdiff_megatron.recipes.loading import load_recipe  # noqa: E402
+from setdiff_megatron.recipes.recipe_files import load_recipe  # noqa: E402
 
 LAYOUTS = {
     "one": ("launch.nproc_per_node=1",),

@@ -96,7 +96,7 @@ def test_bad_input_is_one_line(capsys, args, message):
 
 
 def tiny_gpu_recipe(*overrides: str):
-    from setdiff_megatron.recipes.loading import load_recipe
+    from setdiff_megatron.recipes.recipe_files import load_recipe
 
     return load_recipe(ROOT / "recipes" / "tiny-cpu.yaml", ["launch.device=cuda", "train.precision=fp32", *overrides])
 

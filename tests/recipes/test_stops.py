@@ -1,4 +1,4 @@
-"""EOS and stop sequences reach a DecodingConfig one way (recipes/decoding.py `with_stops`), at every entry point."""
+"""EOS and stop sequences reach a DecodingConfig one way (recipes/decoding_settings.py `with_stops`), at every entry point."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from setdiff_megatron.errors import UserError
-from setdiff_megatron.recipes.decoding import with_stops
+from setdiff_megatron.recipes.decoding_settings import with_stops
 from setdiff_megatron.sampling.decoding import DecodingConfig
 
 PACKAGE = Path(__file__).parents[2] / "setdiff_megatron"
@@ -24,7 +24,7 @@ ENTRY_POINTS = (
 STOP_FIELDS = {"eos_token_ids", "stop_sequences"}
 ENGINE = {"core", "sampling"}
 """The decoding engine (its declaration, and a warm-up that decodes without stops) is no entry point."""
-MAY_SET = {"recipes/decoding.py", "sources/hf_config.py", "sources/hf_export.py"}
+MAY_SET = {"recipes/decoding_settings.py", "sources/hf_config.py", "sources/hf_export.py"}
 """Where else the fields may be written: `with_stops`, and the generation-config translation (an
 export's EOS is left to the caller)."""
 
@@ -78,4 +78,4 @@ def test_no_door_sets_eos_or_stops_by_hand():
         and str(path.relative_to(PACKAGE)) not in MAY_SET
         and (lines := _writes(ast.parse(path.read_text())))
     }
-    assert not found, f"set eos_token_ids / stop_sequences through recipes/decoding.py with_stops: {found}"
+    assert not found, f"set eos_token_ids / stop_sequences through recipes/decoding_settings.py with_stops: {found}"

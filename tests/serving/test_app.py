@@ -20,11 +20,11 @@ from setdiff_megatron.checkpoint.names import TOKENIZER_DIR  # noqa: E402
 from setdiff_megatron.checkpoint.resolve import resolve_step_dir  # noqa: E402
 from setdiff_megatron.data.supervised import chat_prompt  # noqa: E402
 from setdiff_megatron.distributed.runtime import Ranks  # noqa: E402
-from setdiff_megatron.inference.loading import load_sampling_model  # noqa: E402
+from setdiff_megatron.inference.sampling_model import load_sampling_model  # noqa: E402
 from setdiff_megatron.recipe_data import prompt_format  # noqa: E402
 from setdiff_megatron.sampling.decoding import DecodingConfig  # noqa: E402
 from setdiff_megatron.sampling.sampler import SetSampler  # noqa: E402
-from setdiff_megatron.serving.local import LiveServer  # noqa: E402
+from setdiff_megatron.serving.live_server import LiveServer  # noqa: E402
 from setdiff_megatron.sources.read import read_source  # noqa: E402
 
 pytestmark = pytest.mark.multiproc

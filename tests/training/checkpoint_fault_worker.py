@@ -48,7 +48,7 @@ def main(run_dir: Path, mode: str) -> int:
     from setdiff_megatron.recipes import load_recipe
     from setdiff_megatron.training.checkpointer import Checkpointer
     from setdiff_megatron.training.engines.megatron_engine import MegatronEngine
-    from setdiff_megatron.training.metrics import MetricsLogger
+    from setdiff_megatron.training.metric_sinks import MetricsLogger
 
     world = int(os.environ["WORLD_SIZE"])
     recipe = load_recipe(

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from setdiff_megatron.core.streams import document_ids
-from setdiff_megatron.recipes.loading import load_recipe
+from setdiff_megatron.recipes.recipe_files import load_recipe
 from setdiff_megatron.training.data_pipeline import DataLoaders, TrainingData
 
 TINY = Path(__file__).parents[2] / "recipes" / "tiny-cpu.yaml"

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from setdiff_megatron.recipes import load_recipe
-from setdiff_megatron.training.ema import Share, WeightAverage
 from setdiff_megatron.training.engines.deepspeed_config import build_optimizer
 from setdiff_megatron.training.lr_schedule import build_lr_scheduler
+from setdiff_megatron.training.weight_average import Share, WeightAverage
 from tests.conftest import debug_config
 from tests.models.megatron_cases import ROOT
 

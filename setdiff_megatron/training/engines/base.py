@@ -22,8 +22,8 @@ from setdiff_megatron.core.streams import TwoStreamBatch
 from setdiff_megatron.log import say
 from setdiff_megatron.models.config import ModelConfig
 from setdiff_megatron.recipes import Recipe
-from setdiff_megatron.training.ema import Share, WeightAverage
 from setdiff_megatron.training.expert_load import ExpertLoad
+from setdiff_megatron.training.weight_average import Share, WeightAverage
 
 __all__ = ["Engine", "StepOutcome", "evaluating", "fill_torch_optimizer_state"]
 
@@ -70,7 +70,7 @@ class Engine(ABC):
     expert_load: ExpertLoad | None = None
     """The MoE routing statistics; None for dense models."""
     ema: WeightAverage | None = None
-    """The average of the weights (train.ema_decay, training/ema.py), from `build`; None without one."""
+    """The average of the weights (train.ema_decay, training/weight_average.py), from `build`; None without one."""
 
     @abstractmethod
     def build(self, model_cfg: ModelConfig, total_steps: int) -> None:
@@ -129,7 +129,7 @@ class Engine(ABC):
 
     @abstractmethod
     def _shares(self) -> list[Share]:
-        """Each parameter's fp32 weights that the optimizer steps on this rank (training/ema.py).
+        """Each parameter's fp32 weights that the optimizer steps on this rank (training/weight_average.py).
 
         In an order every rank of a data-parallel group shares."""
 
@@ -158,7 +158,7 @@ class Engine(ABC):
 
     def ema_state(self) -> dict | None:
         """What train_state.json records of the average of the weights its files hold
-        (training/ema.py), or None: no average (train.ema_decay unset, or no step yet)."""
+        (training/weight_average.py), or None: no average (train.ema_decay unset, or no step yet)."""
         return self.ema.record() if self.ema is not None else None
 
     def _ema_wholes(self) -> Iterator[tuple[Share, torch.Tensor]]:

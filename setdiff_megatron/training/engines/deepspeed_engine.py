@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from setdiff_megatron.checkpoint.ema import read_whole, write_whole
+from setdiff_megatron.checkpoint.ema_files import read_whole, write_whole
 from setdiff_megatron.checkpoint.names import DEEPSPEED_TAG as TAG
 from setdiff_megatron.checkpoint.names import RNG_FILE
 from setdiff_megatron.checkpoint.resolve import Resumed
@@ -39,12 +39,12 @@ from setdiff_megatron.models.lora import adapt_torch_model, load_weights
 from setdiff_megatron.models.torch_model import SetDiffusionTransformer
 from setdiff_megatron.recipes import Recipe
 from setdiff_megatron.training import lr_schedule
-from setdiff_megatron.training.ema import Share
 from setdiff_megatron.training.engines.base import Engine, StepOutcome, evaluating
 from setdiff_megatron.training.engines.deepspeed_config import build_optimizer, deepspeed_config
 from setdiff_megatron.training.engines.rng import host_rng_state, set_host_rng_state
 from setdiff_megatron.training.expert_load import ExpertLoad
 from setdiff_megatron.training.objective import Objective
+from setdiff_megatron.training.weight_average import Share
 
 __all__ = ["DeepSpeedEngine", "import_deepspeed", "apply_recompute", "layout_refusal", "LOADABLE_ON"]
 
@@ -323,7 +323,7 @@ class DeepSpeedEngine(Engine):
         }
 
     def _shares(self) -> list[Share]:
-        """Each parameter's fp32 weights that the optimizer steps on this rank (training/ema.py):
+        """Each parameter's fp32 weights that the optimizer steps on this rank (training/weight_average.py):
         under ZeRO 1-2 its fragment of the rank's flat fp32 partition, which DeepSpeed links to
         the parameter (`_hp_mapping`, None where the rank holds none of it); at stage 0 the
         parameter itself."""

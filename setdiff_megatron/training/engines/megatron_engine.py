@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from setdiff_megatron.checkpoint.ema import average_shards, empty_averages, load_averaged
+from setdiff_megatron.checkpoint.ema_files import average_shards, empty_averages, load_averaged
 from setdiff_megatron.checkpoint.megatron_shards import load_shards, model_sharded_state, save_shards
 from setdiff_megatron.checkpoint.names import RNG_FILE
 from setdiff_megatron.checkpoint.resolve import Resumed
@@ -34,11 +34,11 @@ from setdiff_megatron.models.dtypes import DTYPES
 from setdiff_megatron.models.lora import is_adapter_key, load_weights
 from setdiff_megatron.recipes import Recipe
 from setdiff_megatron.training import lr_schedule
-from setdiff_megatron.training.ema import Share
 from setdiff_megatron.training.engines.base import Engine, StepOutcome, evaluating, fill_torch_optimizer_state
 from setdiff_megatron.training.engines.rng import host_rng_state, set_host_rng_state
 from setdiff_megatron.training.expert_load import ExpertLoad
 from setdiff_megatron.training.objective import Objective
+from setdiff_megatron.training.weight_average import Share
 
 __all__ = ["MegatronEngine", "build_optimizer"]
 
@@ -289,7 +289,7 @@ class MegatronEngine(Engine):
         return [c.module for c in self.chunks]
 
     def _shares(self) -> list[Share]:
-        """Each parameter's fp32 main weights on this rank (training/ema.py): under the
+        """Each parameter's fp32 main weights on this rank (training/weight_average.py): under the
         distributed optimizer this rank's shard of it, in the order of the optimizer's buffers
         (the same on every data-parallel rank); otherwise the whole main parameter."""
         from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer

@@ -3,7 +3,7 @@ SETTINGS): a recipe's `decoding` section, a sweep's settings and the server's re
 all `settings_model`s, so a setting added there appears, with its range and help, at every entry point.
 
 A field left out is unset (the model's own policy decides); `null` is a value and turns an
-optional setting off. `given` reads back only what was set.
+optional setting off. `settings_given` reads back only what was set.
 
 `with_stops` is the one way every entry point (sample jobs, the server, lm-eval, the showcase, RL
 rollouts, the HF export) adds the tokenizer's EOS and stop texts to a DecodingConfig.
@@ -20,7 +20,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model,
 from setdiff_megatron.errors import UserError
 from setdiff_megatron.sampling.decoding import SETTINGS, DecodingConfig, Setting
 
-__all__ = ["settings_model", "given", "DecodingSection", "with_stops"]
+__all__ = ["settings_model", "settings_given", "DecodingSection", "with_stops"]
 
 
 def _checker(setting: Setting):
@@ -51,7 +51,7 @@ def settings_model(
     return create_model(model_name, __base__=base, **fields, **extra)
 
 
-def given(model: BaseModel, names: Iterable[str] = SETTINGS) -> dict[str, Any]:
+def settings_given(model: BaseModel, names: Iterable[str] = SETTINGS) -> dict[str, Any]:
     """The settings `model` was given, by name (an explicit null included: it means off)."""
     return {key: getattr(model, key) for key in names if key in model.model_fields_set}
 
