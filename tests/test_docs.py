@@ -175,3 +175,24 @@ def test_source_paths_named_in_markdown_exist():
             if not (ROOT / m.group(1)).exists()
         ]
     assert not problems, "\n".join(problems)
+
+
+PACKAGE = ROOT / "setdiff_megatron"
+MODULE_PATH_RE = re.compile(
+    rf"(?<![\w./-])((?:{'|'.join(sorted(p.name for p in PACKAGE.iterdir() if (p / '__init__.py').is_file()))})"
+    r"/[\w/]*\.py)\b"
+)
+"""A module named by its path inside the package (core/loss.py), as docstrings and pages name them."""
+
+
+def test_module_paths_named_inside_the_package_exist():
+    """A renamed or moved module leaves no docstring, comment or page pointing at its old path."""
+    problems = []
+    for path in scanned_files():
+        text = text_of(path)
+        problems += [
+            f"{where(path, text, m.start())}: {m.group(1)} is not a module of setdiff_megatron/"
+            for m in MODULE_PATH_RE.finditer(text)
+            if not (PACKAGE / m.group(1)).exists() and not (ROOT / m.group(1)).exists()
+        ]
+    assert not problems, "\n".join(problems)

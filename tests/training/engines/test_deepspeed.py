@@ -286,7 +286,7 @@ def test_resume_after_sigterm_is_exact(tmp_path, data_cache, straight):
 @pytest.mark.multiproc
 @pytest.mark.slow
 def test_init_from_a_checkpoint_starts_from_its_weights(tmp_path, data_cache, straight):
-    """model.init_from, read through hf/sources.py and consolidated_state_dict: the new run's
+    """model.init_from, read through sources/read.py and consolidated_state_dict: the new run's
     validation loss before its first step is the source run's after its last."""
     source = straight / "checkpoints" / f"step_{STEPS:08d}"
     out = setdiff(*train_args(tmp_path / "run", data_cache, f"model.init_from={source}", "train.steps=1"), check=False)
