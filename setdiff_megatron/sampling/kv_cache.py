@@ -66,7 +66,8 @@ class KVCache:
     _layout: StepLayout | None = field(default=None, repr=False)
     """The step in flight (set by `plan`, or by layer 0 from the model's arguments)."""
     _mask: torch.Tensor | None = field(default=None, repr=False)
-    """The step's dense attention mask (None on the kernel path), built by layer 0."""
+    """The step's dense attention mask (None on the kernel path), built by layer 0: boolean inside a
+    compiled step, SDPA's additive form (0 / -inf) in an eager one."""
     _commits: list = field(default_factory=list, repr=False)
     """Each layer's commit K/V [B, G, K, D] of the step in flight, written by `advance`."""
     _views: tuple = field(default=(), repr=False)
