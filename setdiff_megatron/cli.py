@@ -289,14 +289,7 @@ def _add_recipe_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = ArgumentParser(
-        prog="setdiff",
-        description="Train, sample and evaluate set diffusion language models.",
-    )
-    parser.add_argument("--version", action="version", version=f"setdiff-megatron {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-
+def _add_train_parser(sub) -> None:
     train = sub.add_parser(
         "train",
         help="train a model from a recipe",
@@ -307,6 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_recipe_args(train)
     train.set_defaults(func=_train)
 
+
+def _add_recipe_parser(sub) -> None:
     recipe = sub.add_parser(
         "recipe",
         help="print or check a recipe",
@@ -329,9 +324,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     validate.set_defaults(func=_recipe_validate)
 
+
+def _add_preprocess_parser(sub) -> None:
     # Listed for --help; `main` hands its arguments to the preprocessing tool's own parser.
     sub.add_parser("preprocess", add_help=False, help="tokenize corpora into megatron indexed datasets (.bin/.idx)")
 
+
+def _add_launch_parser(sub) -> None:
     launch = sub.add_parser(
         "launch",
         help="start the processes of a recipe's launch section (torchrun, SLURM)",
@@ -353,18 +352,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     launch.set_defaults(func=_launch)
 
-    _add_sample_parser(sub)
+
+def _add_eval_parser(sub) -> None:
     from setdiff_megatron.evaluation.eval_cli import add_eval_parser
 
     add_eval_parser(sub)
-    from setdiff_megatron.serving.serve_cli import add_parser as add_serve_parser
 
-    add_serve_parser(sub)
-    from setdiff_megatron.planning.plan_cli import add_parser as add_plan_parser
 
-    add_plan_parser(sub, _add_recipe_args)
-    _add_convert_parser(sub)
+def _add_serve_parser(sub) -> None:
+    from setdiff_megatron.serving.serve_cli import add_parser
 
+    add_parser(sub)
+
+
+def _add_plan_parser(sub) -> None:
+    from setdiff_megatron.planning.plan_cli import add_parser
+
+    add_parser(sub, _add_recipe_args)
+
+
+def _add_checkpoint_parser(sub) -> None:
     checkpoint = sub.add_parser("checkpoint", help="look at a run's checkpoints")
     checkpoint_sub = checkpoint.add_subparsers(dest="checkpoint_command", metavar="ACTION", required=True)
     inspect = checkpoint_sub.add_parser(
@@ -373,6 +380,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     inspect.add_argument("run_dir", help="a run's checkpoint.dir (or its checkpoints/ folder)")
     inspect.set_defaults(func=_checkpoint_inspect)
+
+
+SUBCOMMANDS = {
+    "train": _add_train_parser,
+    "recipe": _add_recipe_parser,
+    "preprocess": _add_preprocess_parser,
+    "launch": _add_launch_parser,
+    "sample": _add_sample_parser,
+    "eval": _add_eval_parser,
+    "serve": _add_serve_parser,
+    "plan": _add_plan_parser,
+    "convert": _add_convert_parser,
+    "checkpoint": _add_checkpoint_parser,
+}
+"""Each subcommand's parser, in the order --help lists them."""
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole `setdiff` parser, or, given a subcommand's name, a parser of that subcommand
+    alone: its options import what they name (the sampler's settings, the evaluation jobs), and
+    `setdiff train` and each of its ranks need none of that (about 2 s a process on a CPU)."""
+    parser = ArgumentParser(
+        prog="setdiff",
+        description="Train, sample and evaluate set diffusion language models.",
+    )
+    parser.add_argument("--version", action="version", version=f"setdiff-megatron {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, add in SUBCOMMANDS.items():
+        if command not in SUBCOMMANDS or command == name:
+            add(sub)
     return parser
 
 
@@ -382,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
         from setdiff_megatron.data.preprocess_cli import preprocess_main
 
         return preprocess_main(argv[1:])
-    parser = build_parser()
+    parser = build_parser(argv[0] if argv else None)
     # Overrides may follow options (`launch R --dry-run train.lr=1e-3`): argparse leaves them unknown.
     args, extra = parser.parse_known_args(argv)
     if extra:

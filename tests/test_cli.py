@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from setdiff_megatron import __version__
+from setdiff_megatron.cli import SUBCOMMANDS
 from setdiff_megatron.distributed.runtime import init_process_group
 from setdiff_megatron.errors import ERROR_DIR_ENV, UserError, handed_over, report
 from setdiff_megatron.launch.local_launch import run_workers
@@ -21,7 +22,21 @@ def test_version_and_help():
     out = setdiff("--version")
     assert out.returncode == 0 and __version__ in out.stdout
     out = setdiff("--help")
-    assert out.returncode == 0 and "train" in out.stdout
+    assert out.returncode == 0 and all(name in out.stdout for name in SUBCOMMANDS)
+
+
+def test_a_subcommand_builds_its_own_options_alone():
+    """`setdiff train` (and each rank it starts) parses with the train options alone: none of the
+    sampler's, the evaluation jobs' or dynamo's modules are imported for the others' options."""
+    code = (
+        "import sys; from setdiff_megatron.cli import build_parser; "
+        "args = build_parser('train').parse_args(['train', 'r.yaml', 'a=1']); "
+        "assert (args.recipe, args.overrides) == ('r.yaml', ['a=1']); "
+        "print(sorted(m for m in sys.modules if m.startswith(('torch', 'setdiff_megatron.sampling', "
+        "'setdiff_megatron.evaluation', 'setdiff_megatron.inference'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
 
 
 @pytest.mark.multiproc

@@ -243,7 +243,7 @@ class KVCache:
             self._views = (self.keys, self.values, [self.keys[i] for i in layers], [self.values[i] for i in layers])
         return self._views[2][layer], self._views[3][layer]
 
-    @torch.compiler.disable
+    @torch._disable_dynamo  # torch.compiler.disable, importing dynamo on the first call, not on ours (2 s)
     def advance(self) -> None:
         """Write the step's commits after each row's entries and make them visible.
 

@@ -69,8 +69,10 @@ def test_training_rows_as_the_reference_computes_them(release):
         logits = sm.model(two.clean_tokens, two.query_tokens, two.position_ids, two.valid_len, groups=two.groups)
     log_p = torch.where(two.loss_mask, -token_nll(logits, two.targets, sm.tokenizer.mask_id), 0.0)
     expected = torch.where(two.loss_mask, torch.tensor(losses["train"]["log_p"]), 0.0)
-    # float32 rounding, the reference's and ours: 1e-5 near 8, 2.3e-5 near 21 (the DiT's largest)
-    torch.testing.assert_close(log_p, expected, rtol=2e-6, atol=1e-5)
+    # float32 rounding, the reference's and ours (our rotary adds x * cos and its half-turn roll
+    # times a signed sin, the reference rotates halves): 1e-5 near 8, 2.3e-5 near 21 (the DiT's
+    # largest), 2e-5 near 3.7 seen on one machine
+    torch.testing.assert_close(log_p, expected, rtol=2e-6, atol=3e-5)
     rows = -log_p.sum(1) / two.loss_mask.sum(1).clamp(min=1)
     torch.testing.assert_close(rows, torch.tensor(losses["train"]["row_loss"]), rtol=2e-6, atol=1e-5)
     assert rows.mean().item() == pytest.approx(losses["train"]["loss"], rel=2e-6, abs=1e-5)
