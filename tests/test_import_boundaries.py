@@ -32,7 +32,7 @@ LAYERS = {
 }
 """Lowest first. Siblings on one layer do not import each other; the `setdiff` command (cli.py)
 sits on top of its launchers."""
-SHARED = {"errors", "version", "progress", "log"}
+SHARED = {"errors", "version", "progress", "log", "machine_cache"}
 """Top-level helpers every layer may use (they import nothing of the package but one another)."""
 FRAMEWORKS = {
     "megatron": {

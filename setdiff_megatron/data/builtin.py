@@ -6,13 +6,24 @@ reasoning-chains}]` on its + and - solutions without the expression line, the st
 corpus (chains.py). Each is prepared on first use under the run's data cache in one layout:
 `tokenizer/`, and the indexed datasets `train` and `valid`. The reasoning corpus also holds its problems as supervised records
 (`format: supervised`): `train-supervised` and `valid-supervised`.
+
+A corpus this machine has built before, with this package's data code on this Python, is copied
+from the machine's cache (`corpora/` under $SETDIFF_CACHE_DIR, default ~/.cache/setdiff_megatron)
+instead of being built again: 20 s for the reasoning corpus on a CPU core, a copy of 70 MB.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import os
+import shutil
+import sys
 from pathlib import Path
 
 from setdiff_megatron.data.preprocess import TOKENIZER_SUBDIR
+from setdiff_megatron.machine_cache import machine_cache_dir
+from setdiff_megatron.version import __version__
 
 __all__ = ["builtin_corpus_dir", "prepare_builtin_corpus", "corpus_paths"]
 
@@ -23,7 +34,43 @@ def builtin_corpus_dir(name: str, cache: Path, vocab_size: int) -> Path:
 
 
 def prepare_builtin_corpus(name: str, directory: Path, vocab_size: int, *, progress: bool = True) -> None:
-    """Build corpus `name` (recipes.schema.BUILTIN_CORPORA) in `directory`; cheap when it is there."""
+    """Build corpus `name` (recipes.schema.BUILTIN_CORPORA) in `directory`; cheap when it is there.
+
+    A new `directory` starts as a copy of the machine's cached build, which the builder then
+    checks as it checks its own (records, hashes); a build that was not cached is left there."""
+    cached = machine_cache_dir() / "corpora" / f"{directory.name}-{_code_key()}"
+    if not directory.exists() and cached.is_dir():
+        try:
+            shutil.copytree(cached, directory)
+        except OSError:  # a full disk, say: what was copied is ours to remove, then build here
+            shutil.rmtree(directory, ignore_errors=True)
+    _build(name, directory, vocab_size, progress=progress)
+    if not cached.exists():
+        _leave_in_cache(directory, cached)
+
+
+@functools.cache
+def _code_key() -> str:
+    """What a cached corpus must have been built by: this package's data code on this Python."""
+    digest = hashlib.sha256(f"{__version__} {sys.version}".encode())
+    for source in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(source.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _leave_in_cache(directory: Path, cached: Path) -> None:
+    """Copy the built corpus into the cache under a name of its own, then rename it into place:
+    a reader sees a whole copy or none, and two runs that race both finish. The cache is a
+    convenience: when it cannot be written, the run goes on without it."""
+    partial = cached.with_name(f"{cached.name}.{os.getpid()}.partial")
+    try:
+        shutil.copytree(directory, partial)
+        partial.rename(cached)
+    except OSError:
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+def _build(name: str, directory: Path, vocab_size: int, *, progress: bool) -> None:
     if name == "stdlib":
         from setdiff_megatron.data.corpus import prepare_default_corpus
 

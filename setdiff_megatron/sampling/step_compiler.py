@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from setdiff_megatron.machine_cache import machine_cache_dir
+
 __all__ = ["COMPILE_MODES", "StepCompiler"]
 
 COMPILE_MODES = ("off", "auto", "on")
@@ -142,8 +144,7 @@ class StepCompiler:
 
 
 def _costs_file() -> Path:
-    root = os.environ.get("SETDIFF_CACHE_DIR") or Path.home() / ".cache" / "setdiff_megatron"
-    return Path(root) / "compile_seconds.json"
+    return machine_cache_dir() / "compile_seconds.json"
 
 
 def _device_kind(device: torch.device) -> str:
