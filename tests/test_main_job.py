@@ -158,11 +158,20 @@ print(json.dumps({{"text": tok.decode(row.completion, skip_special_tokens=True),
     assert (result["text"], round(result["tokens_per_step"], 4)) == _expected(shown)
 
 
+RL_TEMPERATURE = 1.5
+"""The rollouts' temperature in these tests. The main job's model is sure of many training
+problems: at the recipe's 1.0, each of a step's four groups can agree within itself (all right or
+all wrong: zero advantages, a zero gradient; seen on one machine's main job, 0.75 with groups of 4
+and of 8). At 1.5 its groups disagree (the same model: 0.69 and 0.50 accuracy, gradient norms 0.05
+and 0.14), so the updates these tests compare are not rounding noise."""
+
+
 def _rl(run: Path, out: Path, steps: int, *extra: str) -> list[dict]:
     setdiff("train", "recipes/rl-reasoning.yaml", f"model.init_from={run}", f"checkpoint.dir={out}",
              f"train.steps={steps}", "checkpoint.interval=1", "eval.interval=100", "eval.showcase_problems=0",
              "log.interval=1", "launch.nproc_per_node=1", "rl.prompts_per_step=4", "parallel.global_batch_size=16",
-             "parallel.micro_batch_size=8", f"data.cache_dir={out.parent / 'data'}", *extra)  # fmt: skip
+             "parallel.micro_batch_size=8", f"rl.temperature={RL_TEMPERATURE}", f"data.cache_dir={out.parent / 'data'}",
+             *extra)  # fmt: skip
     rows = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if "rl/reward" in r]
 
@@ -185,6 +194,7 @@ def test_rl_from_the_main_job_logs_its_rollouts_and_resumes_exactly(main_job, rl
     for r in whole:
         assert 0 <= r["rl/accuracy"] <= 1 and r["rl/tokens_per_step"] >= 1 and r["rl/kl"] >= 0
     assert whole[0]["rl/accuracy"] > 0.2  # the main job's model solves some training problems
+    assert all(r["train/grad_norm"] > 1e-3 for r in whole), whole  # groups that disagree (RL_TEMPERATURE)
     assert whole[0]["rl/clip_fraction"] == 0 and whole[2]["rl/clip_fraction"] == 0  # fresh rollouts
     _rl(run, tmp_path / "parts", 2, "rl.epochs=2")
     resumed = _rl(run, tmp_path / "parts", 3, "rl.epochs=2")
