@@ -111,6 +111,8 @@ write_conf() {
   fi
   install -d -m 0755 /etc/slurm "$STATE/ctld" "$STATE/d" "$STATE/log"
   if [ "$multi" -gt 0 ]; then ctld=$SUBNET.1; fi # reachable from the namespaces too
+  # SlurmdTimeout=30: a lost node is marked down within about 40 s (the node-loss test waits for
+  # it); slurmd answers slurmctld's pings (every 10 s) at once on a loaded machine too.
   cat > "$CONF.tmp" <<EOF
 $MARK
 ClusterName=setdiff-local
@@ -136,7 +138,7 @@ KillWait=15
 InactiveLimit=0
 Waittime=0
 SlurmctldTimeout=30
-SlurmdTimeout=60
+SlurmdTimeout=30
 StateSaveLocation=$STATE/ctld
 SlurmdSpoolDir=$STATE/d/%n
 SlurmctldPidFile=$STATE/ctld/slurmctld.pid

@@ -194,7 +194,7 @@ def test_two_nodes_train_as_one_and_their_checkpoint_resumes_on_one_node(shared,
 def test_a_node_lost_mid_run_requeues_and_resumes_to_the_same_losses(shared, reference, tmp_path):
     """The two-node job of the test above, with torchrun allowed a restart: at step 12 every process
     of sdnode2 is SIGKILLed, its slurmd included (a node gone). The first node's torchrun waits to
-    re-rendezvous; slurmctld marks the node down (SlurmdTimeout, up to about 90 s), fails the job
+    re-rendezvous; slurmctld marks the node down (SlurmdTimeout, up to about 45 s), fails the job
     over to a requeue (#SBATCH --requeue); the node comes back (its slurmd restarted, as after a
     reboot) and the requeued job resumes from step 10 to the reference's losses."""
     require_two_nodes()
