@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import queue
 import time
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -71,6 +72,7 @@ class MegatronEngine(Engine):
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.sync_seconds = 0.0
         self._async_saves = None  # megatron's AsyncCallsQueue, made by the first background save
+        self._background_results = None  # the background saves' write-results queue (`_results_queue`)
 
     # ---- building --------------------------------------------------------------------------
 
@@ -329,7 +331,7 @@ class MegatronEngine(Engine):
         return state | average_shards(state, wholes)
 
     def save(self, directory: Path) -> None:
-        _start_results_queue()
+        self._results_queue(background=False)
         save_shards(self._sharded_state(self.optimizer, ema=self.ema_state() is not None), directory)
         self._save_rng(directory)
 
@@ -342,7 +344,7 @@ class MegatronEngine(Engine):
         kill a writer half-way."""
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
-        _start_results_queue()
+        self._results_queue(background=True)
         with blocked():
             state = self._sharded_state(self.optimizer, ema=self.ema_state() is not None)
             request = save_shards(state, directory, background=True)
@@ -351,6 +353,25 @@ class MegatronEngine(Engine):
             if self._async_saves is None:
                 self._async_saves = AsyncCallsQueue()
             self._async_saves.schedule_async_request(request)
+
+    def _results_queue(self, *, background: bool) -> None:
+        """Give dist_checkpointing the write-results queue of the next save (its writer takes it
+        when made). A synchronous save writes and collects its results in this process: a queue of
+        this process. Megatron-core's own would be a manager in a fresh interpreter, which imports
+        torch to read the first results (2.5 s of CPU a rank, each run). A background save's
+        writer is another process: the queue is a manager we start, once, since megatron-core's
+        (a spawned interpreter) unblocks SIGTERM, so its default action would kill it under a
+        preemption and lose the save in flight, and nothing ends it when the rank dies without
+        running its exit handlers. Ours ignores the preemption signals and exits with the rank
+        (distributed/child_processes.py)."""
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+        if not background:
+            filesystem_async._results_queue = queue.Queue()
+            return
+        if self._background_results is None:
+            self._background_results = start_manager(ignore=PREEMPTION_SIGNALS).Queue()
+        filesystem_async._results_queue = self._background_results
 
     def finish_saves(self, *, blocking: bool) -> bool:
         if self._async_saves is None:
@@ -516,15 +537,3 @@ def _load_optimizer(optimizer, loaded: dict) -> None:
             st.pop("step", None)
         opt.load_parameter_state_from_fully_reshardable(param_state)
     _restore_adam_steps(optimizer)
-
-
-def _start_results_queue() -> None:
-    """Start dist_checkpointing's write-results queue ourselves, once, for synchronous and
-    background saves alike: megatron-core starts its manager as a fresh (spawned) interpreter,
-    which unblocks SIGTERM, so its default action would kill it under a preemption and lose the
-    save in flight; and nothing ends it when the rank dies without running its exit handlers. Ours
-    ignores the preemption signals and exits with the rank (distributed/child_processes.py)."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if filesystem_async._results_queue is None:
-        filesystem_async._results_queue = start_manager(ignore=PREEMPTION_SIGNALS).Queue()
