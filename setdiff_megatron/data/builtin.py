@@ -40,13 +40,10 @@ def prepare_builtin_corpus(name: str, directory: Path, vocab_size: int, *, progr
     checks as it checks its own (records, hashes); a build that was not cached is left there."""
     cached = machine_cache_dir() / "corpora" / f"{directory.name}-{_code_key()}"
     if not directory.exists() and cached.is_dir():
-        try:
-            shutil.copytree(cached, directory)
-        except OSError:  # a full disk, say: what was copied is ours to remove, then build here
-            shutil.rmtree(directory, ignore_errors=True)
+        _copy_whole(cached, directory)  # or, where it cannot, the builder builds here
     _build(name, directory, vocab_size, progress=progress)
     if not cached.exists():
-        _leave_in_cache(directory, cached)
+        _copy_whole(directory, cached)  # the cache is a convenience: a run goes on without it
 
 
 @functools.cache
@@ -58,14 +55,15 @@ def _code_key() -> str:
     return digest.hexdigest()[:16]
 
 
-def _leave_in_cache(directory: Path, cached: Path) -> None:
-    """Copy the built corpus into the cache under a name of its own, then rename it into place:
-    a reader sees a whole copy or none, and two runs that race both finish. The cache is a
-    convenience: when it cannot be written, the run goes on without it."""
-    partial = cached.with_name(f"{cached.name}.{os.getpid()}.partial")
+def _copy_whole(source: Path, target: Path) -> None:
+    """Copy `source` to `target` under a name of its own, then rename it into place, both ways
+    (cache to run, run to cache): a reader sees a whole copy or none, so a copy cut short (a full
+    disk, a kill) never passes for a corpus whose record was copied but whose documents were not,
+    and two runs that race both finish. Where it cannot copy, it leaves nothing behind."""
+    partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
     try:
-        shutil.copytree(directory, partial)
-        partial.rename(cached)
+        shutil.copytree(source, partial)
+        partial.rename(target)
     except OSError:
         shutil.rmtree(partial, ignore_errors=True)
 
