@@ -163,9 +163,9 @@ def synced(step: Callable[[], None]) -> Callable[[], None]:
 def _worker(out: Path, ep: int, count: int) -> None:
     """One rank: dense and MoE at EP=1 in a world of one, MoE alone at EP=2 in a world of two."""
     torch.set_num_threads(1)
-    from setdiff_megatron.distributed.megatron_cpu import quiet_known_warnings
+    from setdiff_megatron.distributed.megatron_cpu import prepare_megatron_import
 
-    quiet_known_warnings()  # before megatron's imports, which warn
+    prepare_megatron_import()  # before megatron's imports, which warn
     from benchmarks.megatron_step import megatron_step
     from setdiff_megatron.distributed.runtime import rank, shutdown, world_size
 

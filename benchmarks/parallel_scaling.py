@@ -93,9 +93,9 @@ def _rank(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world)
     )
     torch.set_num_threads(1)
-    from setdiff_megatron.distributed.megatron_cpu import quiet_known_warnings
+    from setdiff_megatron.distributed.megatron_cpu import prepare_megatron_import
 
-    quiet_known_warnings()  # before megatron's imports, which warn (a spawned process starts unfiltered)
+    prepare_megatron_import()  # before megatron's imports, which warn (a spawned process starts unfiltered)
     import torch.distributed as dist
 
     from benchmarks.megatron_step import megatron_step

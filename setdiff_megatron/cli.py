@@ -23,9 +23,6 @@ from setdiff_megatron.version import __version__
 def _train(args: argparse.Namespace) -> int:
     import os
 
-    from setdiff_megatron.distributed.megatron_cpu import quiet_known_warnings
-
-    quiet_known_warnings()  # before anything imports megatron-core, which warns as it is imported
     from setdiff_megatron.recipes import check_engine_installed, load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
@@ -33,6 +30,9 @@ def _train(args: argparse.Namespace) -> int:
     if "RANK" not in os.environ and recipe.launch.world_size > 1:
         # Not started by a launcher: start this recipe's processes, each running this command.
         return _launch(args)
+    from setdiff_megatron.distributed.megatron_cpu import prepare_megatron_import
+
+    prepare_megatron_import()  # before anything imports megatron-core
     if "RANK" not in os.environ:
         _say_plan(recipe)
     from setdiff_megatron.distributed.signals import Preempted

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.metadata
+import sys
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -259,6 +260,7 @@ def enable_cpu_mode() -> None:
         return
     if torch.cuda.is_available():
         raise RuntimeError("CPU mode is for machines without a GPU; this one has CUDA devices")
+    _import_uncompiled()
     for problem in compatibility_problems():
         warnings.warn(problem, stacklevel=2)
     from megatron.core.tensor_parallel import random as mp_random
@@ -289,10 +291,12 @@ def cpu_mode_enabled() -> bool:
     return _STATE["mode"] is not None
 
 
-def quiet_known_warnings() -> None:
-    """megatron-core warns at import about optional GPU libraries (TE, Apex) a CPU run never has,
-    and torch about deprecated collectives, ShardedTensor and non-leaf .grad reads inside
-    megatron; none of them is something a user of this project can act on."""
+def prepare_megatron_import() -> None:
+    """Call before anything imports megatron-core. Its import warns about optional GPU libraries
+    (TE, Apex) a CPU run never has, and torch about deprecated collectives, ShardedTensor and
+    non-leaf .grad reads inside megatron: none of them is something a user of this project can act
+    on, so they are filtered. Without a GPU, megatron-core is imported here with its fusions
+    uncompiled (`_import_uncompiled`)."""
     for pattern in (
         r".*Transformer Engine and Apex are not installed.*",
         r".*Apex is not installed.*",
@@ -304,6 +308,31 @@ def quiet_known_warnings() -> None:
         r".*deprecating ShardedTensor.*",
     ):
         warnings.filterwarnings("ignore", message=pattern)
+    if not torch.cuda.is_available():
+        _import_uncompiled()
+
+
+def _uncompiled(model: Any = None, **_: Any) -> Any:
+    return model if model is not None else (lambda fn: fn)
+
+
+def _import_uncompiled() -> None:
+    """megatron-core wraps its small fusions (bias-GeLU, SwiGLU, the router's and norms' helpers)
+    in torch.compile as it is imported (megatron.core.jit), for GPU kernels. On a CPU that costs a
+    process about 4 s at import (dynamo and inductor load) and an inductor compile at each fusion's
+    first call, so it is imported with torch.compile standing in as the identity (megatron.core.jit
+    is megatron-core's only caller of it) and its modules imported later get its own no-op fuser.
+    A megatron-core imported before this keeps its compiled fusions."""
+    if "megatron.core" not in sys.modules:
+        compile_ = torch.compile
+        torch.compile = _uncompiled
+        try:
+            importlib.import_module("megatron.core")
+        finally:
+            torch.compile = compile_
+    from megatron.core import jit
+
+    jit.disable_jit_fuser()
 
 
 def dist_backend() -> str:

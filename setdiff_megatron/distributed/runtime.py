@@ -89,9 +89,9 @@ def init_process_group(*, timeout_minutes: int = 30) -> None:
 def init_model_parallel(layout: Layout, seed: int) -> None:
     """megatron-core's groups for `layout`, and its RNG streams seeded per TP rank. Without a GPU
     the CPU compatibility layer goes on first: megatron-core then runs over gloo."""
-    from setdiff_megatron.distributed.megatron_cpu import auto_cpu_mode, model_parallel_seed, quiet_known_warnings
+    from setdiff_megatron.distributed.megatron_cpu import auto_cpu_mode, model_parallel_seed, prepare_megatron_import
 
-    quiet_known_warnings()
+    prepare_megatron_import()
     auto_cpu_mode()
     init_process_group()
     if layout.world_size != world_size():

@@ -26,11 +26,11 @@ def fake_rank(world_size: int, rank: int) -> Iterator[None]:
     from megatron.core import parallel_state
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from setdiff_megatron.distributed.megatron_cpu import auto_cpu_mode, quiet_known_warnings
+    from setdiff_megatron.distributed.megatron_cpu import auto_cpu_mode, prepare_megatron_import
 
     if dist.is_initialized():
         raise RuntimeError("a plan is made in a process that has not joined a process group")
-    quiet_known_warnings()
+    prepare_megatron_import()
     auto_cpu_mode()
     create_group = parallel_state.create_group
 

@@ -54,11 +54,11 @@ def launch_plan(recipe: Recipe, *, has_gpu: bool | None = None, gpu: Device | No
 
 
 def _summary_or_refusal(recipe: Recipe, has_gpu: bool, gpu: Device) -> str:
-    from setdiff_megatron.distributed.megatron_cpu import quiet_known_warnings
+    from setdiff_megatron.distributed.megatron_cpu import prepare_megatron_import
     from setdiff_megatron.planning.plan import GIB, make_plan, nearest_fitting, search_layouts
     from setdiff_megatron.planning.plan_cli import plan_model_config
 
-    quiet_known_warnings()
+    prepare_megatron_import()
     cfg = plan_model_config(recipe, None)
     gpus, per_node = recipe.launch.world_size, recipe.launch.nproc_per_node
     plan = make_plan(recipe, cfg, gpus, gpu, gpus_per_node=per_node)

@@ -50,11 +50,11 @@ def plan_model_config(recipe: Recipe, vocab_size: int | None) -> ModelConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    from setdiff_megatron.distributed.megatron_cpu import quiet_known_warnings
+    from setdiff_megatron.distributed.megatron_cpu import prepare_megatron_import
     from setdiff_megatron.planning.plan import make_plan, plan_recipe, search_layouts
     from setdiff_megatron.recipes.recipe_files import load_recipe
 
-    quiet_known_warnings()
+    prepare_megatron_import()
     gpu = device(args.gpu, memory_gib=args.gpu_memory, tflops=args.gpu_tflops)
     if not 0 <= args.margin < 1:
         raise UserError(f"--margin must lie in [0, 1); got {args.margin}")

@@ -66,9 +66,9 @@ def row(name: str) -> str:
 
 
 def main(names: list[str]) -> int:
-    from setdiff_megatron.distributed.megatron_cpu import quiet_known_warnings
+    from setdiff_megatron.distributed.megatron_cpu import prepare_megatron_import
 
-    quiet_known_warnings()
+    prepare_megatron_import()
     print(HEADER)
     for name in names or list(ROWS):
         print(row(name), flush=True)
