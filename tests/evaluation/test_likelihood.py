@@ -135,6 +135,7 @@ def test_trained_model_left_to_right_equals_direct_ar_nll(trained_run, data, tmp
     )
 
 
+@pytest.mark.slow  # 15 s; the generate and sample jobs split over two processes in the default suite
 @pytest.mark.multiproc
 def test_two_processes_give_the_one_process_estimate(trained_run, data, tmp_path):
     one = likelihood(trained_run, data, tmp_path / "one", "--num-orders", "3")

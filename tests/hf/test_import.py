@@ -137,7 +137,7 @@ def test_refusals_are_one_line_user_errors(ar_dirs, tmp_path):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["qwen3", pytest.param("qwen3_moe", marks=pytest.mark.slow)])  # MoE: 13 s
 def test_convert_from_hf_writes_a_megatron_checkpoint(ar_dirs, kind, tmp_path, capsys):
     """`setdiff convert from-hf` (the whole model written by its one process) of a dense model and
     of a mixture of experts: the published layout, weights only, read back exactly, the megatron

@@ -50,6 +50,7 @@ def snapshot(directory: Path) -> dict[str, tuple[int, int, str]]:
     }
 
 
+@pytest.mark.slow  # 33 s; the save timeout and the restart exit have unit tests (test_fault_tolerance_units.py)
 def test_a_hung_save_is_named_and_restarts_from_the_newest_complete_checkpoint(data_cache, tmp_path):
     """One process under torchrun with a restart (what `setdiff launch --dry-run` prints): the save
     of step 4 hangs, the watchdog names it after the save timeout and exits 76, and the restarted
@@ -81,6 +82,7 @@ def test_a_hung_save_is_named_and_restarts_from_the_newest_complete_checkpoint(d
     assert steps == [1, 2, 3, 4, 3, 4, 5, 6] and replayed[:2] == replayed[2:]
 
 
+@pytest.mark.slow  # 33 s; a rank killed in a save restarts in job in the slow test below too
 def test_a_killed_rank_restarts_in_job_and_ends_like_the_uninterrupted_run(data_cache, tmp_path):
     """One process under torchrun with a restart: SIGKILLed at the start of step 3, it is restarted
     by torchrun (launch.max_restarts = 1), resumes from step 2's checkpoint, and replays step 3

@@ -63,6 +63,7 @@ def test_megatron_trains_and_saves_the_adapters_alone(megatron_run):
     assert saved < 0.2 * full, (saved, full)
 
 
+@pytest.mark.slow  # 15 s; resuming a run exactly is in the default suite (engines/test_megatron.py)
 def test_a_resumed_lora_run_reads_its_base_again_and_continues_exactly(megatron_run, tmp_path, data_cache):
     """Were a base weight trained, the uninterrupted run would differ from one resumed on the
     base read again from model.init_from."""

@@ -73,6 +73,7 @@ def validation_loss(run_dir: Path, weights: dict[str, torch.Tensor]) -> float:
     return total / rows
 
 
+@pytest.mark.slow  # 38 s; the average's and DecoupledAdamW's rules have unit tests (test_training_semantics.py)
 @pytest.mark.multiproc
 @pytest.mark.filterwarnings("ignore")
 def test_the_ema_follows_composer_is_evaluated_exported_and_resumed_bitwise(tmp_path, data_cache):

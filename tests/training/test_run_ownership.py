@@ -26,6 +26,7 @@ def _wait_for_checkpoints(run: Path, count: int, launcher: subprocess.Popen, log
         time.sleep(0.5)
 
 
+@pytest.mark.slow  # 45 s; the lock, the refusal and the launcher's death have their own tests (tests/distributed/test_ownership.py, test_launcher_death.py)
 def test_a_second_run_is_refused_and_a_killed_launcher_takes_its_ranks_with_it(data_cache, tmp_path):
     run = tmp_path / "run"
     long_run = (

@@ -195,6 +195,7 @@ def test_moe_losses_match_the_megatron_engine_at_ep2(tmp_path, data_cache):
     assert len(got) == STEPS and max(abs(a - b) for a, b in zip(got, expected)) <= 1e-5, (got, expected)
 
 
+@pytest.mark.slow  # 35 s; the rules have unit tests (tests/training/test_training_semantics.py); the engines' losses match above
 @pytest.mark.multiproc
 def test_the_references_semantics_mean_the_same_in_both_engines(both_engines_with_the_references_semantics):
     """Per-row loss, DecoupledAdamW and the EMA (validation at the last step runs on it) under
