@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import shlex
+import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -138,6 +139,75 @@ def _merged(results_dir: Path, args: argparse.Namespace, models: dict, record: d
     return results
 
 
+RUN_FILES = "runs"
+"""--per-run: each run's figures, RESULTS/runs/<run key>.json."""
+
+
+def _commit() -> str:
+    """The checkout's commit, with "+changes" when its tracked files differ from it."""
+    git = ["git", "-C", str(plan.RECIPES.parents[1])]
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
+    dirty = subprocess.run([*git, "diff", "--quiet", "HEAD"]).returncode != 0
+    return head + ("+changes" if dirty else "")
+
+
+def _write_run_file(results_dir: Path, model: plan.Model, entry: dict, invocation: str) -> None:
+    """One run's figures as it finishes: its model's entry (training, validation curve, every decoding
+    point with each problem's score), the group it belongs to, the code's commit and the invocation
+    that decoded it (its load average at the end: the speeds' conditions)."""
+    record = entry | {
+        "group": model.group,
+        "commit": _commit(),
+        "invocation": invocation,
+        "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "load_average_at_end": os.getloadavg()[0],
+        "machine": machine_info(),
+    }
+    path = results_dir / RUN_FILES / f"{model.key}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+    tmp.replace(path)
+    print(f"study: {model.key}'s figures in {path}", flush=True)
+
+
+def _models_from_run_files(results_dir: Path, *, seeded: bool) -> dict[str, dict]:
+    """Every run file under RESULTS/runs as the setting's model entries: a group's runs over their
+    seeds (report.over_seeds, whatever invocations and commits decoded them: each run names
+    its own), or its one run."""
+    groups: dict[str, dict] = {}
+    for path in sorted((results_dir / RUN_FILES).glob("*.json")):
+        entry = json.loads(path.read_text(encoding="utf-8"))
+        groups.setdefault(entry["group"], {})[entry["seed"] if seeded else None] = entry
+    return {
+        group: report.over_seeds(dict(sorted(runs.items()))) if seeded else runs[None] for group, runs in groups.items()
+    }
+
+
+def _with_run_files(results_dir: Path, args: argparse.Namespace, models: dict, record: dict, facts: dict) -> dict:
+    """--per-run: the setting's results.json with the run files' entries put in (an earlier whole
+    invocation's other models kept as measured), this invocation recorded under "per_run"; a new one
+    takes this invocation's facts of the task."""
+    path = results_dir / "results.json"
+    if path.is_file():
+        results = json.loads(path.read_text(encoding="utf-8"))
+        if results["setting"] != args.setting:
+            raise SystemExit(f"study: --per-run: {path} holds the {results['setting']} setting; name --results")
+    else:
+        results = {"mode": "full", "setting": args.setting, **record, "machine": machine_info(), **facts}
+        results["code_models"] = {}
+    seeds = results.setdefault(
+        "seeds", {"corpus": 0, "training": args.seeds or "recipe train.seed (1234)", "decoding": "greedy"}
+    )
+    if isinstance(seeds["training"], list) and args.seeds:  # the seeds any run of the setting trained
+        seeds["training"] = sorted(set(seeds["training"]) | set(args.seeds))
+    results["models"] = results.get("models", {}) | models
+    if args.setting == "budget":
+        results["budgets"] = sorted(set(results.get("budgets", [])) | set(args.budgets or plan.BUDGETS))
+    results.setdefault("per_run", []).append({"models": list(models), **record})
+    return results
+
+
 def _ignored(args: argparse.Namespace) -> list[str]:
     """Flags that train or evaluate, given to a mode that does neither."""
     return [
@@ -213,6 +283,14 @@ def _parser() -> argparse.ArgumentParser:
         "sessions, then decode every model in one invocation, so that its speeds are measured together",
     )
     parser.add_argument(
+        "--per-run",
+        action="store_true",
+        help="train and decode one run (a model at one seed) at a time, writing its figures to "
+        "RESULTS/runs/<run>.json as it finishes, with the code's commit; then the setting's results.json "
+        "from every run file there: a setting too long for one sitting is finished in pieces, each "
+        "run's file committed as it comes",
+    )
+    parser.add_argument(
         "--merge",
         action="store_true",
         help="with --models: put those models' entries into the results.json already in --results, "
@@ -247,6 +325,13 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("--budgets belongs to --setting budget")
     if args.merge and (not args.models or args.train_only or args.report_only or args.claims):
         parser.error("--merge needs --models (the entries it replaces) and trains and evaluates them")
+    if args.per_run and args.setting == "packed":
+        parser.error("--per-run: the packed setting's code models are trained and scored with the whole setting")
+    if args.per_run and (args.merge or args.train_only or args.report_only or args.claims or args.quick):
+        parser.error(
+            "--per-run trains and decodes each run and writes the setting's results from the run files; "
+            "drop --merge, --train-only, --report-only, --claims and --quick"
+        )
     if args.claims:
         return _claims(parser, args)
     quick = "study-quick" if args.quick else "study"
@@ -266,7 +351,7 @@ def main(argv: list[str] | None = None) -> dict:
         reasoning = [m for m in reasoning if m.name in wanted]
     seeded = [[replace(m, seed=s) for s in args.seeds] if args.seeds else [m] for m in reasoning]
 
-    for m in [*(r for runs in seeded for r in runs), *code]:
+    for m in [] if args.per_run else [*(r for runs in seeded for r in runs), *code]:
         run.train(out, m, args.steps)
     if args.train_only:
         print(
@@ -292,7 +377,12 @@ def main(argv: list[str] | None = None) -> dict:
             if args.setting == "packed":  # whole-document models: likelihood and infilling
                 entry |= run.likelihood(out, m, docs)
                 entry["infill_jsonl"] = run.infill(out, m, "jsonl", corpus.infill_tasks, None)
-            return entry | {"points": _points(run.sweep(out, m, tasks, args.quick))}
+            rows = run.sweep(out, m, tasks, args.quick)
+            points = _points(rows)
+            if args.per_run:  # a run file keeps every problem's score, for paired comparisons later
+                for point, row in zip(points, rows):
+                    point["per_problem"] = report.per_problem(Path(row["dir"]))
+            return entry | {"points": points}
 
         facts = {
             "test_problems": sum(1 for _ in tasks.open()),
@@ -301,7 +391,12 @@ def main(argv: list[str] | None = None) -> dict:
             **({"budgets": list(budgets)} if args.setting == "budget" else {}),
         }
     models = {}
-    for runs in seeded:
+    if args.per_run:
+        for m in (r for runs in seeded for r in runs):
+            run.train(out, m, args.steps)
+            _write_run_file(results_dir, m, _model_entry(out, m, args.steps) | evaluate(m), invocation)
+        models = _models_from_run_files(results_dir, seeded=bool(args.seeds))
+    for runs in [] if args.per_run else seeded:
         entries = {m.seed: _model_entry(out, m, args.steps) | evaluate(m) for m in runs}
         models[runs[0].group] = report.over_seeds(entries) if args.seeds else entries[None]
     code_models = {}
@@ -317,6 +412,12 @@ def main(argv: list[str] | None = None) -> dict:
         report.write(results, results_dir)
         print(report.markdown(results))
         print(f"study: {', '.join(models)} merged into {results_dir}", flush=True)
+        return results
+    if args.per_run:
+        results = _with_run_files(results_dir, args, models, record, facts)
+        report.write(results, results_dir)
+        print(report.markdown(results))
+        print(f"study: {', '.join(models)} from the run files of {results_dir / RUN_FILES}", flush=True)
         return results
     results = {
         "mode": "quick" if args.quick else "full",

@@ -21,6 +21,12 @@ def level_accuracy(point_dir: Path) -> dict[str, float]:
     return {level: sum(v) / len(v) for level, v in sorted(hits.items())}
 
 
+def per_problem(point_dir: Path) -> list[float]:
+    """Each test problem's score at one sweep point, in the task file's order."""
+    lines = (point_dir / "scored.jsonl").read_text(encoding="utf-8").splitlines()
+    return [json.loads(line)["accuracy"] for line in lines]
+
+
 def _mean(values: list) -> float | None:
     values = [v for v in values if v is not None]
     return sum(values) / len(values) if values else None
@@ -58,7 +64,7 @@ def over_seeds(entries: dict[int, dict]) -> dict:
         stats = over_seed_values(acc, p["examples"])
         levels = {lv: _mean([q["levels"].get(lv) for q in same]) for lv in p["levels"]}
         points.append(
-            {k: v for k, v in p.items() if k != "invocation"}
+            {k: v for k, v in p.items() if k not in ("invocation", "per_problem")}
             | {
                 "accuracy": stats["mean"],
                 "accuracy_std": stats["std"],
@@ -251,12 +257,16 @@ def _header(results: dict) -> list[str]:
 
 
 def _merges_text(results: dict) -> list[str]:
-    """The invocations that put some models' entries in later (`--merge`)."""
+    """The invocations that put some models' entries in later (`--merge`, `--per-run`)."""
     return [
         f"Merged in later: {', '.join(m['models'])}, by `{m['command']}` (started {m['started']}, "
         f"{m['wall_minutes']:.1f} minutes, load average {m['load_average']['start']:.1f} to "
         f"{m['load_average']['end']:.1f}); their figures replace those of the invocation above.\n"
         for m in results.get("merges", [])
+    ] + [
+        f"From run files (`--per-run`, runs/ beside this file, each naming its commit and decoding invocation): "
+        f"{', '.join(m['models'])}, gathered by `{m['command']}` (started {m['started']}).\n"
+        for m in results.get("per_run", [])
     ]
 
 

@@ -117,6 +117,7 @@ def test_tensor_parallel_sampling_equals_tp1(run_dir, prompts, tmp_path, one_pro
     assert outputs(tmp_path / "o.jsonl") == one_process
 
 
+@pytest.mark.slow  # 15 s; eval generate's rerun after an interruption is in the default suite (test_generate.py)
 def test_a_rerun_skips_what_was_written(run_dir, prompts, tmp_path, one_process):
     out = tmp_path / "o.jsonl"
     first = sample(run_dir, prompts, out, "--shard", "0", "--num-shards", "2")

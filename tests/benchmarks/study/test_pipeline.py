@@ -175,3 +175,37 @@ def test_the_infill_setting_runs_through_the_pipeline(tmp_path):
     text = (tmp_path / "results" / "results.md").read_text()
     assert "| BD3-LM (block 4) | both, input cached |" in text and "| BD3-LM (block 4), blocks | blocks |" in text
     assert (tmp_path / "results" / "infill.png").stat().st_size > 0
+
+
+def _run_file(directory: Path, key: str, group: str, seed: int, accuracy: float) -> None:
+    point = {"point": "w1", "accuracy": accuracy, "examples": 4, "tokens_per_step": 1.0, "tokens_per_s": 10.0}
+    point |= {"mean_nfe": 4.0, "levels": {"ops2-d1": accuracy}, "invocation": f"i{seed}", "per_problem": [1.0] * 4}
+    entry = {"label": "set diffusion d=4, 6400 steps", "family": "sd", "recipe": "r.yaml", "steps": 6400}
+    entry |= {"seed": seed, "group": group, "train_minutes": 60.0, "valid_curve": [[0, 4.0], [6400, 0.01 * seed]]}
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"{key}.json").write_text(json.dumps(entry | {"points": [point], "commit": "abc"}))
+
+
+def test_run_files_written_in_pieces_make_the_settings_entries(tmp_path, capsys):
+    """--per-run: each run's file, written by whichever sitting trained it, joins its group over
+    seeds; an earlier whole invocation's models stay as they were measured."""
+    from benchmarks.study.__main__ import _models_from_run_files, _parser, _with_run_files
+
+    runs = tmp_path / "runs"
+    _run_file(runs, "sd-d4-steps6400-seed1", "sd-d4-steps6400", 1, 0.5)
+    _run_file(runs, "sd-d4-steps6400-seed2", "sd-d4-steps6400", 2, 0.7)
+    models = _models_from_run_files(tmp_path, seeded=True)
+    (entry,) = models.values()
+    assert entry["seeds"] == [1, 2] and entry["points"][0]["accuracy_by_seed"] == [0.5, 0.7]
+    assert entry["points"][0]["invocation_by_seed"] == ["i1", "i2"] and "per_problem" not in entry["points"][0]
+    earlier = {"setting": "budget", "budgets": [400, 1600], "seeds": {"training": [1, 2, 3]}, "models": {"ar": {}}}
+    (tmp_path / "results.json").write_text(json.dumps(earlier))
+    args = _parser().parse_args(["--setting", "budget", "--budgets", "6400", "--seeds", "1,2", "--per-run"])
+    results = _with_run_files(tmp_path, args, models, {"invocation": "now"}, {"budgets": [6400]})
+    assert list(results["models"]) == ["ar", "sd-d4-steps6400"] and results["budgets"] == [400, 1600, 6400]
+    assert results["seeds"]["training"] == [1, 2, 3] and results["per_run"] == [
+        {"models": ["sd-d4-steps6400"], "invocation": "now"}
+    ]
+    with pytest.raises(SystemExit):
+        main(["--setting", "packed", "--per-run"])
+    assert "--per-run" in capsys.readouterr().err
