@@ -146,9 +146,12 @@ RUN_FILES = "runs"
 def _commit() -> str:
     """The checkout's commit, with "+changes" when its tracked files differ from it."""
     git = ["git", "-C", str(plan.RECIPES.parents[1])]
-    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
-    dirty = subprocess.run([*git, "diff", "--quiet", "HEAD"]).returncode != 0
-    return head + ("+changes" if dirty else "")
+    try:
+        head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run([*git, "diff", "--quiet", "HEAD"], capture_output=True).returncode != 0
+    except FileNotFoundError:  # no git on this machine: the run file says so rather than failing the run
+        return "unknown (no git)"
+    return (head or "unknown") + ("+changes" if head and dirty else "")
 
 
 def _write_run_file(results_dir: Path, model: plan.Model, entry: dict, invocation: str) -> None:

@@ -23,15 +23,16 @@ __all__ = ["fake_rank"]
 @contextlib.contextmanager
 def fake_rank(world_size: int, rank: int) -> Iterator[None]:
     """Be `rank` of `world_size` until the block ends; megatron-core's groups are then gone."""
-    from megatron.core import parallel_state
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from setdiff_megatron.distributed.megatron_cpu import auto_cpu_mode, prepare_megatron_import
 
     if dist.is_initialized():
         raise RuntimeError("a plan is made in a process that has not joined a process group")
-    prepare_megatron_import()
+    prepare_megatron_import()  # before megatron-core is imported
     auto_cpu_mode()
+    from megatron.core import parallel_state
+
     create_group = parallel_state.create_group
 
     def fake_side_group(*args, backend=None, **kwargs):
