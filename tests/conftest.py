@@ -1,6 +1,8 @@
 """Shared fixtures: tiny models that build in milliseconds on a CPU, nothing downloaded."""
 
+import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -100,3 +102,34 @@ def parallel_results(tmp_path_factory) -> dict:
     return run_worker(
         "tests.models.megatron_parallel_worker", tmp_path_factory.mktemp("megatron") / "parallel.json", nproc=2
     )
+
+
+MAIN_JOB_PROBLEMS = 60
+"""Held-out problems the showcase scores: enough to tell the model from the trivial baseline
+(about 4 %) with room to spare, few enough to keep the test short."""
+
+
+CACHE_ENV = "SETDIFF_TEST_CACHE"
+"""A directory shared by the pytest invocations of one CI run (.ci/run sets it): the main job is
+trained once for the default suite and its slow tests, not once per invocation."""
+
+
+@pytest.fixture(scope="session")
+def main_job(tmp_path_factory) -> tuple[Path, str, dict]:
+    """(run directory, console output, logs/showcase.json) of the main job, as the README runs it
+    (from the repository root), with a smaller held-out problem count; trained once per
+    $SETDIFF_TEST_CACHE where that is set, and read-only to every test."""
+    shared = os.environ.get(CACHE_ENV)
+    home = Path(shared) / "main-job" if shared else tmp_path_factory.mktemp("main-job")
+    run, console = home / "run", home / "console.txt"
+    if not console.exists():  # not trained yet, or a half-trained run of an interrupted invocation
+        shutil.rmtree(run, ignore_errors=True)
+        home.mkdir(parents=True, exist_ok=True)
+        proc = setdiff(
+            "train",
+            "recipes/tiny-reasoning.yaml",
+            f"checkpoint.dir={run}",
+            f"eval.showcase_problems={MAIN_JOB_PROBLEMS}",
+        )
+        console.write_text(proc.stdout)
+    return run, console.read_text(), json.loads((run / "logs" / "showcase.json").read_text())

@@ -12,9 +12,7 @@ each entry point starts from the policy the model carries.
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 from pathlib import Path
 
 import pytest
@@ -24,39 +22,14 @@ import torch.distributed.checkpoint as dcp
 from setdiff_megatron.models.lora import is_adapter_key
 from setdiff_megatron.sources.read import read_source
 from tests.cli_runs import setdiff
+from tests.conftest import MAIN_JOB_PROBLEMS as PROBLEMS
 from tests.hf.clean_env import run_clean
 
 pytestmark = pytest.mark.multiproc
 
 REPO = Path(__file__).resolve().parents[1]
-PROBLEMS = 60
-"""Held-out problems the showcase scores: enough to tell the model from the trivial baseline
-(about 4 %) with room to spare, few enough to keep the test short."""
 MAX_NEW_TOKENS = 52
 """The showcase's budget for a reasoning completion (evaluation/showcase.py)."""
-
-
-CACHE_ENV = "SETDIFF_TEST_CACHE"
-"""A directory shared by the pytest invocations of one CI run (.ci/run sets it): the main job is
-trained once for the default suite and its slow tests, not once per invocation."""
-
-
-@pytest.fixture(scope="session")
-def main_job(tmp_path_factory) -> tuple[Path, str, dict]:
-    """(run directory, console output, logs/showcase.json) of the main job, as the README runs it
-    (from the repository root), with a smaller held-out problem count; trained once per
-    $SETDIFF_TEST_CACHE where that is set, and read-only to every test."""
-    shared = os.environ.get(CACHE_ENV)
-    home = Path(shared) / "main-job" if shared else tmp_path_factory.mktemp("main-job")
-    run, console = home / "run", home / "console.txt"
-    if not console.exists():  # not trained yet, or a half-trained run of an interrupted invocation
-        shutil.rmtree(run, ignore_errors=True)
-        home.mkdir(parents=True, exist_ok=True)
-        proc = setdiff(
-            "train", "recipes/tiny-reasoning.yaml", f"checkpoint.dir={run}", f"eval.showcase_problems={PROBLEMS}"
-        )
-        console.write_text(proc.stdout)
-    return run, console.read_text(), json.loads((run / "logs" / "showcase.json").read_text())
 
 
 def test_the_main_job_prints_its_held_out_accuracy(main_job):
