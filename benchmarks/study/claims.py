@@ -286,12 +286,40 @@ def _infill_rows(results: dict | None) -> list[Row]:
     return rows
 
 
-def _by_budget(results: dict) -> dict[int, dict]:
+def _all_budgets(results: dict) -> dict[int, dict]:
     """The budget setting's models grouped by their trained steps."""
     groups: dict[int, dict] = {}
     for key, m in results["models"].items():
         groups.setdefault(m["steps"], {})[key] = m
     return dict(sorted(groups.items()))
+
+
+def _by_budget(results: dict) -> dict[int, dict]:
+    """The complete budgets of `_all_budgets`: a budget is complete when it holds every family the
+    setting trains, each over all its training seeds (the 6,400-step runs land a run at a time, and
+    a verdict on some of them would compare less)."""
+    return {steps: models for steps, models in _all_budgets(results).items() if not _missing(results, models)}
+
+
+def _missing(results: dict, models: dict) -> list[str]:
+    """What one budget's models lack against the whole setting: families, and runs over seeds."""
+    families = sorted({m["family"] for m in results["models"].values()} - {m["family"] for m in models.values()})
+    seeds = results["seeds"]["training"]
+    partial = [
+        f"{m['label']} has seeds {m['seeds']}"
+        for m in models.values()
+        if isinstance(seeds, list) and m.get("seeds", seeds) != seeds
+    ]
+    return [f"no {' or '.join(families)} model"] * bool(families) + partial
+
+
+def _incomplete(results: dict) -> str:
+    """The budgets left out of the verdicts, with what each lacks ('' when none is)."""
+    return "; ".join(
+        f"{steps} steps not complete yet ({', '.join(_missing(results, models))})"
+        for steps, models in _all_budgets(results).items()
+        if _missing(results, models)
+    )
 
 
 def _gap(models: dict) -> tuple[Side | None, Side | None, Verdict | None]:
@@ -313,10 +341,8 @@ def recent_fall(model: dict) -> float | None:
 
 def _longest_budget(results: dict | None) -> dict | None:
     """The budget setting's results at its longest budget, where claim 1 is read again."""
-    if results is None:
-        return None
-    by_budget = _by_budget(results)
-    return results | {"models": by_budget[max(by_budget)]}
+    by_budget = _by_budget(results) if results is not None else {}
+    return results | {"models": by_budget[max(by_budget)]} if by_budget else None
 
 
 BUDGET = "The adapted setting's gap to AR at >= 2.5 tokens/step is its 400-step budget (this study's earlier reading)"
@@ -327,8 +353,12 @@ def _budget_row(results: dict | None) -> Row:
     if results is None:
         return _unmeasured(BUDGET, paper, "budget", "not run yet", "no budget results")
     by_budget = _by_budget(results)
+    if not by_budget:
+        return _unmeasured(BUDGET, paper, "budget", "not run yet", _incomplete(results))
     gaps = {b: _gap(models) for b, models in by_budget.items()}
     here = f"budget: AR and set diffusion d = 4 adapted for {', '.join(map(str, gaps))} steps, seeds {results['seeds']['training']}"
+    if left_out := _incomplete(results):
+        here += f"; {left_out}"
     measured = "; ".join(f"{b} steps: AR lead {v.text()}" for b, (_, _, v) in gaps.items() if v is not None)
     longest = gaps[max(gaps)][2]
     if longest is None:
@@ -398,7 +428,7 @@ def budget_table(results: dict) -> list[str]:
         "| steps | AR | set diffusion d = 4 | BD3-LM (block 4) | MDLM | AR's lead over set diffusion ± SE |",
         "|---|---|---|---|---|---|",
     ]
-    for steps, models in _by_budget(results).items():
+    for steps, models in _all_budgets(results).items():
         ar, sd, lead = _gap(models)
         cells = [best_point(models, BASELINES[name], GAP_FLOOR) for name in ("BD3-LM", "MDLM")]
         out.append(

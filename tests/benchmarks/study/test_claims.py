@@ -185,6 +185,22 @@ def test_claim_1_is_read_again_at_the_longest_budget():
     assert "6400 steps" in rows[1].here and "BD3-LM 0.810" in rows[1].measured
 
 
+def test_a_budget_still_landing_run_by_run_is_left_out_of_the_verdicts():
+    """The 6,400-step runs land one at a time (--per-run): until every family is there over every
+    seed, the verdicts stay at the longest complete budget, and the rows say what is missing."""
+    budget = _budget(0.95, 0.80)
+    budget["models"] |= {"sd-d4-steps25600": _model("d=4, 25600", "sd", [_point("w4-t0.9", 0.99, 3.6)], steps=25600)}
+    budget["models"]["sd-d4-steps25600"]["seeds"] = [1]
+    row = claim_rows({"budget": budget})[-1]
+    assert row.verdict == "does not hold" and "at the longest budget, 6400 steps" in row.why
+    assert row.here.endswith("25600 steps not complete yet (no ar model, d=4, 25600 has seeds [1])")
+    one_seed = _budget(0.95, 0.80)
+    for m in one_seed["models"].values():
+        m["seeds"] = [1]
+    assert claim_rows({"budget": one_seed})[-1].verdict == "not run yet"
+    assert claim_rows({"budget": one_seed})[8].verdict == "not run yet"  # claim 1 at no budget
+
+
 def test_results_without_the_baselines_are_not_run_yet():
     old = MATH | {"models": {k: m for k, m in MATH["models"].items() if k not in plan.BASELINES}}
     rows = claim_rows({"adapted": old})[4:8]
