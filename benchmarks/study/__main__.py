@@ -23,7 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from benchmarks.machine import RESULTS_DIR, machine_info
-from benchmarks.study import claims, plan, report, run
+from benchmarks.study import claims, plan, report, run, unconditional
 from setdiff_megatron.errors import ArgumentParser
 from setdiff_megatron.recipes import load_recipe
 
@@ -199,9 +199,7 @@ def _with_run_files(results_dir: Path, args: argparse.Namespace, models: dict, r
     else:
         results = {"mode": "full", "setting": args.setting, **record, "machine": machine_info(), **facts}
         results["code_models"] = {}
-    seeds = results.setdefault(
-        "seeds", {"corpus": 0, "training": args.seeds or "recipe train.seed (1234)", "decoding": "greedy"}
-    )
+    seeds = results.setdefault("seeds", _seeds(args))
     if isinstance(seeds["training"], list) and args.seeds:  # the seeds any run of the setting trained
         seeds["training"] = sorted(set(seeds["training"]) | set(args.seeds))
     results["models"] = results.get("models", {}) | models
@@ -209,6 +207,12 @@ def _with_run_files(results_dir: Path, args: argparse.Namespace, models: dict, r
         results["budgets"] = sorted(set(results.get("budgets", [])) | set(args.budgets or plan.BUDGETS))
     results.setdefault("per_run", []).append({"models": list(models), **record})
     return results
+
+
+def _seeds(args: argparse.Namespace) -> dict:
+    """The seeds of a setting's results: the corpus's, training's and decoding's."""
+    decoding = "greedy" if args.setting != "unconditional" else unconditional.SAMPLING
+    return {"corpus": 0, "training": args.seeds or "recipe train.seed (1234)", "decoding": decoding}
 
 
 def _ignored(args: argparse.Namespace) -> list[str]:
@@ -227,7 +231,8 @@ def _parser() -> argparse.ArgumentParser:
         choices=plan.SETTINGS,
         default="supervised",
         help="supervised records (the paper's format; default), packed pretraining windows, adapted from the "
-        "AR base, infill (chains the right side decides), or budget (the adapted headline models at --budgets)",
+        "AR base, infill (chains the right side decides), budget (the adapted headline models at --budgets), or "
+        "unconditional (samples of models pretrained on packed windows, judged by a longer-trained AR model)",
     )
     parser.add_argument(
         "--quick",
@@ -253,6 +258,12 @@ def _parser() -> argparse.ArgumentParser:
         "--infill-per-level", type=int, default=200, help="infill setting: chains per level to infill (default 200)"
     )
     parser.add_argument("--code-examples", type=int, default=200, help="stdlib function bodies to infill")
+    parser.add_argument(
+        "--samples",
+        type=int,
+        default=unconditional.SAMPLES,
+        help=f"unconditional setting: samples per decoding point (default {unconditional.SAMPLES})",
+    )
     parser.add_argument(
         "--steps",
         type=int,
@@ -318,7 +329,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> dict:
     parser = _parser()
     args = parser.parse_args(argv)
-    for flag in ("per_level", "infill_per_level", "code_examples", "steps"):
+    for flag in ("per_level", "infill_per_level", "code_examples", "samples", "steps"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1; got {value}")
@@ -372,6 +383,18 @@ def main(argv: list[str] | None = None) -> dict:
             return infills | {"points": []}
 
         facts = {"infill_per_level": args.infill_per_level, "infill_baselines": baselines}
+    elif args.setting == "unconditional":
+
+        def evaluate(m: plan.Model) -> dict:
+            return {"points": [], "generation": unconditional.generation(out, m, args.samples, args.steps)}
+
+        judge = unconditional.JUDGE
+        _, _, docs = run.prepare_tasks(out, args.per_level)
+        facts = {
+            "samples": args.samples,
+            "judge": {"label": judge.label, "recipe": str(judge.recipe.relative_to(plan.RECIPES.parents[1]))},
+            "reference": unconditional.reference(out, docs, args.samples, args.steps),
+        }
     else:
         corpus, tasks, docs = run.prepare_tasks(out, args.per_level)
 
@@ -427,7 +450,7 @@ def main(argv: list[str] | None = None) -> dict:
         "setting": args.setting,
         **record,
         "machine": machine_info(),
-        "seeds": {"corpus": 0, "training": args.seeds or "recipe train.seed (1234)", "decoding": "greedy"},
+        "seeds": _seeds(args),
         **facts,
         "models": models,
         "code_models": code_models,

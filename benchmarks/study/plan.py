@@ -8,7 +8,7 @@ from pathlib import Path
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes" / "study"
 
-SETTINGS = ("supervised", "packed", "adapted", "infill", "budget")
+SETTINGS = ("supervised", "packed", "adapted", "infill", "budget", "unconditional")
 """The paper's format for its reasoning models first (one problem per padded row, the expression
 pinned as the prompt, the solution the target), then packed pretraining windows; then the paper's
 pipeline, every model adapted from one pretrained AR base (recipes/study/adapted/); then the
@@ -174,6 +174,9 @@ setting trains the others only."""
 SD_D16 = Model("sd-d16", "sd", "set diffusion d=16")
 """Sets of up to 16 of the 64 positions (m = 32): trained in the infill setting only, the study's
 nearest to the paper's infilling model (sets of up to 32), whose orders reach the right side."""
+UNCONDITIONAL_MODELS = ("ar", "sd-d2", "sd-d4", "sd-d8", "mdlm", "bd3lm-b4")
+"""The unconditional setting's models (recipes/study/packed/: pretrained on packed windows of the
+reasoning corpus): the paper's unconditional comparison (AR, set diffusion, MDLM, BD3-LM) here."""
 INFILL_MODELS = ("ar", "sd-d4", "sd-d8", "sd-d16", "mdlm", "bd3lm-b4")
 """The infill setting's models (recipes/study/infill/): the paper's infilling comparison (AR,
 MDLM, BD3-LM, set diffusion) at this scale."""
@@ -204,6 +207,8 @@ def models(
             for m in headline
         ]
         return runs, []
+    if setting == "unconditional":  # the packed setting's recipes, the baselines among them
+        return [replace(m, setting="packed") for m in REASONING_MODELS if m.name in UNCONDITIONAL_MODELS], []
     wanted = {"packed": [m.name for m in REASONING_MODELS if m.name not in BASELINES], "infill": INFILL_MODELS}
     candidates = (*REASONING_MODELS, SD_D16) if setting == "infill" else REASONING_MODELS
     order = wanted.get(setting, [m.name for m in REASONING_MODELS])

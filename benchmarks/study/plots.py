@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 import textwrap
+from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.study.claims import infill_context, infill_variants
@@ -52,45 +53,61 @@ def _styles(models: dict) -> dict[str, tuple[tuple, str]]:
     return styles
 
 
-def plot_pareto(results: dict, path: Path) -> None:
-    """Accuracy against tokens per step and against tokens/s; each model's own frontier joined;
-    over seeds, bars of the seeds' standard deviation on both axes where measured."""
+@dataclass(frozen=True)
+class Figure:
+    """What a Pareto plot draws against speed: a list of each model's entry, a score in its
+    points, its axis label, and whether more of it is better."""
+
+    points: str
+    score: str
+    label: str
+    higher_is_better: bool
+
+
+ACCURACY = Figure("points", "accuracy", "test accuracy (#### answer)", True)
+JUDGE_PERPLEXITY = Figure("generation", "judge_perplexity", "judge perplexity of the samples (lower: better)", False)
+
+
+def plot_pareto(results: dict, path: Path, figure: Figure = ACCURACY) -> None:
+    """A figure (accuracy by default) against tokens per step and against tokens/s; each model's
+    own frontier joined; over seeds, bars of the seeds' standard deviation on both axes where measured."""
     plt = _plt()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), constrained_layout=True)
     styles = _styles(results["models"])
+    sign = 1 if figure.higher_is_better else -1
     for ax, key, label in (
         (axes[0], "tokens_per_step", "tokens per step (parallelism)"),
         (axes[1], "tokens_per_s", "tokens/s at batch 16 (2 CPU cores)"),
     ):
         for name, m in results["models"].items():
-            pts = [p for p in m["points"] if p[key] is not None]
+            pts = [p for p in m.get(figure.points, []) if p[key] is not None and p[figure.score] is not None]
             if not pts:
                 continue
             colour, marker = styles[name]
-            xs, ys = [p[key] for p in pts], [p["accuracy"] for p in pts]
+            xs, ys = [p[key] for p in pts], [p[figure.score] for p in pts]
             ax.scatter(xs, ys, marker=marker, s=22, alpha=0.6, color=colour)
-            if "accuracy_std" in pts[0]:  # over seeds: the seeds' standard deviation
+            if f"{figure.score}_std" in pts[0]:  # over seeds: the seeds' standard deviation
                 x_std = [_std(p.get(f"{key}_by_seed")) for p in pts]
                 ax.errorbar(
                     xs,
                     ys,
-                    yerr=[p["accuracy_std"] for p in pts],
+                    yerr=[p[f"{figure.score}_std"] for p in pts],
                     xerr=x_std if any(x_std) else None,
                     fmt="none",
                     alpha=0.5,
                     ecolor=colour,
                     capsize=2,
                 )
-            front = pareto_front(xs, ys)
+            front = pareto_front(xs, [sign * y for y in ys])
             ax.plot([xs[i] for i in front], [ys[i] for i in front], "-", color=colour, marker=marker, label=m["label"])
         ax.set_xlabel(label)
-        ax.set_ylabel("test accuracy (#### answer)")
+        ax.set_ylabel(figure.label)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     seeds = results["seeds"]["training"]
     fig.suptitle(
-        f"Reasoning corpus, {results.get('setting', 'packed')} setting: accuracy against decoding speed\n"
-        "(each model's decoding points; lines: each model's frontier"
+        f"Reasoning corpus, {results.get('setting', 'packed')} setting: {figure.score.replace('_', ' ')} against "
+        "decoding speed\n(each model's decoding points; lines: each model's frontier"
         + (f"; means over training seeds {seeds}, bars: their standard deviation)" if isinstance(seeds, list) else ")"),
         fontsize=10,
     )

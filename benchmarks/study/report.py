@@ -9,7 +9,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from benchmarks.study import claims
-from benchmarks.study.plots import plot_curves, plot_infill, plot_pareto
+from benchmarks.study.plots import JUDGE_PERPLEXITY, plot_curves, plot_infill, plot_pareto
 
 
 def level_accuracy(point_dir: Path) -> dict[str, float]:
@@ -83,7 +83,8 @@ def over_seeds(entries: dict[int, dict]) -> dict:
     curves = [dict(r["valid_curve"]) for r in runs]
     steps = sorted(set.intersection(*(set(c) for c in curves)))
     infills = [k for k in runs[0] if k.startswith("infill_chains")]
-    kept = ("train_minutes", "valid_curve", "points", *infills)
+    generated = ["generation"] if "generation" in runs[0] else []
+    kept = ("train_minutes", "valid_curve", "points", *infills, *generated)
     return (
         {k: runs[0][k] for k in ("label", "family", "recipe", "steps")}
         | {
@@ -93,6 +94,7 @@ def over_seeds(entries: dict[int, dict]) -> dict:
             "points": points,
         }
         | {k: _infill_over_seeds([r[k] for r in runs]) for k in infills}
+        | {k: _generation_over_seeds([r[k] for r in runs]) for k in generated}
         | {"by_seed": {str(seed): {k: r[k] for k in kept} for seed, r in entries.items()}}
     )
 
@@ -123,6 +125,34 @@ def _infill_over_seeds(runs: list[dict]) -> dict:
         }
         | _invocations(runs)
     )
+
+
+GENERATION_SCORES = ("judge_perplexity", "entropy")
+
+
+def _generation_over_seeds(runs: list[list[dict]]) -> list[dict]:
+    """One model's unconditional samples over seeds, point by point: the judge's perplexity and the
+    unigram entropy as mean, spread and each seed's figure; speeds as means; empty samples summed."""
+    out = []
+    for p in runs[0]:
+        same = [next(q for q in r if q["point"] == p["point"]) for r in runs]
+        point = {k: v for k, v in p.items() if k not in (*GENERATION_SCORES, "invocation")}
+        for key in GENERATION_SCORES:
+            values = [q[key] for q in same]
+            known = [v for v in values if v is not None]
+            std = statistics.stdev(known) if len(known) > 1 else 0.0
+            point |= {key: _mean(known), f"{key}_std": std, f"{key}_by_seed": values}
+        point |= {
+            "samples": sum(q["samples"] for q in same),
+            "empty": sum(q["empty"] for q in same),
+            "mean_length": _mean([q["mean_length"] for q in same]),
+            "tokens_per_step": _mean([q["tokens_per_step"] for q in same]),
+            "tokens_per_s": _mean([q["tokens_per_s"] for q in same]),
+            "mean_nfe": _mean([q["mean_nfe"] for q in same]),
+            "tokens_per_s_by_seed": [q["tokens_per_s"] for q in same],
+        }
+        out.append(point | _invocations(same))
+    return out
 
 
 def _accuracy(p: dict) -> str:
@@ -158,7 +188,19 @@ SETTING_TEXT = {
     "length) both sides; BD3-LM (the paper's baseline) as the reference's BD3-LM infills, the input's whole blocks "
     "cached ahead of the span's blocks (both sides, input cached), and with what its own block decoding sees, the right "
     "side up to the end of the span's last block of 4 (the row ', blocks').",
+    "unconditional": "Unconditional setting: every model pretrained on packed windows of 64 characters of the "
+    "reasoning corpus (the packed setting's recipes; MDLM and BD3-LM, the paper's baselines, among them), then "
+    "sampled from an empty prompt at temperature 1, each sample one document (it ends at its first EOS), at "
+    "one token per step and in parallel (set diffusion: W = 4 and 8 at thresholds 0.9, 0.7, 0.5; MDLM in one "
+    "block of 32 and BD3-LM over its blocks of 4, at thresholds off, 0.9, 0.7, 0.5), as the paper samples "
+    "OpenWebText models; judged by an AR model trained four times as long on the same corpus "
+    "(recipes/study/packed/ar-judge.yaml; the paper's judge is GPT-2 Large).",
 }
+SEEDED_GENERATION_TEXT = (
+    "Every model trained once per training seed (corpus fixed; a seed's samples drawn with its own seeds). "
+    "Judge perplexity and entropy: the mean over seeds ± the seeds' standard deviation, each seed's figure "
+    "in brackets; speeds are means."
+)
 BASELINE_TEXT = (
     "MDLM and BD3-LM are the paper's baselines (`method.family`), trained with the same data, tokens and steps; "
     "each decodes over its blocks (MDLM 32, and 8 at threshold 0.9 as a labelled extra point; BD3-LM its own) at "
@@ -202,8 +244,14 @@ def _setting_text(results: dict) -> str:
     if not parallel:  # no set diffusion model in these results
         text = text.replace(" Decoded at W = 1 and at {parallel} parallel points.", "")
     text = text.format(parallel=words, budgets=budgets)
-    baselines = setting != "infill" and any(m["family"] in ("mdlm", "bd3lm") for m in models.values())
+    baselines = setting not in ("infill", "unconditional") and any(
+        m["family"] in ("mdlm", "bd3lm") for m in models.values()
+    )
     return text + (f" {BASELINE_TEXT}" if baselines else "")
+
+
+def _seeded_text(setting: str | None) -> str:
+    return {"infill": SEEDED_INFILL_TEXT, "unconditional": SEEDED_GENERATION_TEXT}.get(setting, SEEDED_TEXT)
 
 
 def _speeds_text(results: dict) -> list[str]:
@@ -213,7 +261,11 @@ def _speeds_text(results: dict) -> list[str]:
         {
             i
             for m in results["models"].values()
-            for item in [*m["points"], *([m["infill_chains"]] if "infill_chains" in m else [])]
+            for item in [
+                *m["points"],
+                *m.get("generation", []),
+                *([m["infill_chains"]] if "infill_chains" in m else []),
+            ]
             for i in item.get("invocation_by_seed", [item.get("invocation")])
             if i is not None
         }
@@ -245,7 +297,7 @@ def _header(results: dict) -> list[str]:
         "",
         _setting_text(results),
         "",
-        *([SEEDED_INFILL_TEXT if results.get("setting") == "infill" else SEEDED_TEXT, ""] if seeded else []),
+        *([_seeded_text(results.get("setting")), ""] if seeded else []),
         f"Machine: {results['machine']}. Training: {_train_minutes(results):.0f} minutes for all models (their "
         f"logged step times). This invocation started {results['started']} and took {results['wall_minutes']:.1f} "
         "minutes (a rerun skips the models and points already done). "
@@ -277,6 +329,8 @@ def markdown(results: dict) -> str:
     setting = results.get("setting", "packed")
     if setting == "infill":
         return infill_markdown(results)
+    if setting == "unconditional":
+        return unconditional_markdown(results)
     out = [
         *_header(results),
         "## Training and held-out likelihood (nats per token, test problems)",
@@ -368,6 +422,21 @@ def _score(r: dict, key: str) -> str:
     return f"{r[key]:.3f} ± {r[f'{key}_std']:.3f} [{', '.join(f'{v:.3f}' for v in r[f'{key}_by_seed'])}]"
 
 
+def _training_table(models: dict) -> list[str]:
+    """Each model's steps, training time and final validation loss (settings without likelihood)."""
+    return [
+        "## Training",
+        "",
+        "| model | trained steps | train minutes | final valid loss |",
+        "|---|---|---|---|",
+        *(
+            f"| {m['label']} | {m['steps']} | {_fmt(m.get('train_minutes'), '.1f')} | "
+            f"{_fmt(m['valid_curve'][-1][1] if m['valid_curve'] else None, '.4f')} |"
+            for m in models.values()
+        ),
+    ]
+
+
 def infill_markdown(results: dict) -> str:
     """The infill setting's tables: the task's rules, training, and each model's infilling."""
     rules, models = results["infill_baselines"], results["models"]
@@ -393,15 +462,7 @@ def infill_markdown(results: dict) -> str:
             )
         ),
         "",
-        "## Training",
-        "",
-        "| model | trained steps | train minutes | final valid loss |",
-        "|---|---|---|---|",
-        *(
-            f"| {m['label']} | {m['steps']} | {_fmt(m.get('train_minutes'), '.1f')} | "
-            f"{_fmt(m['valid_curve'][-1][1] if m['valid_curve'] else None, '.4f')} |"
-            for m in models.values()
-        ),
+        *_training_table(models),
         "",
         "## Infilling (the masked line at its true length; one token per step, batch 16)",
         "",
@@ -428,6 +489,45 @@ def infill_markdown(results: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def _spread(p: dict, key: str, spec: str) -> str:
+    """A generation figure: over seeds, the mean ± the seeds' standard deviation and each seed's figure."""
+    if p[key] is None:
+        return "-"
+    if f"{key}_by_seed" not in p:
+        return format(p[key], spec)
+    seeds = ", ".join(_fmt(v, spec) for v in p[f"{key}_by_seed"])
+    return f"{p[key]:{spec}} ± {p[f'{key}_std']:{spec}} [{seeds}]"
+
+
+def unconditional_markdown(results: dict) -> str:
+    """The unconditional setting's tables: training, and each model's samples at each point beside
+    the corpus's held-out documents."""
+    models, ref = results["models"], results["reference"]
+    out = [
+        *_header(results),
+        *_training_table(models),
+        "",
+        f"## Unconditional samples ({results['samples']} a point and seed, batch 16; judge: {results['judge']['label']})",
+        "",
+        "Judge perplexity: exp of the judge's NLL per token of the samples, each read as a document "
+        "(lower: more plausible). Entropy: the mean over samples of each sample's unigram entropy over "
+        "its characters, in nats (a model that repeats itself scores low).",
+        "",
+        "| model | point | W | tau | judge perplexity | entropy | mean length | empty | tokens/step | tokens/s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        f"| held-out documents ({ref['documents']}) | - | - | - | {ref['judge_perplexity']:.3f} | "
+        f"{ref['entropy']:.3f} | {ref['mean_length']:.1f} | - | - | - |",
+    ]
+    for m in models.values():
+        for p in m["generation"]:
+            out.append(
+                f"| {m['label']} | {p['point']} | {p.get('window') or '-'} | {_fmt(p.get('threshold'), 'g')} | "
+                f"{_spread(p, 'judge_perplexity', '.3f')} | {_spread(p, 'entropy', '.3f')} | "
+                f"{p['mean_length']:.1f} | {p['empty']} | {p['tokens_per_step']:.2f} | {_fmt(p['tokens_per_s'], '.0f')} |"
+            )
+    return "\n".join(out) + "\n"
+
+
 def write(results: dict, directory: Path) -> None:
     """results.json, then the report drawn from it."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -441,5 +541,7 @@ def render(results: dict, directory: Path) -> None:
     (directory / "results.md").write_text(markdown(results), encoding="utf-8")
     if any(m["points"] for m in results["models"].values()):
         plot_pareto(results, directory / "pareto.png")
+    if any(m.get("generation") for m in results["models"].values()):
+        plot_pareto(results, directory / "pareto.png", JUDGE_PERPLEXITY)
     plot_infill(results, directory / "infill.png")
     plot_curves(results, directory / "loss_curves.png")

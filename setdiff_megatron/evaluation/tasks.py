@@ -149,15 +149,22 @@ def summarize(records: list[dict], metric: str) -> dict[str, Any]:
     """Quality (means of the per-example scores) and speed of scored records."""
     keys = scoring.ROUGE_KEYS if metric == "rouge" else (PRIMARY[metric],)
     quality = {k: sum(r[k] for r in records) / len(records) for k in keys}
-    # Each row records its share of the engine's time (every step's time divided among the rows
-    # in it): their sum is the time the replica spent, however the rows were batched.
-    tokens, steps = sum(r["num_decoded"] for r in records), sum(r["steps"] for r in records)
-    seconds = sum(r["busy_seconds"] for r in records)
     return {
         "quality": quality,
         "score": quality[PRIMARY[metric]],
         "score_name": PRIMARY[metric],
         "num_examples": len(records),
+        **decode_speed(records),
+    }
+
+
+def decode_speed(records: list[dict]) -> dict[str, Any]:
+    """Tokens, decode time and speeds of a sample job's output rows."""
+    # Each row records its share of the engine's time (every step's time divided among the rows
+    # in it): their sum is the time the replica spent, however the rows were batched.
+    tokens, steps = sum(r["num_decoded"] for r in records), sum(r["steps"] for r in records)
+    seconds = sum(r["busy_seconds"] for r in records)
+    return {
         "num_tokens": tokens,
         "decode_seconds": round(seconds, 4),
         "tokens_per_s": tokens / seconds if seconds > 0 else None,

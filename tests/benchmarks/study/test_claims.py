@@ -122,8 +122,9 @@ def test_the_claims_table_of_made_up_settings():
     assert [v for _, v in verdicts[:4]] == ["holds", "holds", "inconclusive", "inconclusive"]
     assert [v for _, v in verdicts[4:8]] == ["not run yet"] * 4
     assert [v for _, v in verdicts[8:12]] == ["not run yet"] * 4  # the budget setting holds no baseline
-    assert [r.verdict for r in rows[12:14]] == ["not tested here"] * 2  # summarisation, unconditional
-    assert [r.verdict for r in rows[14:16]] == ["holds", "holds"]  # infilling: 0.40 against 0.10
+    assert rows[12].verdict == "not tested here"  # summarisation
+    assert [r.verdict for r in rows[13:15]] == ["not run yet"] * 2  # unconditional, a row a baseline
+    assert [r.verdict for r in rows[15:17]] == ["holds", "holds"]  # infilling: 0.40 against 0.10
     assert rows[-1].verdict == "holds"  # the budget: AR 0.95, set diffusion 0.94, within 2 se
     assert claim_rows({"budget": _budget(0.95, 0.80)})[-1].verdict == "does not hold"  # its loss flat (2 %)
     falling = claim_rows({"budget": _budget(0.95, 0.80, losses=(0.09, 0.064))})[-1]  # as d = 4 at 1,600
@@ -169,7 +170,7 @@ def test_the_stronger_of_bd3lm_s_infill_contexts_is_the_baseline():
     models = INFILL["models"] | {
         "bd3lm-b4": INFILL["models"]["bd3lm-b4"] | {"infill_chains_blocks": _infill(0.38, 0.02)}
     }
-    rows = claim_rows({"infill": INFILL | {"models": models}})[14:16]
+    rows = claim_rows({"infill": INFILL | {"models": models}})[15:17]
     assert [r.verdict for r in rows] == ["inconclusive", "inconclusive"]  # 0.40 against the blocks' 0.38
     assert "BD3-LM, blocks" in rows[0].measured
 
@@ -183,6 +184,42 @@ def test_claim_1_is_read_again_at_the_longest_budget():
     rows = claim_rows({"budget": budget})[10:12]  # against BD3-LM, at >= 1.5 and >= 2.5
     assert [r.verdict for r in rows] == ["inconclusive"] * 2  # 0.80 against 0.81, not 0.60 against 0.75
     assert "6400 steps" in rows[1].here and "BD3-LM 0.810" in rows[1].measured
+
+
+def _sampled(name: str, perplexity: float, entropy: float, tokens_per_step: float) -> dict:
+    seeds = [perplexity - 0.5, perplexity, perplexity + 0.5]
+    point = {"point": name, "judge_perplexity": perplexity, "judge_perplexity_std": 0.5}
+    return (
+        point
+        | {"judge_perplexity_by_seed": seeds, "entropy": entropy, "tokens_per_step": tokens_per_step}
+        | {"tokens_per_s": 100.0 * tokens_per_step}
+    )
+
+
+UNCONDITIONAL_RESULTS = {
+    "seeds": {"training": [1, 2, 3]},
+    "samples": 128,
+    "judge": {"label": "AR judge"},
+    "reference": {"judge_perplexity": 3.0, "entropy": 2.0},
+    "models": {
+        "sd-d4": _model("d=4", "sd", [])
+        | {"generation": [_sampled("w1", 4.0, 2.0, 1.0), _sampled("w4-t0.9", 5.0, 2.0, 2.6)]},
+        # repeats itself: the lowest perplexity, left out for its entropy
+        "mdlm": _model("MDLM", "mdlm", [])
+        | {"generation": [_sampled("b32-t0.5", 1.5, 1.0, 3.0), _sampled("b32-t0.9", 9.0, 2.1, 1.6)]},
+        "bd3lm-b4": _model("BD3-LM", "bd3lm", []) | {"generation": [_sampled("b4-t0.9", 5.2, 1.9, 2.7)]},
+    },
+}
+
+
+def test_unconditional_generation_is_read_from_the_judges_perplexity_without_repetition():
+    rows = claim_rows({"unconditional": UNCONDITIONAL_RESULTS})[13:17]
+    assert [r.claim.split(" ")[6] for r in rows] == ["MDLM's", "MDLM's", "BD3-LM's", "BD3-LM's"]
+    # >= 1.5: d = 4 at 5.0 (w1 is too slow) against MDLM's 9.0 (its 1.5 repeats itself); >= 2.5: MDLM none left
+    assert rows[0].verdict == "holds" and rows[0].difference.startswith("+4.000")
+    assert rows[1].verdict == "not tested here" and "no MDLM point" in rows[1].why
+    assert [r.verdict for r in rows[2:]] == ["inconclusive"] * 2  # 5.0 against BD3-LM's 5.2
+    assert "entropy >= 1.800 (0.9 of the documents')" in rows[0].here
 
 
 def test_a_budget_still_landing_run_by_run_is_left_out_of_the_verdicts():
