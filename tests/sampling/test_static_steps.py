@@ -131,10 +131,13 @@ def test_a_static_step_after_the_widest_row_is_cancelled_decodes_the_others_as_a
     assert done["wide"].finish_reason == "cancelled" and done["narrow"].tokens == alone.tokens
 
 
-def test_auto_compiles_a_bucket_once_its_eager_steps_have_paid_for_it(debug_model):
+def test_auto_compiles_a_bucket_once_its_eager_steps_have_paid_for_it(debug_model, tmp_path, monkeypatch):
+    # A machine with no compile recorded (the session's others, made eager by eager_static, cost
+    # about nothing and round to 0.0): the assumed cost.
+    monkeypatch.setenv("SETDIFF_CACHE_DIR", str(tmp_path))
     compiler = StepCompiler(debug_model, "auto", torch.device("cpu"))
     key = (1, 1, 4, 64, 64)
-    assert not compiler.wants(key)
+    assert not compiler.wants(key) and compiler.expected_cost() == COMPILE_COST_S["cpu"]
     compiler.note_eager(key, compiler.expected_cost() - 0.5)
     assert not compiler.wants(key)
     compiler.note_eager(key, 0.5)

@@ -80,6 +80,7 @@ def test_the_bounds_come_from_three_seeds_and_mean_something():
 
 
 @pytest.mark.slow
+@pytest.mark.multiproc  # the main job's run, trained here where no other test trained it first
 @pytest.mark.timeout(1800)
 def test_quick_study_keeps_the_full_runs_trade_off(tmp_path, main_job):
     bounds = _bounds()
