@@ -386,7 +386,7 @@ def main(argv: list[str] | None = None) -> dict:
     elif args.setting == "unconditional":
 
         def evaluate(m: plan.Model) -> dict:
-            return {"points": [], "generation": unconditional.generation(out, m, args.samples, args.steps)}
+            return {"points": [], "generation": unconditional.generation(out, m, args.samples)}
 
         judge = unconditional.JUDGE
         _, _, docs = run.prepare_tasks(out, args.per_level)

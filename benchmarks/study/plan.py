@@ -117,7 +117,7 @@ class Model:
             return [{"name": "ar", "window": 1}], {}
         if self.family in ("mdlm", "bd3lm"):
             block = self.decoding_defaults()["block_size"]
-            points = [{"name": f"b{block}-t{_t(t)}", "threshold": t} for t in BASELINE_THRESHOLDS]
+            points = [{"name": f"b{block}-t{threshold_name(t)}", "threshold": t} for t in BASELINE_THRESHOLDS]
             if self.family == "mdlm":
                 points.append({"name": f"b{MDLM_SMALL_BLOCK}-t0.9", "block_size": MDLM_SMALL_BLOCK, "threshold": 0.9})
             placed = [
@@ -152,7 +152,8 @@ class Model:
         return {"": {"context": "both", "window": 16}}
 
 
-def _t(threshold: float | None) -> str:
+def threshold_name(threshold: float | None) -> str:
+    """A threshold as decoding points name it: 'off' (one token per step) or its value."""
     return "off" if threshold is None else format(threshold, "g")
 
 

@@ -17,7 +17,7 @@ import math
 from collections import Counter
 from pathlib import Path
 
-from benchmarks.study.plan import Model
+from benchmarks.study.plan import Model, threshold_name
 from benchmarks.study.run import PLACEMENT, invocation_of, run_dir, train
 from setdiff_megatron.evaluation.likelihood import LikelihoodJob, run_likelihood_job
 from setdiff_megatron.evaluation.tasks import decode_speed
@@ -45,7 +45,7 @@ def points(model: Model) -> list[dict]:
     if model.family in ("mdlm", "bd3lm"):
         block = model.decoding_defaults()["block_size"]
         return [
-            {"point": f"b{block}-t{'off' if t is None else format(t, 'g')}", "block_size": block, "threshold": t}
+            {"point": f"b{block}-t{threshold_name(t)}", "block_size": block, "threshold": t}
             for t in BASELINE_THRESHOLDS
         ]
     parallel = [{"point": f"w{w}-t{t:g}", "window": w, "threshold": t} for w in WINDOWS for t in THRESHOLDS]
@@ -106,9 +106,9 @@ def reference(out: Path, docs: Path, samples: int, steps: int | None) -> dict:
     }
 
 
-def generation(out: Path, model: Model, samples: int, steps: int | None) -> list[dict]:
-    """Every decoding point of `model`: the judge's perplexity, the unigram entropy and speeds."""
-    train(out, JUDGE, steps)
+def generation(out: Path, model: Model, samples: int) -> list[dict]:
+    """Every decoding point of `model`: the judge's perplexity, the unigram entropy and speeds
+    (the judge trained by `reference`, which the setting computes first)."""
     results = []
     for point in points(model):
         path = _generate(out, model, point, samples)
