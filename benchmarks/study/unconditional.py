@@ -63,7 +63,8 @@ def _generate(out: Path, model: Model, point: dict, samples: int) -> Path:
     prompts = out / "tasks" / f"empty-{samples}.jsonl"
     prompts.parent.mkdir(parents=True, exist_ok=True)
     prompts.write_text('{"prompt": ""}\n' * samples, encoding="utf-8")
-    path = out / "eval" / model.key / "unconditional" / point["point"] / "samples.jsonl"
+    # Per sample count: a rerun with another --samples writes beside the first, never into it.
+    path = out / "eval" / model.key / f"unconditional-{samples}" / point["point"] / "samples.jsonl"
     decoding = {k: v for k, v in point.items() if k != "point"}
     decoding |= {"temperature": TEMPERATURE, "max_new_tokens": NEW_TOKENS, "seed": model.seed or 0}
     decoding.setdefault("threshold", None)
@@ -96,7 +97,7 @@ def reference(out: Path, docs: Path, samples: int, steps: int | None) -> dict:
     document as the models were pretrained on them): what real text scores under the judge."""
     train(out, JUDGE, steps)
     texts = [json.loads(line)["text"] for line in docs.read_text(encoding="utf-8").splitlines()[:samples]]
-    judged = _judged(out, out / "eval" / JUDGE.key / "reference" / "samples.jsonl", texts)
+    judged = _judged(out, out / "eval" / JUDGE.key / f"reference-{samples}" / "samples.jsonl", texts)
     return {
         "documents": len(texts),
         "judge_nll": judged["nll_per_token"],
